@@ -1,0 +1,1 @@
+"""Per-rank lesson programs: ``run(ctx, cfg) -> dict`` (and optionally ``validate(cfg, world_size)``)."""

@@ -1,0 +1,118 @@
+"""What a rank sees: process groups, backend, device, seeding, and the measuring tools.
+
+A lesson program is ``run(ctx: Context, cfg: dict) -> dict``. The worker builds the
+``Context`` (``init_context``), installs the communication ledger, aligns the
+timeline clocks with a barrier, then calls the lesson.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from .grid import ProcessGrid
+from .ledger import CommLedger
+from .timeline import Timeline
+
+BACKENDS = ("auto", "gloo", "nccl")
+
+
+def resolve_backend(backend: str = "auto") -> str:
+    """``auto`` -> nccl when CUDA GPUs are visible, gloo otherwise. Raises on unknown names."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} is not allowed; allowed: {BACKENDS}")
+    if backend == "auto":
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise ValueError("backend='nccl' needs CUDA GPUs and none are visible; use backend='gloo' or 'auto'")
+    return backend
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python, NumPy (if present) and torch (CPU and CUDA) with one number."""
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy as np
+        np.random.seed(seed % 2**32)
+    except ImportError:
+        pass
+
+
+@dataclass
+class Context:
+    """One rank's view of the job (built by the worker; lessons only read it)."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    backend: str
+    device: torch.device
+    ledger: CommLedger
+    timeline: Timeline
+    out_dir: Path | None = None
+    grid: ProcessGrid | None = None
+    _last_progress: float = field(default=0.0, repr=False)
+
+    def make_grid(self, **sizes: int) -> ProcessGrid:
+        """Build (collectively, on every rank) a dp/pp/tp/cp/ep grid and label its groups in the ledger."""
+        self.grid = ProcessGrid.build(self.world_size, self.rank, **sizes)
+        for name in ("dp", "pp", "tp", "cp", "ep"):
+            grp = self.grid.group(name)
+            if grp is not None and self.grid.size(name) < self.world_size:
+                self.ledger.name_group(grp, name)
+        return self.grid
+
+    def barrier(self) -> None:
+        if dist.is_initialized() and self.world_size > 1:
+            dist.barrier()
+
+    def progress(self, done: int, total: int, message: str = "") -> None:
+        """Report progress; the launcher shows rank 0's as a bar (Jupyter) or log lines."""
+        now = time.monotonic()
+        if self.out_dir is None or (now - self._last_progress < 0.2 and done < total):
+            return
+        self._last_progress = now
+        tmp = self.out_dir / f"progress.rank{self.rank}.tmp"
+        tmp.write_text(json.dumps({"done": done, "total": total, "message": message}))
+        tmp.replace(self.out_dir / f"progress.rank{self.rank}.json")
+
+    def log(self, message: str) -> None:
+        print(f"[rank {self.rank}] {message}", flush=True)
+
+
+def init_context(backend: str = "auto", timeout_s: float = 60.0, seed: int = 0,
+                 out_dir: Path | None = None, threads: int = 1) -> Context:
+    """Initialise torch.distributed from the launcher's env vars (RANK, WORLD_SIZE, ...).
+
+    ``timeout_s`` bounds every collective, so a rank waiting on a dead peer fails with
+    an error instead of hanging. ``threads`` caps intra-op threads per rank (several
+    ranks share few cores; one thread each also makes CPU results reproducible).
+    """
+    backend = resolve_backend(backend)
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    torch.set_num_threads(threads)
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    if not dist.is_initialized():
+        kwargs = {"device_id": device} if backend == "nccl" else {}
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+    ledger = CommLedger().install()
+    timeline = Timeline(rank)
+    ctx = Context(rank, world, local_rank, backend, device, ledger, timeline, out_dir)
+    seed_everything(seed)
+    ctx.barrier()
+    timeline.reset_origin()
+    ledger.reset()
+    return ctx
