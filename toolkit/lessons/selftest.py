@@ -31,3 +31,30 @@ def hang(ctx, cfg):
         while True:
             time.sleep(0.1)
     return {"rank": ctx.rank}
+
+
+def ledger_ops(ctx, cfg):
+    """Issue one of each tracked op on float32 tensors of ``n`` elements and return the ledger records."""
+    n, w, r = cfg.get("n", 8), ctx.world_size, ctx.rank
+    x = torch.ones(n)
+    dist.all_reduce(x)
+    dist.all_gather_into_tensor(torch.empty(n * w), torch.ones(n))
+    dist.reduce_scatter_tensor(torch.empty(n), torch.ones(n * w))
+    dist.all_to_all_single(torch.empty(n * w), torch.ones(n * w))
+    dist.broadcast(torch.ones(n), src=0)
+    with ctx.ledger.tag("p2p"):
+        if r == 0:
+            dist.send(torch.ones(n), dst=1)
+        elif r == 1:
+            dist.recv(torch.empty(n), src=0)
+        ops = [dist.P2POp(dist.isend, torch.ones(n), (r + 1) % w), dist.P2POp(dist.irecv, torch.empty(n), (r - 1) % w)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+    handle = dist.all_reduce(torch.ones(n), async_op=True)
+    handle.wait()
+    grid = ctx.make_grid(tp=2) if w % 2 == 0 else None
+    if grid:
+        dist.all_reduce(torch.ones(n), group=grid.group("tp"))
+    return {"records": ctx.ledger.to_json(), "summary": ctx.ledger.summary(by=("op", "group")),
+            "coords": grid.coords if grid else None, "tp_ranks": grid.ranks("tp") if grid else None,
+            "dp_ranks": grid.ranks("dp") if grid else None}

@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as _c10d
 
 _TRACKED = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single",
             "broadcast", "all_gather", "reduce_scatter", "send", "recv", "isend", "irecv",
@@ -136,17 +137,24 @@ class CommLedger:
 
     # ---- installation -------------------------------------------------------------
     def install(self) -> "CommLedger":
+        """Wrap the tracked functions in ``torch.distributed`` and in ``distributed_c10d`` (where
+        ``P2POp`` checks its op and where internal callers look them up)."""
         for name in _TRACKED:
             if name in self._originals or not hasattr(dist, name):
                 continue
             original = getattr(dist, name)
             self._originals[name] = original
-            setattr(dist, name, self._wrap(name, original))
+            wrapped = self._wrap(name, original)
+            for namespace in (dist, _c10d):
+                if getattr(namespace, name, None) is original:
+                    setattr(namespace, name, wrapped)
         return self
 
     def uninstall(self) -> None:
         for name, fn in self._originals.items():
-            setattr(dist, name, fn)
+            for namespace in (dist, _c10d):
+                if hasattr(namespace, name):
+                    setattr(namespace, name, fn)
         self._originals.clear()
 
     def name_group(self, group, name: str) -> None:
@@ -205,7 +213,7 @@ class CommLedger:
         start = time.perf_counter()
         recs = []
         for p in p2p_ops:
-            op_name = "isend" if p.op in (dist.isend, self._originals.get("isend")) else "irecv"
+            op_name = "isend" if getattr(p.op, "__name__", "") == "isend" else "irecv"
             n = dist.get_world_size(p.group) if p.group is not None else dist.get_world_size()
             payload, sent, recv = wire_bytes(op_name, n, (p.tensor,), {})
             recs.append(CommRecord(op_name, self.group_names.get(id(p.group), "p2p"), n, payload, sent, recv,

@@ -1,0 +1,140 @@
+"""The launcher, process grid, communication ledger and benchmark metrics, on real processes."""
+from __future__ import annotations
+
+import importlib
+import time
+import warnings
+
+import psutil
+import pytest
+
+from toolkit.runtime import LaunchError, LaunchTimeout, ProcessGrid, launch, validate_grid
+from toolkit.runtime.bench import comm_efficiency_ratio, measure, memory_volatility
+
+LESSON = "toolkit.lessons.selftest"
+
+
+def _workers_alive(marker: str) -> list[psutil.Process]:
+    alive = []
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = " ".join(p.info["cmdline"] or [])
+        if "toolkit.runtime.worker" in cmd and marker in cmd:
+            alive.append(p)
+    return alive
+
+
+def test_launch_returns_every_rank():
+    res = launch(LESSON, 2, {"steps": 3}, progress="plain", timeout_s=120)
+    assert [r["rank"] for r in res] == [0, 1]
+    assert all(r["sum"] == 3.0 and r["world_size"] == 2 and r["backend"] == "gloo" for r in res)
+    assert res.wall_s > 0
+
+
+def test_failing_rank_is_named_with_its_traceback(tmp_path):
+    with pytest.raises(LaunchError) as info:
+        launch(f"{LESSON}:fail", 2, {"bad_rank": 1}, timeout_s=120, progress="none", out_dir=tmp_path)
+    err = info.value
+    assert err.rank == 1
+    assert "rank 1 of 2 failed with RuntimeError: deliberate failure on rank 1" in str(err)
+    assert "selftest.py" in err.traceback and "raise RuntimeError" in err.traceback
+    time.sleep(0.5)
+    assert not _workers_alive(str(tmp_path))
+
+
+def test_hanging_rank_times_out_with_its_stack_and_no_orphans(tmp_path):
+    start = time.monotonic()
+    with pytest.raises(LaunchTimeout) as info:
+        launch(f"{LESSON}:hang", 2, {"bad_rank": 1}, timeout_s=12, progress="none", out_dir=tmp_path)
+    assert time.monotonic() - start < 40
+    assert "ranks without a result: [1]" in str(info.value)
+    assert "in hang" in info.value.traceback  # the watchdog's stack of the hung rank
+    time.sleep(0.5)
+    assert not _workers_alive(str(tmp_path))
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"world_size": 0}, "world_size must be a positive int"),
+    ({"world_size": 2, "backend": "mpi"}, "backend='mpi' is not allowed"),
+    ({"world_size": 2, "backend": "nccl"}, "nccl"),
+    ({"world_size": 2, "lesson": "toolkit.lessons.selftest:nope"}, "has no function 'nope'"),
+    ({"world_size": 2, "timeout_s": 0}, "timeout_s must be > 0"),
+    ({"world_size": 2, "progress": "fancy"}, "progress='fancy'"),
+])
+def test_bad_launch_arguments_fail_before_any_process(kwargs, match):
+    lesson = kwargs.pop("lesson", LESSON)
+    with pytest.raises(ValueError, match=match):
+        launch(lesson, **kwargs)
+
+
+def test_more_ranks_than_cores_warns(monkeypatch):
+    launch_module = importlib.import_module("toolkit.runtime.launch")  # the module, not the function
+    monkeypatch.setattr(launch_module.os, "cpu_count", lambda: 1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        launch_module.validate_launch(LESSON, 2, {}, "gloo")
+    assert any("more ranks than the 1 CPU cores" in str(w.message) for w in caught)
+
+
+def test_validate_grid_names_the_parameter():
+    assert validate_grid(8, tp=2, pp=2) == {"dp": 2, "pp": 2, "tp": 2, "cp": 1, "ep": 1}
+    with pytest.raises(ValueError, match="world_size=6 is not divisible by pp\\*tp\\*cp=4"):
+        validate_grid(6, tp=2, pp=2)
+    with pytest.raises(ValueError, match="must equal dp\\*pp\\*cp\\*tp"):
+        validate_grid(8, dp=3, tp=2)
+    with pytest.raises(ValueError, match="ep=3 must divide dp=4"):
+        validate_grid(4, ep=3)
+    with pytest.raises(ValueError, match="tp must be a positive int"):
+        validate_grid(4, tp=0)
+
+
+def test_grid_layout_is_megatron_order():
+    # world 8 = pp2 x dp2 x tp2, tp fastest (no process group needed to check the layout)
+    g = ProcessGrid.build(8, 5, tp=2, pp=2)
+    assert g.coords == {"pp": 1, "dp": 0, "cp": 0, "tp": 1}
+    assert g.ranks("tp") == [4, 5] and g.ranks("dp") == [5, 7] and g.ranks("pp") == [1, 5]
+    assert g.rank_in("dp") == 0 and g.size("world") == 8
+    with pytest.raises(ValueError, match="unknown group 'xx'"):
+        g.group("xx")
+
+
+@pytest.fixture(scope="module")
+def ledger_run():
+    return launch(f"{LESSON}:ledger_ops", 4, {"n": 8}, progress="none", timeout_s=180)
+
+
+def test_ledger_counts_exact_bytes(ledger_run):
+    n, w, f32 = 8, 4, 4
+    recs = {(r["op"], r["group"], r["tag"]): r for r in ledger_run[1]["records"]}
+    assert recs[("all_reduce", "world", "untagged")]["sent_bytes"] == 2 * (w - 1) * n * f32 // w
+    assert recs[("all_gather_into_tensor", "world", "untagged")]["sent_bytes"] == (w - 1) * n * f32
+    assert recs[("reduce_scatter_tensor", "world", "untagged")]["sent_bytes"] == (w - 1) * n * f32
+    assert recs[("all_to_all_single", "world", "untagged")]["sent_bytes"] == (w - 1) * n * f32
+    assert recs[("broadcast", "world", "untagged")]["sent_bytes"] == n * f32
+    assert recs[("recv", "world", "p2p")]["recv_bytes"] == n * f32 and recs[("recv", "world", "p2p")]["sent_bytes"] == 0
+    assert recs[("all_reduce", "tp", "untagged")]["group_size"] == 2
+    assert recs[("all_reduce", "tp", "untagged")]["sent_bytes"] == n * f32  # 2(n-1)/n with n=2
+    rank0 = {(r["op"], r["tag"]) for r in ledger_run[0]["records"]}
+    assert ("send", "p2p") in rank0
+    summary = {(r["op"], r["group"]): r for r in ledger_run[1]["summary"]}
+    assert summary[("all_reduce", "world")]["calls"] == 2  # sync + async
+    assert summary[("isend", "p2p")]["sent_bytes"] == n * f32 and summary[("irecv", "p2p")]["recv_bytes"] == n * f32
+    assert all(r["seconds"] >= 0 for r in ledger_run[1]["records"])
+
+
+def test_grid_groups_on_real_ranks(ledger_run):
+    assert [r["tp_ranks"] for r in ledger_run] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert [r["dp_ranks"] for r in ledger_run] == [[0, 2], [1, 3], [0, 2], [1, 3]]
+
+
+def test_bench_measure_and_metrics():
+    calls = []
+    res = measure(lambda: calls.append(1), warmup=2, steps=4, rounds=5, trim=1)
+    assert len(calls) == 2 + 4 * 5 and len(res.step_times_s) == 20 and len(res.round_means_s) == 5
+    kept = sorted(res.round_means_s)[1:4]
+    assert res.mean_s == pytest.approx(sum(kept) / 3)
+    assert res.throughput_stability >= 0
+    assert memory_volatility([10, 10, 10]) == 0.0
+    assert memory_volatility([5, 15]) == pytest.approx(0.5)
+    assert comm_efficiency_ratio(0.3, 1.0, 0.6) == pytest.approx(0.75)
+    with pytest.raises(ValueError, match="steps >= 1"):
+        measure(lambda: None, steps=0)

@@ -1,0 +1,173 @@
+"""Plotly figures with one look for every lesson. Each function returns a ``go.Figure``.
+
+They render in JupyterLab (interactive) and in the static HTML export of executed
+notebooks (plotly.js is embedded once per page). Colours are fixed per meaning, so
+"F" is the same blue and "activations" the same red in every lesson.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+import plotly.graph_objects as go
+import plotly.io as pio
+
+PALETTE = ["#3366cc", "#dc3912", "#ff9900", "#109618", "#990099", "#0099c6", "#dd4477", "#66aa00", "#b82e2e",
+           "#316395"]
+COLORS = {
+    # pipeline actions
+    "F": "#3366cc", "B": "#109618", "W": "#ff9900", "BW": "#0b7a2e", "F&B": "#7b3fbf", "R": "#990099",
+    "send": "#9e9e9e", "recv": "#bdbdbd", "comm": "#757575", "idle": "#eeeeee", "optimizer": "#795548",
+    # memory categories
+    "param": "#3366cc", "grad": "#109618", "optim": "#ff9900", "act": "#dc3912", "comm_buf": "#757575",
+    "other": "#9e9e9e",
+}
+CATEGORY_ORDER = ["param", "grad", "optim", "act", "comm"]
+
+pio.templates["toolkit"] = go.layout.Template(layout=go.Layout(
+    font=dict(family="Inter, Helvetica, Arial, sans-serif", size=13, color="#222"),
+    title=dict(x=0.01, xanchor="left", font=dict(size=16)),
+    paper_bgcolor="white", plot_bgcolor="white", colorway=PALETTE,
+    xaxis=dict(showgrid=True, gridcolor="#eee", zeroline=False, linecolor="#999", ticks="outside"),
+    yaxis=dict(showgrid=True, gridcolor="#eee", zeroline=False, linecolor="#999", ticks="outside"),
+    legend=dict(orientation="h", yanchor="bottom", y=1.02, xanchor="right", x=1),
+    margin=dict(l=60, r=20, t=70, b=50), hoverlabel=dict(font_size=12)))
+
+
+def color_of(key: str, i: int = 0) -> str:
+    return COLORS.get(key, PALETTE[i % len(PALETTE)])
+
+
+def theme(fig: go.Figure, title: str | None = None, height: int | None = None) -> go.Figure:
+    """Apply the toolkit look (and optionally a title/height)."""
+    fig.update_layout(template="toolkit")
+    if title is not None:
+        fig.update_layout(title=title)
+    if height:
+        fig.update_layout(height=height)
+    return fig
+
+
+def gantt(spans: Iterable[dict], color_by: str = "kind", title: str = "", label: str | None = "mb",
+          time_unit: str = "ms") -> go.Figure:
+    """Per-rank timeline: one row per rank, one bar per span, coloured by ``span[color_by]`` (or ``meta``).
+
+    ``spans`` are ``Timeline.to_json()`` dicts (rank, kind, start, end, meta) from any number of ranks;
+    ``label`` names a meta field written inside each bar (micro-batch by default).
+    """
+    scale = {"s": 1.0, "ms": 1e3, "us": 1e6}[time_unit]
+    groups: dict[str, list[dict]] = {}
+    for s in spans:
+        key = str(s.get(color_by, s.get("meta", {}).get(color_by, "")))
+        groups.setdefault(key, []).append(s)
+    fig = go.Figure()
+    for i, (key, items) in enumerate(groups.items()):
+        fig.add_trace(go.Bar(
+            base=[s["start"] * scale for s in items], x=[(s["end"] - s["start"]) * scale for s in items],
+            y=[f"rank {s['rank']}" for s in items], orientation="h", name=key, marker_color=color_of(key, i),
+            marker_line=dict(color="white", width=0.5),
+            text=[str(s.get("meta", {}).get(label, "")) if label else "" for s in items], textposition="inside",
+            insidetextanchor="middle",
+            customdata=[[s["kind"], str(s.get("meta", {}))] for s in items],
+            hovertemplate="%{customdata[0]} %{customdata[1]}<br>%{base:.3f} + %{x:.3f} " + time_unit
+                          + "<extra></extra>"))
+    ranks = sorted({s["rank"] for items in groups.values() for s in items})
+    fig.update_layout(barmode="overlay", bargap=0.25, xaxis_title=f"time ({time_unit})",
+                      yaxis=dict(categoryorder="array", categoryarray=[f"rank {r}" for r in reversed(ranks)]))
+    return theme(fig, title, height=140 + 45 * max(len(ranks), 1))
+
+
+def memory_over_time(samples: Sequence[dict], title: str = "", categories: Sequence[str] | None = None,
+                     x: str = "t", unit: str = "MiB") -> go.Figure:
+    """Stacked areas of bytes by category over samples (dicts with ``x`` and one key per category)."""
+    div = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}[unit]
+    cats = list(categories) if categories else [c for c in CATEGORY_ORDER if any(c in s for s in samples)]
+    xs = [s.get(x, i) for i, s in enumerate(samples)]
+    fig = go.Figure()
+    for i, c in enumerate(cats):
+        fig.add_trace(go.Scatter(x=xs, y=[s.get(c, 0) / div for s in samples], name=c, stackgroup="mem",
+                                 mode="lines", line=dict(width=0.5, color=color_of(c if c != "comm" else "comm_buf", i)),
+                                 hovertext=[s.get("label", "") for s in samples]))
+    fig.update_layout(xaxis_title=x, yaxis_title=unit)
+    return theme(fig, title)
+
+
+def bars(rows: Sequence[dict], x: str, y: str, color: str | None = None, title: str = "", barmode: str = "group",
+         yaxis_title: str | None = None, text_format: str | None = None, log_y: bool = False) -> go.Figure:
+    """Bar chart from a list of dicts: one bar per row at ``row[x]`` of height ``row[y]``, grouped by ``row[color]``."""
+    groups: dict[str, list[dict]] = {}
+    for r in rows:
+        groups.setdefault(str(r[color]) if color else y, []).append(r)
+    fig = go.Figure()
+    for i, (key, items) in enumerate(groups.items()):
+        vals = [r[y] for r in items]
+        fig.add_trace(go.Bar(x=[r[x] for r in items], y=vals, name=key, marker_color=color_of(key, i),
+                             text=[format(v, text_format) for v in vals] if text_format else None,
+                             textposition="outside" if text_format else None))
+    fig.update_layout(barmode=barmode, xaxis_title=x, yaxis_title=yaxis_title or y, showlegend=bool(color))
+    if log_y:
+        fig.update_yaxes(type="log")
+    return theme(fig, title)
+
+
+def lines(series: dict[str, Sequence[float]], x: Sequence[float] | None = None, title: str = "",
+          xaxis_title: str = "", yaxis_title: str = "", log_x: bool = False, log_y: bool = False,
+          dash: dict[str, str] | None = None) -> go.Figure:
+    """One line per named series (e.g. loss curves: {"baseline": [...], "int8": [...]})."""
+    fig = go.Figure()
+    for i, (name, ys) in enumerate(series.items()):
+        xs = list(x) if x is not None else list(range(len(ys)))
+        fig.add_trace(go.Scatter(x=xs, y=list(ys), name=name, mode="lines+markers" if len(ys) <= 30 else "lines",
+                                 line=dict(color=color_of(name, i), dash=(dash or {}).get(name))))
+    fig.update_layout(xaxis_title=xaxis_title, yaxis_title=yaxis_title)
+    if log_x:
+        fig.update_xaxes(type="log")
+    if log_y:
+        fig.update_yaxes(type="log")
+    return theme(fig, title)
+
+
+def heatmap(z: Sequence[Sequence[float]], x: Sequence | None = None, y: Sequence | None = None, title: str = "",
+            colorbar_title: str = "", text_format: str | None = ".3g", colorscale: str = "Viridis") -> go.Figure:
+    """Annotated heatmap (values written in the cells when ``text_format`` is set)."""
+    fig = go.Figure(go.Heatmap(z=z, x=x, y=y, colorscale=colorscale, colorbar=dict(title=colorbar_title),
+                               text=[[format(v, text_format) for v in row] for row in z] if text_format else None,
+                               texttemplate="%{text}" if text_format else None))
+    return theme(fig, title)
+
+
+def table(rows: Sequence[dict], title: str = "", formats: dict[str, str] | None = None) -> go.Figure:
+    """A plotly table of dicts (columns from the first row), with optional per-column formats."""
+    if not rows:
+        return theme(go.Figure(), title)
+    cols = list(rows[0])
+    fmt = formats or {}
+    cells = [[format(r.get(c), fmt[c]) if c in fmt and r.get(c) is not None else r.get(c) for r in rows] for c in cols]
+    fig = go.Figure(go.Table(header=dict(values=cols, fill_color="#f3f3f3", align="left"),
+                             cells=dict(values=cells, align="left")))
+    return theme(fig, title, height=120 + 28 * len(rows))
+
+
+def human_bytes(n: float) -> str:
+    """1536 -> '1.50 KiB'."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} TiB"
+
+
+__all__ = ["theme", "gantt", "memory_over_time", "bars", "lines", "heatmap", "table", "human_bytes", "COLORS",
+           "PALETTE", "color_of"]
+
+
+def _use_notebook_renderer() -> None:
+    """In a Jupyter kernel, emit both the plotly mimetype (JupyterLab) and inline HTML (nbconvert's HTML export)."""
+    try:
+        from IPython import get_ipython
+        if get_ipython() is not None and get_ipython().__class__.__name__ == "ZMQInteractiveShell":
+            pio.renderers.default = "plotly_mimetype+notebook"
+    except ImportError:
+        pass
+
+
+_use_notebook_renderer()
