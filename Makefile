@@ -1,0 +1,46 @@
+# Two commands do all the set-up on a fresh machine:
+#   make run    execute every lesson notebook (papermill, CPU default preset) into out/, with an HTML page each + index
+#   make test   unit tests, multi-process tests, every notebook at the smoke preset (papermill + nbval)
+# Both create .venv first when it is missing.
+
+PY      ?= $(shell command -v python3.11 || command -v python3)
+VENV    := .venv
+BIN     := $(VENV)/bin
+PRESET  ?= default
+JOBS    ?= 2
+TORCH   ?= torch==2.13.0
+
+.PHONY: run test env notebooks refresh lab bench clean
+
+$(BIN)/activate:
+	$(PY) -m venv $(VENV)
+
+$(VENV)/.installed: pyproject.toml | $(BIN)/activate
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH)"
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	$(BIN)/python -m ipykernel install --sys-prefix --name python3 --display-name "Python 3" >/dev/null
+	touch $@
+
+env: $(VENV)/.installed
+
+run: env
+	$(BIN)/python tools/run_all.py --preset $(PRESET) --out out
+
+test: env
+	$(BIN)/python -m pytest -n $(JOBS) --dist loadgroup --nbval-lax --timeout 900 tests notebooks
+
+notebooks: env          ## rebuild notebooks/*.ipynb from notebooks/src/*.py
+	$(BIN)/python tools/nb.py build
+
+refresh: env            ## re-execute at smoke and store the outputs nbval checks
+	$(BIN)/python tools/nb.py refresh
+
+lab: env
+	$(BIN)/jupyter lab notebooks
+
+bench: env
+	for b in benchmarks/bench_*.py; do $(BIN)/python $$b || exit 1; done
+
+clean:
+	rm -rf out .pytest_cache

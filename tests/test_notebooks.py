@@ -1,0 +1,31 @@
+"""Every lesson notebook executes end to end with papermill at the smoke preset (its assert cells are the checks).
+
+nbval (``pytest --nbval-lax notebooks``) executes them once more and compares the cells marked
+``# NBVAL_CHECK_OUTPUT`` with the outputs stored in the notebook.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+
+
+def test_notebooks_match_their_sources():
+    out = subprocess.run([sys.executable, str(ROOT / "tools" / "nb.py"), "check"], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+@pytest.mark.notebook
+@pytest.mark.parametrize("notebook", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_notebook_runs_at_smoke_preset(notebook, tmp_path):
+    import papermill as pm
+    start = time.monotonic()
+    pm.execute_notebook(str(notebook), str(tmp_path / notebook.name), parameters={"preset": "smoke"},
+                        cwd=str(notebook.parent), progress_bar=False, kernel_name="python3")
+    print(f"{notebook.stem}: {time.monotonic() - start:.1f} s at smoke")
