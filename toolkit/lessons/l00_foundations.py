@@ -1,0 +1,144 @@
+"""Lesson 00, per rank: the foundations of distributed training, each measured on real processes.
+
+Sections (each returns plain numbers under its own key):
+    checkpointing  activation bytes kept for backward and fwd+bwd time per checkpoint policy; grads equal
+    precision      loss curves and bytes/parameter of fp32, bf16 autocast, fp16 + scaler, bf16 + fp32 master
+    bandwidth      busbw vs message size of each collective (nccl-tests style)
+    bench          the article's benchmark procedure on a DDP step: trimmed mean, stability metrics
+The ranks split the checkpointing and precision sweeps between them (rank r takes items r, r+N, ...).
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from toolkit.comm.bandwidth import environment_report, probe
+from toolkit.data import batches
+from toolkit.memory.checkpointing import POLICIES, apply_checkpointing, saved_activation_bytes
+from toolkit.models import GPT, preset
+from toolkit.precision import MODES, train
+from toolkit.runtime.bench import comm_efficiency_ratio, measure, memory_volatility
+from toolkit.runtime.memory import MemoryTracker
+
+PRESETS = {
+    "smoke": {"model": "smoke", "batch_size": 4, "train_steps": 8, "bench_steps": 3, "bench_rounds": 3,
+              "bench_warmup": 1, "probe_sizes": [2**10, 2**14, 2**18], "probe_iters": 3},
+    "default": {"model": "default", "batch_size": 8, "train_steps": 60, "bench_steps": 10, "bench_rounds": 5,
+                "bench_warmup": 3, "probe_sizes": [2**k for k in range(10, 25, 2)], "probe_iters": 5},
+    "full": {"model": "full", "batch_size": 8, "train_steps": 300, "bench_steps": 50, "bench_rounds": 5,
+             "bench_warmup": 10, "probe_sizes": [2**k for k in range(10, 31, 2)], "probe_iters": 20},
+}
+SECTIONS = ("checkpointing", "precision", "bandwidth", "bench")
+
+
+def validate(cfg: dict, world_size: int) -> dict:
+    name = cfg.get("preset", "default")
+    if name not in PRESETS:
+        raise ValueError(f"preset={name!r} is not known; allowed: {sorted(PRESETS)}")
+    if world_size < 2:
+        raise ValueError(f"world_size={world_size}: lesson 00 compares parallel variants and needs at least 2 ranks")
+    sections = cfg.get("sections", list(SECTIONS))
+    unknown = [s for s in sections if s not in SECTIONS]
+    if unknown:
+        raise ValueError(f"sections has unknown entries {unknown}; allowed: {SECTIONS}")
+    out = {**PRESETS[name], **cfg, "sections": sections}
+    for key in ("batch_size", "train_steps", "bench_steps", "bench_rounds"):
+        if not isinstance(out[key], int) or out[key] < 1:
+            raise ValueError(f"{key} must be a positive int, got {out[key]!r}")
+    return out
+
+
+def run(ctx, cfg: dict) -> dict:
+    model_cfg = preset(cfg["model"])
+    out = {"rank": ctx.rank, "world_size": ctx.world_size, "model": vars(model_cfg)}
+    steps = {"checkpointing": lambda: checkpointing(ctx, cfg, model_cfg),
+             "precision": lambda: precision(ctx, cfg, model_cfg),
+             "bandwidth": lambda: bandwidth(ctx, cfg),
+             "bench": lambda: bench(ctx, cfg, model_cfg)}
+    for i, name in enumerate(cfg["sections"]):
+        ctx.progress(i, len(cfg["sections"]), name)
+        with ctx.ledger.tag(name):
+            out[name] = steps[name]()
+    ctx.progress(len(cfg["sections"]), len(cfg["sections"]), "done")
+    return out
+
+
+def checkpointing(ctx, cfg, model_cfg) -> list[dict]:
+    """Per policy (this rank's share): saved activation bytes, fwd+bwd time, grads equal to no checkpointing."""
+    torch.manual_seed(0)
+    base = GPT(model_cfg)
+    x, y = next(batches(cfg["batch_size"], model_cfg.seq_len, 1, seed=3))
+    reference = None
+    rows = []
+    for policy in POLICIES:
+        model = apply_checkpointing(copy.deepcopy(base), policy)
+        saved, loss = saved_activation_bytes(lambda: model(x, y), list(model.parameters()))
+        loss.backward()
+        grads = torch.cat([p.grad.flatten() for p in model.parameters()])
+        reference = grads if reference is None else reference
+        if policy not in POLICIES[ctx.rank::ctx.world_size]:
+            continue  # every rank computes the reference grads; each times its own share of policies
+
+        def step():
+            model.zero_grad(set_to_none=True)
+            model(x, y).backward()
+        timing = measure(step, warmup=1, steps=2, rounds=3, trim=1)
+        rows.append({"policy": policy, "saved_bytes": saved, "fwd_bwd_s": timing.mean_s,
+                     "grads_bitwise_equal": bool(torch.equal(grads, reference))})
+    return rows
+
+
+def precision(ctx, cfg, model_cfg) -> list[dict]:
+    """This rank's share of the mixed-precision modes, trained on identical data."""
+    mine = MODES[ctx.rank::ctx.world_size]
+    return [train(mode, model_cfg, cfg["train_steps"], cfg["batch_size"], device=ctx.device) for mode in mine]
+
+
+def bandwidth(ctx, cfg) -> dict:
+    rows = probe(cfg["probe_sizes"], iters=cfg["probe_iters"], device=ctx.device)
+    return {"rows": rows, "environment": environment_report(), "backend": ctx.backend}
+
+
+def bench(ctx, cfg, model_cfg) -> dict:
+    """The article's procedure on a DDP training step (fixed seed, warm-up, rounds, trimmed mean)."""
+    torch.manual_seed(0)
+    model = GPT(model_cfg).to(ctx.device)
+    ddp = DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+    data = iter(batches(cfg["batch_size"], model_cfg.seq_len, 10**6, seed=11, rank=ctx.rank, world=ctx.world_size))
+
+    def ddp_step():
+        x, y = next(data)
+        opt.zero_grad(set_to_none=True)
+        ddp(x.to(ctx.device), y.to(ctx.device)).backward()
+        opt.step()
+
+    def local_step():  # the same compute without gradient synchronisation
+        x, y = next(data)
+        opt.zero_grad(set_to_none=True)
+        with ddp.no_sync():
+            ddp(x.to(ctx.device), y.to(ctx.device)).backward()
+        opt.step()
+
+    ctx.ledger.reset()
+    with MemoryTracker(model, opt, every_op=False) as mem:
+        def tracked_step():
+            ddp_step()
+            mem.mark("step")
+        timing = measure(tracked_step, warmup=cfg["bench_warmup"], steps=cfg["bench_steps"],
+                         rounds=cfg["bench_rounds"])
+    n_steps = cfg["bench_warmup"] + cfg["bench_steps"] * cfg["bench_rounds"]
+    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    compute = measure(local_step, warmup=1, steps=cfg["bench_steps"], rounds=cfg["bench_rounds"])
+    totals = [s["total"] for s in mem.samples]
+    # DDP's reducer issues its all-reduces from C++, outside the ledger: the bytes follow from the buckets
+    # (every gradient all-reduced once per step), and comm time is step time minus compute-only time.
+    comm_s = max(timing.mean_s - compute.mean_s, 0.0)
+    return {"timing": timing.to_dict(), "compute_only": compute.to_dict(), "steps_measured": n_steps,
+            "allreduce_sent_bytes_per_step": 2 * (ctx.world_size - 1) * grad_bytes // ctx.world_size,
+            "memory_volatility": memory_volatility(totals), "memory_samples": len(totals),
+            "peak_bytes": mem.peak, "comm_efficiency_ratio": comm_efficiency_ratio(comm_s, timing.mean_s,
+                                                                                   compute.mean_s)}
