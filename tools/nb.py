@@ -75,6 +75,7 @@ def build(names: list[str]) -> None:
             for cell in nb.cells:
                 if cell.cell_type == "code" and CHECK_MARK in cell.source and cell.source in old:
                     cell.outputs = old[cell.source].get("outputs", [])
+                    cell.execution_count = old[cell.source].get("execution_count")
         nbformat.write(nb, target)
         print(f"built {target.relative_to(ROOT)}")
 
@@ -94,7 +95,7 @@ def refresh(names: list[str]) -> None:
             if cell.cell_type == "code":
                 keep = CHECK_MARK in cell.source and cell.source in ran
                 cell.outputs = [_strip(o) for o in ran[cell.source].outputs] if keep else []
-                cell.execution_count = None
+                cell.execution_count = ran[cell.source].execution_count if keep else None  # nbval skips unrun cells
         nbformat.write(nb, target)
         print(f"refreshed {target.relative_to(ROOT)}")
 
