@@ -138,3 +138,21 @@ def test_bench_measure_and_metrics():
     assert comm_efficiency_ratio(0.3, 1.0, 0.6) == pytest.approx(0.75)
     with pytest.raises(ValueError, match="steps >= 1"):
         measure(lambda: None, steps=0)
+
+
+def test_keyboard_interrupt_kills_every_rank(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    code = ("from toolkit import launch\n"
+            f"launch('{LESSON}:hang', 2, {{'bad_rank': 0}}, timeout_s=120, progress='none', out_dir=r'{tmp_path}')\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not _workers_alive(str(tmp_path)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _workers_alive(str(tmp_path)), "the ranks never started"
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert "KeyboardInterrupt" in err
+    time.sleep(0.5)
+    assert not _workers_alive(str(tmp_path))

@@ -1,0 +1,60 @@
+"""Launcher overhead: `toolkit.launch` of a trivial 2-rank job vs a bare `torchrun` of the same work.
+
+    .venv/bin/python benchmarks/bench_launcher.py [--rounds 5]
+
+Target (issue 2): launch / torchrun <= 1.3. Both sides start 2 Python processes that import torch,
+initialise gloo and all-reduce one tensor; `launch` adds accelerate's CLI, the spec file, result files
+and the progress poll.
+"""
+from __future__ import annotations
+
+import argparse
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from toolkit import launch
+
+BARE = """
+import torch, torch.distributed as dist
+dist.init_process_group("gloo")
+x = torch.ones(4); dist.all_reduce(x)
+dist.destroy_process_group()
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=5)
+    args = ap.parse_args()
+    script = Path(tempfile.mkdtemp()) / "bare.py"
+    script.write_text(BARE)
+    bare, ours = [], []
+    for i in range(args.rounds + 1):  # the first round warms the page cache and is dropped
+        t0 = time.perf_counter()
+        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                        "--master_port", str(free_port()), str(script)], check=True, capture_output=True)
+        t1 = time.perf_counter()
+        launch("toolkit.lessons.selftest", 2, {}, progress="none")
+        t2 = time.perf_counter()
+        if i:
+            bare.append(t1 - t0)
+            ours.append(t2 - t1)
+    b, o = statistics.median(bare), statistics.median(ours)
+    print(f"bare torchrun      median {b:.2f} s  ({', '.join(f'{t:.2f}' for t in bare)})")
+    print(f"toolkit.launch     median {o:.2f} s  ({', '.join(f'{t:.2f}' for t in ours)})")
+    print(f"launch / torchrun  {o / b:.2f}   (target <= 1.3)")
+
+
+if __name__ == "__main__":
+    main()
