@@ -50,6 +50,9 @@ def ledger_ops(ctx, cfg):
         ops = [dist.P2POp(dist.isend, torch.ones(n), (r + 1) % w), dist.P2POp(dist.irecv, torch.empty(n), (r - 1) % w)]
         for work in dist.batch_isend_irecv(ops):
             work.wait()
+    with ctx.ledger.tag("single"):  # the names FSDP2 calls in torch >= 2.10
+        dist.all_gather_single(torch.empty(n * w), torch.ones(n))
+        dist.reduce_scatter_single(torch.empty(n), torch.ones(n * w))
     handle = dist.all_reduce(torch.ones(n), async_op=True)
     handle.wait()
     grid = ctx.make_grid(tp=2) if w % 2 == 0 else None

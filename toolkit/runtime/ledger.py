@@ -32,7 +32,9 @@ import torch.distributed.distributed_c10d as _c10d
 
 _TRACKED = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single",
             "broadcast", "all_gather", "reduce_scatter", "send", "recv", "isend", "irecv",
-            "batch_isend_irecv", "barrier")
+            "batch_isend_irecv", "barrier", "all_gather_single", "reduce_scatter_single")
+# torch >= 2.10 spells the flat collectives *_single (FSDP2 calls those); they are recorded under the old names
+ALIASES = {"all_gather_single": "all_gather_into_tensor", "reduce_scatter_single": "reduce_scatter_tensor"}
 
 
 @dataclass
@@ -144,7 +146,7 @@ class CommLedger:
                 continue
             original = getattr(dist, name)
             self._originals[name] = original
-            wrapped = self._wrap(name, original)
+            wrapped = self._wrap(ALIASES.get(name, name), original)
             for namespace in (dist, _c10d):
                 if getattr(namespace, name, None) is original:
                     setattr(namespace, name, wrapped)
