@@ -41,7 +41,123 @@ print(f"{world_size} ranks, backend {r0['bandwidth']['backend']}, model {r0['mod
       f"d={r0['model']['d_model']}, wall {results.wall_s:.1f} s")
 
 # %% [markdown]
-# ## 1 · Activation checkpointing: what is kept, what is recomputed
+# ## 1 · Data parallelism, ZeRO and FSDP2: who keeps what, who sends what
+#
+# Every rank runs the whole model on its own slice of the batch; the ranks must agree on the gradients.
+# The variants differ in what each rank keeps and which collectives they issue per step (Ψ parameters,
+# n ranks; fp32 weights and AdamW here, so 4 + 4 + 8 bytes per parameter before sharding):
+#
+# ```
+#             keeps per rank                         per step
+#   DDP       W Ψ · G Ψ · opt 2Ψ                      all-reduce(G)                         2(n-1)/n · 4Ψ bytes
+#   ZeRO-1    W Ψ · G Ψ · opt 2Ψ/n                    reduce-scatter(G) + all-gather(W)     same bytes as DDP
+#   ZeRO-2    W Ψ · G Ψ/n · opt 2Ψ/n                  reduce-scatter(G) + all-gather(W)     same bytes as DDP
+#   ZeRO-3    W Ψ/n · G Ψ/n · opt 2Ψ/n                all-gather(W) fwd, again in bwd,      ~1.5 × DDP
+#                                                     reduce-scatter(G)
+#   FSDP2     = ZeRO-3 (torch's fully_shard); reshard_after_forward=False keeps W after forward: 1.0 × DDP bytes
+# ```
+#
+# The toolkit's own ZeRO (`toolkit/parallel/zero.py`, flat padded buffer per unit) runs next to torch's DDP
+# and FSDP2 on the same model, data and seed. Bytes come from the communication ledger, which wraps
+# `torch.distributed`'s functions (FSDP2 included); memory from the storages the tensors live in.
+
+# %%
+dp = r0["data_parallel"]
+variants = dp["variants"]
+rows = [{"variant": v, "op": op, "bytes": b} for v in variants for op, b in dp["bytes_per_step_by_op"][v].items()]
+viz.bars(rows, x="variant", y="bytes", color="op", barmode="stack", title="Bytes sent per rank per step (ledger)",
+         yaxis_title="bytes").show()
+rows = [{"variant": v, "category": c, "bytes": dp["memory"][v][c]} for v in variants for c in ("params", "grads", "optim")]
+viz.bars(rows, x="variant", y="bytes", color="category", barmode="stack",
+         title="Memory per rank at rest after backward, by category", yaxis_title="bytes").show()
+viz.lines({v: dp["loss"][v] for v in variants}, title="Loss per step (rank 0's micro-batch): identical curves",
+          xaxis_title="step", yaxis_title="loss").show()
+
+# %%
+# NBVAL_CHECK_OUTPUT
+ddp_bytes = dp["bytes_per_step"]["ddp"]
+print(f"Ψ = {dp['numel']:,} parameters, {world_size} ranks")
+for v in variants:
+    m = dp["memory"][v]
+    print(f"{v:>10}: {dp['bytes_per_step'][v]:>9,} B/step ({dp['bytes_per_step'][v] / ddp_bytes:.3f} × DDP)  "
+          f"params {m['params']:>8,}  grads {m['grads']:>8,}  optim {m['optim']:>8,}  "
+          f"max |Δparam| vs DDP {dp['max_abs_diff_vs_ddp'][v]:.1e}")
+
+# %%
+for v in variants:
+    assert dp["max_abs_diff_vs_ddp"][v] == 0.0, f"{v} must equal DDP bitwise"  # same arithmetic, same order
+    for op, closed in dp["bytes_closed_form"][v].items():
+        assert dp["bytes_per_step_by_op"][v][op] == closed, (v, op)
+    assert dp["memory"][v] == dp["memory_closed_form"][v] or v.startswith("fsdp2"), v
+assert dp["bytes_per_step"]["zero1"] == dp["bytes_per_step"]["zero2"] == ddp_bytes
+assert dp["bytes_per_step"]["fsdp2"] == 3 * ddp_bytes // 2
+
+# %%
+timed = {v: t for v, t in dp["step_time_s"].items()}
+viz.bars([{"variant": v, "step (ms)": t * 1e3} for v, t in timed.items()], x="variant", y="step (ms)",
+         title="Step time, trimmed mean (this machine)").show()
+print("ZeRO-3 / FSDP2 step time:", round(timed["zero3"] / timed["fsdp2"], 2) if "zero3" in timed and "fsdp2" in timed else "n/a")
+
+# %% [markdown]
+# **Against the article.** It says ZeRO-1 has the least communication and ZeRO-2 "doubles the AllReduce
+# traffic", and that ZeRO-2 gathers the full gradient onto one card first. Measured above: ZeRO-1 and ZeRO-2
+# send exactly the bytes of DDP (a reduce-scatter plus an all-gather is an all-reduce cut in two), and
+# ZeRO-2's gradient at rest is Ψ/n. Only ZeRO-3 (and FSDP2 with resharding) pays more: the weights are
+# gathered again in backward. The toolkit's ZeRO-3 sends a little less than 1.5× because it does not
+# re-gather units whose backward does not read their weights (the embedding table).
+#
+# The planner's memory formulas (section 7) are checked here against these bytes:
+
+# %%
+from toolkit.planner import validate_memory_model
+
+check = validate_memory_model(dp["numel"], world_size, {v: dp["memory"][v] for v in ("ddp", "zero1", "zero2", "zero3")})
+viz.table(check, title="Cost model vs measured bytes per rank", formats={"model_bytes": ",.0f", "ratio": ".4f"}).show()
+assert all(abs(row["ratio"] - 1) < 0.01 for row in check), "the memory model must match the measurement (padding < 1%)"
+
+# %% [markdown]
+# ## 2 · Tensor parallelism: Megatron's column/row split vs torch's `parallelize_module`
+#
+# ```
+#   x ─f─► [fc1 column-split: each rank W1[:, r]] ─► act ─► [fc2 row-split: W2[r, :]] ─g─► y
+#   f: identity forward, all-reduce backward      g: all-reduce forward, identity backward
+#   attention: qkv split by heads (column), proj split by rows: one more f/g pair per block
+# ```
+#
+# Per block and per pass that is 2 all-reduces of the activations (B·T·D). The same block, split by the
+# toolkit and by `torch.distributed.tensor.parallel.parallelize_module` (ColwiseParallel / RowwiseParallel),
+# is compared against one process holding the whole block.
+
+# %%
+tp = r0["tensor_parallel"]
+err = tp["max_abs_diff"]
+rel = {k: err["toolkit_vs_single"][k] / tp["scale"][k] for k in ("y", "dx", "grads")}
+viz.bars([{"pass": p, "op": op, "bytes": b} for p in ("forward", "backward") for op, b in tp["bytes"][p].items()],
+         x="pass", y="bytes", color="op", title="Tensor-parallel block: bytes sent per rank (ledger)").show()
+
+# %%
+# NBVAL_CHECK_OUTPUT
+print(f"tp = {tp['tp']}, activations {tp['shape']}")
+print("bytes per pass:", {p: sum(tp["bytes"][p].values()) for p in ("forward", "backward")},
+      "closed form:", tp["bytes_closed_form"])
+print("TP bytes per block per step:", sum(sum(tp["bytes"][p].values()) for p in ("forward", "backward")),
+      "| DP would send for this block's gradients:", tp["dp_grad_bytes_per_block"])
+print("toolkit vs parallelize_module, max |Δ|:", err["toolkit_vs_torch"])
+
+# %%
+assert all(sum(tp["bytes"][p].values()) == tp["bytes_closed_form"][p] for p in ("forward", "backward"))
+assert all(v < 1e-5 for v in rel.values()), rel            # fp32: sums split across ranks are reordered
+assert max(err["toolkit_vs_torch"].values()) <= 1e-6
+assert abs(tp["model"]["loss_tp"] - tp["model"]["loss_single"]) < 1e-5
+
+# %% [markdown]
+# The article says TP "cuts communication to 1/N". It does not: TP moves *activations* every layer, twice
+# forward and twice backward, on the critical path; it shrinks the *weights* each rank holds. Per block it
+# sent more than data parallelism would to synchronise the same block's gradients (numbers above) — which is
+# why TP stays inside a node, on NVLink.
+
+# %% [markdown]
+# ## 3 · Activation checkpointing: what is kept, what is recomputed
 #
 # Autograd keeps tensors from the forward pass for the backward pass. Checkpointing a module keeps only its
 # inputs and runs its forward again during backward. The granularity decides the trade:
@@ -94,7 +210,7 @@ assert by["block"] < by["attn"] < by["none"] and by["mlp"] < by["none"]
 #   scores were materialised; with fused attention the MLP is where the bytes are.
 
 # %% [markdown]
-# ## 2 · Mixed precision: four recipes on the same data
+# ## 4 · Mixed precision: four recipes on the same data
 #
 # | mode | weights | compute | optimizer keeps | guards against |
 # |---|---|---|---|---|
@@ -131,7 +247,7 @@ print("final loss vs fp32:", {m: round(prec[m]["losses"][-1] / ref - 1, 4) for m
 # the two formats; bf16 everywhere with fp32 master weights is what Megatron, FSDP2 and TorchTitan default to.
 
 # %% [markdown]
-# ## 3 · Collectives: bus bandwidth vs message size, and NCCL settings
+# ## 5 · Collectives: bus bandwidth vs message size, and NCCL settings
 #
 # nccl-tests reports `busbw = algbw × factor`, with factor 2(n−1)/n for all-reduce and (n−1)/n for all-gather,
 # reduce-scatter and all-to-all, so that every op can be compared to the link's peak. Small messages are
@@ -181,7 +297,7 @@ assert flag["NCCL_PROTO"].startswith("unknown value(s) ['llvm']")
 assert repeated == ["NCCL_IB_DISABLE"]
 
 # %% [markdown]
-# ## 4 · The benchmark procedure, and its stability metrics
+# ## 6 · The benchmark procedure, and its stability metrics
 #
 # The article's procedure: fix seeds, warm up, time many steps, repeat for several rounds, drop the highest
 # and lowest round and average the rest; then judge *stability*, not only speed:
@@ -204,16 +320,17 @@ viz.table(metrics, title="Stability metrics of this run", formats={"value": ".3f
 # %% [markdown]
 # On a shared 2-core CPU the step-time spread is far above the article's 5%: several ranks share cores and the
 # operating system schedules them. That is the point of the procedure — a single round would have been noise.
-# Memory volatility is measured from tensor bytes at each step boundary (exact, not `nvidia-smi` samples): with
+# The communication time is the all-reduce wall time the ledger saw through DDP's comm hook. Memory volatility is measured from tensor bytes at each step boundary (exact, not `nvidia-smi` samples): with
 # a fixed batch shape it is small, because the same tensors are allocated and freed every step.
 
 # %%
 # NBVAL_CHECK_OUTPUT
 print(f"timed steps: {b['steps_measured']}, memory samples: {b['memory_samples']}")
-print(f"gradient all-reduce bytes sent per rank per step: {b['allreduce_sent_bytes_per_step']:,}")
+print(f"gradient all-reduce bytes sent per rank per step: {b['allreduce_sent_bytes_per_step']:,} "
+      f"(= DDP in section 1: {b['allreduce_sent_bytes_per_step'] == dp['bytes_per_step']['ddp']})")
 
 # %% [markdown]
-# ## 5 · A decision guide: DP, TP, PP, ZeRO from model size and hardware
+# ## 7 · A decision guide: DP, TP, PP, ZeRO from model size and hardware
 #
 # A **cost model** (not a measurement) of memory per GPU and step time for every (dp, tp, pp, ZeRO stage) that
 # divides the cluster. Change the workload and the cluster below; the table is re-ranked. The memory formulas

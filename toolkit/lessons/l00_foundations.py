@@ -1,6 +1,8 @@
 """Lesson 00, per rank: the foundations of distributed training, each measured on real processes.
 
 Sections (each returns plain numbers under its own key):
+    data_parallel  DDP vs the toolkit's ZeRO-0/1/2/3 vs FSDP2: losses, bytes/step, memory/rank (toolkit.parallel)
+    tensor_parallel  Megatron column/row-parallel block vs one process vs torch's parallelize_module
     checkpointing  activation bytes kept for backward and fwd+bwd time per checkpoint policy; grads equal
     precision      loss curves and bytes/parameter of fp32, bf16 autocast, fp16 + scaler, bf16 + fp32 master
     bandwidth      busbw vs message size of each collective (nccl-tests style)
@@ -13,25 +15,29 @@ import copy
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from toolkit.comm.bandwidth import environment_report, probe
 from toolkit.data import batches
 from toolkit.memory.checkpointing import POLICIES, apply_checkpointing, saved_activation_bytes
 from toolkit.models import GPT, preset
+from toolkit.parallel.demos import (run_dp_zero_fsdp, run_tensor_parallel, validate_dp_zero_fsdp,
+                                    validate_tensor_parallel)
 from toolkit.precision import MODES, train
 from toolkit.runtime.bench import comm_efficiency_ratio, measure, memory_volatility
 from toolkit.runtime.memory import MemoryTracker
 
 PRESETS = {
-    "smoke": {"model": "smoke", "batch_size": 4, "train_steps": 8, "bench_steps": 3, "bench_rounds": 3,
+    "smoke": {"model": "smoke", "batch_size": 4, "train_steps": 8, "dp_steps": 3, "dp_timing": ["ddp", "zero3", "fsdp2"], "bench_steps": 3, "bench_rounds": 3,
               "bench_warmup": 1, "probe_sizes": [2**10, 2**14, 2**18], "probe_iters": 3},
-    "default": {"model": "default", "batch_size": 8, "train_steps": 60, "bench_steps": 10, "bench_rounds": 5,
+    "default": {"model": "default", "batch_size": 8, "train_steps": 60, "dp_steps": 5,
+                "dp_timing": ["ddp", "zero3", "fsdp2"], "bench_steps": 10, "bench_rounds": 5,
                 "bench_warmup": 3, "probe_sizes": [2**k for k in range(10, 25, 2)], "probe_iters": 5},
-    "full": {"model": "full", "batch_size": 8, "train_steps": 300, "bench_steps": 50, "bench_rounds": 5,
+    "full": {"model": "full", "batch_size": 8, "train_steps": 300, "dp_steps": 10, "dp_timing": True, "bench_steps": 50, "bench_rounds": 5,
              "bench_warmup": 10, "probe_sizes": [2**k for k in range(10, 31, 2)], "probe_iters": 20},
 }
-SECTIONS = ("checkpointing", "precision", "bandwidth", "bench")
+SECTIONS = ("data_parallel", "tensor_parallel", "checkpointing", "precision", "bandwidth", "bench")
 
 
 def validate(cfg: dict, world_size: int) -> dict:
@@ -45,16 +51,31 @@ def validate(cfg: dict, world_size: int) -> dict:
     if unknown:
         raise ValueError(f"sections has unknown entries {unknown}; allowed: {SECTIONS}")
     out = {**PRESETS[name], **cfg, "sections": sections}
-    for key in ("batch_size", "train_steps", "bench_steps", "bench_rounds"):
+    for key in ("batch_size", "train_steps", "bench_steps", "bench_rounds", "dp_steps"):
         if not isinstance(out[key], int) or out[key] < 1:
             raise ValueError(f"{key} must be a positive int, got {out[key]!r}")
+    if "data_parallel" in sections:
+        validate_dp_zero_fsdp(_dp_cfg(out), world_size)
+    if "tensor_parallel" in sections:
+        validate_tensor_parallel(_tp_cfg(out), world_size)
     return out
+
+
+def _dp_cfg(cfg: dict) -> dict:
+    return {"preset": cfg["model"], "steps": cfg["dp_steps"], "batch_size": cfg["batch_size"],
+            "timing": cfg["dp_timing"]}
+
+
+def _tp_cfg(cfg: dict) -> dict:
+    return {"preset": cfg["model"], "batch_size": cfg["batch_size"]}
 
 
 def run(ctx, cfg: dict) -> dict:
     model_cfg = preset(cfg["model"])
     out = {"rank": ctx.rank, "world_size": ctx.world_size, "model": vars(model_cfg)}
-    steps = {"checkpointing": lambda: checkpointing(ctx, cfg, model_cfg),
+    steps = {"data_parallel": lambda: run_dp_zero_fsdp(ctx, _dp_cfg(cfg)),
+             "tensor_parallel": lambda: run_tensor_parallel(ctx, _tp_cfg(cfg)),
+             "checkpointing": lambda: checkpointing(ctx, cfg, model_cfg),
              "precision": lambda: precision(ctx, cfg, model_cfg),
              "bandwidth": lambda: bandwidth(ctx, cfg),
              "bench": lambda: bench(ctx, cfg, model_cfg)}
@@ -107,6 +128,7 @@ def bench(ctx, cfg, model_cfg) -> dict:
     torch.manual_seed(0)
     model = GPT(model_cfg).to(ctx.device)
     ddp = DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
+    ddp.register_comm_hook(None, allreduce_hook)  # same all-reduce as the C++ reducer, but through the ledger
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
     data = iter(batches(cfg["batch_size"], model_cfg.seq_len, 10**6, seed=11, rank=ctx.rank, world=ctx.world_size))
 
@@ -131,14 +153,12 @@ def bench(ctx, cfg, model_cfg) -> dict:
         timing = measure(tracked_step, warmup=cfg["bench_warmup"], steps=cfg["bench_steps"],
                          rounds=cfg["bench_rounds"])
     n_steps = cfg["bench_warmup"] + cfg["bench_steps"] * cfg["bench_rounds"]
-    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    sent, comm_s = ctx.ledger.total("sent_bytes", op="all_reduce"), ctx.ledger.total("seconds", op="all_reduce")
     compute = measure(local_step, warmup=1, steps=cfg["bench_steps"], rounds=cfg["bench_rounds"])
     totals = [s["total"] for s in mem.samples]
-    # DDP's reducer issues its all-reduces from C++, outside the ledger: the bytes follow from the buckets
-    # (every gradient all-reduced once per step), and comm time is step time minus compute-only time.
-    comm_s = max(timing.mean_s - compute.mean_s, 0.0)
+    comm_s /= n_steps  # all-reduce wall time per step, measured around each bucket's call
     return {"timing": timing.to_dict(), "compute_only": compute.to_dict(), "steps_measured": n_steps,
-            "allreduce_sent_bytes_per_step": 2 * (ctx.world_size - 1) * grad_bytes // ctx.world_size,
+            "allreduce_sent_bytes_per_step": sent // n_steps, "allreduce_seconds_per_step": comm_s,
             "memory_volatility": memory_volatility(totals), "memory_samples": len(totals),
             "peak_bytes": mem.peak, "comm_efficiency_ratio": comm_efficiency_ratio(comm_s, timing.mean_s,
                                                                                    compute.mean_s)}

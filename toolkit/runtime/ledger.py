@@ -115,6 +115,14 @@ class _TimedWork:
             self._record.seconds = time.perf_counter() - self._start
         return out
 
+    def get_future(self):
+        """The op's future, chained so that its completion closes the record (DDP comm hooks use this)."""
+        def close(fut):
+            if self._record.seconds == 0.0:
+                self._record.seconds = time.perf_counter() - self._start
+            return fut.value()
+        return self._work.get_future().then(close)
+
     def __getattr__(self, name):
         return getattr(self._work, name)
 

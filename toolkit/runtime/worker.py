@@ -65,8 +65,11 @@ def main(spec_path: str) -> int:
         payload = json.dumps(to_jsonable(result if result is not None else {}))
         (out / f"rank{rank}.json.tmp").write_text(payload)
         (out / f"rank{rank}.json.tmp").replace(out / f"rank{rank}.json")
+        import gc
+
         import torch.distributed as dist
         if dist.is_initialized():
+            gc.collect()  # DDP with a Python comm hook must be collected before its process group goes away
             dist.destroy_process_group()
         return 0
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the notebook
