@@ -106,7 +106,7 @@ print("ZeRO-3 / FSDP2 step time:", round(timed["zero3"] / timed["fsdp2"], 2) if 
 # gathered again in backward. The toolkit's ZeRO-3 sends a little less than 1.5× because it does not
 # re-gather units whose backward does not read their weights (the embedding table).
 #
-# The planner's memory formulas (section 7) are checked here against these bytes:
+# The planner's memory formulas (section 8) are checked here against these bytes:
 
 # %%
 from toolkit.planner import validate_memory_model
@@ -157,7 +157,58 @@ assert abs(tp["model"]["loss_tp"] - tp["model"]["loss_single"]) < 1e-5
 # why TP stays inside a node, on NVLink.
 
 # %% [markdown]
-# ## 3 · Activation checkpointing: what is kept, what is recomputed
+# ## 3 · Pipeline parallelism: GPipe vs 1F1B
+#
+# Each rank holds a contiguous slice of the blocks (a *stage*) and passes activations forward and gradients
+# backward with point-to-point send/recv. A step is cut into m micro-batches so stages can work at once.
+#
+# ```
+#   GPipe  rank 0: F0 F1 F2 F3 .  .  .  .  B3 B2 B1 B0        all forwards, then all backwards:
+#          rank 1: .  F0 F1 F2 F3 B3 B2 B1 B0 .  .  .          m micro-batches of activations alive
+#   1F1B   rank 0: F0 F1 .  B0 F2 B1 F3 B2 .  B3               after p warm-up forwards, alternate:
+#          rank 1: .  F0 B0 F1 B1 F2 B2 F3 B3 .                at most p micro-batches alive on rank 0
+# ```
+#
+# Both have the same bubble, (p−1)/(m+p−1) of the step with equal F and B times; 1F1B's gain is memory.
+# The executor (`toolkit/pipeline/executor.py`, lesson 03 goes deeper) runs the schedule for real and
+# records every F and B as a span; a `saved_tensors_hooks` meter counts the activation bytes alive.
+
+# %%
+pp = r0["pipeline"]
+last = results[pp["p"] - 1]["pipeline"]
+for name in ("gpipe", "1f1b"):
+    viz.gantt(pp[name]["spans"], title=f"{name}: one measured step, p={pp['p']}, m={pp['m']} (real timeline)").show()
+theory = (pp["p"] - 1) / (pp["m"] + pp["p"] - 1)
+viz.table([{"schedule": n, "peak activation bytes (rank 0)": pp[n]["peak_act_bytes"],
+            "measured bubble fraction": pp[n]["measured_bubble_fraction"], "bubble (p-1)/(m+p-1)": theory,
+            "step (ms)": pp[n]["step_s"] * 1e3} for n in ("gpipe", "1f1b")],
+          title="GPipe vs 1F1B", formats={"measured bubble fraction": ".2f", "bubble (p-1)/(m+p-1)": ".2f",
+                                          "step (ms)": ".1f"}).show()
+
+# %%
+# NBVAL_CHECK_OUTPUT
+for name in ("gpipe", "1f1b"):
+    print(f"{name:>6}: loss {last[name]['loss']:.4f}, max |grad - single process| {last[name]['grad_diff']:.1e}, "
+          f"rank-0 peak activations {pp[name]['peak_act_bytes']:,} B")
+print(f"1F1B / GPipe peak on rank 0: {pp['1f1b']['peak_act_bytes'] / pp['gpipe']['peak_act_bytes']:.3f} "
+      f"(p/m = {pp['p'] / pp['m']:.3f})")
+
+# %%
+for name in ("gpipe", "1f1b"):
+    for r in results:
+        assert r["pipeline"][name]["grad_diff"] <= 1e-5, (name, r["rank"])
+assert abs(pp["1f1b"]["peak_act_bytes"] / pp["gpipe"]["peak_act_bytes"] - pp["p"] / pp["m"]) < 0.01
+
+# %% [markdown]
+# On this CPU each F or B of the tiny model takes about a millisecond, about as long as a message between
+# processes, so the *measured* bubble is larger than the formula, which assumes free communication. The
+# article's advice to "not reduce the number of stages but restructure the schedule" is right in spirit: the
+# bubble shrinks with more micro-batches per step (m), or with schedules that split B into input- and
+# weight-gradient parts (ZB-H1, DualPipeV: lesson 03). Its claimed 38% → 9% bubble from "dynamic micro-batch
+# sizes" has no source and no formula behind it.
+
+# %% [markdown]
+# ## 4 · Activation checkpointing: what is kept, what is recomputed
 #
 # Autograd keeps tensors from the forward pass for the backward pass. Checkpointing a module keeps only its
 # inputs and runs its forward again during backward. The granularity decides the trade:
@@ -210,7 +261,7 @@ assert by["block"] < by["attn"] < by["none"] and by["mlp"] < by["none"]
 #   scores were materialised; with fused attention the MLP is where the bytes are.
 
 # %% [markdown]
-# ## 4 · Mixed precision: four recipes on the same data
+# ## 5 · Mixed precision: four recipes on the same data
 #
 # | mode | weights | compute | optimizer keeps | guards against |
 # |---|---|---|---|---|
@@ -247,7 +298,7 @@ print("final loss vs fp32:", {m: round(prec[m]["losses"][-1] / ref - 1, 4) for m
 # the two formats; bf16 everywhere with fp32 master weights is what Megatron, FSDP2 and TorchTitan default to.
 
 # %% [markdown]
-# ## 5 · Collectives: bus bandwidth vs message size, and NCCL settings
+# ## 6 · Collectives: bus bandwidth vs message size, and NCCL settings
 #
 # nccl-tests reports `busbw = algbw × factor`, with factor 2(n−1)/n for all-reduce and (n−1)/n for all-gather,
 # reduce-scatter and all-to-all, so that every op can be compared to the link's peak. Small messages are
@@ -297,7 +348,7 @@ assert flag["NCCL_PROTO"].startswith("unknown value(s) ['llvm']")
 assert repeated == ["NCCL_IB_DISABLE"]
 
 # %% [markdown]
-# ## 6 · The benchmark procedure, and its stability metrics
+# ## 7 · The benchmark procedure, and its stability metrics
 #
 # The article's procedure: fix seeds, warm up, time many steps, repeat for several rounds, drop the highest
 # and lowest round and average the rest; then judge *stability*, not only speed:
@@ -330,7 +381,7 @@ print(f"gradient all-reduce bytes sent per rank per step: {b['allreduce_sent_byt
       f"(= DDP in section 1: {b['allreduce_sent_bytes_per_step'] == dp['bytes_per_step']['ddp']})")
 
 # %% [markdown]
-# ## 7 · A decision guide: DP, TP, PP, ZeRO from model size and hardware
+# ## 8 · A decision guide: DP, TP, PP, ZeRO from model size and hardware
 #
 # A **cost model** (not a measurement) of memory per GPU and step time for every (dp, tp, pp, ZeRO stage) that
 # divides the cluster. Change the workload and the cluster below; the table is re-ranked. The memory formulas

@@ -3,6 +3,8 @@
 Sections (each returns plain numbers under its own key):
     data_parallel  DDP vs the toolkit's ZeRO-0/1/2/3 vs FSDP2: losses, bytes/step, memory/rank (toolkit.parallel)
     tensor_parallel  Megatron column/row-parallel block vs one process vs torch's parallelize_module
+    pipeline       GPipe and 1F1B on one stage per rank (toolkit.pipeline): loss and grads vs one process,
+                   real timelines, bubble fraction, peak activation bytes
     checkpointing  activation bytes kept for backward and fwd+bwd time per checkpoint policy; grads equal
     precision      loss curves and bytes/parameter of fp32, bf16 autocast, fp16 + scaler, bf16 + fp32 master
     bandwidth      busbw vs message size of each collective (nccl-tests style)
@@ -29,15 +31,17 @@ from toolkit.runtime.bench import comm_efficiency_ratio, measure, memory_volatil
 from toolkit.runtime.memory import MemoryTracker
 
 PRESETS = {
-    "smoke": {"model": "smoke", "batch_size": 4, "train_steps": 8, "dp_steps": 3, "dp_timing": ["ddp", "zero3", "fsdp2"], "bench_steps": 3, "bench_rounds": 3,
+    "smoke": {"model": "smoke", "batch_size": 4, "train_steps": 8, "dp_steps": 3, "dp_timing": ["ddp", "zero3", "fsdp2"],
+              "pp_microbatches": 4, "bench_steps": 3, "bench_rounds": 3,
               "bench_warmup": 1, "probe_sizes": [2**10, 2**14, 2**18], "probe_iters": 3},
-    "default": {"model": "default", "batch_size": 8, "train_steps": 60, "dp_steps": 5,
+    "default": {"model": "default", "batch_size": 8, "train_steps": 60, "dp_steps": 5, "pp_microbatches": 8,
                 "dp_timing": ["ddp", "zero3", "fsdp2"], "bench_steps": 10, "bench_rounds": 5,
                 "bench_warmup": 3, "probe_sizes": [2**k for k in range(10, 25, 2)], "probe_iters": 5},
-    "full": {"model": "full", "batch_size": 8, "train_steps": 300, "dp_steps": 10, "dp_timing": True, "bench_steps": 50, "bench_rounds": 5,
+    "full": {"model": "full", "batch_size": 8, "train_steps": 300, "dp_steps": 10, "dp_timing": True,
+             "pp_microbatches": 16, "bench_steps": 50, "bench_rounds": 5,
              "bench_warmup": 10, "probe_sizes": [2**k for k in range(10, 31, 2)], "probe_iters": 20},
 }
-SECTIONS = ("data_parallel", "tensor_parallel", "checkpointing", "precision", "bandwidth", "bench")
+SECTIONS = ("data_parallel", "tensor_parallel", "pipeline", "checkpointing", "precision", "bandwidth", "bench")
 
 
 def validate(cfg: dict, world_size: int) -> dict:
@@ -51,9 +55,12 @@ def validate(cfg: dict, world_size: int) -> dict:
     if unknown:
         raise ValueError(f"sections has unknown entries {unknown}; allowed: {SECTIONS}")
     out = {**PRESETS[name], **cfg, "sections": sections}
-    for key in ("batch_size", "train_steps", "bench_steps", "bench_rounds", "dp_steps"):
+    for key in ("batch_size", "train_steps", "bench_steps", "bench_rounds", "dp_steps", "pp_microbatches"):
         if not isinstance(out[key], int) or out[key] < 1:
             raise ValueError(f"{key} must be a positive int, got {out[key]!r}")
+    if "pipeline" in sections and out["pp_microbatches"] < world_size:
+        raise ValueError(f"pp_microbatches={out['pp_microbatches']} must be >= the {world_size} pipeline stages "
+                         "(1F1B needs at least one micro-batch per stage)")
     if "data_parallel" in sections:
         validate_dp_zero_fsdp(_dp_cfg(out), world_size)
     if "tensor_parallel" in sections:
@@ -75,6 +82,7 @@ def run(ctx, cfg: dict) -> dict:
     out = {"rank": ctx.rank, "world_size": ctx.world_size, "model": vars(model_cfg)}
     steps = {"data_parallel": lambda: run_dp_zero_fsdp(ctx, _dp_cfg(cfg)),
              "tensor_parallel": lambda: run_tensor_parallel(ctx, _tp_cfg(cfg)),
+             "pipeline": lambda: pipeline(ctx, cfg, model_cfg),
              "checkpointing": lambda: checkpointing(ctx, cfg, model_cfg),
              "precision": lambda: precision(ctx, cfg, model_cfg),
              "bandwidth": lambda: bandwidth(ctx, cfg),
@@ -84,6 +92,33 @@ def run(ctx, cfg: dict) -> dict:
         with ctx.ledger.tag(name):
             out[name] = steps[name]()
     ctx.progress(len(cfg["sections"]), len(cfg["sections"]), "done")
+    return out
+
+
+def pipeline(ctx, cfg, model_cfg) -> dict:
+    """GPipe and 1F1B, one stage per rank, on ``pp_microbatches`` micro-batches of real tokens."""
+    from toolkit.pipeline.executor import gpt_micro_batches, measure_schedule, reference_step
+    from toolkit.pipeline.schedule import make_schedule
+    from toolkit.pipeline.simulate import timeline_bubble
+
+    p, m = ctx.world_size, cfg["pp_microbatches"]
+    n_layer = -(-model_cfg.n_layer // p) * p  # a whole number of blocks per stage
+    mc = preset(cfg["model"], n_layer=n_layer)
+    inputs, targets = gpt_micro_batches(m, max(cfg["batch_size"] // 2, 1), mc.seq_len, seed=7)
+    torch.manual_seed(0)
+    base = GPT(mc).to(ctx.device)
+    reference = copy.deepcopy(base)
+    reference_step(reference, inputs, targets)
+    out = {"p": p, "m": m, "n_layer": n_layer}
+    for name in ("gpipe", "1f1b"):
+        got, _ = measure_schedule(ctx, make_schedule(name, p, m), base, inputs, targets, reference,
+                                  warmup=1, steps=2, rounds=3)
+        spans = [None] * p
+        dist.all_gather_object(spans, got["spans"])  # every rank's spans of the last timed step
+        merged = [s for rank_spans in spans for s in rank_spans]
+        out[name] = {"loss": got["loss"], "grad_diff": got["grad_diff"], "peak_act_bytes": got["peak_act_bytes"],
+                     "step_s": got["bench"]["mean_s"], "spans": merged,
+                     "measured_bubble_fraction": timeline_bubble(merged, p)["bubble_fraction"]}
     return out
 
 
