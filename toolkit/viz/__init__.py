@@ -19,6 +19,7 @@ COLORS = {
     "send": "#9e9e9e", "recv": "#bdbdbd", "comm": "#757575", "idle": "#eeeeee", "optimizer": "#795548",
     # memory categories
     "param": "#3366cc", "grad": "#109618", "optim": "#ff9900", "act": "#dc3912", "comm_buf": "#757575",
+    "params": "#3366cc", "grads": "#109618", "activations": "#dc3912",
     "other": "#9e9e9e",
 }
 CATEGORY_ORDER = ["param", "grad", "optim", "act", "comm"]
@@ -55,6 +56,9 @@ def gantt(spans: Iterable[dict], color_by: str = "kind", title: str = "", label:
     ``label`` names a meta field written inside each bar (micro-batch by default).
     """
     scale = {"s": 1.0, "ms": 1e3, "us": 1e6}[time_unit]
+    spans = list(spans)
+    origin = min((s["start"] for s in spans), default=0.0)  # the chart starts at the first span
+    spans = [{**s, "start": s["start"] - origin, "end": s["end"] - origin} for s in spans]
     groups: dict[str, list[dict]] = {}
     for s in spans:
         key = str(s.get(color_by, s.get("meta", {}).get(color_by, "")))
