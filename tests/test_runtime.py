@@ -110,6 +110,7 @@ def test_ledger_counts_exact_bytes(ledger_run):
     assert recs[("reduce_scatter_tensor", "world", "untagged")]["sent_bytes"] == (w - 1) * n * f32
     assert recs[("all_to_all_single", "world", "untagged")]["sent_bytes"] == (w - 1) * n * f32
     assert recs[("broadcast", "world", "untagged")]["sent_bytes"] == n * f32
+    assert recs[("reduce", "world", "untagged")]["sent_bytes"] == (w - 1) * n * f32 // w
     assert recs[("recv", "world", "p2p")]["recv_bytes"] == n * f32 and recs[("recv", "world", "p2p")]["sent_bytes"] == 0
     assert recs[("all_gather_into_tensor", "world", "single")]["sent_bytes"] == (w - 1) * n * f32
     assert recs[("reduce_scatter_tensor", "world", "single")]["sent_bytes"] == (w - 1) * n * f32

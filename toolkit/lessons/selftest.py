@@ -42,6 +42,7 @@ def ledger_ops(ctx, cfg):
     dist.reduce_scatter_tensor(torch.empty(n), torch.ones(n * w))
     dist.all_to_all_single(torch.empty(n * w), torch.ones(n * w))
     dist.broadcast(torch.ones(n), src=0)
+    dist.reduce(torch.ones(n), dst=0)
     with ctx.ledger.tag("p2p"):
         if r == 0:
             dist.send(torch.ones(n), dst=1)

@@ -13,6 +13,7 @@ op's full buffer in bytes, the same convention as nccl-tests' bus bandwidth)::
     reduce_scatter_tensor     (n-1)/n * S_in
     all_to_all_single        bytes of the input splits addressed to other ranks
     broadcast                 S on every rank  (pipelined ring/tree; upper bound)
+    reduce                    (n-1)/n * S      (ring reduce-scatter, then the pieces to the root)
     send / isend              S                (recv / irecv count as received)
 
 Times are wall-clock from call to completion; for ``async_op=True`` the returned
@@ -32,7 +33,7 @@ import torch.distributed.distributed_c10d as _c10d
 
 _TRACKED = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single",
             "broadcast", "all_gather", "reduce_scatter", "send", "recv", "isend", "irecv",
-            "batch_isend_irecv", "barrier", "all_gather_single", "reduce_scatter_single")
+            "batch_isend_irecv", "barrier", "all_gather_single", "reduce_scatter_single", "reduce")
 # torch >= 2.10 spells the flat collectives *_single (FSDP2 calls those); they are recorded under the old names
 ALIASES = {"all_gather_single": "all_gather_into_tensor", "reduce_scatter_single": "reduce_scatter_tensor"}
 
@@ -94,6 +95,9 @@ def wire_bytes(op: str, n: int, args: tuple, kwargs: dict) -> tuple[int, int, in
     if op == "broadcast":
         s = _nbytes(get(0, "tensor"))
         return s, s, s
+    if op == "reduce":
+        s = _nbytes(get(0, "tensor"))
+        return s, (n - 1) * s // n, (n - 1) * s // n
     if op in ("send", "isend"):
         s = _nbytes(get(0, "tensor"))
         return s, s, 0
@@ -188,7 +192,7 @@ class CommLedger:
         if "group" in kwargs:
             return kwargs["group"]
         pos = {"all_reduce": 2, "all_gather_into_tensor": 2, "reduce_scatter_tensor": 3, "all_to_all_single": 4,
-               "broadcast": 2, "all_gather": 2, "reduce_scatter": 3, "send": 2, "recv": 2, "isend": 2, "irecv": 2,
+               "broadcast": 2, "reduce": 2, "all_gather": 2, "reduce_scatter": 3, "send": 2, "recv": 2, "isend": 2, "irecv": 2,
                "barrier": 0}.get(name)
         return args[pos] if pos is not None and len(args) > pos else None
 

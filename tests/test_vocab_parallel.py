@@ -1,0 +1,121 @@
+"""Vocabulary parallelism: sharded loss/grads equal the unsharded head on real processes, the ledger's bytes,
+balance, the deterministic paper-scale simulation, and bad input."""
+from __future__ import annotations
+
+import pytest
+
+from toolkit import launch
+from toolkit.lessons import l13_vocab_parallel as lesson
+from toolkit.pipeline import vocab_parallel as vp
+from toolkit.pipeline.simulate import simulate
+
+P = 4
+PAPER = vp.Workload(n_layer=32, d_model=3072, d_ff=4 * 3072, vocab_size=256_000, seq_len=4096)
+
+
+@pytest.fixture(scope="module")
+def results():
+    return launch("l13_vocab_parallel", P, {"preset": "smoke"}, timeout_s=300, progress="none")
+
+
+# ---- real processes ---------------------------------------------------------------------------------
+def test_loss_and_grads_equal_unsharded_head(results):
+    for name in ("baseline", "vocab1", "vocab2"):
+        assert abs(results[0]["runs"][name]["loss"] - results[0]["ref_loss"]) <= lesson.TOL, name
+        for r in results:  # each rank: its blocks, its embedding and head rows, pos / ln_f where it holds them
+            assert r["runs"][name]["max_grad_diff"] <= lesson.TOL, (name, r["rank"])
+
+
+def test_extra_collectives_bytes_from_the_ledger(results):
+    cfg = lesson.validate({"preset": "smoke"}, P)
+    N, D = cfg["micro_batch"] * cfg["seq_len"], cfg["d_model"]
+    ring = lambda s: 2 * (P - 1) * s // P
+    for r in results:
+        for alg, last in ((1, "c1"), (2, "dx")):
+            comm = r["runs"][f"vocab{alg}"]["comm"]
+            assert comm["input_fwd"] == ring(N * D * 4) and comm["input_bwd"] == N * D * 4
+            assert comm["bcast_x"] == N * D * 4 and comm["c0"] == ring(N * 4) + ring(2 * N * 4)
+            assert comm[last] == ring(N * D * 4)
+            inner = 0 < r["rank"] < P - 1
+            assert comm["p2p"] == N * D * 4 * (2 if inner else 1)
+    # Algorithm 2 keeps G_i and H_i (N x D each) beyond Algorithm 1's state
+    state = {alg: results[0]["runs"][f"vocab{alg}"]["s_state_bytes"] for alg in (1, 2)}
+    assert state[2] - state[1] == 2 * N * D * 4
+
+
+def test_parameters_balanced(results):
+    base = [r["param_bytes"]["baseline"] for r in results]
+    ours = [r["param_bytes"]["vocab"] for r in results]
+    assert max(ours) / min(ours) <= 1.1 < 3 < max(base) / min(base)
+    assert sum(ours) == sum(base)  # the same parameters, placed differently
+
+
+def test_timings_and_calibration_present(results):
+    for r in results:
+        assert all(v > 0 for v in r["times"].values())
+    cal = results[0]["calibration"]
+    assert cal["matmul_flops"] > 0 and cal["mem_bw"] > 0 and cal["op_overhead_s"] > 0
+    rows = lesson.cost_model_check(lesson.validate({"preset": "smoke"}, P), results)
+    assert len(rows) == 2 * P and all(row["model_ms"] > 0 for row in rows)
+
+
+# ---- cost model and simulation (deterministic) --------------------------------------------------------
+def test_stage_balance_in_the_cost_model():
+    for layout, bound in (("vocab", 1.1),):
+        flops = vp.stage_flops(PAPER, 8, layout)
+        times = [sum(row[k] for k in "FBST") for row in vp.stage_costs(PAPER, 8, vp.A100, layout)]
+        assert max(flops) / min(flops) <= bound and max(times) / min(times) <= bound
+    base = vp.stage_flops(PAPER, 8, "baseline")
+    assert base[-1] / base[1] > 2  # the head and softmax make the last stage > 2x a middle one at 256k
+
+
+def test_paper_setting_speedup_at_least_1_3():
+    base = vp.stage_costs(PAPER, 8, vp.A100, "baseline")
+    for alg in vp.ALGORITHMS:
+        vocab = vp.stage_costs(PAPER, 8, vp.A100, "vocab", alg)
+        res = vp.simulate_layouts(base, vocab, 24, alg, comm=vocab[0]["c0"] + vocab[0]["dx"])
+        assert res["speedup"] >= 1.3, (alg, res["speedup"])
+        assert res["vocab"].peak_mb[0] == 8 + (3 - alg)  # p+2 (Algorithm 1), p+1 (Algorithm 2)
+        assert res["baseline"].peak_mb[0] == 8
+
+
+@pytest.mark.parametrize("alg", vp.ALGORITHMS)
+def test_vocab_schedule_reaches_the_ideal_makespan(alg):
+    """Equal costs: m (F+B+S+T) + (p-1)(F+B), no more (the vocabulary passes fill, they do not stall)."""
+    p, m, F, B, S, T = 4, 8, 1.0, 2.0, 0.3, 0.2
+    costs = vp.StageCosts([{"F": F, "B": B, "S": S, "T": T}] * p)
+    res = simulate(vp.vocab_1f1b(p, m, alg, costs), costs)
+    assert res.makespan == pytest.approx(m * (F + B + S + T) + (p - 1) * (F + B))
+    assert res.peak_mb[0] == p + 3 - alg
+
+
+def test_larger_vocab_larger_gain():
+    gains = []
+    for V in (32_000, 256_000):
+        w = vp.Workload(n_layer=32, d_model=3072, d_ff=4 * 3072, vocab_size=V, seq_len=4096)
+        gains.append(vp.simulate_layouts(vp.stage_costs(w, 8, vp.A100, "baseline"),
+                                         vp.stage_costs(w, 8, vp.A100, "vocab"), 16)["speedup"])
+    assert 1.0 < gains[0] < gains[1]
+
+
+# ---- bad input, before any process starts ------------------------------------------------------------
+@pytest.mark.parametrize("cfg, world, match", [
+    ({"vocab_size": 1001}, 4, "vocab_size=1001"), ({"micro_batches": 3}, 4, "micro_batches=3"),
+    ({"n_layer": 6}, 4, "n_layer=6"), ({}, 1, "world_size=1"), ({"d_model": 31}, 4, "d_model=31"),
+    ({"preset": "huge"}, 4, "preset='huge'")])
+def test_validate_rejects_bad_input(cfg, world, match):
+    with pytest.raises(ValueError, match=match):
+        lesson.validate({"preset": "smoke", **cfg}, world)
+
+
+def test_launch_rejects_before_starting():
+    with pytest.raises(ValueError, match="vocab_size=1022"):
+        launch("l13_vocab_parallel", 4, {"preset": "smoke", "vocab_size": 1022}, progress="none")
+
+
+def test_shard_rows_and_bad_algorithm():
+    assert [vp.shard_rows(12, 3, r) for r in range(3)] == [(0, 4), (4, 8), (8, 12)]
+    with pytest.raises(ValueError, match="algorithm=3"):
+        vp.vocab_1f1b(2, 4, 3, vp.StageCosts([{"F": 1, "B": 2, "S": 1, "T": 1}] * 2))
+    with pytest.raises(ValueError, match="micro_batches=1"):
+        vp.vocab_1f1b(2, 1, 2, vp.StageCosts([{"F": 1, "B": 2, "S": 1, "T": 1}] * 2))

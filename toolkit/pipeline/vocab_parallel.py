@@ -1,0 +1,404 @@
+"""Vocabulary parallelism: the embedding and the output layer split over all pipeline stages
+(Yeung, Qi, Lin, Wan, MLSys 2025).
+
+In a plain pipeline the first stage carries the input embedding and the last the output head and its
+softmax; at V = 256k the head alone costs as much as several transformer layers, so the last stage sets the
+pace of the whole pipeline. Here every one of the p ranks holds V/p rows of both tables and the vocabulary
+work becomes three small passes on every rank, glued by a few collectives::
+
+    input layer      every rank: partial embedding E_i[idx] (zero for ids outside its rows) ── all-reduce SUM
+                     (stage 0 uses the sum; the paper reduces to stage 0, half the bytes, but the ledger
+                     does not count dist.reduce) ;  backward: stage 0 broadcasts dE ──► each rank's rows
+
+    output layer     last stage: X = ln_f(h)  ── broadcast X [N,D] ──► every rank
+      S pass (rank i)  Y_i = X W_i^T               [N,V/p]
+                       m_i = rowmax Y_i, s_i = sum exp(Y_i - m_i), P_i = exp(Y_i - m_i)/s_i, z_i = Y_i[target] or 0
+                       (Algorithm 2 also) G_i = P_i W_i  [N,D],  H_i = W_i[target] or 0  [N,D]
+      C0 barrier       m = all-reduce MAX m_i;  [s, z] = all-reduce SUM [s_i e^(m_i-m), z_i]
+                       loss = log s + m - z ;  alpha_i = s_i e^(m_i-m) / s        (softmax_i = alpha_i P_i)
+                       (Algorithm 2) dX = g * all-reduce SUM (alpha_i G_i - H_i)  ──► last stage's backward
+      T pass (rank i)  dY_i = g (alpha_i P_i - onehot_i);  dW_i = dY_i^T X
+                       (Algorithm 1) dX_i = dY_i W_i;  C1 barrier: dX = all-reduce SUM dX_i ──► last stage
+
+Algorithm 1 waits for the T pass before the last stage can start its backward (two barriers); Algorithm 2
+precomputes G_i, H_i in the S pass (N*D more memory per micro-batch) so dX is ready right after C0 and the
+T pass only produces dW (one barrier). Both give the unsharded loss and gradients up to summation order.
+
+For settings this machine cannot hold: ``pass_ops`` writes every pass as (FLOPs, bytes) ops, ``stage_costs``
+times them with a roofline per op on a ``Hardware`` for the baseline layout (embedding on stage 0, head on
+stage p-1) and for vocabulary parallelism, ``vocab_1f1b`` weaves the S/T passes into 1F1B as actions of
+``toolkit.pipeline.schedule``, and ``simulate_layouts`` times both layouts with ``toolkit.pipeline.simulate``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from toolkit.pipeline.schedule import Action, Schedule, linear_layout, one_f_one_b
+from toolkit.pipeline.simulate import simulate
+
+ALGORITHMS = (1, 2)
+
+
+def shard_rows(vocab_size: int, p: int, rank: int) -> tuple[int, int]:
+    """[lo, hi) rows of the vocabulary held by ``rank`` of ``p``; raises unless p divides V."""
+    if vocab_size % p:
+        lo, hi = (vocab_size // p) * p, (vocab_size // p + 1) * p
+        raise ValueError(f"vocab_size={vocab_size} is not divisible by the {p} pipeline stages; "
+                         f"use a multiple of {p} (e.g. {lo} or {hi}), as Megatron pads the vocabulary")
+    per = vocab_size // p
+    return rank * per, (rank + 1) * per
+
+
+# ---------------------------------------------------------------------------------------------
+# Input layer
+# ---------------------------------------------------------------------------------------------
+def partial_embedding(weight: torch.Tensor, idx: torch.Tensor, lo: int) -> torch.Tensor:
+    """Rows of ``weight`` (the shard [lo, lo+V/p)) for the ids it holds, zeros elsewhere. [B,T] -> [B,T,D]"""
+    local = idx - lo
+    inside = (local >= 0) & (local < weight.shape[0])
+    return F.embedding(local.clamp(0, weight.shape[0] - 1), weight) * inside.unsqueeze(-1)
+
+
+def embed_forward(weight: torch.Tensor, idx: torch.Tensor, lo: int, group=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(partial with its graph, summed embedding [B,T,D] detached). Collective: every rank calls it."""
+    partial = partial_embedding(weight, idx, lo)
+    full = partial.detach().clone()
+    dist.all_reduce(full, group=group)
+    return partial, full
+
+
+def embed_backward(partial: torch.Tensor, d_embed: torch.Tensor, src: int, group=None) -> None:
+    """Broadcast dE from stage 0 (``src``, global rank) and push it into this rank's rows. Collective."""
+    dist.broadcast(d_embed, src=src, group=group)
+    partial.backward(d_embed)
+
+
+# ---------------------------------------------------------------------------------------------
+# Output layer: S pass, C0, T pass (C1)
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class SState:
+    """What the S pass of one micro-batch keeps on rank i until its T pass."""
+
+    x: torch.Tensor  # [N,D]
+    target: torch.Tensor  # [N] global ids
+    inside: torch.Tensor  # [N] bool: target in this shard
+    local_target: torch.Tensor  # [N] clamped local row
+    P: torch.Tensor  # [N,V/p] local softmax exp(Y_i - m_i)/s_i
+    m: torch.Tensor  # [N] local row max
+    s: torch.Tensor  # [N] local sum exp(Y_i - m_i)
+    z: torch.Tensor  # [N] target logit if in shard else 0
+    G: torch.Tensor | None = None  # [N,D] P_i W_i (Algorithm 2)
+    H: torch.Tensor | None = None  # [N,D] W_i[target] or 0 (Algorithm 2)
+    alpha: torch.Tensor | None = None  # [N] set by C0
+
+
+def s_pass(x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, lo: int, algorithm: int) -> SState:
+    """Local logits and softmax statistics of this rank's vocabulary rows. x [N,D], weight [V/p,D], target [N]"""
+    Y = x @ weight.t()  # [N,V/p]
+    m = Y.max(dim=1).values  # [N]
+    e = torch.exp(Y - m[:, None])
+    s = e.sum(dim=1)
+    P = e / s[:, None]
+    local = target - lo
+    inside = (local >= 0) & (local < weight.shape[0])
+    local = local.clamp(0, weight.shape[0] - 1)
+    z = Y.gather(1, local[:, None]).squeeze(1) * inside
+    st = SState(x, target, inside, local, P, m, s, z)
+    if algorithm == 2:
+        st.G = P @ weight  # [N,D]
+        st.H = weight[local] * inside[:, None]  # [N,D]
+    return st
+
+
+def c0(st: SState, group=None) -> torch.Tensor:
+    """The first barrier: global max, sum and target logit; sets ``st.alpha``; returns per-token loss [N]."""
+    m = st.m.clone()
+    dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+    scaled = st.s * torch.exp(st.m - m)  # s_i e^(m_i - m)
+    packed = torch.stack([scaled, st.z])  # [2,N]: one all-reduce for both sums
+    dist.all_reduce(packed, group=group)
+    s, z = packed
+    st.alpha = scaled / s
+    return torch.log(s) + m - z
+
+
+def dx_fused(st: SState, grad_scale: float, group=None) -> torch.Tensor:
+    """Algorithm 2: dX = g * sum_i (alpha_i G_i - H_i), right after C0 (no T pass needed). [N,D]"""
+    dx = (st.alpha[:, None] * st.G - st.H) * grad_scale
+    dist.all_reduce(dx, group=group)
+    return dx
+
+
+def t_pass(st: SState, weight: torch.Tensor, grad_scale: float, algorithm: int) -> torch.Tensor | None:
+    """dW_i into ``weight.grad``; Algorithm 1 also returns this rank's dX_i (to be summed by ``c1``)."""
+    dY = st.alpha[:, None] * st.P  # softmax_i [N,V/p]
+    rows = torch.arange(dY.shape[0], device=dY.device)
+    dY[rows[st.inside], st.local_target[st.inside]] -= 1.0
+    dY *= grad_scale
+    dW = dY.t() @ st.x  # [V/p,D]
+    weight.grad = dW if weight.grad is None else weight.grad + dW
+    return dY @ weight if algorithm == 1 else None
+
+
+def c1(dx_i: torch.Tensor, group=None) -> torch.Tensor:
+    """Algorithm 1's second barrier: dX = all-reduce SUM dX_i."""
+    dist.all_reduce(dx_i, group=group)
+    return dx_i
+
+
+def state_bytes(st: SState) -> int:
+    """Bytes an S pass keeps alive until its T pass."""
+    return sum(t.numel() * t.element_size() for t in (st.x, st.P, st.m, st.s, st.z, st.G, st.H) if t is not None)
+
+
+# ---------------------------------------------------------------------------------------------
+# Cost model: FLOPs and bytes per op, a roofline per op, summed per pass (a simulation input)
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Hardware:
+    """What one rank does per second. Assumed figures for GPUs; calibrated by measurement for this CPU."""
+
+    name: str
+    matmul_flops: float  # achieved FLOP/s on matmuls
+    mem_bw: float  # achieved bytes/s on elementwise ops
+    link_bw: float  # bytes/s one rank puts on the wire in a collective
+    op_overhead_s: float = 0.0  # fixed cost per op (kernel launch / eager dispatch)
+    link_latency_s: float = 10e-6
+    peak_flops: float = 0.0  # nominal peak, for MFU
+
+
+# A100-SXM4-80GB, bf16: 312 TFLOP/s peak, 2.04 TB/s HBM, NVLink3 ~240 GB/s per direction in practice.
+# The efficiencies (70% / 80%) are assumptions, not measurements.
+A100 = Hardware("A100-80GB bf16 (assumed 70% matmul, 80% HBM)", 312e12 * 0.70, 2.04e12 * 0.80, 200e9, 5e-6,
+                10e-6, 312e12)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One micro-batch through a GPT: the sizes the cost model needs."""
+
+    n_layer: int
+    d_model: int
+    d_ff: int
+    vocab_size: int
+    seq_len: int
+    micro_batch: int = 1
+    act_bytes: int = 2  # bf16 activations and weights (4 on this CPU: fp32)
+    logit_bytes: int = 4  # the softmax runs in fp32
+
+    @property
+    def tokens(self) -> int:
+        return self.micro_batch * self.seq_len
+
+    def params(self) -> int:
+        D = self.d_model
+        layer = 4 * D * D + 2 * D * self.d_ff + 4 * D + self.d_ff + D + 4 * D  # weights, biases, 2 LayerNorms
+        return self.n_layer * layer + 2 * self.vocab_size * D + self.seq_len * D + 2 * D  # untied in/out tables
+
+
+def _mm(M: int, K: int, N: int, e: int) -> tuple[float, float]:
+    """(FLOPs, bytes) of [M,K] @ [K,N]."""
+    return 2.0 * M * K * N, float(M * K + K * N + M * N) * e
+
+
+def _ew(elements: int, passes: float, e: int) -> tuple[float, float]:
+    """(FLOPs, bytes) of an elementwise op touching ``elements`` ``passes`` times (reads + writes)."""
+    return float(elements) * passes, float(elements) * passes * e
+
+
+def pass_ops(w: Workload, p: int) -> dict[str, list[tuple[float, float]]]:
+    """Every pass of the two layouts as a list of (FLOPs, bytes) ops, for one micro-batch.
+
+    layer_f/layer_b: one transformer layer (attention counted as flash: causal pairs, no score matrix).
+    embed_f/embed_b, head_f/head_b: the whole vocabulary on one stage (baseline).
+    input_f/input_b, s1/s2, t1/t2: one rank's share under vocabulary parallelism (s2/t2 = Algorithm 2).
+    """
+    N, D, Fd, V, e, le = w.tokens, w.d_model, w.d_ff, w.vocab_size, w.act_bytes, w.logit_bytes
+    Vp = V // p
+    pairs = w.micro_batch * w.seq_len * (w.seq_len + 1) / 2
+    attn_f = (4.0 * D * pairs, 4.0 * N * D * e)
+    layer_f = [_ew(N * D, 2, e), _mm(N, D, 3 * D, e), attn_f, _mm(N, D, D, e), _ew(N * D, 3, e),
+               _ew(N * D, 2, e), _mm(N, D, Fd, e), _ew(N * Fd, 2, e), _mm(N, Fd, D, e), _ew(N * D, 3, e)]
+    layer_b = []
+    for (M, K, Nn) in ((N, D, 3 * D), (N, D, D), (N, D, Fd), (N, Fd, D)):
+        layer_b += [_mm(M, Nn, K, e), _mm(Nn, M, K, e)]  # dX and dW
+    layer_b += [(2.5 * attn_f[0], 2.5 * attn_f[1]), _ew(N * D, 4, e), _ew(N * D, 4, e), _ew(N * Fd, 3, e),
+                _ew(N * D, 6, e)]
+    head_f = [_ew(N * D, 2, e), _mm(N, D, V, e), _ew(N * V, 4, le)]  # ln_f, logits, max/exp/sum/log-softmax
+    head_b = [_ew(N * V, 3, le), _mm(N, V, D, e), _mm(V, N, D, e), _ew(N * D, 4, e)]
+    return {
+        "layer_f": layer_f, "layer_b": layer_b,
+        "embed_f": [_ew(N * D, 3, e)], "embed_b": [_ew(N * D, 3, e)],
+        "head_f": head_f, "head_b": head_b,
+        "input_f": [_ew(N * D, 4, e)], "input_b": [_ew(N * D, 3, e)],
+        "s1": [_mm(N, D, Vp, e), _ew(N * Vp, 4, le)],
+        "s2": [_mm(N, D, Vp, e), _ew(N * Vp, 4, le), _mm(N, Vp, D, e), _ew(N * D, 2, e)],
+        "t1": [_ew(N * Vp, 3, le), _mm(Vp, N, D, e), _mm(N, Vp, D, e)],
+        "t2": [_ew(N * Vp, 3, le), _mm(Vp, N, D, e)],
+    }
+
+
+def op_time(ops: list[tuple[float, float]], hw: Hardware) -> float:
+    """Seconds of a list of ops: each op is bound by compute or by memory (roofline), plus a fixed overhead."""
+    return sum(max(f / hw.matmul_flops, b / hw.mem_bw) + hw.op_overhead_s for f, b in ops)
+
+
+def comm_time(nbytes: float, hw: Hardware) -> float:
+    """Seconds of a collective that puts ``nbytes`` on this rank's link."""
+    return hw.link_latency_s + nbytes / hw.link_bw
+
+
+def stage_costs(w: Workload, p: int, hw: Hardware, layout: str, algorithm: int = 2) -> list[dict[str, float]]:
+    """Per-stage seconds of one micro-batch: F and B (transformer layers plus whatever vocabulary work the
+    layout puts inside them), S and T (vocabulary passes, 0 for the baseline), and the comm latencies
+    the vocabulary passes wait on (broadcast of X, C0, dX; input all-reduce and dE broadcast).
+
+    ``layout``: ``"baseline"`` (embedding on stage 0, head + loss on stage p-1) or ``"vocab"``.
+    """
+    if layout not in ("baseline", "vocab"):
+        raise ValueError(f"layout={layout!r}; allowed: 'baseline', 'vocab'")
+    if w.n_layer % p:
+        raise ValueError(f"n_layer={w.n_layer} must be divisible by the {p} stages")
+    ops = pass_ops(w, p)
+    t = {k: op_time(v, hw) for k, v in ops.items()}
+    per = w.n_layer // p
+    N, D, e = w.tokens, w.d_model, w.act_bytes
+    ring = 2 * (p - 1) / p
+    out = []
+    for r in range(p):
+        f, b = per * t["layer_f"], per * t["layer_b"]
+        row = {"F": f, "B": b, "S": 0.0, "T": 0.0}
+        if layout == "baseline":
+            if r == 0:
+                row["F"] += t["embed_f"]
+                row["B"] += t["embed_b"]
+            if r == p - 1:
+                row["F"] += t["head_f"]
+                row["B"] += t["head_b"]
+        else:
+            row["S"] = t[f"s{algorithm}"] + t["input_f"]  # the input layer's partial embedding rides with S
+            row["T"] = t[f"t{algorithm}"] + t["input_b"]
+            row["bcast_x"] = comm_time(N * D * e, hw)
+            row["c0"] = 3 * comm_time(N * 4 * ring, hw)
+            row["dx"] = comm_time(N * D * e * ring, hw)
+            row["input"] = comm_time(N * D * e * ring, hw) + comm_time(N * D * e, hw)
+        out.append(row)
+    return out
+
+
+def stage_flops(w: Workload, p: int, layout: str, algorithm: int = 2) -> list[float]:
+    """Training FLOPs (forward + backward) of each stage for one micro-batch."""
+    ops = pass_ops(w, p)
+    fl = {k: sum(f for f, _ in v) for k, v in ops.items()}
+    per = w.n_layer // p
+    out = []
+    for r in range(p):
+        x = per * (fl["layer_f"] + fl["layer_b"])
+        if layout == "baseline":
+            x += (fl["embed_f"] + fl["embed_b"]) * (r == 0) + (fl["head_f"] + fl["head_b"]) * (r == p - 1)
+        else:
+            x += fl[f"s{algorithm}"] + fl[f"t{algorithm}"] + fl["input_f"] + fl["input_b"]
+        out.append(x)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Schedules for the simulator: 1F1B with the vocabulary passes woven in
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class VocabSchedule(Schedule):
+    """1F1B plus ``S``/``T`` actions (``stage`` = the vocabulary shard = the rank) and their barriers::
+
+        S(q, mb)        <- F(last stage, mb)                  X is broadcast from the last stage
+        T(q, mb)        <- S(every shard, mb)                 C0
+        B(last, mb)     <- S(every shard, mb)   Algorithm 2   C0 + the fused dX all-reduce
+                        <- T(every shard, mb)   Algorithm 1   C1 needs every T pass
+    """
+
+    algorithm: int = 2
+    placed: float = float("inf")
+    """While ``vocab_1f1b`` builds it: micro-batches < placed have their S (and, past +0.5, T) actions."""
+
+    def deps(self, a: Action) -> list[tuple[str, int, int, int]]:
+        last = self.n_stages - 1
+        shards = lambda op: [(op, q, a.mb, 0) for q in range(self.p)]
+        if a.op == "S":
+            return [("F", last, a.mb, 0)]
+        if a.op == "T":
+            return shards("S")
+        out = super().deps(a)
+        if a.op == "B" and a.stage == last:
+            if self.algorithm == 2 and a.mb < self.placed:
+                out += shards("S")
+            if self.algorithm == 1 and a.mb + 0.5 < self.placed:
+                out += shards("T")
+        return out
+
+
+def vocab_1f1b(p: int, m: int, algorithm: int, costs) -> VocabSchedule:
+    """1F1B with the vocabulary passes woven in, each placed on every rank as soon as it is ready.
+
+    Start from 1F1B whose warm-up is ``extra`` forwards longer (1 for Algorithm 2, 2 for Algorithm 1:
+    while the vocabulary passes of micro-batch i run, the last stage runs the forward of i+1 (and i+2)
+    instead of waiting, which is where the paper's p+1 and p+2 micro-batches of activations come from).
+    Then for i = 0..m-1 simulate (``costs``: anything ``simulate`` takes) and insert S(q, i) on every
+    rank q before its first action that starts after F(last, i) ends, and T(q, i) before the first that
+    starts after the last S(., i) ends::
+
+        rank q:  .. F B F [S(i)] B F [T(i)] B ..        S(i) ready: X of micro-batch i broadcast
+                                                        T(i) ready: C0 done on every rank
+    """
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm={algorithm!r}; allowed: {ALGORITHMS}")
+    if not isinstance(m, int) or m < p:
+        raise ValueError(f"micro_batches={m!r} must be an int >= p={p}")
+    extra = 3 - algorithm
+    ranks = []
+    for r in range(p):
+        warmup = min(p - r - 1 + extra, m)
+        acts = [Action("F", r, i) for i in range(warmup)]
+        for i in range(m - warmup):
+            acts += [Action("F", r, warmup + i), Action("B", r, i)]
+        ranks.append(acts + [Action("B", r, i) for i in range(m - warmup, m)])
+    sched = VocabSchedule(f"vocab-{algorithm}", ranks, linear_layout(p), m, algorithm=algorithm, placed=0)
+    comm = getattr(costs, "comm", 0.0)
+    for i in range(m):
+        for op in ("S", "T"):
+            res = simulate(sched, costs)
+            ends = {(s["kind"], s["meta"]["stage"], s["meta"]["mb"]): s["end"] for s in res.spans}
+            ready = ends[("F", p - 1, i)] if op == "S" else max(ends[("S", q, i)] for q in range(p))
+            for q in range(p):
+                starts = [s["start"] for s in res.spans if s["rank"] == q]  # in list order
+                after_vocab = max((n + 1 for n, a in enumerate(sched.ranks[q]) if a.op in "ST"), default=0)
+                pos = next((n for n in range(after_vocab, len(starts))
+                            if starts[n] >= ready + (comm if q != p - 1 else 0.0)), len(starts))
+                sched.ranks[q].insert(pos, Action(op, q, i))
+            sched.placed = i + 1 if op == "T" else i + 0.5
+    return sched.check()
+
+
+class StageCosts:
+    """``action -> seconds`` from per-stage rows of ``stage_costs`` (or measured), for ``simulate``."""
+
+    def __init__(self, rows: list[dict[str, float]], comm: float = 0.0):
+        self.rows, self.comm = rows, comm
+
+    def __call__(self, a: Action) -> float:
+        return self.rows[a.stage][a.op]
+
+
+def simulate_layouts(rows_base: list[dict], rows_vocab: list[dict], m: int, algorithm: int = 2,
+                     comm: float = 0.0) -> dict:
+    """Simulate the baseline (1F1B, vocabulary on the first/last stage) and vocabulary parallelism
+    (``vocab_1f1b``) from per-stage costs; returns both ``SimResult`` and the throughput ratio."""
+    p = len(rows_base)
+    base = simulate(one_f_one_b(p, m), StageCosts(rows_base, comm))
+    costs = StageCosts(rows_vocab, comm)
+    sched = vocab_1f1b(p, m, algorithm, costs)
+    ours = simulate(sched, costs)
+    return {"baseline": base, "vocab": ours, "schedule": sched, "speedup": base.makespan / ours.makespan}
