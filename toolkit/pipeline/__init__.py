@@ -1,0 +1,28 @@
+"""Pipeline parallelism: schedules as data, a simulator, a real executor, and torch's implementation beside it.
+
+::
+
+    schedule.py   Action, Schedule, generators (gpipe, one_f_one_b, interleaved_1f1b, zb_h1, dualpipev,
+                  from_torch) ─┬─► simulate.py    op costs -> timelines, bubble, step time, memory
+                               ├─► executor.py    real p2p run on p processes -> loss, grads, timeline, bytes
+                               └─► torch_compare  torch.distributed.pipelining on the same stages
+    recompute.py  checkpointed forward + recompute queue (recompute in the bubble)
+    seq1f1b.py, vocab_parallel.py   Seq1F1B and vocabulary parallelism, built on the same model
+
+Quick look, no processes needed::
+
+    from toolkit.pipeline import make_schedule, simulate, Costs
+    s = make_schedule("dualpipev", p=4, m=8)
+    print(s.table())
+    print(simulate(s, Costs(F=1, B=2, W=1, FB=2.5)).summary())
+"""
+from .executor import ActivationMeter, PipelineExecutor, WeightGradStore, split_weight_grads
+from .recompute import RecomputeQueue
+from .schedule import (SCHEDULES, TORCH_NAMES, Action, Schedule, dualpipev, fb, from_torch, gpipe, interleaved_1f1b,
+                       interleaved_layout, linear_layout, make_schedule, one_f_one_b, v_layout, zb_h1)
+from .simulate import Costs, SimResult, closed_form_bubble, simulate
+
+__all__ = ["Action", "Schedule", "SCHEDULES", "TORCH_NAMES", "make_schedule", "fb", "gpipe",
+           "one_f_one_b", "interleaved_1f1b", "zb_h1", "dualpipev", "from_torch", "linear_layout",
+           "interleaved_layout", "v_layout", "Costs", "SimResult", "simulate", "closed_form_bubble",
+           "PipelineExecutor", "WeightGradStore", "ActivationMeter", "split_weight_grads", "RecomputeQueue"]

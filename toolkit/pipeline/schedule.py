@@ -1,0 +1,523 @@
+"""Pipeline schedules as data: per-rank lists of actions, and the generators that build them.
+
+One model serves three uses: the simulator (``simulate.py``) times it from op costs, the executor
+(``executor.py``) runs it for real on p processes, and the figures draw it. A schedule says *what* each
+rank does and in which order; *when* follows from the dependencies (``Schedule.deps``) and the costs.
+
+Actions (``Action.op``; the names are torch.distributed.pipelining's)::
+
+    F    forward of one (stage, micro-batch, sequence chunk)
+    B    full backward: input gradient dX and weight gradient dW together
+    I    input-gradient backward only (dX); its dW is deferred to a later W   (zero-bubble split)
+    W    weight-gradient backward of an earlier I
+    FB   an F of one micro-batch and a B of another, issued together so that one's compute hides the
+         other's communication (DualPipe's F&B); ``sub = (F action, B-or-I action)``
+    R    recompute: rebuild the activations of a checkpointed F before its backward
+    S, T vocabulary-parallel output-layer passes (used by ``vocab_parallel``); any other op name works too
+         if a subclass of ``Schedule`` gives it dependencies and the costs give it a duration
+
+    str(Action("F", stage=3, mb=1)) == "3F1"     (torch's format: stage, op, micro-batch)
+    str(Action("F", 3, 1, chunk=2)) == "3F1.2"   (Seq1F1B: sequence chunk after the dot)
+
+Sends and receives are not written by the generators: every dependency that crosses ranks is one message,
+so ``Schedule.recvs`` / ``Schedule.sends`` derive them, and ``Schedule.with_comms(rank)`` shows a rank's
+list with them in place (torch's ``SEND_F``/``RECV_F``/``SEND_B``/``RECV_B``), as the executor runs it:
+a receive posted one compute action ahead of the action that needs it, a send right after the producer.
+
+Layouts (``stage_rank[stage] -> rank``), for p ranks::
+
+    linear       p stages        rank r holds stage r                          GPipe, 1F1B, ZB-H1
+    interleaved  v*p stages      rank r holds stages r, r+p, ..., r+(v-1)p     interleaved 1F1B
+    v            2p stages       rank r holds stages r and 2p-1-r              DualPipeV, ZB-V
+
+    v layout, p = 4:   rank 0: stage 0 ──────────────────────────── stage 7 (loss)
+                       rank 1:   stage 1 ──────────────────── stage 6
+                       rank 2:     stage 2 ──────────── stage 5
+                       rank 3:       stage 3 ── stage 4           (the turn of the V stays on one rank)
+
+Dependencies (``Schedule.deps``), each naming the action that must finish first::
+
+    F(s, mb, c)   <- F(s-1, mb, c)                 activation from the previous stage
+                  <- F(s, mb, c-1)                 Seq1F1B: chunk c attends to the K/V of chunks < c
+    B|I(s, mb, c) <- F(s, mb, c)                   its own forward (or R(s, mb, c) if checkpointed)
+                  <- B|I(s+1, mb, c)               gradient from the next stage
+                  <- B|I(s, mb, c+1)               Seq1F1B: chunk c+1's K/V gradient flows into chunk c
+    W(s, mb, c)   <- I(s, mb, c)
+    R(s, mb, c)   <- F(s, mb, c)
+
+Generators (all return a checked ``Schedule``): ``gpipe``, ``one_f_one_b`` (optionally with recompute
+inline or in the bubbles), ``interleaved_1f1b``, ``zb_h1``, ``dualpipev`` (DeepSeek's eight steps), and
+``from_torch`` (any schedule torch.distributed.pipelining defines, e.g. ZBVZeroBubble), all reachable by
+name through ``make_schedule``.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from functools import cached_property
+
+COMPUTE_OPS = ("F", "B", "I", "W", "FB", "R")
+COMM_OPS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")  # F = activation (forward), B = gradient (backward)
+BACKWARD_OPS = ("B", "I")  # the ops that carry the input gradient to the previous stage
+
+
+@dataclass(frozen=True)
+class Action:
+    """One step of one rank: ``op`` on (``stage``, micro-batch ``mb``, sequence ``chunk``).
+
+    ``FB`` actions have ``stage = mb = -1`` and carry their two halves in ``sub`` (forward first).
+    """
+
+    op: str
+    stage: int = -1
+    mb: int = -1
+    chunk: int = 0
+    sub: tuple["Action", ...] = ()
+
+    def __str__(self) -> str:
+        if self.sub:
+            return "(" + ";".join(map(str, self.sub)) + ")" + self.op
+        return f"{self.stage}{self.op}{self.mb}" + (f".{self.chunk}" if self.chunk else "")
+
+    __repr__ = __str__
+
+    @property
+    def parts(self) -> tuple["Action", ...]:
+        """The single actions this one runs: its two halves for FB, itself otherwise."""
+        return self.sub if self.sub else (self,)
+
+    @property
+    def key(self) -> tuple[str, int, int, int]:
+        """What other actions depend on: B and I both deliver the input gradient, so both are "bwd"."""
+        return ("bwd" if self.op in BACKWARD_OPS else self.op, self.stage, self.mb, self.chunk)
+
+
+def fb(forward: Action, backward: Action) -> Action:
+    """An overlapped F&B: the forward of one micro-batch and the backward of another, issued together."""
+    if forward.op != "F" or backward.op not in BACKWARD_OPS:
+        raise ValueError(f"FB needs an F and a B or I, got {forward} and {backward}")
+    return Action("FB", sub=(forward, backward))
+
+
+# ------------------------------------------------------------------------------------------------
+# The schedule
+# ------------------------------------------------------------------------------------------------
+@dataclass
+class Schedule:
+    """Per-rank action lists plus where each stage lives.
+
+    Attributes:
+        name: e.g. ``"1f1b"``.
+        ranks: ``ranks[r]`` is rank r's actions in execution order.
+        stage_rank: ``stage_rank[s]`` is the rank that holds stage (model chunk) ``s``; stage 0 takes the
+            tokens, the last stage computes the loss.
+        m: micro-batches per step.
+        k: sequence chunks per micro-batch (Seq1F1B); 1 otherwise.
+        checkpointed: (stage, mb, chunk) whose forward keeps no activations. If the rank's list has an
+            ``R`` for it the recompute runs there (e.g. in a bubble); otherwise the backward recomputes
+            inline first, as ``torch.utils.checkpoint`` does.
+        meta: free-form facts about how it was built (v, keep, ...).
+
+    Treat a built schedule as immutable. Subclasses can give new ops dependencies by overriding ``deps``
+    (call ``super().deps`` for the rest).
+    """
+
+    name: str
+    ranks: list[list[Action]]
+    stage_rank: tuple[int, ...]
+    m: int
+    k: int = 1
+    checkpointed: frozenset = frozenset()
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def p(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def n_stages(self) -> int:
+        return len(self.stage_rank)
+
+    @property
+    def stages_per_rank(self) -> int:
+        return self.n_stages // self.p
+
+    def stages_of(self, rank: int) -> list[int]:
+        return [s for s, r in enumerate(self.stage_rank) if r == rank]
+
+    def deps(self, a: Action) -> list[tuple[str, int, int, int]]:
+        """Keys (``Action.key``) of the actions that must finish before single action ``a`` starts."""
+        s, mb, c, last = a.stage, a.mb, a.chunk, self.n_stages - 1
+        if a.op == "F":
+            return ([("F", s - 1, mb, c)] if s > 0 else []) + ([("F", s, mb, c - 1)] if c > 0 else [])
+        if a.op in BACKWARD_OPS:
+            own = ("R" if (s, mb, c) in self.recomputed else "F", s, mb, c)
+            return ([own] + ([("bwd", s + 1, mb, c)] if s < last else [])
+                    + ([("bwd", s, mb, c + 1)] if c < self.k - 1 else []))
+        if a.op == "W":
+            return [("bwd", s, mb, c)]
+        if a.op == "R":
+            return [("F", s, mb, c)]
+        raise ValueError(f"no dependency rule for op {a.op!r}; subclass Schedule and override deps()")
+
+    @cached_property
+    def recomputed(self) -> set[tuple[int, int, int]]:
+        """(stage, mb, chunk) that have an explicit R action (the other checkpointed ones recompute inline)."""
+        return {(a.stage, a.mb, a.chunk) for acts in self.ranks for a in acts if a.op == "R"}
+
+    def check(self) -> "Schedule":
+        """Raise ValueError unless every (stage, mb, chunk) has one F and one backward on its stage's rank,
+        every I has exactly one W, every R belongs to a checkpointed forward, and no action repeats."""
+        seen: dict[tuple, int] = defaultdict(int)
+        for r, acts in enumerate(self.ranks):
+            for a in acts:
+                for part in a.parts:
+                    if part.op in COMPUTE_OPS and self.stage_rank[part.stage] != r:
+                        raise ValueError(f"{self.name}: {part} is on rank {r} but stage {part.stage} lives on "
+                                         f"rank {self.stage_rank[part.stage]}")
+                    seen[(part.op, part.stage, part.mb, part.chunk)] += 1
+        for (op, s, mb, c), n in seen.items():
+            if n > 1:
+                raise ValueError(f"{self.name}: {Action(op, s, mb, c)} occurs {n} times")
+            if op == "I" and seen.get(("W", s, mb, c), 0) != 1:
+                raise ValueError(f"{self.name}: {Action(op, s, mb, c)} has no W")
+            if op == "W" and seen.get(("I", s, mb, c), 0) != 1:
+                raise ValueError(f"{self.name}: {Action(op, s, mb, c)} has no I before it")
+            if op == "R" and (s, mb, c) not in self.checkpointed:
+                raise ValueError(f"{self.name}: {Action(op, s, mb, c)} recomputes a forward that kept its activations")
+        for s in range(self.n_stages):
+            for mb in range(self.m):
+                for c in range(self.k):
+                    nb = seen.get(("B", s, mb, c), 0) + seen.get(("I", s, mb, c), 0)
+                    if seen.get(("F", s, mb, c), 0) != 1 or nb != 1:
+                        raise ValueError(f"{self.name}: stage {s} micro-batch {mb} chunk {c} has "
+                                         f"{seen.get(('F', s, mb, c), 0)} F and {nb} backward (need 1 and 1)")
+        return self
+
+    def recvs(self, a: Action) -> list[Action]:
+        """The messages single action ``a`` must receive from other ranks (RECV_F: its input activation,
+        RECV_B: the gradient of its output), each on ``a``'s stage."""
+        s, sr, r = a.stage, self.stage_rank, self.stage_rank[a.stage]
+        if a.op == "F" and s > 0 and sr[s - 1] != r:
+            return [Action("RECV_F", s, a.mb, a.chunk)]
+        if a.op in BACKWARD_OPS and s < self.n_stages - 1 and sr[s + 1] != r:
+            return [Action("RECV_B", s, a.mb, a.chunk)]
+        return []
+
+    def sends(self, a: Action) -> list[Action]:
+        """The messages single action ``a`` sends to other ranks (SEND_F: its output, SEND_B: its input's
+        gradient), each on ``a``'s stage."""
+        s, sr, r = a.stage, self.stage_rank, self.stage_rank[a.stage]
+        if a.op == "F" and s < self.n_stages - 1 and sr[s + 1] != r:
+            return [Action("SEND_F", s, a.mb, a.chunk)]
+        if a.op in BACKWARD_OPS and s > 0 and sr[s - 1] != r:
+            return [Action("SEND_B", s, a.mb, a.chunk)]
+        return []
+
+    def with_comms(self, rank: int) -> list[Action]:
+        """Rank ``rank``'s actions with its sends and receives in place, in the executor's order."""
+        acts, out, posted = self.ranks[rank], [], set()
+        for i, a in enumerate(acts):
+            for nxt in acts[i:i + 2]:  # receives of this action and the next one are posted first
+                for msg in (m for part in nxt.parts for m in self.recvs(part)):
+                    if msg not in posted:
+                        posted.add(msg)
+                        out.append(msg)
+            out.append(a)
+            out += [m for part in a.parts for m in self.sends(part)]
+        return out
+
+    def to_strings(self) -> list[list[str]]:
+        """``[["0F0", "0F1", "0B0", ...], ...]``: one list per rank, torch's notation."""
+        return [[str(a) for a in acts] for acts in self.ranks]
+
+    def table(self) -> str:
+        """The per-rank orders as fixed-width text, one line per rank (no timing: see ``simulate``)."""
+        cells = self.to_strings()
+        width = max(len(c) for row in cells for c in row) + 1
+        return "\n".join(f"rank {r}: " + "".join(c.ljust(width) for c in row) for r, row in enumerate(cells))
+
+
+# ------------------------------------------------------------------------------------------------
+# Layouts
+# ------------------------------------------------------------------------------------------------
+def linear_layout(p: int) -> tuple[int, ...]:
+    return tuple(range(p))
+
+
+def interleaved_layout(p: int, v: int) -> tuple[int, ...]:
+    return tuple(s % p for s in range(v * p))
+
+
+def v_layout(p: int) -> tuple[int, ...]:
+    return tuple(s if s < p else 2 * p - 1 - s for s in range(2 * p))
+
+
+def _need(name: str, value, low: int, why: str = "") -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise ValueError(f"{name} must be an int >= {low}{why}, got {value!r}")
+
+
+# ------------------------------------------------------------------------------------------------
+# Generators
+# ------------------------------------------------------------------------------------------------
+def gpipe(p: int, m: int) -> Schedule:
+    """All forwards, then all backwards (torch's ScheduleGPipe order). Holds all m micro-batches."""
+    _need("p", p, 1)
+    _need("m", m, 1)
+    ranks = [[Action("F", r, i) for i in range(m)] + [Action("B", r, i) for i in range(m)] for r in range(p)]
+    return Schedule("gpipe", ranks, linear_layout(p), m).check()
+
+
+def _one_f_one_b_order(p: int, m: int, r: int, backward: str = "B") -> list[Action]:
+    """Rank r: p-r-1 warm-up forwards, then (F, B) pairs, then the remaining backwards."""
+    warmup = min(p - r - 1, m)
+    acts = [Action("F", r, i) for i in range(warmup)]
+    for i in range(m - warmup):
+        acts += [Action("F", r, warmup + i), Action(backward, r, i)]
+    acts += [Action(backward, r, i) for i in range(m - warmup, m)]
+    return acts
+
+
+def _peak_held(order: list[Action], checkpointed: set[int]) -> int:
+    """Most micro-batches whose activations one rank holds at once, walking its 1F1B order, when the
+    forwards of ``checkpointed`` keep nothing and rebuild their activations right before their backward."""
+    held = peak = 0
+    for a in order:
+        held += 1 if (a.op == "F" and a.mb not in checkpointed) or (a.op == "B" and a.mb in checkpointed) else 0
+        peak = max(peak, held)
+        held -= 1 if a.op == "B" else 0
+    return peak
+
+
+def one_f_one_b(p: int, m: int, recompute: str = "none", keep: int | None = None) -> Schedule:
+    """1F1B (PipeDream-flush): bubble (p-1)(F+B), rank r holds p-r micro-batches.
+
+    ``recompute`` checkpoints forwards so that each rank holds at most ``keep`` micro-batches' activations
+    at once (default ``ceil(p/2)``), counting the one a recompute rebuilds: walking the rank's order, a
+    forward keeps its activations unless that would break the cap even if every later one recomputed.
+
+    - ``"none"``: no checkpointing.
+    - ``"inline"``: the backward recomputes first, after its gradient arrived (``torch.utils.checkpoint``).
+    - ``"bubble"``: an explicit ``R`` right before the backward; it needs no gradient, so it runs while the
+      rank would wait for one (cool-down bubbles, gradient in flight): recompute in the bubble (RiPipe).
+    """
+    _need("p", p, 1)
+    _need("m", m, p, " (1F1B needs at least p micro-batches)")
+    if recompute not in ("none", "inline", "bubble"):
+        raise ValueError(f"recompute={recompute!r}; allowed: 'none', 'inline', 'bubble'")
+    keep = -(-p // 2) if keep is None else keep
+    _need("keep", keep, 1)
+    ranks, ckpt = [], set()
+    for r in range(p):
+        order = _one_f_one_b_order(p, m, r)
+        if recompute != "none":
+            mine: set[int] = set()
+            undecided = set(range(m))
+            for a in order:  # greedy: hold a forward unless that breaks the cap even if all later ones recompute
+                if a.op == "F":
+                    undecided.discard(a.mb)
+                    if _peak_held(order, mine | undecided) > keep:
+                        mine.add(a.mb)
+            ckpt |= {(r, mb, 0) for mb in mine}
+        if recompute == "bubble":
+            order = [x for a in order for x in
+                     ([Action("R", r, a.mb), a] if a.op == "B" and (r, a.mb, 0) in ckpt else [a])]
+        ranks.append(order)
+    name = "1f1b" if recompute == "none" else f"1f1b-recompute-{recompute}"
+    return Schedule(name, ranks, linear_layout(p), m, checkpointed=frozenset(ckpt),
+                    meta={"recompute": recompute, "keep": keep}).check()
+
+
+def interleaved_1f1b(p: int, m: int, v: int = 2) -> Schedule:
+    """Megatron's interleaved 1F1B with v stages per rank: bubble (p-1)(F+B)/v with per-rank F, B.
+
+    Rank r warms up with (v-1)p + 2(p-r-1) forwards. The k-th forward runs stage chunk (k // p) % v of
+    micro-batch (k // pv) * p + k % p; backwards walk the chunks in reverse. Needs m % p == 0.
+    """
+    _need("p", p, 1)
+    _need("v", v, 2, " (v = 1 is plain 1F1B)")
+    _need("m", m, p, " (interleaved 1F1B needs at least p micro-batches)")
+    if m % p:
+        raise ValueError(f"m={m} must be a multiple of p={p} for interleaved 1F1B")
+    total = v * m
+
+    def unit(k: int, backward: bool) -> tuple[int, int]:
+        local = (k // p) % v
+        return (v - 1 - local if backward else local), (k // (p * v)) * p + k % p
+
+    ranks = []
+    for r in range(p):
+        warmup = min((v - 1) * p + 2 * (p - r - 1), total)
+        fwd = [Action("F", c * p + r, mb) for c, mb in (unit(k, False) for k in range(total))]
+        bwd = [Action("B", c * p + r, mb) for c, mb in (unit(k, True) for k in range(total))]
+        acts = fwd[:warmup]
+        for i in range(total - warmup):
+            acts += [fwd[warmup + i], bwd[i]]
+        ranks.append(acts + bwd[total - warmup:])
+    return Schedule("interleaved", ranks, interleaved_layout(p, v), m, meta={"v": v}).check()
+
+
+def zb_h1(p: int, m: int) -> Schedule:
+    """ZB-H1 (Qi et al., ICLR 2024): 1F1B with the backward split into I (dX) and W (dW).
+
+    Rank r runs 1F1B's order with I in place of B; each W follows its I except that rank r keeps r W
+    back during the steady state, and its cool-down runs them late, so the input gradient reaches
+    earlier ranks sooner. Bubble (p-1)(F+B-2W) (B = I + W), memory p micro-batches like 1F1B.
+    """
+    _need("p", p, 1)
+    _need("m", m, p, " (ZB-H1 needs at least p micro-batches)")
+    ranks = []
+    for r in range(p):
+        warmup = min(p - r - 1, m)
+        acts = [Action("F", r, i) for i in range(warmup)]
+        pending: list[int] = []
+        lag = min(r, m - warmup)  # W kept back on rank r
+        for i in range(m - warmup):
+            acts += [Action("F", r, warmup + i), Action("I", r, i)]
+            pending.append(i)
+            if len(pending) > lag:
+                acts.append(Action("W", r, pending.pop(0)))
+        for i in range(m - warmup, m):
+            acts.append(Action("I", r, i))
+            pending.append(i)
+            acts.append(Action("W", r, pending.pop(0)))
+        acts += [Action("W", r, i) for i in pending]
+        ranks.append(acts)
+    return Schedule("zb-h1", ranks, linear_layout(p), m).check()
+
+
+def dualpipev(p: int, m: int) -> Schedule:
+    """DualPipeV (DeepSeek's ``dualpipev.py``): 2p stages in a V, the eight steps per rank r.
+
+    Stage r is rank r's phase 0, stage 2p-1-r its phase 1 ("F0" = forward of phase 0 ...). I is a
+    backward with W deferred; W pops the oldest deferred one (WeightGradStore is a FIFO)::
+
+        1. 2(p-r-1) x F0
+        2. (r+1) x [F0, F1]
+        3. (p-r-1) x [I1, W, F1]
+        4. (m-2p+r+1) x [F0&B1, F1&B0]   (last rank: its first F0, B1 not overlapped)
+        5. (p-r-1) x [B1, F1&B0]
+        6. (r+1) x [B1, B0]                  zero-bubble split switched on at i = (r+1)//2:
+                                             before B1 on odd ranks, before B0 on even ranks
+        7. (p-r-1) x [W, B0 (as I if split on)]
+        8. (r+1) x W
+
+    Needs m >= 2p. Bubble (p-1)(F&B + B - 3W) per chunk costs; the same order as torch's ScheduleDualPipeV.
+    """
+    _need("p", p, 1)
+    _need("m", m, 2 * p, f" (DualPipeV needs m >= 2p = {2 * p})")
+    ranks = []
+    for r in range(p):
+        s0, s1 = r, 2 * p - 1 - r
+        acts: list[Action] = []
+        nxt: dict[tuple[str, int], int] = defaultdict(int)  # next micro-batch per (kind, stage)
+        deferred: list[Action] = []
+
+        def take(kind: str, stage: int) -> int:
+            nxt[(kind, stage)] += 1
+            return nxt[(kind, stage)] - 1
+
+        def f(stage: int) -> Action:
+            return Action("F", stage, take("F", stage))
+
+        def b(stage: int, split: bool = False) -> Action:
+            a = Action("I" if split else "B", stage, take("bwd", stage))
+            if split:
+                deferred.append(Action("W", stage, a.mb))
+            return a
+
+        def w() -> None:
+            if deferred:
+                acts.append(deferred.pop(0))
+
+        acts += [f(s0) for _ in range(2 * (p - r - 1))]                      # 1
+        for _ in range(r + 1):                                                # 2
+            acts += [f(s0), f(s1)]
+        for _ in range(p - r - 1):                                            # 3
+            acts.append(b(s1, split=True))
+            w()
+            acts.append(f(s1))
+        for i in range(m - 2 * p + r + 1):                                    # 4
+            if i == 0 and r == p - 1:
+                acts += [f(s0), b(s1)]
+            else:
+                acts.append(fb(f(s0), b(s1)))
+            acts.append(fb(f(s1), b(s0)))
+        for _ in range(p - r - 1):                                            # 5
+            acts.append(b(s1))
+            acts.append(fb(f(s1), b(s0)))
+        split = False                                                         # 6
+        for i in range(r + 1):
+            if i == (r + 1) // 2 and r % 2 == 1:
+                split = True
+            acts.append(b(s1, split))
+            if i == (r + 1) // 2 and r % 2 == 0:
+                split = True
+            acts.append(b(s0, split))
+        for _ in range(p - r - 1):                                            # 7
+            w()
+            acts.append(b(s0, split))
+        for _ in range(r + 1):                                                # 8
+            w()
+        ranks.append(acts)
+    return Schedule("dualpipev", ranks, v_layout(p), m).check()
+
+
+# ------------------------------------------------------------------------------------------------
+# torch.distributed.pipelining's orders, in this model
+# ------------------------------------------------------------------------------------------------
+TORCH_NAMES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "Interleaved1F1B", "zbv": "ZBVZeroBubble",
+               "dualpipev": "DualPipeV"}
+
+
+def from_torch(name: str, p: int, m: int) -> Schedule:
+    """The compute order torch.distributed.pipelining defines for ``name`` (a key or value of
+    ``TORCH_NAMES``), converted to this model (no processes needed).
+
+    torch's ``FULL_BACKWARD`` is B, ``BACKWARD_INPUT`` I, ``OVERLAP_F_B`` FB; communication and
+    ``REDUCE_GRAD`` entries are dropped. Multi-stage schedules get 2 stages per rank.
+    """
+    from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
+    from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
+
+    torch_name = TORCH_NAMES.get(name, name)
+    if torch_name not in TORCH_NAMES.values():
+        raise ValueError(f"schedule={name!r} has no torch counterpart here; allowed: {sorted(TORCH_NAMES)}")
+    single = issubclass(get_schedule_class(torch_name), PipelineScheduleSingle)
+    ops = get_schedule_ops(torch_name, p, m, num_stages_per_rank=1 if single else 2)
+    kinds = {"F": "F", "B": "B", "I": "I", "W": "W"}
+
+    def convert(a) -> Action | None:
+        if a is None:
+            return None
+        if a.sub_actions:
+            return fb(*(convert(s) for s in a.sub_actions))
+        op = kinds.get(a.computation_type.value)
+        return Action(op, a.stage_index, a.microbatch_index) if op else None
+
+    ranks = [[c for c in map(convert, row) if c is not None] for row in ops]
+    layout = linear_layout(p) if single else (v_layout(p) if torch_name in ("ZBVZeroBubble", "DualPipeV")
+                                              else interleaved_layout(p, 2))
+    return Schedule(f"torch-{torch_name}", ranks, layout, m)
+
+
+# ------------------------------------------------------------------------------------------------
+# By name
+# ------------------------------------------------------------------------------------------------
+SCHEDULES = {
+    "gpipe": lambda p, m, **kw: gpipe(p, m),
+    "1f1b": lambda p, m, **kw: one_f_one_b(p, m),
+    "interleaved": lambda p, m, v=2, **kw: interleaved_1f1b(p, m, v),
+    "zb-h1": lambda p, m, **kw: zb_h1(p, m),
+    "dualpipev": lambda p, m, **kw: dualpipev(p, m),
+    "1f1b-recompute-inline": lambda p, m, keep=None, **kw: one_f_one_b(p, m, "inline", keep),
+    "1f1b-recompute-bubble": lambda p, m, keep=None, **kw: one_f_one_b(p, m, "bubble", keep),
+}
+
+
+def make_schedule(name: str, p: int, m: int, **options) -> Schedule:
+    """``make_schedule("dualpipev", p=2, m=8)``; options: ``v`` (interleaved), ``keep`` (recompute)."""
+    if name not in SCHEDULES:
+        raise ValueError(f"schedule={name!r} is not known; allowed: {sorted(SCHEDULES)}")
+    return SCHEDULES[name](p, m, **options)
