@@ -1,0 +1,317 @@
+"""Lesson 05 per-rank program: EDGC vs plain all-reduce vs torch's powerSGD_hook.
+
+Every rank trains the same tiny GPT three ways on its own slice of each global batch:
+
+    baseline     plain all-reduce of every gradient (DDP's default hook)
+    edgc         warm-up of plain all-reduce, then PowerSGD whose rank per stage follows the entropy
+    torch/ours   torch DDP + powerSGD_hook and our PowerSGDReducer at one fixed rank, step by step,
+                 to show they compute the same numbers
+
+and reports losses, bytes per step (from the ledger), entropy and rank over time. ``invariants``
+runs the checks of the technique on random gradients (used by the tests).
+"""
+from __future__ import annotations
+
+import copy
+import math
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_psgd
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from toolkit.comm.edgc import (EDGC, CommTimeModel, EDGCConfig, PowerSGDReducer, allreduce_mean_, allreduce_wire_bytes,
+                               error_fraction, spectral_tail, step_elements)
+from toolkit.data import batches
+from toolkit.models.gpt import GPT, count_params, preset, split_stages
+
+PRESETS = {
+    "smoke": dict(model="smoke", batch=8, steps=40, lr=3e-3, warmup=8, window=8, isr_every=2, gsr=0.25,
+                  ref_bits=6.0, r_init=4, r_min=1, r_max=8, stages=2, torch_rank=4, torch_start=2, torch_steps=8,
+                  eval_batches=4),
+    "default": dict(model="default", batch=8, steps=200, lr=2e-3, warmup=25, window=25, isr_every=3, gsr=0.05,
+                    ref_bits=6.0, r_init=8, r_min=4, r_max=32, stages=2, torch_rank=4, torch_start=4, torch_steps=16,
+                    eval_batches=8),
+    "full": dict(model="full", batch=8, steps=2000, lr=6e-4, warmup=200, window=100, isr_every=10, gsr=0.01,
+                 ref_bits=6.0, r_init=16, r_min=4, r_max=64, stages=2, torch_rank=8, torch_start=10, torch_steps=40,
+                 eval_batches=16),
+}
+PROBE_ELEMENTS = (1 << 8, 1 << 12, 1 << 16, 1 << 20)  # all-reduce sizes (fp32 elements) the time model is fitted to
+PROBE_REPS = 5
+
+
+def validate(cfg: dict, world_size: int) -> dict:
+    name = cfg.get("preset", "default")
+    if name not in PRESETS:
+        raise ValueError(f"preset={name!r} is not known; allowed: {sorted(PRESETS)}")
+    out = {**PRESETS[name], **cfg, "preset": name}
+    if world_size < 2:
+        raise ValueError(f"world_size={world_size}: gradient compression needs at least 2 data-parallel ranks")
+    for key in ("batch", "steps", "window", "isr_every", "r_init", "r_min", "r_max", "stages", "torch_rank",
+                "torch_steps", "eval_batches"):
+        if not isinstance(out[key], int) or isinstance(out[key], bool) or out[key] < 1:
+            raise ValueError(f"{key} must be a positive int, got {out[key]!r}")
+    if not isinstance(out["warmup"], int) or not 0 <= out["warmup"] < out["steps"]:
+        raise ValueError(f"warmup must be an int in [0, steps={out['steps']}), got {out['warmup']!r}")
+    if not isinstance(out["torch_start"], int) or not 2 <= out["torch_start"] < out["torch_steps"]:
+        raise ValueError(f"torch_start must be an int in [2, torch_steps={out['torch_steps']}) (torch's PowerSGD "
+                         f"needs 2 plain steps first), got {out['torch_start']!r}")
+    if not (isinstance(out["lr"], (int, float)) and math.isfinite(out["lr"]) and out["lr"] > 0):
+        raise ValueError(f"lr must be a finite number > 0, got {out['lr']!r}")
+    n_layer = preset(out["model"]).n_layer
+    if n_layer % out["stages"]:
+        raise ValueError(f"stages={out['stages']} must divide the model's n_layer={n_layer}")
+    out["edgc"] = _edgc_cfg(out).validate().__dict__
+    return out
+
+
+def _data(device: torch.device, *args, **kwargs):
+    """``toolkit.data.batches`` moved to ``device``."""
+    for x, y in batches(*args, **kwargs):
+        yield x.to(device), y.to(device)
+
+
+def _edgc_cfg(cfg: dict) -> EDGCConfig:
+    return EDGCConfig(warmup=cfg["warmup"], window=cfg["window"], isr_every=cfg["isr_every"], gsr=cfg["gsr"],
+                      ref_bits=cfg["ref_bits"], r_init=cfg["r_init"], r_min=cfg["r_min"], r_max=cfg["r_max"])
+
+
+def _train(ctx, model: GPT, cfg: dict, tag: str, sync, steps: int) -> dict:
+    """AdamW on this rank's slice of each global batch; ``sync(step)`` averages the gradients."""
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], weight_decay=0.0)
+    seq = model.cfg.seq_len
+    out = {"loss": [], "sent_bytes": [], "allreduce_bytes": [], "comm_s": [], "info": []}
+    led = ctx.ledger
+    data = _data(ctx.device, cfg["batch"], seq, steps, seed=1, rank=ctx.rank, world=ctx.world_size)
+    for step, (x, y) in enumerate(data):
+        loss = model(x, y)
+        opt.zero_grad(set_to_none=False)
+        loss.backward()
+        with led.tag("metrics"):
+            dist.barrier()  # line the ranks up, so comm seconds measure the transfer, not the wait for a peer
+        before = (led.total("sent_bytes", tag), led.total("sent_bytes", tag, "all_reduce"), led.total("seconds", tag))
+        with led.tag(tag):
+            out["info"].append(sync(step))
+        out["sent_bytes"].append(led.total("sent_bytes", tag) - before[0])
+        out["allreduce_bytes"].append(led.total("sent_bytes", tag, "all_reduce") - before[1])
+        out["comm_s"].append(led.total("seconds", tag) - before[2])
+        opt.step()
+        out["loss"].append(_global_mean(ctx, loss))
+        ctx.progress(step + 1, steps, tag)
+    return out
+
+
+def _global_mean(ctx, loss: torch.Tensor) -> float:
+    with ctx.ledger.tag("metrics"):  # kept apart from the gradient traffic
+        t = loss.detach().clone()
+        dist.all_reduce(t)
+    return t.item() / ctx.world_size
+
+
+@torch.no_grad()
+def _eval(model: GPT, cfg: dict) -> float:
+    """Mean loss on fixed held-out batches (the same on every rank, replicas are identical)."""
+    data = _data(next(model.parameters()).device, cfg["batch"], model.cfg.seq_len, cfg["eval_batches"], seed=12345)
+    return sum(model(x, y).item() for x, y in data) / cfg["eval_batches"]
+
+
+def _gradient_tails(model: GPT, cfg: dict) -> dict[tuple[int, int], torch.Tensor]:
+    """Eckart–Young tail g(r) of this rank's raw gradient, per matrix shape (averaged over same shapes)."""
+    x, y = next(_data(next(model.parameters()).device, cfg["batch"], model.cfg.seq_len, 1, seed=777))
+    model.zero_grad(set_to_none=True)
+    model(x, y).backward()
+    tails: dict[tuple[int, int], list[torch.Tensor]] = {}
+    for p in model.parameters():
+        if p.dim() > 1:
+            m = p.grad.reshape(p.shape[0], -1).double()
+            tails.setdefault(tuple(m.shape), []).append(spectral_tail(torch.linalg.svdvals(m) ** 2))
+    model.zero_grad(set_to_none=True)
+    return {k: torch.stack(v).mean(0) for k, v in tails.items()}
+
+
+def _fit_time_model(ctx) -> tuple[CommTimeModel, list[dict]]:
+    """Measure all-reduces of a few sizes (median of PROBE_REPS each) and fit latency + bytes/bandwidth."""
+    points = []
+    with ctx.ledger.tag("probe"):
+        for n in PROBE_ELEMENTS:
+            t = torch.zeros(n, device=ctx.device)
+            dist.all_reduce(t)  # warm-up call, not measured
+            first = len(ctx.ledger.records)
+            for _ in range(PROBE_REPS):
+                dist.all_reduce(t)
+            recs = ctx.ledger.records[first:]
+            secs = sorted(r.seconds for r in recs)[PROBE_REPS // 2]
+            points.append({"sent_bytes": recs[0].sent_bytes, "seconds": secs})
+    model = CommTimeModel.fit([p["sent_bytes"] for p in points], [p["seconds"] for p in points])
+    return model, points
+
+
+def _torch_vs_ours(ctx, model0: GPT, cfg: dict) -> dict:
+    """torch DDP + powerSGD_hook and our reducer at the same rank and seed, step by step."""
+    rank, start, steps = cfg["torch_rank"], cfg["torch_start"], cfg["torch_steps"]
+    m_torch, m_ours = copy.deepcopy(model0), copy.deepcopy(model0)
+    with ctx.ledger.tag("torch_setup"):
+        ddp = DDP(m_torch, bucket_cap_mb=1024,  # one bucket, so one Q seed as in our single-bucket reducer
+                  device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
+    state = torch_psgd.PowerSGDState(process_group=None, matrix_approximation_rank=rank, start_powerSGD_iter=start,
+                                     min_compression_rate=2, use_error_feedback=True, warm_start=True, random_seed=0)
+    seen: list[list[str]] = []
+    names = {id(p): n for n, p in m_torch.named_parameters()}
+
+    def hook(st, bucket):
+        seen.append([names[id(p)] for p in bucket.parameters()])  # the order DDP packed the gradients in
+        return torch_psgd.powerSGD_hook(st, bucket)
+
+    ddp.register_comm_hook(state, hook)
+    ours_params = dict(m_ours.named_parameters())
+    reducer: PowerSGDReducer | None = None
+    opt_t = torch.optim.AdamW(m_torch.parameters(), lr=cfg["lr"], weight_decay=0.0)
+    opt_o = torch.optim.AdamW(m_ours.parameters(), lr=cfg["lr"], weight_decay=0.0)
+    rows, seq = [], model0.cfg.seq_len
+    data = _data(ctx.device, cfg["batch"], seq, steps, seed=2, rank=ctx.rank, world=ctx.world_size)
+    for step, (x, y) in enumerate(data):
+        opt_t.zero_grad(set_to_none=False)
+        with ctx.ledger.tag("torch_powersgd"):
+            loss_t = ddp(x, y)
+            loss_t.backward()  # the hook runs inside backward
+        if len(seen) != step + 1 or len(seen[-1]) != len(names):
+            raise RuntimeError("DDP split the gradients into more than one bucket; raise bucket_cap_mb")
+        opt_o.zero_grad(set_to_none=False)
+        loss_o = m_ours(x, y)
+        loss_o.backward()
+        if reducer is None or step == start:  # DDP packs its bucket anew after step 0: follow its order
+            reducer = PowerSGDReducer([[ours_params[n] for n in seen[-1]]], [rank if step == start else None], seed=0)
+        with ctx.ledger.tag("ours_powersgd"):
+            reducer.reduce_()
+        diff = max((p_t.grad - ours_params[n].grad).abs().max().item() for n, p_t in m_torch.named_parameters())
+        equal = all(torch.equal(p_t.grad, ours_params[n].grad) for n, p_t in m_torch.named_parameters())
+        opt_t.step()
+        opt_o.step()
+        rows.append({"step": step, "compressed": step >= start, "loss_torch": loss_t.item(),
+                     "loss_ours": loss_o.item(), "grad_max_abs_diff": diff, "grads_bitwise_equal": equal})
+    params_equal = all(torch.equal(p, ours_params[n]) for n, p in m_torch.named_parameters())
+    ddp_bytes = ctx.ledger.total("sent_bytes", tag="torch_powersgd")
+    ours_bytes = ctx.ledger.total("sent_bytes", tag="ours_powersgd")
+    return {"rank": rank, "start": start, "steps": rows, "params_bitwise_equal": params_equal,
+            "sent_bytes_torch": ddp_bytes, "sent_bytes_ours": ours_bytes, "bucket_order": seen[-1]}
+
+
+def run(ctx, cfg: dict) -> dict:
+    cfg = cfg if "edgc" in cfg else validate(cfg, ctx.world_size)
+    torch.manual_seed(0)
+    model0 = GPT(preset(cfg["model"])).to(ctx.device)
+    time_model, probe = _fit_time_model(ctx)
+
+    base = copy.deepcopy(model0)
+    base_params = list(base.parameters())
+
+    def plain(step):
+        flat = torch.cat([p.grad.reshape(-1) for p in base_params])
+        allreduce_mean_(flat)
+        o = 0
+        for p in base_params:
+            p.grad.copy_(flat[o:o + p.numel()].view_as(p))
+            o += p.numel()
+
+    baseline = _train(ctx, base, cfg, "baseline", plain, cfg["steps"])
+
+    model = copy.deepcopy(model0)
+    stages = [list(s.parameters()) for s in split_stages(model, cfg["stages"])]
+    edgc = EDGC(stages, EDGCConfig(**cfg["edgc"]))
+    compressed = _train(ctx, model, cfg, "edgc", edgc.sync, cfg["steps"])
+
+    world = ctx.world_size
+    shapes = edgc.shapes
+    n_params = count_params(model0)
+    plain_step = allreduce_wire_bytes(n_params, world)
+    ranks = [rec["ranks"] for rec in compressed["info"]]
+    calls = [[allreduce_wire_bytes(e, world) for s, r in zip(shapes, rk) for e in step_elements(s, r)]
+             for rk in ranks]
+    after = slice(cfg["warmup"], cfg["steps"])
+    all_shapes = [s for st in shapes for s in st]
+    tails_init, tails_end = _gradient_tails(copy.deepcopy(model0), cfg), _gradient_tails(copy.deepcopy(model), cfg)
+    rank_curve = [{"rank": r, "sent_bytes": sum(allreduce_wire_bytes(e, world) for e in step_elements(all_shapes, r)),
+                   "predicted_s": time_model.predict([allreduce_wire_bytes(e, world)
+                                                      for e in step_elements(all_shapes, r)]),
+                   "error_mp": error_fraction(all_shapes, r),
+                   "error_grad_init": error_fraction(all_shapes, r, tails_init),
+                   "error_grad_end": error_fraction(all_shapes, r, tails_end)}
+                  for r in range(1, cfg["r_max"] + 1)]
+    return {
+        "cfg": cfg, "n_params": n_params, "world_size": world,
+        "baseline": {"loss": baseline["loss"], "sent_bytes": baseline["sent_bytes"], "eval_loss": _eval(base, cfg)},
+        "edgc": {"loss": compressed["loss"], "sent_bytes": compressed["sent_bytes"], "eval_loss": _eval(model, cfg),
+                 "allreduce_bytes": compressed["allreduce_bytes"], "predicted_allreduce_bytes": [sum(c) for c in calls],
+                 "entropy": [rec["entropy"] for rec in compressed["info"]], "ranks": ranks,
+                 "ref_entropy": edgc.h_ref},
+        "bytes_ratio_after_warmup": sum(compressed["sent_bytes"][after]) / sum(baseline["sent_bytes"][after]),
+        "plain_step_bytes": plain_step,
+        "time_model": {"latency_s": time_model.latency_s, "bytes_per_s": time_model.bytes_per_s, "probe": probe,
+                       "predicted_step_s_plain": time_model.predict([plain_step]),
+                       "predicted_step_s_edgc": [time_model.predict(c) for c in calls],
+                       "measured_step_s": {"baseline": baseline["comm_s"], "edgc": compressed["comm_s"]}},
+        "rank_curve": rank_curve,
+        "torch_vs_ours": _torch_vs_ours(ctx, model0, cfg),
+        "ledger": ctx.ledger.summary(),
+    }
+
+
+# ---- invariants on random gradients (the tests launch this) ----------------------------------------
+
+def _params(shapes, gen) -> list[torch.nn.Parameter]:
+    ps = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
+    for p in ps:
+        p.grad = torch.randn(p.shape, generator=gen)
+    return ps
+
+
+def invariants(ctx, cfg: dict) -> dict:
+    """Exact at full rank; error feedback conserves the sum; off == plain; rank disagreement is an error."""
+    shapes = cfg.get("shapes", [(24, 16), (16,), (8, 40), (40, 8)])
+    gen = torch.Generator().manual_seed(100 + ctx.rank)  # each rank its own gradients
+    out = {}
+
+    # 1. full rank: M̂ = P Pᵀ mean(M) = mean(M)
+    ps = _params(shapes, gen)
+    local = [p.grad.clone() for p in ps]
+    flat = allreduce_mean_(torch.cat([g.reshape(-1) for g in local]))  # the baseline: one flat all-reduce
+    mean = [t.view_as(g) for t, g in zip(flat.split([g.numel() for g in local]), local)]
+    full = PowerSGDReducer([ps], [max(max(s) for s in shapes)], min_compression_rate=1e-9)
+    full.reduce_()
+    out["full_rank_max_abs_err"] = max((p.grad - m).abs().max().item() for p, m in zip(ps, mean))
+    out["full_rank_uncompressed"] = full.wire_elements(0)[0]  # only the vectors travel uncompressed
+
+    # 2. off == plain all-reduce, bitwise
+    for p, g in zip(ps, local):
+        p.grad = g.clone()
+    PowerSGDReducer([ps], [None]).reduce_()
+    out["off_equals_plain"] = all(torch.equal(p.grad, m) for p, m in zip(ps, mean))
+
+    # 3. error feedback conservation: Σ_t x_t = Σ_t x̂_t + e_T on every rank
+    ps = _params(shapes, gen)
+    red = PowerSGDReducer([ps], [1])
+    sum_in = [torch.zeros(s, dtype=torch.float64) for s in shapes]
+    sum_out = [torch.zeros(s, dtype=torch.float64) for s in shapes]
+    for _ in range(cfg.get("conservation_steps", 6)):
+        for p, si in zip(ps, sum_in):
+            p.grad = torch.randn(p.shape, generator=gen)
+            si += p.grad.double()
+        red.reduce_()
+        for p, so in zip(ps, sum_out):
+            so += p.grad.double()
+    err = red.buckets[0].error.double()
+    o, worst, scale = 0, 0.0, 0.0
+    for si, so in zip(sum_in, sum_out):
+        e = err[o:o + si.numel()].view_as(si)
+        worst = max(worst, (si - so - e).abs().max().item())
+        scale = max(scale, si.abs().max().item())
+        o += si.numel()
+    out["conservation_max_abs_err"], out["conservation_scale"] = worst, scale
+
+    # 4. ranks disagree -> the same clear error on every rank, no deadlock
+    try:
+        red.set_ranks([2 + ctx.rank])
+        out["disagreement_error"] = None
+    except RuntimeError as exc:
+        out["disagreement_error"] = str(exc)
+    return out
