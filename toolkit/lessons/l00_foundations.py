@@ -97,7 +97,7 @@ def run(ctx, cfg: dict) -> dict:
 
 def pipeline(ctx, cfg, model_cfg) -> dict:
     """GPipe and 1F1B, one stage per rank, on ``pp_microbatches`` micro-batches of real tokens."""
-    from toolkit.pipeline.executor import gpt_micro_batches, measure_schedule, reference_step
+    from toolkit.pipeline.executor import gpt_micro_batches, measure_schedules, reference_step
     from toolkit.pipeline.schedule import make_schedule
     from toolkit.pipeline.simulate import timeline_bubble
 
@@ -110,9 +110,9 @@ def pipeline(ctx, cfg, model_cfg) -> dict:
     reference = copy.deepcopy(base)
     reference_step(reference, inputs, targets)
     out = {"p": p, "m": m, "n_layer": n_layer}
-    for name in ("gpipe", "1f1b"):
-        got, _ = measure_schedule(ctx, make_schedule(name, p, m), base, inputs, targets, reference,
-                                  warmup=1, steps=2, rounds=3)
+    jobs = {name: (make_schedule(name, p, m), "ours") for name in ("gpipe", "1f1b")}
+    measured, _ = measure_schedules(ctx, jobs, base, inputs, targets, reference, warmup=1, steps=2, rounds=3)
+    for name, got in measured.items():
         spans = [None] * p
         dist.all_gather_object(spans, got["spans"])  # every rank's spans of the last timed step
         merged = [s for rank_spans in spans for s in rank_spans]
