@@ -93,7 +93,11 @@ class MemoryTracker(TorchDispatchMode):
 
     # ---- public API -------------------------------------------------------------------------------
     def register(self, tensor: torch.Tensor, category: str) -> None:
-        """Count ``tensor``'s storage as ``category`` (e.g. ``"comm"``) from now until it is freed."""
+        """Count ``tensor``'s storage as ``category`` (e.g. ``"comm"``) from now until it is freed.
+
+        Also works on a tracker that is never entered: it is then a ledger of exactly the storages
+        registered (each once, dropped when freed), e.g. the saved activations of an offloader.
+        """
         if category not in CATEGORIES:
             raise ValueError(f"category={category!r} is not known; allowed: {CATEGORIES}")
         self._drain()

@@ -19,7 +19,7 @@ COLORS = {
     "send": "#9e9e9e", "recv": "#bdbdbd", "comm": "#757575", "idle": "#eeeeee", "optimizer": "#795548",
     # memory categories
     "param": "#3366cc", "grad": "#109618", "optim": "#ff9900", "act": "#dc3912", "comm_buf": "#757575",
-    "params": "#3366cc", "grads": "#109618", "activations": "#dc3912",
+    "params": "#3366cc", "grads": "#109618", "activations": "#dc3912", "host": "#9e9e9e",
     "other": "#9e9e9e",
 }
 CATEGORY_ORDER = ["param", "grad", "optim", "act", "comm"]

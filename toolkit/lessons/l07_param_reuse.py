@@ -1,0 +1,187 @@
+"""Lesson 07, per rank: parameter copy reuse under a sharded (ZeRO-1) optimizer on ``dp = world_size`` ranks.
+
+Three replicas of one bf16 GPT train side by side on the same data, each with its parameters in one
+flat bf16 buffer and its optimizer on this rank's shard of it::
+
+    backward ─► flat fp32 grads ─► all_reduce / dp ─► my shard ─► optimizer.step ─► all_gather shards ─► flat bf16
+                                                                      │
+       reuse : ReuseAdamW                     master = bf16 shard + int16 residual      (what we teach)
+       same  : MasterAdamW(rounding="away")   fp32 master, cast ties-away               (the bit-exact reference)
+       amp   : MasterAdamW("nearest_even")    fp32 master, cast round-half-even         (plain mixed precision)
+
+Checked at every step: reuse == same (bf16 weights and fp32 masters, torch.equal); reuse's bf16
+differs from ``master.bfloat16()`` on exactly the ties. Measured: bytes per parameter by category
+(storage nbytes and the MemoryTracker), how soon ``amp`` drifts away from ``same``, step times.
+"""
+from __future__ import annotations
+
+import copy
+import statistics
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from toolkit.data import batches
+from toolkit.memory.param_reuse import MasterAdamW, ReuseAdamW, bytes_by_category, count_ties, flatten_params_
+from toolkit.models import GPT, count_params, preset
+from toolkit.runtime.bench import measure
+from toolkit.runtime.memory import MemoryTracker
+
+PRESETS = {
+    "smoke": {"model": "smoke", "batch_size": 4, "steps": 20, "lr": 1e-2, "bench_steps": 2, "bench_rounds": 3},
+    "default": {"model": "default", "batch_size": 4, "seq_len": 64, "steps": 100, "lr": 3e-3, "bench_steps": 3,
+                "bench_rounds": 5},
+    "full": {"model": "full", "batch_size": 8, "steps": 1000, "lr": 3e-4, "bench_steps": 10, "bench_rounds": 5},
+}
+KNOBS = {"steps": int, "batch_size": int, "seq_len": int, "lr": float, "chunk_numel": int, "bench_steps": int,
+         "bench_rounds": int}
+
+
+def validate(cfg: dict, world_size: int) -> dict:
+    name = cfg.get("preset", "smoke")
+    if name not in PRESETS:
+        raise ValueError(f"preset={name!r} is not known; allowed: {sorted(PRESETS)}")
+    unknown = set(cfg) - set(KNOBS) - {"preset", "model"}
+    if unknown:
+        raise ValueError(f"unknown cfg keys {sorted(unknown)}; allowed: {sorted(KNOBS) + ['preset']}")
+    out = {"preset": name, "chunk_numel": 1 << 16, **PRESETS[name], **cfg}
+    out.setdefault("seq_len", preset(out["model"]).seq_len)
+    for key, kind in KNOBS.items():
+        value = out[key]
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0 or (
+                kind is int and int(value) != value):
+            raise ValueError(f"{key} must be a positive {kind.__name__}, got {value!r}")
+    if out["seq_len"] > preset(out["model"]).seq_len:
+        raise ValueError(f"seq_len={out['seq_len']} exceeds the {out['model']} model's {preset(out['model']).seq_len}")
+    if out["chunk_numel"] % 64:
+        raise ValueError(f"chunk_numel must be a multiple of 64, got {out['chunk_numel']}")
+    return out
+
+
+class Replica:
+    """One bf16 model whose parameters live in a flat buffer, and an optimizer on this rank's shard of it."""
+
+    def __init__(self, model: nn.Module, make_opt, rank: int, dp: int):
+        self.model, self.rank, self.dp = model, rank, dp
+        self.params = list(model.parameters())
+        self.numel = sum(p.numel() for p in self.params)
+        self.flat = flatten_params_(model, multiple_of=dp)  # [N_pad] bf16; every parameter is a view of it
+        self.shard = self.flat.chunk(dp)[rank]  # [N_pad/dp] bf16, what this rank's optimizer owns
+        self.opt = make_opt([self.shard])
+
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        for p in self.params:
+            p.grad = None
+        loss = self.model(x, y)
+        loss.backward()
+        return loss.item()
+
+    def step(self, x: torch.Tensor, y: torch.Tensor, mem: MemoryTracker | None = None) -> float:
+        mark = mem.mark if mem else (lambda label: None)
+        mark("forward+backward")
+        loss = self.forward_backward(x, y)
+        mark("grad all-reduce")
+        grads = torch.zeros(self.flat.numel(), dtype=torch.float32)  # [N_pad] fp32 bucket
+        torch.cat([p.grad.reshape(-1).float() for p in self.params], out=grads[:self.numel])
+        if mem:
+            mem.register(grads, "comm")
+        dist.all_reduce(grads)
+        grads /= self.dp
+        self.shard.grad = grads.chunk(self.dp)[self.rank].bfloat16()
+        del grads
+        mark("optimizer")
+        self.opt.step()
+        mark("all-gather")
+        dist.all_gather_into_tensor(self.flat, self.shard.clone())
+        self.shard.grad = None
+        return loss
+
+    def master(self) -> torch.Tensor:
+        return self.opt.master(self.shard)
+
+
+def run(ctx, cfg: dict) -> dict:
+    dp, rank = ctx.world_size, ctx.rank
+    ctx.make_grid(dp=dp)
+    model_cfg = preset(cfg["model"], seq_len=cfg["seq_len"])
+    torch.manual_seed(0)
+    base = GPT(model_cfg).to(torch.bfloat16)
+    n_params = count_params(base)
+    hyper = {"lr": cfg["lr"], "weight_decay": 0.1}
+    makers = {"reuse": lambda ps: ReuseAdamW(ps, chunk_numel=cfg["chunk_numel"], **hyper),
+              "same": lambda ps: MasterAdamW(ps, rounding="away", **hyper),
+              "amp": lambda ps: MasterAdamW(ps, rounding="nearest_even", **hyper)}
+    reps = {name: Replica(copy.deepcopy(base), make, rank, dp) for name, make in makers.items()}
+
+    # ---- training: reuse == same at every step; amp drifts once a tie rounds the other way -----------
+    data = list(batches(cfg["batch_size"], cfg["seq_len"], cfg["steps"] + 1, seed=1, rank=rank, world=dp))
+    losses = {name: [] for name in reps}
+    bitexact_steps, tie_rows, drift = 0, [], []
+    first_drift = None
+    for step, (x, y) in enumerate(data[:-1]):
+        for name, rep in reps.items():
+            losses[name].append(rep.step(x, y))
+        r, s, a = reps["reuse"], reps["same"], reps["amp"]
+        master_r = r.master()
+        same = torch.equal(r.flat.view(torch.int16), s.flat.view(torch.int16)) and torch.equal(
+            master_r.view(torch.int32), s.master().view(torch.int32))
+        ties = count_ties(master_r)  # this rank's shard
+        rne_diff = int((r.shard.view(torch.int16) != master_r.bfloat16().view(torch.int16)).sum())
+        counts = torch.tensor([int(same), ties["ties"], ties["rne_mismatches"], rne_diff], dtype=torch.int64)
+        dist.all_reduce(counts)
+        bitexact_steps += int(counts[0] == dp)
+        tie_rows.append({"step": step, "ties": int(counts[1]), "rne_mismatches": int(counts[2]),
+                         "bf16_vs_rne_cast": int(counts[3])})
+        n_drift = int((a.flat != s.flat).sum())  # flat is identical on every rank after the all-gather
+        drift.append(n_drift)
+        if n_drift and first_drift is None:
+            first_drift = step
+        ctx.progress(step + 1, cfg["steps"], "training reuse / same / amp")
+
+    # ---- memory: storage bytes per parameter, unsharded and sharded -------------------------------------
+    def per_param(model, opt, numel):
+        b = bytes_by_category(model, opt)
+        return {k: v / numel for k, v in b.items()} | {"bytes": b}
+
+    unsharded = {}
+    for name in ("reuse", "amp"):
+        m = copy.deepcopy(base)
+        unsharded[name] = per_param(m, makers[name](list(m.parameters())), n_params)
+    sharded = {name: per_param(reps[name].model, reps[name].opt, n_params) for name in ("reuse", "amp")}
+    shard_numel = reps["reuse"].shard.numel()
+
+    # ---- memory over one training step, by category (MemoryTracker) -----------------------------------
+    x, y = data[-1]
+    tracked = {}
+    for name in ("amp", "reuse"):
+        rep = reps[name]
+        with MemoryTracker(rep.model, rep.opt) as mem:
+            rep.step(x, y, mem)
+            mem.mark("end")
+        tracked[name] = {"peak": mem.peak, "peak_label": mem.peak_label, "max": mem.max_by_category,
+                         "end": mem.samples[-1], "samples": mem.samples}
+
+    # ---- step time: plain mixed precision vs reuse, interleaved round by round (the machine's load drifts) ----
+    times = {name: {"optimizer_step_s": [], "train_step_s": []} for name in ("amp", "reuse")}
+    grad = (torch.randn(reps["amp"].shard.shape) * 1e-3).bfloat16()
+    for r in range(cfg["bench_rounds"]):
+        for name in ("amp", "reuse"):
+            rep, warm = reps[name], 1 if r == 0 else 0
+            rep.shard.grad = grad
+            times[name]["optimizer_step_s"].append(measure(rep.opt.step, warmup=warm, steps=cfg["bench_steps"],
+                                                           rounds=1).mean_s)
+            rep.shard.grad = None
+            times[name]["train_step_s"].append(measure(lambda: rep.step(x, y), warmup=warm,
+                                                       steps=cfg["bench_steps"], rounds=1).mean_s)
+        ctx.progress(cfg["steps"], cfg["steps"], f"timing round {r + 1}/{cfg['bench_rounds']}")
+    bench = {name: {key: statistics.median(v) for key, v in t.items()} for name, t in times.items()}
+
+    return {
+        "dp": dp, "n_params": n_params, "numel_padded": reps["reuse"].flat.numel(), "shard_numel": shard_numel,
+        "model": {"d_model": model_cfg.d_model, "n_layer": model_cfg.n_layer, "seq_len": cfg["seq_len"]},
+        "steps": cfg["steps"], "bitexact_steps": bitexact_steps, "ties": tie_rows, "amp_drift": drift,
+        "amp_first_drift_step": first_drift, "losses": losses,
+        "bytes_per_param_unsharded": unsharded, "bytes_per_param_sharded": sharded, "tracked": tracked,
+        "bench": bench,
+    }
