@@ -233,11 +233,13 @@ def qsnr_db(x: torch.Tensor, x_hat: torch.Tensor) -> float:
 GEMM_FORMATS = ("none", "bf16", "int8", "int4", "fp8_e4m3")
 
 
-def fake_quantize_rows(x: torch.Tensor, fmt: str, block: int = 128, impl: str = "auto") -> torch.Tensor:
+def fake_quantize_rows(x: torch.Tensor, fmt: str, block: int = 128) -> torch.Tensor:
     """Fake-quantize a 2-D tensor with blocks of ``block`` elements along its last dimension.
 
     Rows are zero-padded to a multiple of ``block`` so no block straddles two rows; ``block=0``
     means one scale for the whole tensor (per-tensor). "bf16" rounds to bfloat16, "none" is the identity.
+    The same float32 operations as quantize -> dequantize (bitwise equal, tested), without building the
+    payload: this runs inside every GEMM of a training step.
     """
     if fmt not in GEMM_FORMATS:
         raise ValueError(f"fmt={fmt!r} is not allowed; allowed: {GEMM_FORMATS}")
@@ -245,12 +247,22 @@ def fake_quantize_rows(x: torch.Tensor, fmt: str, block: int = 128, impl: str = 
         return x
     if fmt == "bf16":
         return x.to(torch.bfloat16).to(x.dtype)
-    if block == 0:
-        return fake_quantize(x, fmt, x.numel(), impl=impl)
     rows, k = x.shape
-    pad = (-k) % block
-    xp = torch.nn.functional.pad(x, (0, pad)) if pad else x  # [rows, k + pad]
-    return fake_quantize(xp, fmt, block, impl=impl)[:, :k]
+    xf = x.float()
+    if block == 0:
+        xb = xf.reshape(1, 1, -1)  # one block: the whole tensor
+    else:
+        pad = (-k) % block
+        xb = (torch.nn.functional.pad(xf, (0, pad)) if pad else xf).view(rows, -1, block)  # [rows, nb, block]
+    qmax = ref.FP8_MAX if fmt == "fp8_e4m3" else float(ref.qmax_of(8 if fmt == "int8" else 4))
+    scale = xb.abs().amax(-1, keepdim=True) / qmax  # [rows, nb, 1]
+    y = xb / torch.where(scale > 0, scale, 1.0)
+    if fmt == "fp8_e4m3":
+        y = y.clamp(-qmax, qmax).to(torch.float8_e4m3fn).float()
+    else:
+        y = torch.round(y).clamp(-qmax, qmax)
+    out = (y * scale).view(rows, -1) if block else (y * scale).view(rows, k)
+    return out[:, :k].to(x.dtype)
 
 
 class _FakeQuantLinear(torch.autograd.Function):

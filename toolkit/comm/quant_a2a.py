@@ -17,7 +17,9 @@ gradient in the opposite direction, in the gradient's own precision.
 ``mode`` is "none" (send the tensor as it is: bitwise the plain collective), "bf16", "int8" or "int4".
 With ``check=True`` (the default) the ranks first all-gather their settings and whether their
 tokens are finite, so a mismatch (mode, block, hidden size, dtype) or a NaN/Inf on any rank raises
-the same ValueError on every rank instead of a hang or garbage.
+the same ValueError on every rank instead of a hang or garbage. ``ExpertParallelMoE`` checks on its
+first forward only (``check="first"``): the all-gather costs one extra latency per call, and after the
+first step a NaN is caught locally (that rank raises; its peers then fail at the collective timeout).
 """
 from __future__ import annotations
 
