@@ -1,2 +1,1 @@
-"""Communication techniques (one module per technique)."""
-from . import quant_a2a  # lesson 04: int8/int4 all-to-all for MoE dispatch
+"""Communication techniques, one module per technique (import them by name, e.g. ``toolkit.comm.quant_a2a``)."""
