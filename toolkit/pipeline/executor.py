@@ -469,32 +469,35 @@ def selfcheck(ctx, cfg: dict) -> dict:
     return out
 
 
-def measure_schedule(ctx, schedule: Schedule, base: nn.Module, inputs: list[torch.Tensor],
-                     targets: list[torch.Tensor], reference: nn.Module, *, warmup: int = 1, steps: int = 3,
-                     rounds: int = 3, impl: str = "ours") -> tuple[dict, nn.Module]:
-    """Run ``schedule`` on a fresh copy of ``base`` (on every rank, collectively) and measure it.
+def measure_schedules(ctx, jobs: dict[str, tuple[Schedule, str]], base: nn.Module, inputs: list[torch.Tensor],
+                      targets: list[torch.Tensor], reference: nn.Module, *, warmup: int = 1, steps: int = 3,
+                      rounds: int = 3, trim: int = 1) -> tuple[dict[str, dict], dict[str, nn.Module]]:
+    """Run and time several schedules on fresh copies of ``base`` (on every rank, collectively).
 
-    First one checked step: loss, largest gradient difference from ``reference`` (already stepped on the
-    same micro-batches) and, for our executor, the saved-activation bytes over the step. Then timed steps
-    (``toolkit.runtime.bench.measure``) that also record spans. ``impl="torch"`` runs torch's own
-    implementation of the schedule instead (no spans, no bytes). Returns (plain numbers, the checked model).
+    ``jobs`` maps a name to (schedule, impl); impl ``"ours"`` is ``PipelineExecutor``, ``"torch"`` torch's own
+    implementation of the schedule (``TorchPipeline``; no spans, no bytes). For each job, one checked step:
+    loss, largest gradient difference from ``reference`` (already stepped on the same micro-batches) and the
+    saved-activation bytes over the step. Then the timing, *round-robin*: every round runs ``steps`` steps of
+    each job in turn (the order rotating), so all jobs see the same machine load; ``warmup`` untimed steps
+    first. Returns (numbers per job, the checked model per job).
 
-    Numbers: ``loss``, ``grad_diff``, ``bench`` (BenchResult dict), ``spans`` (the last timed step, absolute
-    times aligned across ranks), ``op_seconds`` ({"F@3": median seconds, ...} over all timed steps; F&B keys
-    are "F&B@sf|sb"), ``peak_act_bytes``, ``act_bytes`` ([seconds into the step, live bytes] per action).
+    Numbers: ``loss``, ``grad_diff``, ``peak_act_bytes``, ``act_bytes`` ([seconds into the step, live bytes]
+    per action), ``bench`` (``toolkit.runtime.bench.BenchResult`` fields: trimmed mean of round means...),
+    ``spans`` (the last timed step, absolute times aligned across ranks) and ``op_seconds`` ({"F@3": median
+    seconds over the timed steps, ...}; F&B keys are "F&B@sf|sb").
     """
     import copy
     import statistics
 
     from toolkit.models import lm_loss
-    from toolkit.runtime.bench import measure
+    from toolkit.runtime.bench import BenchResult
     from toolkit.runtime.timeline import Timeline
 
     from .torch_compare import TorchPipeline
 
     inputs, targets = [x.to(ctx.device) for x in inputs], [y.to(ctx.device) for y in targets]
 
-    def fresh() -> tuple[nn.Module, Callable[[], object], PipelineExecutor | None]:
+    def fresh(schedule: Schedule, impl: str) -> tuple[nn.Module, Callable[[], object], PipelineExecutor | None]:
         model = copy.deepcopy(base).to(ctx.device)
         modules = gpt_stages(model, schedule, ctx.rank)
         if impl == "torch":
@@ -504,34 +507,48 @@ def measure_schedule(ctx, schedule: Schedule, base: nn.Module, inputs: list[torc
                                     device=ctx.device)
         return model, lambda: executor.step(inputs, targets), executor
 
-    checked, run_step, executor = fresh()
-    if executor is not None:
-        executor.meter = ActivationMeter(checked.parameters())
-    loss = run_step()
-    out = {"name": schedule.name, "impl": impl, "loss": loss, "grad_diff": grad_diff(
-        checked, reference, gpt_stages(checked, schedule, ctx.rank).values()),
-        "peak_act_bytes": executor.meter.peak if executor else None,
-        "act_bytes": [list(x) for x in executor.memory] if executor else []}
+    out, checked, timed = {}, {}, {}
+    for name, (schedule, impl) in jobs.items():
+        model, run_step, executor = fresh(schedule, impl)
+        if executor is not None:
+            executor.meter = ActivationMeter(model.parameters())
+        loss = run_step()
+        out[name] = {"name": schedule.name, "impl": impl, "loss": loss,
+                     "grad_diff": grad_diff(model, reference, gpt_stages(model, schedule, ctx.rank).values()),
+                     "peak_act_bytes": executor.meter.peak if executor else None,
+                     "act_bytes": [list(x) for x in executor.memory] if executor else []}
+        checked[name] = model
+        model, run_step, executor = fresh(schedule, impl)
+        if executor is not None:
+            executor.timeline = Timeline(ctx.rank)
+            executor.timeline.origin = ctx.timeline.origin  # aligned across ranks by the launch barrier
+        timed[name] = (model, run_step, executor, [], [])  # ..., step times, step start marks
 
-    timed, run_step, executor = fresh()
-    marks: list[float] = []
-    if executor is not None:
-        executor.timeline = Timeline(ctx.rank)
-        executor.timeline.origin = ctx.timeline.origin  # aligned across ranks by the launch barrier
-
-    def step():
-        timed.zero_grad(set_to_none=True)
-        marks.append(ctx.timeline.now())
-        run_step()
-
+    names = list(jobs)
+    for rnd in range(-1, rounds):  # round -1: the warm-up
+        ctx.progress(rnd + 1, rounds, "timing " + ", ".join(names))
+        for name in names[rnd % len(names):] + names[:rnd % len(names)]:
+            model, run_step, _, times, marks = timed[name]
+            ctx.barrier()
+            for _ in range(warmup if rnd < 0 else steps):
+                model.zero_grad(set_to_none=True)
+                marks.append(ctx.timeline.now())
+                start = time.perf_counter()
+                run_step()
+                if rnd >= 0:
+                    times.append(time.perf_counter() - start)
     ctx.barrier()
-    out["bench"] = measure(step, warmup=warmup, steps=steps, rounds=rounds).to_dict()
-    ctx.barrier()
-    if executor is not None:
-        spans = executor.timeline.to_json()
-        by_key: dict[str, list[float]] = defaultdict(list)
-        for s in spans[warmup * len(schedule.ranks[ctx.rank]):]:  # the timed steps (same actions every step)
-            by_key[f"{s['kind']}@{s['meta']['stage']}"].append(s["end"] - s["start"])
-        out["op_seconds"] = {k: statistics.median(v) for k, v in by_key.items()}
-        out["spans"] = [s for s in spans if s["start"] >= marks[-1]]
+    for name, (_, _, executor, times, marks) in timed.items():
+        means = [statistics.fmean(times[i * steps:(i + 1) * steps]) for i in range(rounds)]
+        kept = sorted(means)[trim:rounds - trim] if rounds > 2 * trim else means
+        std = statistics.pstdev(times)
+        out[name]["bench"] = BenchResult(statistics.fmean(kept), statistics.median(times), std,
+                                         std / statistics.fmean(times), means, times).to_dict()
+        if executor is not None:
+            spans = executor.timeline.to_json()
+            by_key: dict[str, list[float]] = defaultdict(list)
+            for s in spans[warmup * len(executor.schedule.ranks[ctx.rank]):]:  # the timed steps
+                by_key[f"{s['kind']}@{s['meta']['stage']}"].append(s["end"] - s["start"])
+            out[name]["op_seconds"] = {k: statistics.median(v) for k, v in by_key.items()}
+            out[name]["spans"] = [s for s in spans if s["start"] >= marks[-1]]
     return out, checked
