@@ -407,7 +407,8 @@ try:
                                                                                  inter_gbps=inter_gbps))[:8]
         viz.table([{k: v for k, v in row.items() if k in ("dp", "tp", "pp", "zero", "memory_gb", "fits", "step_s")}
                    for row in rows], formats={"memory_gb": ".1f", "step_s": ".2f"},
-                  title=f"{params_b:g}B on {gpus} GPUs (cost model)").show()
+                  title=f"{params_b:g}B on {gpus} GPUs (cost model)").show(renderer="plotly_mimetype")
+        # (inside a widget's output area the HTML renderer makes papermill wait for the cell timeout)
 
     widgets.interact(_explore, params_b=(1.0, 175.0, 1.0), gpus=[8, 16, 32, 64, 128, 256], memory_gb=[40, 80, 141],
                      inter_gbps=(5.0, 100.0, 5.0), seq_len=[2048, 4096, 8192, 32768])

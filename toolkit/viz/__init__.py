@@ -15,7 +15,7 @@ PALETTE = ["#3366cc", "#dc3912", "#ff9900", "#109618", "#990099", "#0099c6", "#d
            "#316395"]
 COLORS = {
     # pipeline actions
-    "F": "#3366cc", "B": "#109618", "W": "#ff9900", "BW": "#0b7a2e", "F&B": "#7b3fbf", "R": "#990099", "S": "#0099c6", "T": "#dd4477",
+    "F": "#3366cc", "B": "#109618", "I": "#109618", "W": "#ff9900", "BW": "#0b7a2e", "F&B": "#7b3fbf", "R": "#990099", "S": "#0099c6", "T": "#dd4477",
     "send": "#9e9e9e", "recv": "#bdbdbd", "comm": "#757575", "idle": "#eeeeee", "optimizer": "#795548",
     # memory categories
     "param": "#3366cc", "grad": "#109618", "optim": "#ff9900", "act": "#dc3912", "comm_buf": "#757575",

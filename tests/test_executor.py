@@ -1,0 +1,128 @@
+"""The executor on real processes: every schedule's loss and gradients equal the single-process model."""
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+from toolkit import launch
+from toolkit.models import GPT, lm_loss, preset
+from toolkit.pipeline import PipelineExecutor, dualpipev, make_schedule, one_f_one_b, zb_h1
+from toolkit.pipeline.executor import ActivationMeter, WeightGradStore, gpt_micro_batches, gpt_stages, reference_step, \
+    split_weight_grads
+
+OURS = ["gpipe", "1f1b", "interleaved", "zb-h1", "dualpipev", "1f1b-recompute-inline", "1f1b-recompute-bubble"]
+TORCH_ORDERS = ["torch:zbv", "torch:dualpipev"]  # torch's orders run by our executor
+TORCH_IMPL = ["torch-impl:1f1b", "torch-impl:dualpipev"]  # torch's own runtime, same model and data
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    return launch("toolkit.pipeline.executor:selfcheck", 2, {"schedules": OURS + TORCH_ORDERS + TORCH_IMPL, "m": 4},
+                  timeout_s=300, progress="none")
+
+
+@pytest.fixture(scope="module")
+def three_ranks():
+    with warnings.catch_warnings():  # 3 ranks on a 2-core machine share cores; results are unaffected
+        warnings.simplefilter("ignore", UserWarning)
+        return launch("toolkit.pipeline.executor:selfcheck", 3,
+                      {"schedules": ["1f1b", "interleaved", "zb-h1", "dualpipev", "1f1b-recompute-bubble"], "m": 6},
+                      timeout_s=300, progress="none")
+
+
+def _check(results):
+    for name in results[0]:
+        diffs = [r[name]["grad_diff"] for r in results]
+        losses = [r[name]["loss"] for r in results if r[name]["loss"] is not None]
+        assert max(diffs) <= TOL, (name, diffs)
+        assert len(losses) == 1 and losses[0] == pytest.approx(results[0][name]["ref_loss"], abs=TOL), (name, losses)
+
+
+def test_every_schedule_matches_the_single_process_model_on_2_ranks(two_ranks):
+    assert set(two_ranks[0]) == set(OURS + TORCH_ORDERS + TORCH_IMPL)
+    _check(two_ranks)
+
+
+def test_every_schedule_matches_the_single_process_model_on_3_ranks(three_ranks):
+    _check(three_ranks)
+
+
+def test_recompute_holds_fewer_activation_bytes(two_ranks):
+    rank0 = two_ranks[0]  # rank 0 of 1F1B holds 2 micro-batches; keep = 1 halves that
+    assert rank0["1f1b-recompute-bubble"]["peak_act_bytes"] < rank0["1f1b"]["peak_act_bytes"]
+    assert rank0["1f1b-recompute-inline"]["peak_act_bytes"] < rank0["1f1b"]["peak_act_bytes"]
+
+
+def test_single_rank_schedules_run_without_processes():
+    """p = 1: every stage is local, so the executor runs in this process (handoffs only)."""
+    cfg = preset("smoke", n_layer=4)
+    inputs, targets = gpt_micro_batches(2, 2, cfg.seq_len)
+    torch.manual_seed(0)
+    base = GPT(cfg)
+    reference = copy.deepcopy(base)
+    ref_loss = reference_step(reference, inputs, targets)
+    for schedule in (dualpipev(1, 2), zb_h1(1, 2), one_f_one_b(1, 2, "bubble", keep=1)):
+        model = copy.deepcopy(base)
+        executor = PipelineExecutor(schedule, 0, gpt_stages(model, schedule, 0), lm_loss, (2, cfg.seq_len, cfg.d_model))
+        assert executor.step(inputs, targets) == pytest.approx(ref_loss, abs=TOL)
+        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+            assert torch.equal(p.grad, q.grad), (schedule.name, name)
+
+
+def test_weight_grad_store_defers_exactly_the_linear_weights():
+    torch.manual_seed(0)
+    plain = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 2))
+    split = split_weight_grads(copy.deepcopy(plain))
+    x = torch.randn(3, 4, requires_grad=True)
+    plain(x).square().sum().backward()
+    x2 = x.detach().requires_grad_()
+    WeightGradStore.clear()
+    WeightGradStore.split_forward = True  # this forward's backward will be an I
+    y = split(x2)
+    WeightGradStore.split_forward, WeightGradStore.enabled = False, True
+    y.square().sum().backward()
+    WeightGradStore.enabled = False
+    WeightGradStore.flush((0, 0, 0))
+    assert split[0].weight.grad is None and split[1].weight.grad is not None  # LayerNorm's grad is not deferred
+    assert torch.allclose(x2.grad, x.grad)
+    WeightGradStore.pop((0, 0, 0))
+    for p, q in zip(split.parameters(), plain.parameters()):
+        assert torch.allclose(p.grad, q.grad, atol=1e-6) and p.grad.grad_fn is None
+
+
+def test_activation_meter_counts_each_storage_once():
+    meter = ActivationMeter(params=[])
+    x = torch.randn(4, 8)
+    meter.hold((0, 0, 0), [x, x[1:], x.t()])  # three views of one storage
+    assert meter.live == x.numel() * 4
+    meter.hold((0, 1, 0), [x])  # another key holding it: still one storage
+    meter.release((0, 0, 0))
+    assert meter.live == x.numel() * 4
+    meter.release((0, 1, 0))
+    assert meter.live == 0 and meter.peak == x.numel() * 4
+
+
+def test_executor_rejects_stages_the_schedule_does_not_put_here():
+    schedule = make_schedule("1f1b", 2, 2)
+    with pytest.raises(ValueError, match="schedule puts \\[0\\] here"):
+        PipelineExecutor(schedule, 0, {1: torch.nn.Identity()}, lm_loss, (1, 1, 1))
+
+
+def test_lesson_03_bad_input_names_the_parameter():
+    from toolkit.lessons import l03_dualpipev as l03
+    with pytest.raises(ValueError, match="m=3 micro-batches is too few: DualPipeV needs m >= 2 \\* world_size = 4"):
+        l03.validate({"preset": "smoke", "m": 3}, 2)
+    with pytest.raises(ValueError, match="n_layer=6 must be divisible by 2 \\* world_size = 4"):
+        l03.validate({"preset": "smoke", "n_layer": 6}, 2)
+    with pytest.raises(ValueError, match="m=5 must be a multiple of world_size=2"):
+        l03.validate({"preset": "smoke", "m": 5}, 2)
+    with pytest.raises(ValueError, match="schedules has unknown entries \\['zb-h2'\\]"):
+        l03.validate({"preset": "smoke", "schedules": ["zb-h2"]}, 2)
+    with pytest.raises(ValueError, match="preset='tiny'"):
+        l03.validate({"preset": "tiny"}, 2)
+    with pytest.raises(ValueError, match="micro_batch must be a positive int"):
+        l03.validate({"preset": "smoke", "micro_batch": 0}, 2)

@@ -1,0 +1,74 @@
+"""Lesson 03, per rank: DualPipeV against 1F1B, ZB-H1 and interleaved 1F1B, and against torch's DualPipeV.
+
+    for each schedule (ours, toolkit.pipeline.executor):       torch.distributed.pipelining.ScheduleDualPipeV
+        fresh copy of the same tiny GPT, same micro-batches      on the same stages and data
+        1 checked step: loss, grads vs single process,           1 checked step
+                        saved-activation bytes over the step
+    then all of them timed round-robin (each round runs every schedule in turn, so they share the load),
+    ours with per-action spans
+    -> step times, op times (F, B, I, W, F&B per stage), the last step's timeline, bytes; the notebook
+       simulates every schedule with the measured op times and compares with the real steps.
+
+1F1B and ZB-H1 cut the model into p stages; interleaved (v = 2) and DualPipeV into 2p, so n_layer must be
+a multiple of 2p.
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from toolkit.models import GPT, preset
+from toolkit.pipeline.executor import gpt_micro_batches, measure_schedules, reference_step
+from toolkit.pipeline.schedule import make_schedule
+from toolkit.pipeline.torch_compare import compare_orders
+
+PRESETS = {
+    "smoke": {"model": "smoke", "n_layer": 4, "m": 4, "micro_batch": 2, "warmup": 1, "steps": 2, "rounds": 3},
+    "default": {"model": "default", "n_layer": 4, "m": 8, "micro_batch": 4, "warmup": 2, "steps": 3, "rounds": 5},
+    "full": {"model": "full", "n_layer": 12, "m": 16, "micro_batch": 2, "warmup": 3, "steps": 5, "rounds": 5},
+}
+SCHEDULES = ("1f1b", "zb-h1", "interleaved", "dualpipev")
+
+
+def validate(cfg: dict, world_size: int) -> dict:
+    name = cfg.get("preset", "default")
+    if name not in PRESETS:
+        raise ValueError(f"preset={name!r} is not known; allowed: {sorted(PRESETS)}")
+    out = {**PRESETS[name], **cfg}
+    for key in ("n_layer", "m", "micro_batch", "steps", "rounds"):
+        if not isinstance(out[key], int) or isinstance(out[key], bool) or out[key] < 1:
+            raise ValueError(f"{key} must be a positive int, got {out[key]!r}")
+    p = world_size
+    if out["m"] < 2 * p:
+        raise ValueError(f"m={out['m']} micro-batches is too few: DualPipeV needs m >= 2 * world_size = {2 * p}")
+    if out["m"] % p:
+        raise ValueError(f"m={out['m']} must be a multiple of world_size={p} (interleaved 1F1B)")
+    if out["n_layer"] % (2 * p):
+        raise ValueError(f"n_layer={out['n_layer']} must be divisible by 2 * world_size = {2 * p} "
+                         "(DualPipeV and interleaved cut the model into 2p stages)")
+    unknown = [s for s in out.get("schedules", SCHEDULES) if s not in SCHEDULES]
+    if unknown:
+        raise ValueError(f"schedules has unknown entries {unknown}; allowed: {SCHEDULES}")
+    out["schedules"] = list(out.get("schedules", SCHEDULES))
+    preset(out["model"], n_layer=out["n_layer"])  # raises on a bad model preset
+    return out
+
+
+def run(ctx, cfg: dict) -> dict:
+    p, m = ctx.world_size, cfg["m"]
+    model_cfg = preset(cfg["model"], n_layer=cfg["n_layer"])
+    inputs, targets = gpt_micro_batches(m, cfg["micro_batch"], model_cfg.seq_len, seed=1)
+    torch.manual_seed(0)
+    base = GPT(model_cfg)
+    reference = copy.deepcopy(base)
+    ref_loss = reference_step(reference, inputs, targets)
+    jobs = {f"{name}/ours": (make_schedule(name, p, m), "ours") for name in cfg["schedules"]}
+    jobs["dualpipev/torch"] = (make_schedule("dualpipev", p, m), "torch")
+    runs, _ = measure_schedules(ctx, jobs, base, inputs, targets, reference,
+                                **{k: cfg[k] for k in ("warmup", "steps", "rounds")})
+    dpv = make_schedule("dualpipev", p, m)
+    return {"rank": ctx.rank, "p": p, "m": m, "model": vars(model_cfg), "ref_loss": ref_loss, "runs": runs,
+            "orders": {name: make_schedule(name, p, m).to_strings() for name in cfg["schedules"]},
+            "torch_order_identical": compare_orders(dpv, "dualpipev")["identical"],
+            "attention_modules": [name for name, _ in base.blocks[0].attn.named_children()]}

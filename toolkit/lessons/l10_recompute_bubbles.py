@@ -1,0 +1,104 @@
+"""Lesson 10, per rank: recompute in the pipeline bubble (RiPipe) against plain checkpointing and no recompute.
+
+    1F1B, no recompute            every forward keeps its activations: rank r holds p - r micro-batches
+    1F1B, recompute inline        forwards beyond the cap ``keep`` are checkpointed; the backward
+                                  recomputes after its gradient arrives (torch.utils.checkpoint)
+    1F1B, recompute in bubble     the same forwards checkpointed; an R action right before the backward
+                                  rebuilds them while the rank waits for the gradient
+
+For each: one checked step (loss, gradients bitwise against the no-recompute run, saved-activation
+bytes over the step), then the three timed round-robin (sharing the machine's load) with per-action spans. Plus, on rank 0, the dropout check: the
+recompute restores the RNG state, so masks (and gradients) repeat; recomputing without it does not.
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn as nn
+
+from toolkit.models import GPT, preset
+from toolkit.pipeline.executor import gpt_micro_batches, gpt_stages, measure_schedules, reference_step
+from toolkit.pipeline.recompute import RecomputeQueue
+from toolkit.pipeline.schedule import one_f_one_b
+
+PRESETS = {
+    "smoke": {"model": "smoke", "n_layer": 2, "m": 4, "micro_batch": 2, "keep": 1, "warmup": 1, "steps": 2,
+              "rounds": 3},
+    "default": {"model": "default", "n_layer": 4, "m": 8, "micro_batch": 4, "keep": 1, "warmup": 2, "steps": 3,
+                "rounds": 5},
+    "full": {"model": "full", "n_layer": 12, "m": 16, "micro_batch": 2, "keep": 2, "warmup": 3, "steps": 5,
+             "rounds": 5},
+}
+MODES = ("none", "inline", "bubble")
+
+
+def validate(cfg: dict, world_size: int) -> dict:
+    name = cfg.get("preset", "default")
+    if name not in PRESETS:
+        raise ValueError(f"preset={name!r} is not known; allowed: {sorted(PRESETS)}")
+    out = {**PRESETS[name], **cfg}
+    for key in ("n_layer", "m", "micro_batch", "keep", "steps", "rounds"):
+        if not isinstance(out[key], int) or isinstance(out[key], bool) or out[key] < 1:
+            raise ValueError(f"{key} must be a positive int, got {out[key]!r}")
+    if out["m"] < world_size:
+        raise ValueError(f"m={out['m']} micro-batches is too few: 1F1B needs m >= world_size = {world_size}")
+    if out["n_layer"] % world_size:
+        raise ValueError(f"n_layer={out['n_layer']} must be divisible by world_size={world_size} (one stage per rank)")
+    preset(out["model"], n_layer=out["n_layer"])
+    return out
+
+
+def run(ctx, cfg: dict) -> dict:
+    p, m = ctx.world_size, cfg["m"]
+    model_cfg = preset(cfg["model"], n_layer=cfg["n_layer"])
+    inputs, targets = gpt_micro_batches(m, cfg["micro_batch"], model_cfg.seq_len, seed=2)
+    torch.manual_seed(0)
+    base = GPT(model_cfg)
+    reference = copy.deepcopy(base)
+    ref_loss = reference_step(reference, inputs, targets)
+    jobs = {mode: (one_f_one_b(p, m, mode, cfg["keep"]), "ours") for mode in MODES}
+    runs, models = measure_schedules(ctx, jobs, base, inputs, targets, reference,
+                                     **{k: cfg[k] for k in ("warmup", "steps", "rounds")})
+    for mode, (schedule, _) in jobs.items():
+        runs[mode]["checkpointed"] = sorted(mb for s, mb, _ in schedule.checkpointed if s == ctx.rank)
+    mine = [prm for module in gpt_stages(models["none"], one_f_one_b(p, m), ctx.rank).values()
+            for prm in module.parameters()]
+    names = {id(prm): n for n, prm in models["none"].named_parameters()}
+    bitwise = {}
+    for mode in ("inline", "bubble"):
+        other = dict(models[mode].named_parameters())
+        bitwise[mode] = all(torch.equal(prm.grad, other[names[id(prm)]].grad) for prm in mine)
+    return {"rank": ctx.rank, "p": p, "m": m, "keep": cfg["keep"], "model": vars(model_cfg), "ref_loss": ref_loss,
+            "runs": runs, "bitwise_equal_to_none": bitwise, "dropout": dropout_check() if ctx.rank == 0 else None}
+
+
+def dropout_check(seed: int = 0) -> dict:
+    """A stage with dropout, its gradients three ways: no recompute, ``RecomputeQueue`` (RNG state restored)
+    and a naive recompute that runs the forward again without restoring the RNG."""
+    torch.manual_seed(seed)
+    stage = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Dropout(0.5), nn.Linear(32, 16))
+    x = torch.randn(8, 16)
+
+    def grads(run) -> list[torch.Tensor]:
+        stage.zero_grad(set_to_none=True)
+        torch.manual_seed(seed + 1)
+        run()
+        return [prm.grad.clone() for prm in stage.parameters()]
+
+    def recompute_queue():
+        queue = RecomputeQueue()
+        queue.forward((0, 0, 0), stage, x)  # checkpointed forward: no graph kept
+        torch.rand(100)  # other work moves the global RNG on before the recompute
+        _, out = queue.recompute((0, 0, 0))
+        out.square().sum().backward()
+
+    def naive():
+        with torch.no_grad():
+            stage(x)
+        torch.rand(100)
+        stage(x).square().sum().backward()
+
+    plain = grads(lambda: stage(x).square().sum().backward())
+    return {"restored_rng_bitwise_equal": all(torch.equal(a, b) for a, b in zip(plain, grads(recompute_queue))),
+            "naive_recompute_bitwise_equal": all(torch.equal(a, b) for a, b in zip(plain, grads(naive)))}
