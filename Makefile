@@ -28,7 +28,7 @@ run: env
 	$(BIN)/python tools/run_all.py --preset $(PRESET) --out out
 
 test: env
-	$(BIN)/python -m pytest -n $(JOBS) --dist loadgroup --nbval-lax --timeout 900 tests notebooks
+	$(BIN)/python -m pytest -n $(JOBS) --dist loadfile --nbval-lax --timeout 900 tests notebooks
 
 notebooks: env          ## rebuild notebooks/*.ipynb from notebooks/src/*.py
 	$(BIN)/python tools/nb.py build

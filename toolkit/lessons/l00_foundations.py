@@ -29,6 +29,7 @@ from toolkit.parallel.demos import (run_dp_zero_fsdp, run_tensor_parallel, valid
 from toolkit.precision import MODES, train
 from toolkit.runtime.bench import comm_efficiency_ratio, measure, memory_volatility
 from toolkit.runtime.memory import MemoryTracker
+from toolkit.runtime.config import require_positive_ints
 
 PRESETS = {
     "smoke": {"model": "smoke", "batch_size": 4, "train_steps": 8, "dp_steps": 3, "dp_timing": ["ddp", "zero3", "fsdp2"],
@@ -55,9 +56,8 @@ def validate(cfg: dict, world_size: int) -> dict:
     if unknown:
         raise ValueError(f"sections has unknown entries {unknown}; allowed: {SECTIONS}")
     out = {**PRESETS[name], **cfg, "sections": sections}
-    for key in ("batch_size", "train_steps", "bench_steps", "bench_rounds", "dp_steps", "pp_microbatches"):
-        if not isinstance(out[key], int) or out[key] < 1:
-            raise ValueError(f"{key} must be a positive int, got {out[key]!r}")
+    require_positive_ints(out, "batch_size", "train_steps", "bench_steps", "bench_rounds", "dp_steps",
+                          "pp_microbatches")
     if "pipeline" in sections and out["pp_microbatches"] < world_size:
         raise ValueError(f"pp_microbatches={out['pp_microbatches']} must be >= the {world_size} pipeline stages "
                          "(1F1B needs at least one micro-batch per stage)")

@@ -22,6 +22,7 @@ from toolkit.models import GPT, preset
 from toolkit.pipeline.executor import gpt_micro_batches, measure_schedules, reference_step
 from toolkit.pipeline.schedule import make_schedule
 from toolkit.pipeline.torch_compare import compare_orders
+from toolkit.runtime.config import require_positive_ints, resolve_preset
 
 PRESETS = {
     "smoke": {"model": "smoke", "n_layer": 4, "m": 4, "micro_batch": 2, "warmup": 1, "steps": 2, "rounds": 3},
@@ -32,13 +33,8 @@ SCHEDULES = ("1f1b", "zb-h1", "interleaved", "dualpipev")
 
 
 def validate(cfg: dict, world_size: int) -> dict:
-    name = cfg.get("preset", "default")
-    if name not in PRESETS:
-        raise ValueError(f"preset={name!r} is not known; allowed: {sorted(PRESETS)}")
-    out = {**PRESETS[name], **cfg}
-    for key in ("n_layer", "m", "micro_batch", "steps", "rounds"):
-        if not isinstance(out[key], int) or isinstance(out[key], bool) or out[key] < 1:
-            raise ValueError(f"{key} must be a positive int, got {out[key]!r}")
+    out = resolve_preset(cfg, PRESETS)
+    require_positive_ints(out, "n_layer", "m", "micro_batch", "steps", "rounds")
     p = world_size
     if out["m"] < 2 * p:
         raise ValueError(f"m={out['m']} micro-batches is too few: DualPipeV needs m >= 2 * world_size = {2 * p}")

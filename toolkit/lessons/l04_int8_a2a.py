@@ -22,6 +22,7 @@ from toolkit.comm.quant_a2a import (MODES, ExpertParallelMoE, all_to_all_quantiz
                                    wire_bytes_per_token)
 from toolkit.data import batches
 from toolkit.models.gpt import GPT, preset
+from toolkit.runtime.config import require_positive_ints
 
 PRESETS = {  # sizes only; a "model" preset of toolkit.models with these fields overridden
     "smoke": dict(model="smoke", d_model=128, d_ff=256, n_head=2, n_layer=2, seq_len=32, n_expert=4, top_k=2,
@@ -62,9 +63,7 @@ def validate(cfg: dict, world_size: int) -> dict:
                          "(one fp32 scale per token per block of channels)")
     if not 1 <= out["top_k"] <= out["n_expert"]:
         raise ValueError(f"top_k={out['top_k']} must be in 1..n_expert={out['n_expert']}")
-    for key in ("steps", "batch", "wire_tokens", "n_layer", "seq_len", "d_ff"):
-        if not isinstance(out[key], int) or isinstance(out[key], bool) or out[key] < 1:
-            raise ValueError(f"{key}={out[key]!r} must be an int >= 1")
+    require_positive_ints(out, "steps", "batch", "wire_tokens", "n_layer", "seq_len", "d_ff")
     if not 0 <= out["outlier_channels"] < out["d_model"]:
         raise ValueError(f"outlier_channels={out['outlier_channels']} must be in 0..d_model-1")
     return out

@@ -24,6 +24,7 @@ from toolkit.comm.edgc import (EDGC, CommTimeModel, EDGCConfig, PowerSGDReducer,
                                error_fraction, spectral_tail, step_elements)
 from toolkit.data import batches
 from toolkit.models.gpt import GPT, count_params, preset, split_stages
+from toolkit.runtime.config import require_positive_ints, resolve_preset
 
 PRESETS = {
     "smoke": dict(model="smoke", batch=8, steps=40, lr=3e-3, warmup=8, window=8, isr_every=2, gsr=0.25,
@@ -41,16 +42,11 @@ PROBE_REPS = 5
 
 
 def validate(cfg: dict, world_size: int) -> dict:
-    name = cfg.get("preset", "default")
-    if name not in PRESETS:
-        raise ValueError(f"preset={name!r} is not known; allowed: {sorted(PRESETS)}")
-    out = {**PRESETS[name], **cfg, "preset": name}
+    out = resolve_preset(cfg, PRESETS)
     if world_size < 2:
         raise ValueError(f"world_size={world_size}: gradient compression needs at least 2 data-parallel ranks")
-    for key in ("batch", "steps", "window", "isr_every", "r_init", "r_min", "r_max", "stages", "torch_rank",
-                "torch_steps", "eval_batches"):
-        if not isinstance(out[key], int) or isinstance(out[key], bool) or out[key] < 1:
-            raise ValueError(f"{key} must be a positive int, got {out[key]!r}")
+    require_positive_ints(out, "batch", "steps", "window", "isr_every", "r_init", "r_min", "r_max", "stages",
+                          "torch_rank", "torch_steps", "eval_batches")
     if not isinstance(out["warmup"], int) or not 0 <= out["warmup"] < out["steps"]:
         raise ValueError(f"warmup must be an int in [0, steps={out['steps']}), got {out['warmup']!r}")
     if not isinstance(out["torch_start"], int) or not 2 <= out["torch_start"] < out["torch_steps"]:

@@ -24,6 +24,7 @@ from toolkit.comm.sdp4bit import (Codec, SDPConfig, ShardedDP, all_gather_direct
 from toolkit.data import batches
 from toolkit.models.gpt import GPT, count_params, preset
 from toolkit.quant import dequantize_blockwise, hadamard32, qsnr_db, quantize_blockwise
+from toolkit.runtime.config import require_positive_ints, resolve_preset
 
 PRESETS = {
     "smoke": dict(model="smoke", batch=8, steps=20, lr=3e-3, nodes=2, snr_every=5, eval_batches=4),
@@ -39,15 +40,10 @@ MODES = {
 
 
 def validate(cfg: dict, world_size: int) -> dict:
-    name = cfg.get("preset", "default")
-    if name not in PRESETS:
-        raise ValueError(f"preset={name!r} is not known; allowed: {sorted(PRESETS)}")
-    out = {**PRESETS[name], **cfg, "preset": name}
+    out = resolve_preset(cfg, PRESETS)
     if world_size < 2:
         raise ValueError(f"world_size={world_size}: sharded data parallelism needs at least 2 ranks")
-    for key in ("batch", "steps", "snr_every", "eval_batches"):
-        if not isinstance(out[key], int) or isinstance(out[key], bool) or out[key] < 1:
-            raise ValueError(f"{key} must be a positive int, got {out[key]!r}")
+    require_positive_ints(out, "batch", "steps", "snr_every", "eval_batches")
     if not (isinstance(out["lr"], (int, float)) and math.isfinite(out["lr"]) and out["lr"] > 0):
         raise ValueError(f"lr must be a finite number > 0, got {out['lr']!r}")
     check_topology(world_size, out["nodes"])

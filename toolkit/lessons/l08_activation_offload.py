@@ -26,6 +26,7 @@ from toolkit.pipeline.executor import PipelineExecutor, gpt_micro_batches, gpt_s
 from toolkit.pipeline.schedule import one_f_one_b
 from toolkit.runtime.bench import measure
 from toolkit.runtime.memory import MemoryTracker
+from toolkit.runtime.config import require_positive_ints
 
 PRESETS = {
     "smoke": {"model": "smoke", "n_layer": 4, "m": 4, "micro_batch": 2, "bench_steps": 2, "bench_rounds": 3},
@@ -48,9 +49,7 @@ def validate(cfg: dict, world_size: int) -> dict:
     out = {"preset": name, "policies": DEFAULT_POLICIES, "prefetch": True, **PRESETS[name], **cfg}
     model = preset(out["model"])
     out.setdefault("seq_len", model.seq_len)
-    for key in ("n_layer", "m", "micro_batch", "seq_len", "bench_steps", "bench_rounds"):
-        if not isinstance(out[key], int) or isinstance(out[key], bool) or out[key] < 1:
-            raise ValueError(f"{key} must be a positive int, got {out[key]!r}")
+    require_positive_ints(out, "n_layer", "m", "micro_batch", "seq_len", "bench_steps", "bench_rounds")
     if world_size < 2:
         raise ValueError(f"world_size={world_size}: a pipeline needs at least 2 ranks")
     if out["n_layer"] % world_size:

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from toolkit import quant as Q
 from toolkit.data import batches
 from toolkit.models.gpt import GPT, preset
+from toolkit.runtime.config import require_positive_ints
 
 PRESETS = {  # sizes only; "model" names a toolkit.models preset, n_layer / seq_len override it
     "smoke": dict(model="smoke", n_layer=2, seq_len=32, rows=8, channels=4096, outliers=8, outlier_scale=50.0,
@@ -60,9 +61,8 @@ def validate(cfg: dict, world_size: int) -> dict:
         raise ValueError(f"blocks={out['blocks']!r} must be a non-empty list of ints >= 1 (0 = per-tensor)")
     if out["train_block"] < 1 or out["train_block"] % 2:
         raise ValueError(f"train_block={out['train_block']} must be an even int >= 2 (int4 packs two codes a byte)")
-    for key in ("rows", "channels", "capture_steps", "kappa_blocks", "train_steps", "batch", "n_layer", "seq_len"):
-        if not isinstance(out[key], int) or isinstance(out[key], bool) or out[key] < 1:
-            raise ValueError(f"{key}={out[key]!r} must be an int >= 1")
+    require_positive_ints(out, "rows", "channels", "capture_steps", "kappa_blocks", "train_steps", "batch", "n_layer",
+                          "seq_len")
     if not 0 < out["outliers"] < out["channels"]:
         raise ValueError(f"outliers={out['outliers']} must be in 1..channels-1={out['channels'] - 1}")
     if world_size < 1:

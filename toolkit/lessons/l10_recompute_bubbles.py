@@ -21,6 +21,7 @@ from toolkit.models import GPT, preset
 from toolkit.pipeline.executor import gpt_micro_batches, gpt_stages, measure_schedules, reference_step
 from toolkit.pipeline.recompute import RecomputeQueue
 from toolkit.pipeline.schedule import one_f_one_b
+from toolkit.runtime.config import require_positive_ints, resolve_preset
 
 PRESETS = {
     "smoke": {"model": "smoke", "n_layer": 2, "m": 4, "micro_batch": 2, "keep": 1, "warmup": 1, "steps": 2,
@@ -34,13 +35,8 @@ MODES = ("none", "inline", "bubble")
 
 
 def validate(cfg: dict, world_size: int) -> dict:
-    name = cfg.get("preset", "default")
-    if name not in PRESETS:
-        raise ValueError(f"preset={name!r} is not known; allowed: {sorted(PRESETS)}")
-    out = {**PRESETS[name], **cfg}
-    for key in ("n_layer", "m", "micro_batch", "keep", "steps", "rounds"):
-        if not isinstance(out[key], int) or isinstance(out[key], bool) or out[key] < 1:
-            raise ValueError(f"{key} must be a positive int, got {out[key]!r}")
+    out = resolve_preset(cfg, PRESETS)
+    require_positive_ints(out, "n_layer", "m", "micro_batch", "keep", "steps", "rounds")
     if out["m"] < world_size:
         raise ValueError(f"m={out['m']} micro-batches is too few: 1F1B needs m >= world_size = {world_size}")
     if out["n_layer"] % world_size:

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from toolkit.data import batches
 from toolkit.models.gpt import GPT, GPTConfig, split_stages
 from toolkit.pipeline import seq1f1b as s1
+from toolkit.runtime.config import require_positive_ints, resolve_preset
 
 PRESETS = {
     "smoke": dict(n_layer=4, d_model=32, n_head=2, seq_len=32, micro_batch=2, micro_batches=4, seq_chunks=4),
@@ -30,14 +31,9 @@ RUN_NAME = {"equal_tokens": "seq1f1b-tokens", "equal_compute": "seq1f1b-compute"
 
 
 def validate(cfg: dict, world_size: int) -> dict:
-    preset = cfg.get("preset", "default")
-    if preset not in PRESETS:
-        raise ValueError(f"preset={preset!r} is not known; allowed: {sorted(PRESETS)}")
-    cfg = {**PRESETS[preset], **cfg, "preset": preset}
+    cfg = resolve_preset(cfg, PRESETS)
     p = world_size
-    for key in ("n_layer", "d_model", "n_head", "seq_len", "micro_batch", "micro_batches"):
-        if not isinstance(cfg[key], int) or isinstance(cfg[key], bool) or cfg[key] < 1:
-            raise ValueError(f"{key}={cfg[key]!r} must be an int >= 1")
+    require_positive_ints(cfg, "n_layer", "d_model", "n_head", "seq_len", "micro_batch", "micro_batches")
     k = cfg["seq_chunks"]
     if not isinstance(k, int) or isinstance(k, bool) or k < 1:
         raise ValueError(f"seq_chunks={k!r} must be an int >= 1 (k = 1 is plain 1F1B)")

@@ -24,6 +24,7 @@ from toolkit.data import batches
 from toolkit.models.gpt import GPT, GPTConfig, lm_loss, split_stages
 from toolkit.pipeline import vocab_parallel as vp
 from toolkit.runtime.bench import measure
+from toolkit.runtime.config import require_positive_ints, resolve_preset
 
 PRESETS = {
     "smoke": dict(vocab_size=1024, n_layer=4, d_model=32, n_head=2, seq_len=32, micro_batch=2, micro_batches=4,
@@ -37,16 +38,12 @@ TOL = 1e-5  # fp32: the sharded softmax and the all-reduces only reorder sums
 
 
 def validate(cfg: dict, world_size: int) -> dict:
-    preset = cfg.get("preset", "default")
-    if preset not in PRESETS:
-        raise ValueError(f"preset={preset!r} is not known; allowed: {sorted(PRESETS)}")
-    cfg = {**PRESETS[preset], **cfg, "preset": preset}
+    cfg = resolve_preset(cfg, PRESETS)
     p = world_size
     if p < 2:
         raise ValueError(f"world_size={p}: vocabulary parallelism needs at least 2 pipeline stages")
-    for key in ("vocab_size", "n_layer", "d_model", "n_head", "seq_len", "micro_batch", "micro_batches", "bench_steps"):
-        if not isinstance(cfg[key], int) or cfg[key] < 1:
-            raise ValueError(f"{key}={cfg[key]!r} must be an int >= 1")
+    require_positive_ints(cfg, "vocab_size", "n_layer", "d_model", "n_head", "seq_len", "micro_batch", "micro_batches",
+                          "bench_steps")
     vp.shard_rows(cfg["vocab_size"], p, 0)  # raises, naming vocab_size, unless p divides it
     if cfg["n_layer"] % p:
         raise ValueError(f"n_layer={cfg['n_layer']} must be divisible by world_size={p} (layers per stage)")
