@@ -190,7 +190,8 @@ def launch(lesson: str, world_size: int, cfg: dict | None = None, *, backend: st
     for stale in list(tmp.glob("rank*")) + list(tmp.glob("progress.*")):
         stale.unlink()
     spec = {"lesson": lesson, "cfg": cfg, "backend": backend, "seed": seed, "threads": threads,
-            "timeout_s": timeout_s, "collective_timeout_s": max(5.0, timeout_s * 0.8), "out_dir": str(tmp)}
+            "timeout_s": timeout_s, "deadline": time.time() + timeout_s,
+            "collective_timeout_s": max(5.0, timeout_s * 0.8), "out_dir": str(tmp)}
     spec_path = tmp / "spec.json"
     spec_path.write_text(json.dumps(spec))
     extra = list(accelerate_args or [])
@@ -269,7 +270,7 @@ def _unfinished(tmp: Path, world_size: int) -> list[int]:
     return [r for r in range(world_size) if not (tmp / f"rank{r}.json").exists()]
 
 
-def _read_stacks(tmp: Path, world_size: int, wait_s: float = 4.0) -> str:
+def _read_stacks(tmp: Path, world_size: int, wait_s: float = 5.0) -> str:
     """Stacks the watchdogs of unfinished ranks dumped just before the deadline."""
     deadline = time.monotonic() + wait_s
     out = []

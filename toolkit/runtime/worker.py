@@ -55,7 +55,8 @@ def main(spec_path: str) -> int:
     out = Path(spec["out_dir"])
     rank = int(os.environ.get("RANK", 0))
     stack_file = open(out / f"rank{rank}.stack.txt", "w")
-    faulthandler.dump_traceback_later(max(spec["timeout_s"] - 3.0, 1.0), exit=False, file=stack_file)
+    # dump every thread's stack 2 s before the launcher's deadline (absolute: a rank may start late on a busy host)
+    faulthandler.dump_traceback_later(max(spec["deadline"] - time.time() - 2.0, 0.5), exit=False, file=stack_file)
     try:
         from toolkit.runtime.context import init_context
         _, fn = resolve_lesson(spec["lesson"])
