@@ -198,7 +198,7 @@ def launch(lesson: str, world_size: int, cfg: dict | None = None, *, backend: st
     cmd = [sys.executable, "-m", "accelerate.commands.launch"]
     if "--config_file" not in extra:
         cmd += ["--multi_gpu", "--num_processes", str(world_size), "--num_machines", "1",
-                "--mixed_precision", "no", "--dynamo_backend", "no", "--monitor_interval", "0.2"]
+                "--mixed_precision", "no", "--dynamo_backend", "no", "--monitor_interval", "0.1"]
         if "--main_process_port" not in extra:
             cmd += ["--main_process_port", "0"]
     cmd += extra + ["-m", "toolkit.runtime.worker", str(spec_path)]

@@ -41,9 +41,24 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
-from torch.distributed._tools.common_utils import get_untyped_storages
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
+
+def get_untyped_storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
+    """The storages behind ``t``: its own, or those of a wrapper subclass's inner tensors (DTensor).
+
+    (torch.distributed._tools has the same helper, but importing that package pulls in inductor: ~1 s per rank.)
+    """
+    pending, storages = [t], []
+    while pending:
+        obj = pending.pop()
+        if is_traceable_wrapper_subclass(obj):
+            attrs, _ = obj.__tensor_flatten__()
+            pending.extend(v for v in (getattr(obj, a) for a in attrs) if isinstance(v, torch.Tensor))
+        elif hasattr(obj, "untyped_storage"):
+            storages.append(obj.untyped_storage())
+    return storages
+
 
 CATEGORIES = ("param", "grad", "optim", "act", "comm", "host")
 DEVICE_CATEGORIES = CATEGORIES[:-1]  # the ones summed into "total"
