@@ -41,12 +41,13 @@ def doc_lengths() -> list[int]:
 
 
 def batches(batch_size: int, seq_len: int, steps: int, seed: int = 0, rank: int = 0, world: int = 1,
-            vocab_size: int = VOCAB_SIZE):
+            vocab_size: int = VOCAB_SIZE, device: torch.device | str | None = None):
     """Yield ``steps`` (inputs, targets) pairs, each [batch_size, seq_len], for one data-parallel rank.
 
     Windows are drawn at random (seeded) from the corpus; the global batch of a step is
     ``world * batch_size`` windows and rank ``rank`` gets its slice, so any dp size sees
-    the same global data. Tokens are folded into ``vocab_size`` when it is below 256.
+    the same global data. Tokens are folded into ``vocab_size`` when it is below 256. ``device``: where
+    the batches go (they are built on the CPU).
     """
     if batch_size < 1 or seq_len < 1 or steps < 0:
         raise ValueError(f"batch_size, seq_len must be >= 1 and steps >= 0; got {batch_size}, {seq_len}, {steps}")
@@ -58,4 +59,13 @@ def batches(batch_size: int, seq_len: int, steps: int, seed: int = 0, rank: int 
         starts = torch.randint(0, tokens.numel() - seq_len - 1, (world * batch_size,), generator=gen)
         mine = starts[rank * batch_size:(rank + 1) * batch_size]
         window = torch.stack([tokens[s:s + seq_len + 1] for s in mine.tolist()])
-        yield window[:, :-1].contiguous(), window[:, 1:].contiguous()
+        x, y = window[:, :-1].contiguous(), window[:, 1:].contiguous()
+        yield (x, y) if device is None else (x.to(device), y.to(device))
+
+
+@torch.no_grad()
+def held_out_loss(model: torch.nn.Module, batch_size: int, n_batches: int, seed: int = 12345) -> float:
+    """Mean loss of a ``toolkit.models.GPT`` on ``n_batches`` fixed batches (the same on every rank and run)."""
+    device = next(model.parameters()).device
+    data = batches(batch_size, model.cfg.seq_len, n_batches, seed=seed, device=device)
+    return sum(model(x, y).item() for x, y in data) / n_batches

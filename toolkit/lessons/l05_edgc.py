@@ -22,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from toolkit.comm.edgc import (EDGC, CommTimeModel, EDGCConfig, PowerSGDReducer, allreduce_mean_, allreduce_wire_bytes,
                                error_fraction, spectral_tail, step_elements)
-from toolkit.data import batches
+from toolkit.data import batches, held_out_loss
 from toolkit.models.gpt import GPT, count_params, preset, split_stages
 from toolkit.runtime.config import require_positive_ints, resolve_preset
 
@@ -61,11 +61,6 @@ def validate(cfg: dict, world_size: int) -> dict:
     return out
 
 
-def _data(device: torch.device, *args, **kwargs):
-    """``toolkit.data.batches`` moved to ``device``."""
-    for x, y in batches(*args, **kwargs):
-        yield x.to(device), y.to(device)
-
 
 def _edgc_cfg(cfg: dict) -> EDGCConfig:
     return EDGCConfig(warmup=cfg["warmup"], window=cfg["window"], isr_every=cfg["isr_every"], gsr=cfg["gsr"],
@@ -78,7 +73,7 @@ def _train(ctx, model: GPT, cfg: dict, tag: str, sync, steps: int) -> dict:
     seq = model.cfg.seq_len
     out = {"loss": [], "sent_bytes": [], "allreduce_bytes": [], "comm_s": [], "info": []}
     led = ctx.ledger
-    data = _data(ctx.device, cfg["batch"], seq, steps, seed=1, rank=ctx.rank, world=ctx.world_size)
+    data = batches(cfg["batch"], seq, steps, seed=1, rank=ctx.rank, world=ctx.world_size, device=ctx.device)
     for step, (x, y) in enumerate(data):
         loss = model(x, y)
         opt.zero_grad(set_to_none=False)
@@ -92,28 +87,16 @@ def _train(ctx, model: GPT, cfg: dict, tag: str, sync, steps: int) -> dict:
         out["allreduce_bytes"].append(led.total("sent_bytes", tag, "all_reduce") - before[1])
         out["comm_s"].append(led.total("seconds", tag) - before[2])
         opt.step()
-        out["loss"].append(_global_mean(ctx, loss))
+        out["loss"].append(ctx.mean_over_ranks(loss))
         ctx.progress(step + 1, steps, tag)
     return out
 
 
-def _global_mean(ctx, loss: torch.Tensor) -> float:
-    with ctx.ledger.tag("metrics"):  # kept apart from the gradient traffic
-        t = loss.detach().clone()
-        dist.all_reduce(t)
-    return t.item() / ctx.world_size
-
-
-@torch.no_grad()
-def _eval(model: GPT, cfg: dict) -> float:
-    """Mean loss on fixed held-out batches (the same on every rank, replicas are identical)."""
-    data = _data(next(model.parameters()).device, cfg["batch"], model.cfg.seq_len, cfg["eval_batches"], seed=12345)
-    return sum(model(x, y).item() for x, y in data) / cfg["eval_batches"]
 
 
 def _gradient_tails(model: GPT, cfg: dict) -> dict[tuple[int, int], torch.Tensor]:
     """Eckart–Young tail g(r) of this rank's raw gradient, per matrix shape (averaged over same shapes)."""
-    x, y = next(_data(next(model.parameters()).device, cfg["batch"], model.cfg.seq_len, 1, seed=777))
+    x, y = next(batches(cfg["batch"], model.cfg.seq_len, 1, seed=777, device=next(model.parameters()).device))
     model.zero_grad(set_to_none=True)
     model(x, y).backward()
     tails: dict[tuple[int, int], list[torch.Tensor]] = {}
@@ -164,7 +147,7 @@ def _torch_vs_ours(ctx, model0: GPT, cfg: dict) -> dict:
     opt_t = torch.optim.AdamW(m_torch.parameters(), lr=cfg["lr"], weight_decay=0.0)
     opt_o = torch.optim.AdamW(m_ours.parameters(), lr=cfg["lr"], weight_decay=0.0)
     rows, seq = [], model0.cfg.seq_len
-    data = _data(ctx.device, cfg["batch"], seq, steps, seed=2, rank=ctx.rank, world=ctx.world_size)
+    data = batches(cfg["batch"], seq, steps, seed=2, rank=ctx.rank, world=ctx.world_size, device=ctx.device)
     for step, (x, y) in enumerate(data):
         opt_t.zero_grad(set_to_none=False)
         with ctx.ledger.tag("torch_powersgd"):
@@ -235,8 +218,10 @@ def run(ctx, cfg: dict) -> dict:
                   for r in range(1, cfg["r_max"] + 1)]
     return {
         "cfg": cfg, "n_params": n_params, "world_size": world,
-        "baseline": {"loss": baseline["loss"], "sent_bytes": baseline["sent_bytes"], "eval_loss": _eval(base, cfg)},
-        "edgc": {"loss": compressed["loss"], "sent_bytes": compressed["sent_bytes"], "eval_loss": _eval(model, cfg),
+        "baseline": {"loss": baseline["loss"], "sent_bytes": baseline["sent_bytes"],
+                     "eval_loss": held_out_loss(base, cfg["batch"], cfg["eval_batches"])},
+        "edgc": {"loss": compressed["loss"], "sent_bytes": compressed["sent_bytes"],
+                 "eval_loss": held_out_loss(model, cfg["batch"], cfg["eval_batches"]),
                  "allreduce_bytes": compressed["allreduce_bytes"], "predicted_allreduce_bytes": [sum(c) for c in calls],
                  "entropy": [rec["entropy"] for rec in compressed["info"]], "ranks": ranks,
                  "ref_entropy": edgc.h_ref},

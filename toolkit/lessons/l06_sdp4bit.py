@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from toolkit.comm.sdp4bit import (Codec, SDPConfig, ShardedDP, all_gather_direct, all_gather_qwd, check_topology,
                                   make_topology, reduce_scatter_bf16, reduce_scatter_fp32, reduce_scatter_tlq)
-from toolkit.data import batches
+from toolkit.data import batches, held_out_loss
 from toolkit.models.gpt import GPT, count_params, preset
 from toolkit.quant import dequantize_blockwise, hadamard32, qsnr_db, quantize_blockwise
 from toolkit.runtime.config import require_positive_ints, resolve_preset
@@ -57,23 +57,7 @@ def validate(cfg: dict, world_size: int) -> dict:
     return out
 
 
-def _data(device: torch.device, *args, **kwargs):
-    """``toolkit.data.batches`` moved to ``device``."""
-    for x, y in batches(*args, **kwargs):
-        yield x.to(device), y.to(device)
 
-
-def _global_mean(ctx, x: torch.Tensor) -> float:
-    with ctx.ledger.tag("metrics"):
-        t = x.detach().clone()
-        dist.all_reduce(t)
-    return t.item() / ctx.world_size
-
-
-@torch.no_grad()
-def _eval(model: GPT, cfg: dict) -> float:
-    data = _data(next(model.parameters()).device, cfg["batch"], model.cfg.seq_len, cfg["eval_batches"], seed=12345)
-    return sum(model(x, y).item() for x, y in data) / cfg["eval_batches"]
 
 
 def _replicas_identical(ctx, replica: torch.Tensor) -> bool:
@@ -90,8 +74,8 @@ def _train(ctx, model0: GPT, cfg: dict, mode: str, topo) -> dict:
     sdp = ShardedDP(model, SDPConfig(**MODES[mode], nodes=cfg["nodes"]), topo, lr=cfg["lr"])
     led, seq = ctx.ledger, model.cfg.seq_len
     out = {"loss": [], "grad_snr_db": [], "weight_snr_db": [], "snr_steps": []}
-    for step, (x, y) in enumerate(_data(ctx.device, cfg["batch"], seq, cfg["steps"], seed=1, rank=ctx.rank,
-                                          world=ctx.world_size)):
+    for step, (x, y) in enumerate(batches(cfg["batch"], seq, cfg["steps"], seed=1, rank=ctx.rank,
+                                          world=ctx.world_size, device=ctx.device)):
         sdp.zero_grad()
         loss = model(x, y)
         loss.backward()
@@ -107,10 +91,10 @@ def _train(ctx, model0: GPT, cfg: dict, mode: str, topo) -> dict:
             sdp.gather_weights()
         if out["snr_steps"] and out["snr_steps"][-1] == step:
             out["weight_snr_db"].append(qsnr_db(sdp.master, sdp.replica[sdp.shard]))
-        out["loss"].append(_global_mean(ctx, loss))
+        out["loss"].append(ctx.mean_over_ranks(loss))
         ctx.progress(step + 1, cfg["steps"], mode)
     out["replicas_identical"] = _replicas_identical(ctx, sdp.replica)
-    out["eval_loss"] = _eval(model, cfg)
+    out["eval_loss"] = held_out_loss(model, cfg["batch"], cfg["eval_batches"])
     out["padded_numel"] = sdp.padded
     for phase in ("grads", "weights"):
         tag = f"{mode}:{phase}"
@@ -123,7 +107,8 @@ def _train(ctx, model0: GPT, cfg: dict, mode: str, topo) -> dict:
 def _static_snr(ctx, model0: GPT, cfg: dict, topo) -> dict:
     """SNR (dB) of each path on one and the same gradient: rank 0's local grad and the reduce-scattered mean."""
     model = copy.deepcopy(model0)
-    x, y = next(_data(ctx.device, cfg["batch"], model.cfg.seq_len, 1, seed=3, rank=ctx.rank, world=ctx.world_size))
+    x, y = next(batches(cfg["batch"], model.cfg.seq_len, 1, seed=3, rank=ctx.rank, world=ctx.world_size,
+                        device=ctx.device))
     model(x, y).backward()
     g = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
     unit = ctx.world_size * 2048

@@ -70,6 +70,14 @@ class Context:
                 self.ledger.name_group(grp, name)
         return self.grid
 
+    def mean_over_ranks(self, value: torch.Tensor | float) -> float:
+        """Average a metric (e.g. a loss) over all ranks, tagged "metrics" so it stays out of the traffic studied."""
+        t = torch.as_tensor(value).detach().clone().float().reshape(1)
+        if dist.is_initialized() and self.world_size > 1:
+            with self.ledger.tag("metrics"):
+                dist.all_reduce(t)
+        return t.item() / self.world_size
+
     def barrier(self) -> None:
         if dist.is_initialized() and self.world_size > 1:
             dist.barrier()
