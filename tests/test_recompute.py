@@ -57,7 +57,7 @@ def test_bad_input_names_the_parameter():
         l10.validate({"preset": "smoke", "m": 1}, 2)
     with pytest.raises(ValueError, match="n_layer=3 must be divisible by world_size=2"):
         l10.validate({"preset": "smoke", "n_layer": 3}, 2)
-    with pytest.raises(ValueError, match="keep must be a positive int"):
+    with pytest.raises(ValueError, match="keep must be >= 1"):
         l10.validate({"preset": "smoke", "keep": 0}, 2)
     with pytest.raises(ValueError, match="preset='huge'"):
         l10.validate({"preset": "huge"}, 2)

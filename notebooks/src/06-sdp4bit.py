@@ -141,7 +141,7 @@ viz.lines({mode: run["loss"] for mode, run in runs.items()}, x=steps, title="Tra
           xaxis_title="step", yaxis_title="cross-entropy").show()
 
 # %%
-# NBVAL_CHECK_OUTPUT
+# (trained losses' last digits depend on the CPU's SIMD width: printed, asserted below, not a checked output)
 b = runs["baseline"]["eval_loss"]
 for mode, run in runs.items():
     print(f"{mode:>20}: held-out loss {run['eval_loss']:.3f} ({(run['eval_loss'] - b) / b:+.2%} vs baseline)")

@@ -21,28 +21,27 @@ from toolkit.models import GPT, preset
 from toolkit.pipeline.executor import gpt_micro_batches, gpt_stages, measure_schedules, reference_step
 from toolkit.pipeline.recompute import RecomputeQueue
 from toolkit.pipeline.schedule import one_f_one_b
-from toolkit.runtime.config import require_positive_ints, resolve_preset
+from toolkit.runtime.config import Param, common, require_divisible, resolve
 
+PARAMS = {**common("model", "n_layer", "m", "micro_batch", "warmup", "bench_steps", "rounds"),
+          "keep": Param(int, "micro-batches whose activations a rank may hold at once", ge=1)}
 PRESETS = {
-    "smoke": {"model": "smoke", "n_layer": 2, "m": 4, "micro_batch": 2, "keep": 1, "warmup": 1, "steps": 2,
+    "smoke": {"model": "smoke", "n_layer": 2, "m": 4, "micro_batch": 2, "keep": 1, "warmup": 1, "bench_steps": 2,
               "rounds": 3},
-    "default": {"model": "default", "n_layer": 4, "m": 8, "micro_batch": 4, "keep": 1, "warmup": 2, "steps": 3,
-                "rounds": 5},
-    "full": {"model": "full", "n_layer": 12, "m": 16, "micro_batch": 2, "keep": 2, "warmup": 3, "steps": 5,
+    "default": {"model": "default", "n_layer": 4, "m": 8, "micro_batch": 4, "keep": 1, "warmup": 2,
+                "bench_steps": 3, "rounds": 5},
+    "full": {"model": "full", "n_layer": 12, "m": 16, "micro_batch": 2, "keep": 2, "warmup": 3, "bench_steps": 5,
              "rounds": 5},
 }
 MODES = ("none", "inline", "bubble")
 
 
 def validate(cfg: dict, world_size: int) -> dict:
-    out = resolve_preset(cfg, PRESETS)
-    require_positive_ints(out, "n_layer", "m", "micro_batch", "keep", "steps", "rounds")
-    if out["m"] < world_size:
-        raise ValueError(f"m={out['m']} micro-batches is too few: 1F1B needs m >= world_size = {world_size}")
-    if out["n_layer"] % world_size:
-        raise ValueError(f"n_layer={out['n_layer']} must be divisible by world_size={world_size} (one stage per rank)")
-    preset(out["model"], n_layer=out["n_layer"])
-    return out
+    cfg = resolve(cfg, PRESETS, PARAMS)
+    if cfg["m"] < world_size:
+        raise ValueError(f"m={cfg['m']} micro-batches is too few: 1F1B needs m >= world_size = {world_size}")
+    require_divisible("n_layer", cfg["n_layer"], world_size, "world_size", "one stage per rank")
+    return cfg
 
 
 def run(ctx, cfg: dict) -> dict:
@@ -55,7 +54,7 @@ def run(ctx, cfg: dict) -> dict:
     ref_loss = reference_step(reference, inputs, targets)
     jobs = {mode: (one_f_one_b(p, m, mode, cfg["keep"]), "ours") for mode in MODES}
     runs, models = measure_schedules(ctx, jobs, base, inputs, targets, reference,
-                                     **{k: cfg[k] for k in ("warmup", "steps", "rounds")})
+                                     warmup=cfg["warmup"], steps=cfg["bench_steps"], rounds=cfg["rounds"])
     for mode, (schedule, _) in jobs.items():
         runs[mode]["checkpointed"] = sorted(mb for s, mb, _ in schedule.checkpointed if s == ctx.rank)
     mine = [prm for module in gpt_stages(models["none"], one_f_one_b(p, m), ctx.rank).values()
