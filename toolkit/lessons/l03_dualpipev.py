@@ -14,12 +14,8 @@ a multiple of 2p.
 """
 from __future__ import annotations
 
-import copy
-
-import torch
-
-from toolkit.models import GPT, preset
-from toolkit.pipeline.executor import gpt_micro_batches, measure_schedules, reference_step
+from toolkit.models import preset
+from toolkit.pipeline.harness import Job, PipelineSetup, measure_schedules
 from toolkit.pipeline.schedule import make_schedule
 from toolkit.pipeline.torch_compare import compare_orders
 from toolkit.runtime.config import require_positive_ints, resolve_preset
@@ -53,18 +49,12 @@ def validate(cfg: dict, world_size: int) -> dict:
 
 def run(ctx, cfg: dict) -> dict:
     p, m = ctx.world_size, cfg["m"]
-    model_cfg = preset(cfg["model"], n_layer=cfg["n_layer"])
-    inputs, targets = gpt_micro_batches(m, cfg["micro_batch"], model_cfg.seq_len, seed=1)
-    torch.manual_seed(0)
-    base = GPT(model_cfg)
-    reference = copy.deepcopy(base)
-    ref_loss = reference_step(reference, inputs, targets)
-    jobs = {f"{name}/ours": (make_schedule(name, p, m), "ours") for name in cfg["schedules"]}
-    jobs["dualpipev/torch"] = (make_schedule("dualpipev", p, m), "torch")
-    runs, _ = measure_schedules(ctx, jobs, base, inputs, targets, reference,
-                                **{k: cfg[k] for k in ("warmup", "steps", "rounds")})
+    setup = PipelineSetup.build(cfg["model"], n_layer=cfg["n_layer"], m=m, micro_batch=cfg["micro_batch"],
+                                device=ctx.device)
     dpv = make_schedule("dualpipev", p, m)
-    return {"rank": ctx.rank, "p": p, "m": m, "model": vars(model_cfg), "ref_loss": ref_loss, "runs": runs,
-            "orders": {name: make_schedule(name, p, m).to_strings() for name in cfg["schedules"]},
+    jobs = [Job(make_schedule(name, p, m)) for name in cfg["schedules"]] + [Job(dpv, impl="torch")]
+    runs, _ = measure_schedules(ctx, setup, jobs, **{k: cfg[k] for k in ("warmup", "steps", "rounds")})
+    return {"rank": ctx.rank, "p": p, "m": m, "model": vars(setup.model_cfg), "ref_loss": setup.ref_loss,
+            "runs": runs, "orders": {name: make_schedule(name, p, m).to_strings() for name in cfg["schedules"]},
             "torch_order_identical": compare_orders(dpv, "dualpipev")["identical"],
-            "attention_modules": [name for name, _ in base.blocks[0].attn.named_children()]}
+            "attention_modules": [name for name, _ in setup.base.blocks[0].attn.named_children()]}
