@@ -1,5 +1,5 @@
 """llm-scale-toolkit: the optimizations used to train LLMs across many accelerators, run for real."""
-from .runtime import LaunchError, LaunchTimeout, launch
+from .runtime.launch import LaunchError, LaunchTimeout, launch
 
 __version__ = "0.1.0"
 __all__ = ["launch", "LaunchError", "LaunchTimeout", "__version__"]
