@@ -31,6 +31,7 @@ import importlib
 import importlib.util
 import inspect
 import linecache
+import os
 import pkgutil
 import sys
 import textwrap
@@ -97,11 +98,16 @@ def _resolve_name(ref: str) -> Target:
             not fn_name.isidentifier():
         raise ValueError(f"lesson {ref!r} is not a lesson name or 'module:function'; lessons: {lessons()}")
     module = None
-    for candidate in (module_name, f"{LESSON_PACKAGE}.{module_name}"):
-        module = _import(candidate, ref)
-        if module is not None:
-            module_name = candidate
-            break
+    cwd = os.getcwd()
+    sys.path.insert(0, cwd)  # the caller's working directory first (the ranks run in it)
+    try:
+        for candidate in (module_name, f"{LESSON_PACKAGE}.{module_name}"):
+            module = _import(candidate, ref)
+            if module is not None:
+                module_name = candidate
+                break
+    finally:
+        sys.path.remove(cwd)
     if module is None:
         raise ValueError(f"lesson {ref!r}: no module {module_name!r} on the caller's sys.path (working directory "
                          f"first) nor in {LESSON_PACKAGE}; lessons that exist: {lessons()}")
@@ -171,6 +177,9 @@ def ship(fn) -> tuple[str, list[str]]:
         if id(obj) in seen:
             return
         seen.add(id(obj))
+        if isinstance(obj, types.FunctionType) and obj.__name__ == "<lambda>":
+            raise ValueError(f"{owner} uses {name!r}, a lambda: the ranks cannot rebuild it from source; "
+                             "define it with def")
         if isinstance(obj, types.FunctionType) and obj.__code__.co_freevars:
             raise ValueError(f"{_what(obj, owner)} closes over {list(obj.__code__.co_freevars)} (variables of the "
                              "function it is defined in): the ranks cannot rebuild them. Define it at the top level "
