@@ -113,7 +113,7 @@ def launch(lesson, world_size: int, cfg: dict | None = None, *, backend: str = "
     phase_list = check_phases(phases if phases is not None else getattr(target.module, "PHASES", None), cfg)
     tmp = prepare_out_dir(out_dir)
     spec_path = write_spec(tmp, target, cfg, backend, seed, threads, timeout_s, phase_list)
-    title = f"{target.label.removeprefix('toolkit.lessons.')} x{world_size} ({backend})"
+    title = f"{target.label} x{world_size} ({backend})"
     bar = Progress(title, progress, phase_list) if progress != "none" else None
     proc, wall = run_ranks(command(spec_path, world_size, accelerate_args), child_env(threads), tmp, world_size,
                            timeout_s, bar, title)

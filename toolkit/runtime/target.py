@@ -114,7 +114,7 @@ def _resolve_name(ref: str) -> Target:
     fn = getattr(module, fn_name, None)
     if fn is None or not callable(fn):
         raise ValueError(f"lesson {ref!r}: module {module_name} has no function {fn_name!r}")
-    label = f"{module_name}:{fn_name}"
+    label = module_name.removeprefix(f"{LESSON_PACKAGE}.") + ("" if fn_name == "run" else f":{fn_name}")
     return Target({"kind": "import", "module": module_name, "function": fn_name}, fn, module, label)
 
 
