@@ -43,9 +43,10 @@ PRESETS = {
              "bench_warmup": 10, "probe_sizes": [2**k for k in range(10, 31, 2)], "probe_iters": 20},
 }
 SECTIONS = ("data_parallel", "tensor_parallel", "pipeline", "checkpointing", "precision", "bandwidth", "bench")
-# the progress bar's phases: one per section run, weighted by its share of the run time (measured at default)
-WEIGHTS = {"data_parallel": 25, "tensor_parallel": 3, "pipeline": 12, "checkpointing": 8, "precision": 30,
-           "bandwidth": 10, "bench": 12}
+# the progress bar's phases: one per section run, weighted by its rough share of the run time at the default
+# preset (precision, four training runs of which two in bf16 on the CPU, is the long one)
+WEIGHTS = {"data_parallel": 20, "tensor_parallel": 2, "pipeline": 10, "checkpointing": 8, "precision": 40,
+           "bandwidth": 8, "bench": 12}
 
 
 def PHASES(cfg: dict) -> list[tuple[str, float]]:  # noqa: N802 - the launcher reads PHASES
