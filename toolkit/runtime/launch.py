@@ -378,12 +378,15 @@ def _tail(path: Path, n: int = 60) -> str:
 
 # ---- the progress bar ---------------------------------------------------------------------------------------
 def _in_notebook() -> bool:
+    """A kernel that a person is looking at: JupyterLab / Notebook (their server names the session), not a
+    kernel papermill or nbclient runs headless (those get plain lines, kept in the executed notebook)."""
     try:
         from IPython import get_ipython
         shell = get_ipython()
-        return shell is not None and shell.__class__.__name__ == "ZMQInteractiveShell"
     except ImportError:
         return False
+    return shell is not None and shell.__class__.__name__ == "ZMQInteractiveShell" and \
+        bool(os.environ.get("JPY_SESSION_NAME"))
 
 
 class Progress:
@@ -399,6 +402,7 @@ class Progress:
     def __init__(self, title: str, mode: str, phases: list | None = None, out=None):
         self.title, self.start, self.last_line, self.last_key = title, time.monotonic(), -1e9, None
         self.phases = [list(p) for p in phases] if phases else [["run", 1.0]]
+        self.declared = bool(phases)
         self.weight = sum(w for _, w in self.phases)
         self.fraction, self.state, self.out = 0.0, None, out or sys.stdout
         if mode == "auto":
@@ -438,8 +442,8 @@ class Progress:
         self.fraction = max(self.fraction, (before + self.phases[i][1] * inside) / self.weight)
         elapsed = time.monotonic() - self.start
         name = self.phases[i][0]
-        where = (f"{name} ({i + 1}/{len(self.phases)})" if len(self.phases) > 1 else name) + \
-            (f" {done}/{total}" if total else "") + (f" {state['message']}" if state.get("message") else "")
+        where = " ".join(filter(None, [f"{name} ({i + 1}/{len(self.phases)})" if self.declared else "",
+                                       f"{done}/{total}" if total else "", state.get("message", "")]))
         if self.mode == "widget" and self.bar is not None:
             self.bar.value = int(round(self.fraction * self.WIDTH))
             self.bar.description = f"{100 * self.fraction:.0f}%"
