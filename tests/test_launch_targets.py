@@ -146,3 +146,14 @@ def test_the_bar_total_is_the_sum_of_the_weights_and_never_moves_back():
     one = Progress("demo", "plain", None, out=io.StringIO())  # no PHASES: the run is one phase
     one.update({"phase": 0, "done": 2, "total": 8, "message": "x"})
     assert one.fraction == pytest.approx(0.25)
+
+
+def test_the_widget_bar_has_a_fixed_maximum():
+    from toolkit.runtime.launch import Progress
+    bar = Progress("demo", "widget", [["setup", 1], ["train", 3]])
+    assert bar.mode == "widget" and bar.bar.max == Progress.WIDTH
+    bar.update({"phase": 1, "done": 2, "total": 3, "message": "step 2"})
+    assert bar.bar.max == Progress.WIDTH and bar.bar.value == 750 and bar.bar.description == "75%"
+    assert "train (2/2) 2/3 step 2" in bar.label.value
+    bar.close("done")
+    assert bar.bar.value == Progress.WIDTH and bar.bar.bar_style == "success"

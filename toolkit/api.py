@@ -181,6 +181,13 @@ ENTRIES: list[Entry] = [
           "collective over the topology's two groups: every rank calls it",
           'topo = make_topology(nodes=2)\nshard = reduce_scatter_tlq(g, topo)\n'
           'ref = reduce_scatter_fp32(g)             # the exact mean, to compare'),
+    Entry("all_gather_qwd", "toolkit.comm.sdp4bit:all_gather_qwd", AREAS[3],
+          "SDP4Bit's weight all-gather: 4-bit quantized differences between each owner's master shard and the "
+          "replica; every rank applies the same ones, so replicas stay bitwise identical.",
+          "replica [N] (updated in place and returned), master: this rank's shard [N / world]",
+          "collective over group: every rank calls it with its own shard",
+          'S = replica.numel() // dist.get_world_size()\nmaster = replica[rank * S:(rank + 1) * S].clone() - lr * g\n'
+          'all_gather_qwd(replica, master)          # replica ~ concatenated masters (4-bit deltas)'),
     Entry("make_topology", "toolkit.comm.sdp4bit:make_topology", AREAS[3],
           "The intra-node and inter-node groups of nodes x ranks-per-node (emulated nodes on one machine).",
           "nodes must divide world_size", "collective (builds process groups): every rank calls it",
