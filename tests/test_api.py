@@ -56,3 +56,29 @@ def test_api_page_is_written_and_self_contained(tmp_path):
     assert all(f"id='{e.name.lower().replace('_', '-')}'" in page for e in api.ENTRIES)
     assert not re.search(r"""(src|href)\s*=\s*["']?https?://""", page), "the page must not fetch anything"
     assert "<script" not in page
+
+
+def test_pipeline_stages_cut_any_layers_for_any_schedule():
+    import torch.nn as nn
+
+    from toolkit import dualpipev, make_schedule, pipeline_stages
+    from toolkit.pipeline.stages import split_layers
+    layers = nn.Sequential(*[nn.Linear(4, 4) for _ in range(10)])
+    assert [len(s) for s in split_layers(layers, 4)] == [3, 3, 2, 2]
+    v = pipeline_stages(layers, dualpipev(2, 8), rank=0)  # the V: stages 0 and 3 on rank 0
+    assert sorted(v) == [0, 3] and v[0][0] is layers[0] and v[3][-1] is layers[9]
+    assert sorted(pipeline_stages(list(layers), make_schedule("1f1b", 2, 4), rank=1)) == [1]
+    with pytest.raises(ValueError, match="10 layers cannot fill 12 stages"):
+        split_layers(layers, 12)
+    with pytest.raises(ValueError, match="sizes=\\[5, 4\\] must be 2 positive ints summing to the 10 layers"):
+        split_layers(layers, 2, sizes=[5, 4])
+    with pytest.raises(ValueError, match="layers must be nn.Module"):
+        split_layers([nn.Linear(2, 2), "relu"], 2)
+
+
+def test_edgc_hook_checks_its_config():
+    from toolkit import EDGCConfig, EDGCHook
+    with pytest.raises(ValueError, match="warmup must be >= 2 for the DDP hook"):
+        EDGCHook(EDGCConfig(warmup=1))
+    with pytest.raises(ValueError, match="need r_min <= r_init <= r_max"):
+        EDGCHook(EDGCConfig(r_init=40, r_max=16))

@@ -41,6 +41,8 @@ import time
 import warnings
 from pathlib import Path
 
+from . import target as targets  # light: the standard library only
+
 BACKENDS = ("auto", "gloo", "nccl")  # the same names as context.BACKENDS (not imported: context imports torch)
 PROGRESS_MODES = ("auto", "widget", "plain", "none")
 RANK_ENV = "TOOLKIT_LAUNCHED_RANK"  # set in every rank; launch() refuses to start ranks from inside one
@@ -106,7 +108,6 @@ def launch(lesson, world_size: int, cfg: dict | None = None, *, backend: str = "
         LaunchTimeout: past ``timeout_s``; carries the stacks of the ranks still running.
     """
     check_arguments(world_size, cfg, backend, timeout_s, seed, threads, progress, accelerate_args, out_dir)
-    from . import target as targets
     target = targets.resolve(lesson)
     backend = check_capacity(world_size, backend, accelerate_args, oversubscribe)
     cfg = validate_cfg(target, dict(cfg or {}), world_size)
