@@ -149,6 +149,9 @@ def step_time(plan: Plan, shape: ModelShape, hw: Hardware, pp: int, recompute: b
         costs = _stage_costs(plan, groups_of, shape, hw, pp, recompute)
         if not costs:
             continue
+        if len(costs) < pp:
+            raise ValueError(f"the {plan.kind} plan gives a pipeline {len(costs)} micro-batches, fewer than the "
+                             f"pp={pp} stages 1F1B needs: use a larger global batch")
         sim = simulate(one_f_one_b(pp, len(costs)),
                        lambda a: costs[a.mb]["F"] if a.op == "F" else costs[a.mb]["B"])
         busy = sum(c["F"] + c["B"] for c in costs)
