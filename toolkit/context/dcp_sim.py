@@ -29,7 +29,8 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
+from functools import lru_cache
 
 from toolkit.pipeline.schedule import one_f_one_b
 from toolkit.pipeline.simulate import simulate
@@ -136,6 +137,11 @@ def _stage_costs(plan: Plan, groups_of, shape: ModelShape, hw: Hardware, pp: int
     return out
 
 
+@lru_cache(maxsize=32)
+def _one_f_one_b(pp: int, m: int):
+    return one_f_one_b(pp, m)
+
+
 def step_time(plan: Plan, shape: ModelShape, hw: Hardware, pp: int, recompute: bool = True) -> dict:
     """Simulated seconds of one training step of ``plan`` on ``pp`` pipeline stages: 1F1B with each micro-batch's
     slowest group as its stage time; static plans with several replicas run them as independent pipelines."""
@@ -152,7 +158,7 @@ def step_time(plan: Plan, shape: ModelShape, hw: Hardware, pp: int, recompute: b
         if len(costs) < pp:
             raise ValueError(f"the {plan.kind} plan gives a pipeline {len(costs)} micro-batches, fewer than the "
                              f"pp={pp} stages 1F1B needs: use a larger global batch")
-        sim = simulate(one_f_one_b(pp, len(costs)),
+        sim = simulate(_one_f_one_b(pp, len(costs)),
                        lambda a: costs[a.mb]["F"] if a.op == "F" else costs[a.mb]["B"])
         busy = sum(c["F"] + c["B"] for c in costs)
         results.append({"step_s": sim.makespan, "m": len(costs), "busy_s": busy,
@@ -170,20 +176,26 @@ def model_flops(lengths: list[int], shape: ModelShape) -> float:
     return 3 * sum(per_token * n + shape.n_layer * 2 * d * n * n for n in lengths)
 
 
-def compare(lengths: list[int], setup: Setup = Setup(), shape: ModelShape = LLAMA_13B, hw: Hardware = Hardware(),
-            min_cp: int = 1) -> dict:
-    """Static CP (the size the longest sequence needs, dp = dcp / cp) against dynamic CP (the toolkit's scheduler
-    and Megatron's rules as they are) on one global batch: simulated step times, speed-ups, model TFLOPS/GPU."""
+def plans_for(lengths: list[int], setup: Setup = Setup(), min_cp: int = 1) -> dict[str, Plan]:
+    """The three plans ``compare`` times: static CP (the size the longest sequence needs, dp = dcp / cp), the
+    toolkit's dynamic scheduler, and Megatron's rules as they are (``refill=False, max_imbalance=None``)."""
     padded = [pad_length(n, 2 * setup.dcp) for n in lengths]
     static_cp = cp_size_for(max(padded), setup.cap, min_cp, setup.dcp)
-    plans = {"static": schedule_static(padded, setup.dcp, static_cp, setup.cap),
-             "dynamic-megatron": schedule_dynamic(padded, setup.dcp, setup.cap, min_cp, refill=False,
-                                                  max_imbalance=None),
-             "dynamic": schedule_dynamic(padded, setup.dcp, setup.cap, min_cp)}
+    return {"static": schedule_static(padded, setup.dcp, static_cp, setup.cap),
+            "dynamic-megatron": schedule_dynamic(padded, setup.dcp, setup.cap, min_cp, refill=False,
+                                                 max_imbalance=None),
+            "dynamic": schedule_dynamic(padded, setup.dcp, setup.cap, min_cp)}
+
+
+def compare(lengths: list[int], setup: Setup = Setup(), shape: ModelShape = LLAMA_13B, hw: Hardware = Hardware(),
+            min_cp: int = 1, plans: dict[str, Plan] | None = None) -> dict:
+    """Static CP against dynamic CP (``plans_for``) on one global batch of ``lengths``: simulated step times, their
+    parts, speed-ups over static and model TFLOPS/GPU. Pass ``plans`` to reuse them (e.g. across ``hw``)."""
+    plans = plans or plans_for(lengths, setup, min_cp)
     flops = model_flops(lengths, shape)
     gpus = setup.pp * setup.dcp
-    out = {"static_cp": static_cp, "gpus": gpus, "setup": asdict(setup), "hardware": asdict(hw),
-           "model": asdict(shape), "runs": {}}
+    out = {"static_cp": plans["static"].micro_batches[0].groups[0].size, "gpus": gpus, "setup": asdict(setup),
+           "hardware": asdict(hw), "model": asdict(shape), "runs": {}}
     for name, plan in plans.items():
         plan.check()
         sim = step_time(plan, shape, hw, setup.pp, setup.recompute)
@@ -195,6 +207,18 @@ def compare(lengths: list[int], setup: Setup = Setup(), shape: ModelShape = LLAM
     base = out["runs"]["static"]["step_s"]
     for run in out["runs"].values():
         run["speedup_vs_static"] = base / run["step_s"]
+    return out
+
+
+def bandwidth_sweep(plans: dict[str, Plan], gbytes_per_s: list[float], setup: Setup = Setup(),
+                    shape: ModelShape = LLAMA_13B, hw: Hardware = Hardware()) -> dict[str, list[float]]:
+    """Simulated speed-up of each dynamic plan over the static one for each ring link bandwidth (GB/s)."""
+    out: dict[str, list[float]] = {name: [] for name in plans if name != "static"}
+    for bw in gbytes_per_s:
+        h = replace(hw, link_bytes_per_s=bw * 1e9)
+        base = step_time(plans["static"], shape, h, setup.pp, setup.recompute)["step_s"]
+        for name in out:
+            out[name].append(base / step_time(plans[name], shape, h, setup.pp, setup.recompute)["step_s"])
     return out
 
 
