@@ -160,7 +160,8 @@ class Plan:
                 assert not used & set(g.ranks), f"mb {i}: groups overlap at {used & set(g.ranks)}"
                 used |= set(g.ranks)
                 for s in g.samples:
-                    assert g.size == 1 or self.lengths[s] % (2 * g.size) == 0, f"sample {s} does not cut 2*{g.size} ways"
+                    assert g.size == 1 or self.lengths[s] % (2 * g.size) == 0, \
+                        f"sample {s} does not cut 2*{g.size} ways"
             assert max(self.tokens(i)) <= self.cap, f"mb {i}: {max(self.tokens(i))} tokens on a rank > cap {self.cap}"
 
     def to_json(self) -> dict:
@@ -384,10 +385,10 @@ def reroute(plan: Plan, owner: list[int], samples: dict[int, torch.Tensor], rank
     ``all_to_all_single`` over ``group`` (the DP×CP ranks; WORLD by default).
 
     ``owner[s]``: the rank that loaded sample s; ``samples``: this rank's own samples ``{s: tensor [L_s, C]}``
-    (C columns, e.g. input token and target). Only the shard a rank needs travels (chunks j and 2cp-1-j;
-    Megatron sends whole samples and slices on arrival). Returns, per micro-batch, this rank's ``rows`` ``[T, C]``
-    in ``CPLayout`` local order, ``positions`` in their sequences, the ``layout``, the group ``key`` (size, start)
-    and the rank's index ``j`` in it.
+    (C columns, e.g. input token and target; all on one device, where the results go). Only the shard a rank
+    needs travels (chunks j and 2cp-1-j; Megatron sends whole samples and slices on arrival). Returns, per
+    micro-batch, this rank's ``rows`` ``[T, C]`` in ``CPLayout`` local order, ``positions`` in their sequences,
+    the ``layout``, the group ``key`` (size, start) and the rank's index ``j`` in it.
     """
     n = plan.n_ranks
     send: list[list[torch.Tensor]] = [[] for _ in range(n)]
@@ -398,9 +399,9 @@ def reroute(plan: Plan, owner: list[int], samples: dict[int, torch.Tensor], rank
                     if owner[s] == rank:
                         a, b = sample_parts(plan.lengths[s], g.size, j)
                         send[dest] += [samples[s][a.start:a.stop], samples[s][b.start:b.stop]]
-    width = next(iter(samples.values())).shape[1] if samples else 2
-    dtype = next(iter(samples.values())).dtype if samples else torch.long
-    flat = [torch.cat(parts) if parts else torch.empty(0, width, dtype=dtype) for parts in send]
+    some = next(iter(samples.values()), torch.empty(0, 2, dtype=torch.long))
+    width, dtype, device = some.shape[1], some.dtype, some.device
+    flat = [torch.cat(parts) if parts else torch.empty(0, width, dtype=dtype, device=device) for parts in send]
     expect: list[list[tuple[int, int]]] = [[] for _ in range(n)]  # per source: (micro-batch, sample) in send order
     for i, mb in enumerate(plan.micro_batches):
         g = mb.group_of(rank)
@@ -409,7 +410,7 @@ def reroute(plan: Plan, owner: list[int], samples: dict[int, torch.Tensor], rank
     mine = [g_.group_of(rank) for g_ in plan.micro_batches]
     rows_of = {(i, s): plan.lengths[s] // mine[i].size for src in expect for i, s in src}
     recv_splits = [sum(rows_of[x] for x in src) for src in expect]
-    out = torch.empty(sum(recv_splits), width, dtype=dtype)
+    out = torch.empty(sum(recv_splits), width, dtype=dtype, device=device)
     dist.all_to_all_single(out, torch.cat(flat), recv_splits, [len(f) for f in flat], group=group)
     got, cursor = {}, 0
     for src in expect:
@@ -423,6 +424,6 @@ def reroute(plan: Plan, owner: list[int], samples: dict[int, torch.Tensor], rank
         cut = [len(h) // 2 if g.size > 1 else len(h) for h in halves]
         rows = torch.cat([h[:c] for h, c in zip(halves, cut)] + [h[c:] for h, c in zip(halves, cut)])
         layout = CPLayout([plan.lengths[s] for s in g.samples], g.size)
-        result.append({"rows": rows, "positions": layout.coords(j)[1], "layout": layout, "key": (g.size, g.start),
-                       "j": j, "samples": list(g.samples)})
+        result.append({"rows": rows, "positions": layout.coords(j, device)[1], "layout": layout,
+                       "key": (g.size, g.start), "j": j, "samples": list(g.samples)})
     return result

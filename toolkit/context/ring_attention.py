@@ -86,15 +86,18 @@ class CPLayout:
     def tokens_per_rank(self) -> int:
         return sum(self.lengths) // self.cp
 
-    def coords(self, j: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return _coords(self.lengths, self.cp, j)
+    def coords(self, j: int, device=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(sequence id, position, packed index) of rank j's local tokens, on ``device`` (cached)."""
+        return _coords(self.lengths, self.cp, j, str(torch.device(device or "cpu")))
 
     def __repr__(self) -> str:
         return f"CPLayout(lengths={list(self.lengths)}, cp={self.cp})"
 
 
 @lru_cache(maxsize=512)
-def _coords(lengths: tuple[int, ...], cp: int, j: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _coords(lengths: tuple[int, ...], cp: int, j: int, device: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if device != "cpu":
+        return tuple(t.to(device) for t in _coords(lengths, cp, j, "cpu"))
     offsets = [0]
     for length in lengths:
         offsets.append(offsets[-1] + length)
@@ -153,7 +156,7 @@ class _RingAttention(torch.autograd.Function):
         nxt, prv = ring[(j + 1) % cp], ring[(j - 1) % cp]
         h, t, hd = q.shape
         scale = 1.0 / math.sqrt(hd)
-        mine = layout.coords(j)
+        mine = layout.coords(j, q.device)
         m = q.new_full((h, t), -math.inf)
         l = q.new_zeros((h, t))
         acc = torch.zeros_like(q)
@@ -164,7 +167,7 @@ class _RingAttention(torch.autograd.Function):
             src = (j - step) % cp
             rows, cols = _block(j, src, t)
             s = (q[:, rows] @ kv[0][:, cols].transpose(-1, -2)) * scale
-            s = s.masked_fill(~_mask(mine, layout.coords(src), rows, cols), -math.inf)
+            s = s.masked_fill(~_mask(mine, layout.coords(src, q.device), rows, cols), -math.inf)
             mv, lv, av = m[:, rows], l[:, rows], acc[:, rows]  # views: updated in place
             m_new = torch.maximum(mv, s.amax(-1))
             m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)  # rows with nothing yet
@@ -190,7 +193,7 @@ class _RingAttention(torch.autograd.Function):
         nxt, prv = ring[(j + 1) % cp], ring[(j - 1) % cp]
         t, hd = q.shape[1], q.shape[2]
         scale = 1.0 / math.sqrt(hd)
-        mine = layout.coords(j)
+        mine = layout.coords(j, q.device)
         dout = dout.contiguous()
         d = (dout * out).sum(-1)
         dq = torch.zeros_like(q)
@@ -204,7 +207,7 @@ class _RingAttention(torch.autograd.Function):
             rows, cols = _block(j, src, t)
             kb, vb, qr, dor = kv[0][:, cols], kv[1][:, cols], q[:, rows], dout[:, rows]
             s = (qr @ kb.transpose(-1, -2)) * scale
-            s = s.masked_fill(~_mask(mine, layout.coords(src), rows, cols), -math.inf)
+            s = s.masked_fill(~_mask(mine, layout.coords(src, q.device), rows, cols), -math.inf)
             p = torch.exp(s - lse[:, rows, None])
             ds = p * (dor @ vb.transpose(-1, -2) - d[:, rows, None])
             dq[:, rows] += (ds @ kb) * scale
@@ -246,8 +249,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: CP
 def packed_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths) -> torch.Tensor:
     """The reference: causal attention inside each sequence of a packed ``[heads, N, head_dim]`` batch, one
     process, one softmax per row (``scaled_dot_product_attention`` with a block-diagonal causal mask)."""
-    seq = torch.cat([torch.full((n,), s) for s, n in enumerate(lengths)])
-    pos = torch.cat([torch.arange(n) for n in lengths])
+    seq = torch.cat([torch.full((n,), s, device=q.device) for s, n in enumerate(lengths)])
+    pos = torch.cat([torch.arange(n, device=q.device) for n in lengths])
     mask = (seq[:, None] == seq[None, :]) & (pos[None, :] <= pos[:, None])
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
@@ -312,12 +315,13 @@ def selfcheck(ctx, cfg: dict) -> dict:
     dtype = getattr(torch, cfg.get("dtype", "float32"))
     gen = torch.Generator().manual_seed(cfg.get("seed", 0))  # the same full tensors on every rank
     n = sum(lengths)
-    full = [torch.randn(heads, n, head_dim, generator=gen, dtype=dtype).requires_grad_() for _ in range(3)]
-    grad_out = torch.randn(heads, n, head_dim, generator=gen, dtype=dtype)
+    dev = ctx.device
+    full = [torch.randn(heads, n, head_dim, generator=gen, dtype=dtype).to(dev).requires_grad_() for _ in range(3)]
+    grad_out = torch.randn(heads, n, head_dim, generator=gen, dtype=dtype).to(dev)
     ref = packed_causal_attention(*full, lengths)
     ref_grads = torch.autograd.grad(ref, full, grad_out)
     layout = CPLayout(lengths, cp)
-    idx = layout.coords(dist.get_rank() if cp > 1 else 0)[2]
+    idx = layout.coords(dist.get_rank() if cp > 1 else 0, dev)[2]
     mine = [x.detach()[:, idx].clone().requires_grad_() for x in full]
     group = dist.group.WORLD if cp > 1 else None
     with ctx.ledger.tag("ring-forward"):

@@ -113,12 +113,13 @@ def run(ctx, cfg: dict) -> dict:
     mine = range(rank * share, (rank + 1) * share)
 
     # -- every rank loads its share, then all-gathers the lengths (the scheduler needs the global batch)
-    local = torch.tensor([[real[s], pad_length(real[s], 2 * world)] for s in mine], dtype=torch.long)
-    gathered = torch.empty(world * share * 2, dtype=torch.long)
+    dev = ctx.device
+    local = torch.tensor([[real[s], pad_length(real[s], 2 * world)] for s in mine], dtype=torch.long, device=dev)
+    gathered = torch.empty(world * share * 2, dtype=torch.long, device=dev)
     with ctx.ledger.tag("gather-lengths"):
         dist.all_gather_into_tensor(gathered, local.reshape(-1))
     real_g, padded = gathered.view(-1, 2)[:, 0].tolist(), gathered.view(-1, 2)[:, 1].tolist()
-    samples = {s: sample_rows(s, real_g[s], padded[s], cfg["seed"]) for s in mine}
+    samples = {s: sample_rows(s, real_g[s], padded[s], cfg["seed"]).to(dev) for s in mine}
     n_tokens = sum(real_g)
 
     plans = {"static": schedule_static(padded, world, cfg["static_cp"], cfg["cap"]),
@@ -134,7 +135,7 @@ def run(ctx, cfg: dict) -> dict:
             shards[name] = reroute(plan, owner, samples, rank)
 
     torch.manual_seed(cfg["seed"])
-    model = GPT(preset(cfg["model"], n_layer=cfg["n_layer"], seq_len=limit))
+    model = GPT(preset(cfg["model"], n_layer=cfg["n_layer"], seq_len=limit)).to(dev)
 
     def step(name: str, record: bool = False) -> float:
         """Forward and backward over every micro-batch of the plan; returns this rank's summed loss."""
@@ -159,14 +160,14 @@ def run(ctx, cfg: dict) -> dict:
         loss = ra.gpt_sequence_loss(model, rows[:, 0], rows[:, 1])
         (loss / n_tokens).backward()
         ref_sum += loss.item()
-    ref = torch.cat([_flat_grads(model), torch.tensor([ref_sum])])
+    ref = torch.cat([_flat_grads(model), torch.tensor([ref_sum], device=dev)])
     with ctx.ledger.tag("metrics"):
         dist.all_reduce(ref)
     checked = {"reference": {"loss_per_token": ref[-1].item() / n_tokens}}
     for name in plans:
         ctx.barrier()
         total = step(name, record=True)
-        flat = torch.cat([_flat_grads(model), torch.tensor([total])])
+        flat = torch.cat([_flat_grads(model), torch.tensor([total], device=dev)])
         with ctx.ledger.tag("grads"):
             dist.all_reduce(flat)  # the DP x CP gradient sum (every rank holds the whole model)
         checked[name] = {"loss_per_token": flat[-1].item() / n_tokens,
