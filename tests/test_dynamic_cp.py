@@ -100,6 +100,17 @@ def test_static_packs_in_data_order_within_cp_times_cap():
     assert [g.start for g in plan.micro_batches[0].groups] == [0, 2]
 
 
+def test_the_docstring_example():
+    lengths = [620, 300, 100, 440, 420, 80, 60]
+    static = dcp.schedule_static(lengths, 4, 2, 512)
+    assert [g.samples for g in static.micro_batches[0].groups] == [[0, 1, 2], [3, 4, 5, 6]]
+    assert static.work(0) == [242200, 242200, 190000, 190000]
+    plan = dcp.schedule_dynamic(lengths, 4, 512)
+    assert [(g.size, g.start, g.samples) for g in plan.micro_batches[0].groups] == [(2, 0, [0]), (1, 2, [3]),
+                                                                                   (1, 3, [4, 5])]
+    assert plan.work(0) == [192200, 192200, 193600, 182800]
+
+
 def test_megatron_rules_first_micro_batch():
     # 4 ranks, cap 100: the two 200s need cp 2 and open both halves; the rest waits for later micro-batches
     plan = dcp.schedule_dynamic([200, 40, 200, 80, 60], 4, 100, refill=False, max_imbalance=None)

@@ -5,17 +5,18 @@ equal work across the DP×CP ranks (the algorithm of Megatron Core's ``DefaultDy
 DP replica's micro-batches up to cp·cap tokens. Short sequences are split cp ways all the same (their K/V go
 round the ring), and two replicas' packs of equal length can hold very different attention work (∝ L²)::
 
-    static cp = 2, dp = 2                           micro-batch 0           work per rank  Σ L²/cp
-      ranks 0-1   [ 900 | 80 | 40 ]                                         406 k
-      ranks 2-3   [ 120 | 60 | 300 | 250 | 200 ]                            83 k     <- waits for ranks 0-1
+    static cp = 2, dp = 2, cap = 512 tokens per rank    one micro-batch          work per rank  Σ L²/cp
+      ranks 0-1   [ 620 | 300 | 100 ]        1020 tokens                           242 k
+      ranks 2-3   [ 440 | 420 | 80 | 60 ]    1000 tokens                           190 k   <- waits for 0-1
 
 **Dynamic CP** gives each sequence the smallest power of two that fits it under the per-rank cap,
 cp(L) = max(min_cp, 2^ceil(log2(L / cap))), and packs CP groups of equal work L²/cp::
 
-    dynamic                                         micro-batch 0
-      ranks 0-1   [ 900 ]                           cp 2                    405 k
-      rank 2      [ 300 | 250 | 200 | ... ]         cp 1: no ring at all    ...
-      rank 3      [ 120 | 80 | 60 | 40 | ... ]      cp 1
+    dynamic, the same ranks and cap                 one micro-batch
+      ranks 0-1   [ 620 ]                           cp 2 (620 > 512)                     192 k
+      rank 2      [ 440 ]                           cp 1: no ring at all                 194 k
+      rank 3      [ 420 | 80 ]                      cp 1                                 183 k
+      (300, 100 and 60 wait for the next micro-batch)
 
 One micro-batch (``_next_micro_batch``):
   1. sort what is left by length, longest first, and cut it into k buckets of about equal work (10 % slack),
