@@ -278,7 +278,7 @@ display(viz.bars(parts, x="run", y="seconds", color="part", barmode="stack",
                  title="Where the simulated step goes"))
 
 # %%
-bandwidths = [50, 100, 200, 400]
+bandwidths = [25, 100, 400]
 sweeps = {d: dcp_sim.bandwidth_sweep({k: v for k, v in sim_plans[d].items() if k != "dynamic-megatron"},
                                      bandwidths, setup, hw=hw) for d in dists}
 display(viz.lines({d.split(" ")[0]: s["dynamic"] for d, s in sweeps.items()}, x=bandwidths,

@@ -38,7 +38,7 @@ PARAMS = {**common("model", "n_layer", "batch", "seed", "warmup", "bench_steps",
 PRESETS = {
     "smoke": {"model": "smoke", "n_layer": 2, "batch": 6, "seed": 0, "warmup": 0, "bench_steps": 1, "rounds": 2,
               "cap": 128, "static_cp": 2, "min_cp": 1, "length_scale": 128, "lengths": None},
-    "default": {"model": "default", "n_layer": 2, "batch": 16, "seed": 0, "warmup": 1, "bench_steps": 1, "rounds": 2,
+    "default": {"model": "default", "n_layer": 2, "batch": 12, "seed": 0, "warmup": 0, "bench_steps": 1, "rounds": 2,
                 "cap": 256, "static_cp": 2, "min_cp": 1, "length_scale": 128, "lengths": None},
     "full": {"model": "full", "n_layer": 12, "batch": 64, "seed": 0, "warmup": 2, "bench_steps": 3, "rounds": 5,
              "cap": 4096, "static_cp": 4, "min_cp": 1, "length_scale": 2, "lengths": None},
