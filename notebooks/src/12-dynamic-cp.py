@@ -120,7 +120,7 @@ for kwargs in ({"refill": False, "max_imbalance": None}, {}):
 # `length_scale` (so that a CPU can train on them; the tail stays) and truncated to `static_cp · cap`, padded to
 # a multiple of 2·world_size. The ranks all-gather the lengths, build both plans (the same on every rank),
 # reroute the shards with one `all_to_all_single` per plan, and run a training step of the tiny GPT through
-# each plan's micro-batches — ring attention inside every CP group, every other layer per token. The reference
+# each plan's micro-batches — ring attention inside every CP group, the rest of the model token by token. The reference
 # runs every sequence alone, unpacked, through the same model. Then the two steps are timed side by side.
 
 # %%
@@ -215,9 +215,9 @@ display(Markdown(
 
 # %% [markdown]
 # **Measured on this machine** (trimmed mean of the rounds, `toolkit.runtime.bench.compare`, both steps
-# round-robin). With `world_size` ranks sharing two CPU cores, a rank that waits gives its core to another, so
-# imbalance costs little wall time here, while every ring hop costs a synchronisation between processes that
-# share cores: this timing says nothing about GPUs — section 4 does, by simulation.
+# round-robin). With `world_size` ranks sharing two CPU cores, a rank that waits can give its core to another, so
+# imbalance need not cost wall time here, while every ring hop is a synchronisation between processes that share
+# cores: this timing says little about GPUs — section 4 estimates that, by simulation.
 
 # %%
 bench = r0["bench"]
@@ -289,6 +289,13 @@ display(viz.lines({d.split(" ")[0]: s["dynamic"] for d, s in sweeps.items()}, x=
 gh, cc = (sims[d]["runs"] for d in dists)
 gh_s, cc_s = gh["static"], cc["static"]
 sw_gh, sw_cc = (sweeps[d]["dynamic"] for d in dists)
+
+
+def share(runs: dict, part: str) -> float:
+    """Fraction of the step time dynamic CP saves that comes from ``part`` (bubble or exposed ring time)."""
+    return (runs["static"][part] - runs["dynamic"][part]) / (runs["static"]["step_s"] - runs["dynamic"]["step_s"])
+
+
 order = "more" if gh["dynamic"]["speedup_vs_static"] > cc["dynamic"]["speedup_vs_static"] else "less"
 display(Markdown(
     f"**What the simulation gives.** GitHub-like: **{gh['dynamic']['speedup_vs_static']:.2f}×** "
@@ -303,10 +310,12 @@ display(Markdown(
     f"ones), and 1F1B stalls on the heavy ones: a pipeline bubble of {gh_s['bubble_s']:.1f} s in a "
     f"{gh_s['step_s']:.1f} s step, against {gh['dynamic']['bubble_s']:.1f} s for dynamic CP, whose micro-batches "
     f"come longest first and change gradually; exposed ring time {gh_s['exposed_comm_s']:.1f} s against "
-    f"{gh['dynamic']['exposed_comm_s']:.1f} s. CommonCrawl-like: most sequences fit one rank, and the gain is mainly "
-    f"the ring traffic of short sequences that static CP{sims[list(dists)[1]]['static_cp']} still cuts up: "
+    f"{gh['dynamic']['exposed_comm_s']:.1f} s (of the time saved, {100 * share(gh, 'bubble_s'):.0f} % is bubble, "
+    f"{100 * share(gh, 'exposed_comm_s'):.0f} % ring). CommonCrawl-like: most sequences fit one rank; static "
+    f"CP{sims[list(dists)[1]]['static_cp']} still cuts them up and sends their K/V round the ring: "
     f"{cc_s['exposed_comm_s']:.2f} s exposed in a {cc_s['step_s']:.2f} s step, against "
-    f"{cc['dynamic']['exposed_comm_s']:.2f} s. So that gain depends on the link: {sw_cc[0]:.2f}× at "
+    f"{cc['dynamic']['exposed_comm_s']:.2f} s ({100 * share(cc, 'exposed_comm_s'):.0f} % of the time saved is ring, "
+    f"{100 * share(cc, 'bubble_s'):.0f} % bubble). So that gain depends on the link: {sw_cc[0]:.2f}× at "
     f"{bandwidths[0]} GB/s, {sw_cc[-1]:.2f}× at {bandwidths[-1]} GB/s, while the GitHub-like one goes from "
     f"{sw_gh[0]:.2f}× to {sw_gh[-1]:.2f}×. With the assumed constants the model gives {order} gain on the "
     f"long-tailed code lengths than on the short web-like ones, "
@@ -315,21 +324,32 @@ display(Markdown(
 
 # %% [markdown]
 # ## What we found, and where it disagrees with the source
+
+# %%
+mg_worst = [max(balance[M]), gh["dynamic-megatron"]["balance_max"], cc["dynamic-megatron"]["balance_max"]]
+tk_worst = [max(balance[T]), gh["dynamic"]["balance_max"], cc["dynamic"]["balance_max"]]
+megatron_line = (f"Megatron's rules leave some micro-batches unbalanced where the CP size drops or the batch runs out "
+                 f"(worst max/mean {mg_worst[0]:.2f} in the run, {mg_worst[1]:.2f} and {mg_worst[2]:.2f} in the "
+                 f"simulated batches)" if max(mg_worst) > 1.1 else
+                 f"Megatron's rules kept every micro-batch within 1.1 here (worst {max(mg_worst):.2f})")
+merge_cost = ("the merges spread sequences over more ranks than they need, which costs ring traffic (section 3)"
+              if ring_mib[T] > ring_mib[M] else "here without extra ring traffic (section 3)")
+display(Markdown(
+    "- Ring attention with the balanced layout, its backward included, equals one-process attention, and a training "
+    "step through either plan gives the unpacked sequences' per-token loss and gradients: the scheduler only decides "
+    "*where* each sequence runs, never what is computed.\n"
+    f"- {megatron_line}. The toolkit's refill and merge steps keep every micro-batch within 1.1 "
+    f"({tk_worst[0]:.2f}, {tk_worst[1]:.2f}, {tk_worst[2]:.2f}); {merge_cost}.\n"
+    f"- The article's 1.48× and 1.25× cannot be measured on a CPU. The cost model gives "
+    f"{gh['dynamic']['speedup_vs_static']:.2f}× and {cc['dynamic']['speedup_vs_static']:.2f}× for the reasons above, "
+    f"and these move with the assumed bandwidth and FLOP/s. It models no kernel-efficiency loss on small CP chunks "
+    f"(which would favour dynamic CP further) and no scheduler time (Megatron hides it with an asynchronous solver)."))
+
+# %% [markdown]
 #
-# - Ring attention with the balanced layout, its backward included, equals one-process attention, and a training
-#   step through either plan gives the unpacked sequences' per-token loss and gradients — the scheduler only
-#   decides *where* each sequence runs, never what is computed.
-# - Megatron's rules balance most micro-batches well but not all: where the CP size drops, or the batch runs out,
-#   a micro-batch can be far above max/mean = 1.1 (the worst ones are printed in sections 3 and 4). The toolkit's
-#   refill and merge steps bring every micro-batch within 1.1; the merges can cost ring traffic (section 3).
-# - The article's 1.48× and 1.25× are not something a CPU can measure; the cost model gives numbers of the same
-#   size for the reasons given above (pipeline balance on long-tailed data, ring traffic of short sequences), and
-#   they move with the assumed bandwidth and FLOP/s. It models no kernel-efficiency loss on tiny CP chunks (which
-#   would favour dynamic CP further) and no scheduler time (Megatron hides it with an asynchronous solver).
-#
-# **Try:** `sim_cap=4096` (static CP needs more ranks); `Hardware(link_bytes_per_s=25e9)` (CP across
-# InfiniBand); `schedule_dynamic(..., max_imbalance=1.3)` and compare the ring bytes; a `lengths=[...]` list in
-# the lesson's cfg with one very long sequence among short ones.
+# **Try:** `sim_cap=4096` (longer sequences need more ranks); `dcp_sim.Hardware(attn_flops=...)` or
+# `dcp_sim.Setup(pp=4, dcp=16)` in section 4; `schedule_dynamic(..., max_imbalance=1.3)` and compare the ring
+# bytes; a `lengths=[...]` list in the lesson's cfg with one very long sequence among short ones.
 #
 # **Sources.** NVIDIA technical blog, *Speeding Up Variable-Length Training with Dynamic Context Parallelism and
 # NVIDIA Megatron Core* (2026-01-28); Megatron-LM `megatron/core/datasets/data_schedule.py`
