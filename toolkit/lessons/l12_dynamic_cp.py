@@ -43,6 +43,7 @@ PRESETS = {
     "full": {"model": "full", "n_layer": 12, "batch": 64, "seed": 0, "warmup": 2, "bench_steps": 3, "rounds": 5,
              "cap": 4096, "static_cp": 4, "min_cp": 1, "length_scale": 2, "lengths": None},
 }
+PHASES = [("plan", 1), ("reference", 1), ("checked", 2), ("timing", 3), ("selfcheck", 1)]
 LOSS_RTOL = 1e-5  # fp32: packing, sharding and the ring only reorder additions
 GRAD_ATOL = 1e-5
 
@@ -114,6 +115,7 @@ def run(ctx, cfg: dict) -> dict:
 
     # -- every rank loads its share, then all-gathers the lengths (the scheduler needs the global batch)
     dev = ctx.device
+    ctx.phase("plan")
     local = torch.tensor([[real[s], pad_length(real[s], 2 * world)] for s in mine], dtype=torch.long, device=dev)
     gathered = torch.empty(world * share * 2, dtype=torch.long, device=dev)
     with ctx.ledger.tag("gather-lengths"):
@@ -153,9 +155,11 @@ def run(ctx, cfg: dict) -> dict:
         return total
 
     # -- the reference: each of my sequences alone, unpacked, through the same model; summed over ranks
+    ctx.phase("reference")
     model.zero_grad(set_to_none=True)
     ref_sum = 0.0
-    for s in mine:
+    for i, s in enumerate(mine):
+        ctx.progress(i, share)
         rows = samples[s][:real_g[s]]
         loss = ra.gpt_sequence_loss(model, rows[:, 0], rows[:, 1])
         (loss / n_tokens).backward()
@@ -164,7 +168,9 @@ def run(ctx, cfg: dict) -> dict:
     with ctx.ledger.tag("metrics"):
         dist.all_reduce(ref)
     checked = {"reference": {"loss_per_token": ref[-1].item() / n_tokens}}
-    for name in plans:
+    ctx.phase("checked")
+    for k, name in enumerate(plans):
+        ctx.progress(k, len(plans), name)
         ctx.barrier()
         total = step(name, record=True)
         flat = torch.cat([_flat_grads(model), torch.tensor([total], device=dev)])
@@ -180,8 +186,10 @@ def run(ctx, cfg: dict) -> dict:
         closed = plan.ring_bytes(model_cfg.d_model, 4, model_cfg.n_layer)[rank]
         ring[name] = {d: {"ledger": ctx.ledger.total("sent_bytes", tag=f"ring-{d}:{name}"), "closed_form": closed[d]}
                       for d in ("forward", "backward")}
+    ctx.phase("timing")
     bench = compare({name: (lambda name=name: step(name)) for name in plans}, warmup=cfg["warmup"],
                     steps=cfg["bench_steps"], rounds=cfg["rounds"], sync=ctx.barrier, on_round=ctx.progress)
+    ctx.phase("selfcheck")
     selfcheck = ra.selfcheck(ctx, {"lengths": [8 * world, 2 * world, 12 * world], "seed": cfg["seed"]})
     return {"rank": rank, "world": world, "model": vars(model_cfg), "n_tokens": n_tokens,
             "lengths": real_g, "padded": padded, "plans": {k: p.to_json() for k, p in plans.items()},
