@@ -154,7 +154,7 @@ def run(ctx, cfg: dict) -> dict:
     bench = compare({name: timed(s) for name, s in stacks.items()}, warmup=cfg["warmup"], steps=cfg["bench_steps"],
                     rounds=cfg["rounds"], sync=ctx.barrier)
     ctx.progress(6, 8, "micro-benchmarks")
-    ops = op_benchmarks(ctx, group, stacks["ring"].blocks[0], x_r, cfg)
+    ops = op_benchmarks(ctx, group, stacks["ring"].blocks[0], M, cfg)
     ctx.progress(8, 8, "done")
     return {"rank": ctx.rank, "tp": tp, "model": vars(mc), "tokens": M, "local_tokens": M // tp, "n_layer": n_layer,
             "variants": variants, "grads_bitwise_keep_vs_regather": bitwise,
@@ -165,15 +165,29 @@ def run(ctx, cfg: dict) -> dict:
             "exposure": exposure, "spans": spans, "bench": {n: b.to_dict() for n, b in bench.items()}, "ops": ops}
 
 
-def op_benchmarks(ctx, group, block, x_r: torch.Tensor, cfg: dict) -> dict:
-    """AG+GEMM at fc1's shapes and GEMM+RS at fc2's: comm alone, GEMM alone, bulk and ring, timed side by side;
-    and the invariants: ring == bulk (allclose; the gathered input bitwise)."""
+def run_ops(ctx, cfg: dict) -> dict:
+    """Only the micro-benchmarks of ``run`` (``benchmarks/bench_tp_overlap.py`` launches this)."""
+    mc, tp = model_config(cfg), ctx.world_size
+    group = ctx.make_grid(tp=tp).group("tp")
+    torch.manual_seed(cfg["seed"])
+    stack = SequenceParallelStack.from_model(GPT(mc).to(ctx.device), group)
+    return {"rank": ctx.rank, "tp": tp, "model": vars(mc),
+            "ops": op_benchmarks(ctx, group, stack.blocks[0], cfg["micro_batch"] * mc.seq_len, cfg)}
+
+
+def op_benchmarks(ctx, group, block, tokens: int, cfg: dict) -> dict:
+    """AG+GEMM at fc1's shapes and GEMM+RS at fc2's (``tokens`` in the micro-batch): the collective alone, the
+    GEMM alone, bulk, ring, and the ring's messages alone (the same ring with GEMMs of width 0), timed side by
+    side; and the invariants: ring == bulk (allclose; the gathered input bitwise).
+
+    ``overlap`` takes T_comm of the collective (the issue's definition); ``overlap_own_messages`` takes the
+    ring's own messages, which gloo may move faster or slower than its collective."""
     tp = dist.get_world_size(group)
-    m, D = x_r.shape
-    torch.manual_seed(cfg["seed"] + 1 + ctx.rank)
-    x = torch.randn(m, D, device=x_r.device)  # fc1's input: my tokens
     w1 = block.fc1.weight.detach().t().contiguous()  # [D, d_ff/tp]
-    h = torch.randn(tp * m, w1.shape[1], device=x_r.device)  # fc2's input: all tokens, my features
+    m, D, device = tokens // tp, w1.shape[0], w1.device
+    torch.manual_seed(cfg["seed"] + 1 + ctx.rank)
+    x = torch.randn(m, D, device=device)  # fc1's input: my tokens
+    h = torch.randn(tp * m, w1.shape[1], device=device)  # fc2's input: all tokens, my features
     w2 = block.fc2.weight.detach().t().contiguous()  # [d_ff/tp, D]
     gathered, partial = x.new_empty(tp * m, D), h @ w2
     scattered = partial.new_empty(m, D)
@@ -193,18 +207,21 @@ def op_benchmarks(ctx, group, block, x_r: torch.Tensor, cfg: dict) -> dict:
                     {"comm": lambda: dist.all_gather_into_tensor(gathered, x, group=group),
                      "gemm": lambda: torch.mm(gathered, w1),
                      "bulk": lambda: all_gather_matmul(x, w1, group, mode="bulk"),
-                     "ring": lambda: all_gather_matmul(x, w1, group, mode="ring")}),
+                     "ring": lambda: all_gather_matmul(x, w1, group, mode="ring"),
+                     "ring comm": lambda: all_gather_matmul(x, w1[:, :0], group, mode="ring")}),  # GEMMs of width 0
         "GEMM+RS": ({"h": list(h.shape), "w": list(w2.shape)},
                     {"comm": lambda: dist.reduce_scatter_tensor(scattered, partial, group=group),
                      "gemm": lambda: torch.mm(h, w2),
                      "bulk": lambda: matmul_reduce_scatter(h, w2, group, mode="bulk"),
-                     "ring": lambda: matmul_reduce_scatter(h, w2, group, mode="ring")})}
+                     "ring": lambda: matmul_reduce_scatter(h, w2, group, mode="ring"),
+                     "ring comm": lambda: matmul_reduce_scatter(h[:, :0], w2[:0], group, mode="ring")})}
     for op, (shapes, cands) in candidates.items():
         with ctx.ledger.tag(f"ops/{op}"):
             res = compare(cands, warmup=cfg["warmup"], steps=cfg["op_steps"], rounds=cfg["rounds"], sync=ctx.barrier)
         t = {n: r.mean_s for n, r in res.items()}
         out[op] = {"shapes": shapes, "mean_s": t, "median_s": {n: r.median_s for n, r in res.items()},
-                   "overlap": {v: overlap_fraction(t["comm"], t["gemm"], t[v]) for v in ("bulk", "ring")}}
+                   "overlap": {v: overlap_fraction(t["comm"], t["gemm"], t[v]) for v in ("bulk", "ring")},
+                   "overlap_own_messages": overlap_fraction(t["ring comm"], t["gemm"], t["ring"])}
     return out
 
 
