@@ -80,16 +80,15 @@ def test_weight_grad_store_defers_exactly_the_linear_weights():
     x = torch.randn(3, 4, requires_grad=True)
     plain(x).square().sum().backward()
     x2 = x.detach().requires_grad_()
-    WeightGradStore.clear()
-    WeightGradStore.split_forward = True  # this forward's backward will be an I
-    y = split(x2)
-    WeightGradStore.split_forward, WeightGradStore.enabled = False, True
-    y.square().sum().backward()
-    WeightGradStore.enabled = False
-    WeightGradStore.flush((0, 0, 0))
+    store = WeightGradStore()  # one per executor
+    with store.splitting():  # this forward's backward will be an I
+        y = split(x2)
+    with store.deferring():
+        y.square().sum().backward()
+    store.flush((0, 0, 0))
     assert split[0].weight.grad is None and split[1].weight.grad is not None  # LayerNorm's grad is not deferred
     assert torch.allclose(x2.grad, x.grad)
-    WeightGradStore.pop((0, 0, 0))
+    store.pop((0, 0, 0))
     for p, q in zip(split.parameters(), plain.parameters()):
         assert torch.allclose(p.grad, q.grad, atol=1e-6) and p.grad.grad_fn is None
 
@@ -126,3 +125,56 @@ def test_lesson_03_bad_input_names_the_parameter():
         l03.validate({"preset": "tiny"}, 2)
     with pytest.raises(ValueError, match="micro_batch must be a positive int"):
         l03.validate({"preset": "smoke", "micro_batch": 0}, 2)
+
+
+def test_hooks_run_for_every_op_including_i_w_r_and_both_halves_of_an_fb():
+    """One hook interface: a subclass overriding the hooks sees every op; no op can be skipped silently."""
+    import contextlib
+
+    from toolkit.pipeline import Action, Schedule, linear_layout
+
+    class Spy(PipelineExecutor):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.seen = []
+
+        def forward_context(self, a):
+            self.seen.append(("forward_context", str(a)))
+            return contextlib.nullcontext()
+
+        def before_backward(self, a):
+            self.seen.append(("before_backward", str(a)))
+
+        def after_backward(self, a):
+            self.seen.append(("after_backward", str(a)))
+
+        def after_op(self, a):
+            self.seen.append(("after_op", str(a)))
+
+        def after_action(self, action):
+            self.seen.append(("after_action", str(action)))
+
+    cfg = preset("smoke", n_layer=2)
+    inputs, targets = gpt_micro_batches(2, 1, cfg.seq_len)
+    with_r = Schedule("gpipe-r", [[Action("F", 0, 0), Action("F", 0, 1), Action("R", 0, 0), Action("B", 0, 0),
+                                   Action("B", 0, 1)]], linear_layout(1), 2, checkpointed=frozenset({(0, 0, 0)})).check()
+    for schedule in (dualpipev(1, 2), with_r):
+        torch.manual_seed(0)
+        model = GPT(cfg)
+        spy = Spy(schedule, 0, gpt_stages(model, schedule, 0), lm_loss, (1, cfg.seq_len, cfg.d_model))
+        spy.step(inputs, targets)
+        parts = [p for a in schedule.ranks[0] for p in a.parts]
+        assert {op for op in "FBIWR" if any(p.op == op for p in parts)} == (
+            {"F", "B", "I", "W"} if schedule.name == "dualpipev" else {"F", "B", "R"})
+        for p in parts:
+            assert ("after_op", str(p)) in spy.seen, p
+            if p.op in ("F", "R"):
+                assert ("forward_context", str(p)) in spy.seen, p
+            if p.op in ("B", "I"):
+                i = spy.seen.index(("before_backward", str(p)))
+                assert spy.seen[i + 1] == ("after_backward", str(p))
+        assert [x for x in spy.seen if x[0] == "after_action"] == [("after_action", str(a)) for a in schedule.ranks[0]]
+        assert any(a.op == "FB" for a in schedule.ranks[0]) == (schedule.name == "dualpipev")
+    unknown = Schedule("custom", [[Action("F", 0, 0), Action("X", 0, 0), Action("B", 0, 0)]], linear_layout(1), 1)
+    with pytest.raises(ValueError, match="no method for ops \\['X'\\]"):
+        PipelineExecutor(unknown, 0, {0: torch.nn.Identity()}, lm_loss, (1, 1, 1))
