@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from toolkit.graphs import audit, count_ops, dispatch_cost
 from toolkit.models import GPT, lm_loss, preset
-from toolkit.pipeline.dp_separate import DataParallelPipelineExecutor
+from toolkit.pipeline.dp_separate import DataParallelPipelineExecutor, last_grad_ops
 from toolkit.pipeline.executor import gpt_micro_batches, gpt_stages, reference_step
 from toolkit.pipeline.schedule import make_schedule
 from toolkit.runtime.bench import compare
@@ -107,8 +107,9 @@ def run(ctx, cfg: dict) -> dict:
         for x in ex.reduces:
             spans.append({"rank": ctx.rank, "kind": "DP all-reduce", "start": x["issued"], "end": x["done_by"],
                           "meta": {"stage": x["stage"], "lane": "dp"}})
+        reduces = [{**x, "before_end_s": end - x["issued"]} for x in ex.reduces]
         traced[name] = {"spans": spans, "step_s": end - start, "waits_s": sum(x["waited_s"] for x in ex.reduces),
-                        "reduces": ex.reduces}
+                        "reduces": reduces}
     ctx.progress(2, 5, "timing")
     timed = {name: executor(name == "separated") for name in VARIANTS}
 
@@ -152,6 +153,7 @@ def run(ctx, cfg: dict) -> dict:
     ctx.progress(5, 5, "done")
     return {"rank": ctx.rank, "pp_rank": r, "dp_rank": d, "dp": dp, "pp": pp, "m": m, "model": vars(mc),
             "stages": schedule.stages_of(r), "order": [str(a) for a in schedule.ranks[r]], "ref_loss": ref_loss,
+            "last_grad_op": last_grad_ops(schedule, r), "n_ops": sum(len(a.parts) for a in schedule.ranks[r]),
             "runs": runs, "losses_equal": losses[0] == losses[1], "grads_bitwise_plain_vs_separated": bitwise,
             "traced": traced, "bench": {n: b.to_dict() for n, b in bench.items()}, "exposed_dp_wait_s": exposed,
             "chunks": {str(s): c for s, c in chunks.items()}, "audit": audits}

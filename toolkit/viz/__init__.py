@@ -75,7 +75,7 @@ def gantt(spans: Iterable[dict], color_by: str = "kind", title: str = "", label:
             customdata=[[s["kind"], str(s.get("meta", {}))] for s in items],
             hovertemplate="%{customdata[0]} %{customdata[1]}<br>%{base:.3f} + %{x:.3f} " + time_unit
                           + "<extra></extra>"))
-    rows = sorted({(s["rank"], str(s.get("meta", {}).get(lane, ""))) for s in spans}) if lane else \
+    rows = sorted({(s["rank"], str(s.get("meta", {}).get(lane, "") or "")) for s in spans}) if lane else \
         sorted({(s["rank"], "") for s in spans})
     labels = [_row({"rank": r, "meta": {lane: x}}, lane) for r, x in rows]
     fig.update_layout(barmode="overlay", bargap=0.25, xaxis_title=f"time ({time_unit})",
@@ -84,7 +84,8 @@ def gantt(spans: Iterable[dict], color_by: str = "kind", title: str = "", label:
 
 
 def _row(span: dict, lane: str | None) -> str:
-    return f"rank {span['rank']}" + (f" · {span.get('meta', {}).get(lane, '')}" if lane else "")
+    value = span.get("meta", {}).get(lane, "") if lane else ""
+    return f"rank {span['rank']}" + (f" · {value}" if value not in ("", None) else "")
 
 
 def memory_over_time(samples: Sequence[dict], title: str = "", categories: Sequence[str] | None = None,
