@@ -138,7 +138,17 @@ def graph_stages(modules: list[nn.Module], samples: list[tuple[torch.Tensor, ...
     """``torch.cuda.make_graphed_callables`` on pipeline stages: each gets a forward graph and a backward graph,
     captured in order so they share one memory pool. ``samples[i]`` are example inputs of stage i with the
     shapes, dtypes and ``requires_grad`` of every later call (inputs are copied into static buffers on
-    each call). Needs CUDA, no host syncs inside the stages, and no hooks on the modules."""
+    each call). Needs CUDA, no host syncs inside the stages, and no hooks on the modules.
+
+    Gradient accumulation over micro-batches: the backward graph returns its *static* gradient buffers, and
+    autograd may adopt such a buffer as a parameter's ``.grad`` when ``.grad`` is None — the next replay then
+    overwrites it (pytorch/pytorch#181723). So every ``.grad`` is allocated here, and the caller must zero
+    them with ``zero_grad(set_to_none=False)``: accumulation is then in place, into buffers of its own."""
     if not torch.cuda.is_available():
         raise RuntimeError("graph_stages needs CUDA")
-    return list(torch.cuda.make_graphed_callables(tuple(modules), tuple(samples), num_warmup_iters=warmup))
+    graphed = list(torch.cuda.make_graphed_callables(tuple(modules), tuple(samples), num_warmup_iters=warmup))
+    for module in modules:
+        for p in module.parameters():
+            if p.requires_grad and p.grad is None:
+                p.grad = torch.zeros_like(p)
+    return graphed
