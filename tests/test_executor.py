@@ -10,8 +10,8 @@ import torch
 from toolkit import launch
 from toolkit.models import GPT, lm_loss, preset
 from toolkit.pipeline import PipelineExecutor, dualpipev, make_schedule, one_f_one_b, zb_h1
-from toolkit.pipeline.executor import ActivationMeter, WeightGradStore, gpt_micro_batches, gpt_stages, reference_step, \
-    split_weight_grads
+from toolkit.pipeline.executor import ActivationMeter, WeightGradStore, split_weight_grads
+from toolkit.pipeline.harness import PipelineSetup, gpt_micro_batches, gpt_stages
 
 OURS = ["gpipe", "1f1b", "interleaved", "zb-h1", "dualpipev", "1f1b-recompute-inline", "1f1b-recompute-bubble"]
 TORCH_ORDERS = ["torch:zbv", "torch:dualpipev"]  # torch's orders run by our executor
@@ -21,7 +21,7 @@ TOL = 1e-5
 
 @pytest.fixture(scope="module")
 def two_ranks():
-    return launch("toolkit.pipeline.executor:selfcheck", 2, {"schedules": OURS + TORCH_ORDERS + TORCH_IMPL, "m": 4},
+    return launch("pipeline_selfcheck", 2, {"schedules": OURS + TORCH_ORDERS + TORCH_IMPL, "m": 4},
                   timeout_s=300, progress="none")
 
 
@@ -29,7 +29,7 @@ def two_ranks():
 def three_ranks():
     with warnings.catch_warnings():  # 3 ranks on a 2-core machine share cores; results are unaffected
         warnings.simplefilter("ignore", UserWarning)
-        return launch("toolkit.pipeline.executor:selfcheck", 3,
+        return launch("pipeline_selfcheck", 3,
                       {"schedules": ["1f1b", "interleaved", "zb-h1", "dualpipev", "1f1b-recompute-bubble"], "m": 6},
                       timeout_s=300, progress="none")
 
@@ -59,12 +59,9 @@ def test_recompute_holds_fewer_activation_bytes(two_ranks):
 
 def test_single_rank_schedules_run_without_processes():
     """p = 1: every stage is local, so the executor runs in this process (handoffs only)."""
-    cfg = preset("smoke", n_layer=4)
-    inputs, targets = gpt_micro_batches(2, 2, cfg.seq_len)
-    torch.manual_seed(0)
-    base = GPT(cfg)
-    reference = copy.deepcopy(base)
-    ref_loss = reference_step(reference, inputs, targets)
+    setup = PipelineSetup.build("smoke", n_layer=4, m=2, micro_batch=2, seed=0)
+    inputs, targets, base, reference, ref_loss = setup.inputs, setup.targets, setup.base, setup.reference, setup.ref_loss
+    cfg = setup.model_cfg
     for schedule in (dualpipev(1, 2), zb_h1(1, 2), one_f_one_b(1, 2, "bubble", keep=1)):
         model = copy.deepcopy(base)
         executor = PipelineExecutor(schedule, 0, gpt_stages(model, schedule, 0), lm_loss, (2, cfg.seq_len, cfg.d_model))
@@ -115,15 +112,15 @@ def test_lesson_03_bad_input_names_the_parameter():
     from toolkit.lessons import l03_dualpipev as l03
     with pytest.raises(ValueError, match="m=3 micro-batches is too few: DualPipeV needs m >= 2 \\* world_size = 4"):
         l03.validate({"preset": "smoke", "m": 3}, 2)
-    with pytest.raises(ValueError, match="n_layer=6 must be divisible by 2 \\* world_size = 4"):
+    with pytest.raises(ValueError, match="n_layer=6 must be divisible by 2 \\* world_size=4"):
         l03.validate({"preset": "smoke", "n_layer": 6}, 2)
-    with pytest.raises(ValueError, match="m=5 must be a multiple of world_size=2"):
+    with pytest.raises(ValueError, match="m=5 must be divisible by world_size=2"):
         l03.validate({"preset": "smoke", "m": 5}, 2)
-    with pytest.raises(ValueError, match="schedules has unknown entries \\['zb-h2'\\]"):
+    with pytest.raises(ValueError, match="every item of schedules='zb-h2' is not allowed"):
         l03.validate({"preset": "smoke", "schedules": ["zb-h2"]}, 2)
     with pytest.raises(ValueError, match="preset='tiny'"):
         l03.validate({"preset": "tiny"}, 2)
-    with pytest.raises(ValueError, match="micro_batch must be a positive int"):
+    with pytest.raises(ValueError, match="micro_batch must be >= 1"):
         l03.validate({"preset": "smoke", "micro_batch": 0}, 2)
 
 

@@ -55,6 +55,7 @@ from toolkit import launch, viz
 from toolkit.models import GPT, GPTConfig
 from toolkit.pipeline import Costs, closed_form_bubble, dualpipev, make_schedule, simulate
 from toolkit.pipeline import executor as pipeline_executor
+from toolkit.pipeline.harness import find
 from toolkit.pipeline.simulate import MeasuredCosts, timeline_bubble
 from toolkit.pipeline.torch_compare import compare_orders
 from toolkit.viz.pipeline import explorer, memory_steps, schedule_gantt
@@ -126,7 +127,14 @@ for r in rows:
 # %%
 results = launch("l03_dualpipev", world_size, {"preset": preset}, backend=backend, timeout_s=timeout_s)
 r0 = results[0]
-runs = {k: [r["runs"][k] for r in results] for k in r0["runs"]}
+
+
+def ours(name: str, fb_overlap: bool = True) -> list[dict]:
+    """The run of schedule ``name`` by our executor: one record per rank."""
+    return [find(r["runs"], schedule=name, impl="ours", fb_overlap=fb_overlap) for r in results]
+
+
+torch_dpv = [find(r["runs"], schedule="dualpipev", impl="torch") for r in results]
 print(f"{world_size} ranks, m = {r0['m']} micro-batches, model {r0['model']['n_layer']} layers × "
       f"d={r0['model']['d_model']}, T={r0['model']['seq_len']}; wall {results.wall_s:.1f} s")
 
@@ -135,16 +143,19 @@ print(f"{world_size} ranks, m = {r0['m']} micro-batches, model {r0['model']['n_l
 # over all parameters ≤ 1e-5 in fp32; most are bitwise equal), and so does torch's DualPipeV.
 
 # %%
-for key, per_rank in runs.items():
+for i, job in enumerate(r0["runs"]):  # every rank ran the same jobs, in the same order
+    per_rank = [r["runs"][i] for r in results]
     loss = [x["loss"] for x in per_rank if x["loss"] is not None]
-    assert len(loss) == 1 and abs(loss[0] - r0["ref_loss"]) <= 1e-5, (key, loss, r0["ref_loss"])
-    assert max(x["grad_diff"] for x in per_rank) <= 1e-5, key
+    assert len(loss) == 1 and abs(loss[0] - r0["ref_loss"]) <= 1e-5, (job["schedule"], loss, r0["ref_loss"])
+    assert max(x["grad_diff"] for x in per_rank) <= 1e-5, job["schedule"]
 assert r0["torch_order_identical"]
 
 # %%
 # NBVAL_CHECK_OUTPUT
-for key, per_rank in runs.items():
+for i, job in enumerate(r0["runs"]):
+    per_rank = [r["runs"][i] for r in results]
     loss = [x["loss"] for x in per_rank if x["loss"] is not None][0]
+    key = f"{job['schedule']} ({job['impl']})"
     print(f"{key:18s} loss matches: {abs(loss - r0['ref_loss']) <= 1e-5}   max |grad - reference| <= 1e-5: "
           f"{max(x['grad_diff'] for x in per_rank) <= 1e-5}")
 
@@ -154,9 +165,9 @@ for key, per_rank in runs.items():
 # The last timed step of each schedule, as recorded by the executor (compute only; gaps are waits).
 
 # %%
-for key in ("1f1b/ours", "dualpipev/ours"):
-    spans = [s for x in runs[key] for s in x["spans"]]
-    display(schedule_gantt(spans, title=f"{key.split('/')[0]}: measured step on {world_size} ranks"))
+for name in ("1f1b", "dualpipev"):
+    spans = [s for x in ours(name) for s in x["spans"]]
+    display(schedule_gantt(spans, title=f"{name}: measured step on {world_size} ranks"))
 
 # %% [markdown]
 # ## 5 · Simulated with the measured op times, against the real step
@@ -169,14 +180,13 @@ for key in ("1f1b/ours", "dualpipev/ours"):
 p = world_size
 table, measured = [], {}
 for name in ("1f1b", "zb-h1", "interleaved", "dualpipev"):
-    ops = {k: v for x in runs[f"{name}/ours"] for k, v in x["op_seconds"].items()}
-    measured[name] = MeasuredCosts(ops)
+    measured[name] = MeasuredCosts([o for x in ours(name) for o in x["op_seconds"]])  # [{op, stage, seconds}]
     sim = simulate(make_schedule(name, p, r0["m"]), measured[name])
-    real = timeline_bubble([s for x in runs[f"{name}/ours"] for s in x["spans"]], p)
+    real = timeline_bubble([s for x in ours(name) for s in x["spans"]], p)
     table.append({"schedule": name, "simulated step (ms)": sim.makespan * 1e3, "real step (ms)": real["makespan"] * 1e3,
                   "simulated bubble %": 100 * sim.bubble_fraction, "real bubble %": 100 * real["bubble_fraction"],
-                  "bench step (ms)": runs[f"{name}/ours"][0]["bench"]["mean_s"] * 1e3})
-table.append({"schedule": "torch DualPipeV", "bench step (ms)": runs["dualpipev/torch"][0]["bench"]["mean_s"] * 1e3})
+                  "bench step (ms)": ours(name)[0]["bench"]["mean_s"] * 1e3})
+table.append({"schedule": "torch DualPipeV", "bench step (ms)": torch_dpv[0]["bench"]["mean_s"] * 1e3})
 display(viz.table(table, title="Step and bubble: simulated from measured op times vs real",
                   formats={k: ".2f" for k in table[0] if k != "schedule"}))
 display(viz.bars([r for r in table], x="schedule", y="bench step (ms)",
@@ -214,7 +224,7 @@ display(viz.lines(sweep, x=alphas, title="Simulated step, p = 4, m = 16, measure
 rows = []
 for name in ("1f1b", "zb-h1", "interleaved", "dualpipev"):
     sim = simulate(make_schedule(name, p, r0["m"]), Costs())
-    for r, x in enumerate(runs[f"{name}/ours"]):
+    for r, x in enumerate(ours(name)):
         rows.append({"schedule": name, "rank": f"rank {r}", "peak saved activations (KiB)": x["peak_act_bytes"] / 1024,
                      "simulated peak (micro-batches)": sim.peak_mb[r]})
 display(viz.bars(rows, x="schedule", y="peak saved activations (KiB)", color="rank",
@@ -278,8 +288,9 @@ display(memory_steps(static, title="Activation chunks held"))
 
 # %%
 row = {r["schedule"]: r for r in table}
-dpv = measured["dualpipev"].table
-split = [dpv[f"I@{s}"] + dpv[f"W@{s}"] - dpv[f"B@{s}"] for s in range(2 * p) if f"I@{s}" in dpv and f"B@{s}" in dpv]
+dpv = measured["dualpipev"]
+split = [dpv.seconds("I", s) + dpv.seconds("W", s) - dpv.seconds("B", s) for s in range(2 * p)
+         if dpv.has("I", s) and dpv.has("B", s)]
 print("bubble, real timeline:  " + ", ".join(f"{n} {row[n]['real bubble %']:.1f}%" for n in measured))
 print("bubble, simulated:      " + ", ".join(f"{n} {row[n]['simulated bubble %']:.1f}%" for n in measured))
 print("step (trimmed mean):    " + ", ".join(f"{n} {row[n]['bench step (ms)']:.1f} ms" for n in row))

@@ -22,7 +22,8 @@ import torch
 
 from toolkit.memory.offload import ALL_KINDS, POLICIES, ActivationOffloader, resolve_policy
 from toolkit.models import GPT, lm_loss, preset
-from toolkit.pipeline.executor import PipelineExecutor, gpt_micro_batches, gpt_stages, key_of
+from toolkit.pipeline.executor import PipelineExecutor, key_of
+from toolkit.pipeline.harness import gpt_micro_batches, gpt_stages
 from toolkit.pipeline.schedule import one_f_one_b
 from toolkit.runtime.bench import measure
 from toolkit.runtime.memory import MemoryTracker
