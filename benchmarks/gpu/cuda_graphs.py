@@ -40,7 +40,7 @@ def _launches(step) -> dict[str, int]:
 def single_gpu(n_layer: int = 4, n_stages: int = 4, m: int = 8, micro_batch: int = 2) -> list[dict]:
     from toolkit.graphs import graph_stages
     from toolkit.models import GPT, lm_loss, preset, split_stages
-    from toolkit.pipeline.executor import gpt_micro_batches
+    from toolkit.pipeline.harness import gpt_micro_batches
     from toolkit.runtime.bench import compare
 
     dev = torch.device("cuda", 0)

@@ -12,16 +12,15 @@ outside them (issued per stage, overlapped with the rest of the schedule).
 """
 from __future__ import annotations
 
-import copy
 from dataclasses import replace
 
 import torch
 import torch.distributed as dist
 
 from toolkit.graphs import audit, count_ops, dispatch_cost
-from toolkit.models import GPT, lm_loss, preset
+from toolkit.models import GPT, lm_loss
 from toolkit.pipeline.dp_separate import DataParallelPipelineExecutor, last_grad_ops
-from toolkit.pipeline.executor import gpt_micro_batches, gpt_stages, reference_step
+from toolkit.pipeline.harness import PipelineSetup, grads_bitwise_equal
 from toolkit.pipeline.schedule import make_schedule
 from toolkit.runtime.bench import compare
 from toolkit.runtime.config import Param, common, require_divisible, resolve
@@ -57,22 +56,18 @@ def run(ctx, cfg: dict) -> dict:
     dp, pp, m = cfg["dp"], cfg["pp"], cfg["m"]
     grid = ctx.make_grid(dp=dp, pp=pp)
     r, d = grid.rank_in("pp"), grid.rank_in("dp")
-    mc = preset(cfg["model"], n_layer=cfg["n_layer"])
     schedule = make_schedule("dualpipev", pp, m)
-    inputs, targets = gpt_micro_batches(dp * m, cfg["micro_batch"], mc.seq_len, seed=cfg["seed"])
-    mine = slice(d * m, (d + 1) * m)  # this replica's micro-batches
-    torch.manual_seed(cfg["seed"])
-    base = GPT(mc).to(ctx.device)
-    reference = copy.deepcopy(base)
-    ref_loss = reference_step(reference, inputs, targets)  # one process, all dp·m micro-batches
-    inputs, targets = [x.to(ctx.device) for x in inputs[mine]], [y.to(ctx.device) for y in targets[mine]]
+    # all dp·m micro-batches and the one-process reference over them; this replica runs its own m
+    setup = PipelineSetup.build(cfg["model"], m=dp * m, micro_batch=cfg["micro_batch"], n_layer=cfg["n_layer"],
+                                seed=cfg["seed"], device=ctx.device)
+    mc, base = setup.model_cfg, setup.base
+    inputs, targets = setup.inputs[d * m:(d + 1) * m], setup.targets[d * m:(d + 1) * m]
 
     def executor(separate: bool, timeline=None):
-        model = copy.deepcopy(base)
-        ex = DataParallelPipelineExecutor(schedule, r, gpt_stages(model, schedule, r), lm_loss,
-                                          (cfg["micro_batch"], mc.seq_len, mc.d_model), device=ctx.device,
-                                          peers=grid.ranks("pp"), group=grid.group("pp"), timeline=timeline,
-                                          dp_group=grid.group("dp"), separate=separate)
+        model = setup.fresh()
+        ex = DataParallelPipelineExecutor(schedule, r, setup.stages(model, schedule, r), lm_loss, setup.act_shape,
+                                          device=ctx.device, peers=grid.ranks("pp"), group=grid.group("pp"),
+                                          timeline=timeline, dp_group=grid.group("dp"), separate=separate)
         return model, ex
 
     # -- one checked step per variant ------------------------------------------------------------------
@@ -81,15 +76,13 @@ def run(ctx, cfg: dict) -> dict:
         model, ex = executor(name == "separated")
         with ctx.ledger.tag(name):
             loss = ex.step(inputs, targets)
-        mine_params = [p for mod in ex.modules.values() for p in mod.parameters()]
-        runs[name] = {"loss": loss, "grad_max_diff": _grad_diff(model, reference, mine_params),
+        runs[name] = {"loss": loss, "grad_max_diff": setup.grad_diff(model, schedule, r),
                       "dp_bytes": ctx.ledger.total("sent_bytes", tag=name, op="all_reduce"),
                       "p2p_bytes": ctx.ledger.total("sent_bytes", tag=name, op="isend"),
                       "reduces": [{k: v for k, v in x.items() if k in ("stage", "bytes")} for x in ex.reduces]}
-        models[name] = (model, mine_params)
-    names = {id(p): n for n, p in models["plain"][0].named_parameters()}
-    other = dict(models["separated"][0].named_parameters())
-    bitwise = all(torch.equal(p.grad, other[names[id(p)]].grad) for p in models["plain"][1])
+        models[name] = model
+    bitwise = grads_bitwise_equal(models["plain"], models["separated"],
+                                  setup.stages(models["plain"], schedule, r).values())
     losses = [runs[n]["loss"] for n in VARIANTS]
     ctx.progress(1, 5, "checked")
 
@@ -131,7 +124,7 @@ def run(ctx, cfg: dict) -> dict:
     # -- what a graph would remove: ops and host cost per chunk of this rank's stages ------------------------
     ctx.progress(3, 5, "op counts")
     chunks = {}
-    stages = gpt_stages(copy.deepcopy(base), schedule, r)
+    stages = setup.stages(setup.fresh(), schedule, r)
     last = schedule.n_stages - 1
     for s, module in stages.items():
         x = inputs[0] if s == 0 else torch.randn(cfg["micro_batch"], mc.seq_len, mc.d_model, device=ctx.device,
@@ -152,7 +145,7 @@ def run(ctx, cfg: dict) -> dict:
     audits = capture_audit(ctx, grid, mc, inputs[0], targets[0])
     ctx.progress(5, 5, "done")
     return {"rank": ctx.rank, "pp_rank": r, "dp_rank": d, "dp": dp, "pp": pp, "m": m, "model": vars(mc),
-            "stages": schedule.stages_of(r), "order": [str(a) for a in schedule.ranks[r]], "ref_loss": ref_loss,
+            "stages": schedule.stages_of(r), "order": [str(a) for a in schedule.ranks[r]], "ref_loss": setup.ref_loss,
             "last_grad_op": last_grad_ops(schedule, r), "n_ops": sum(len(a.parts) for a in schedule.ranks[r]),
             "runs": runs, "losses_equal": losses[0] == losses[1], "grads_bitwise_plain_vs_separated": bitwise,
             "traced": traced, "bench": {n: b.to_dict() for n, b in bench.items()}, "exposed_dp_wait_s": exposed,
@@ -178,9 +171,3 @@ def _chunk(module, x: torch.Tensor, target: torch.Tensor | None):
     if target is None:
         return lambda: module(x)
     return lambda: lm_loss(module(x), target)
-
-
-def _grad_diff(model, reference, params) -> float:
-    ref = dict(reference.named_parameters())
-    names = {id(p): n for n, p in model.named_parameters()}
-    return max((p.grad - ref[names[id(p)]].grad).abs().max().item() for p in params)
