@@ -33,8 +33,8 @@ PARAMS = {**common("model", "n_layer", "m", "micro_batch", "seed", "warmup", "be
 PRESETS = {  # small models on purpose: the host's cost per op is what a graph removes, and it dominates there
     "smoke": {"model": "smoke", "n_layer": 4, "m": 4, "micro_batch": 2, "seed": 0, "pp": 2, "dp": 2,
               "warmup": 1, "bench_steps": 2, "rounds": 2},
-    "default": {"model": "smoke", "n_layer": 4, "m": 8, "micro_batch": 4, "seed": 0, "pp": 2, "dp": 2,
-                "warmup": 1, "bench_steps": 3, "rounds": 3},
+    "default": {"model": "smoke", "n_layer": 4, "m": 8, "micro_batch": 2, "seed": 0, "pp": 2, "dp": 2,
+                "warmup": 1, "bench_steps": 2, "rounds": 3},
     "full": {"model": "default", "n_layer": 8, "m": 16, "micro_batch": 4, "seed": 0, "pp": 2, "dp": 2,
              "warmup": 2, "bench_steps": 5, "rounds": 5},
 }
@@ -137,8 +137,8 @@ def run(ctx, cfg: dict) -> dict:
         module.zero_grad(set_to_none=True)
         chunks[s] = {"ops": {k: sum(v.values()) for k, v in ops.items()}, "op_types": ops,
                      "tiny_ops": {k: sum(v.values()) for k, v in tiny_ops.items()},
-                     "time_s": dispatch_cost(chunk, repeats=cfg["bench_steps"] * cfg["rounds"]),
-                     "tiny_time_s": dispatch_cost(tiny_chunk, repeats=20),
+                     "time_s": dispatch_cost(chunk, repeats=5),
+                     "tiny_time_s": dispatch_cost(tiny_chunk, repeats=10),
                      "has_loss": s == last, "embeds": s == 0}
         module.zero_grad(set_to_none=True)
     ctx.progress(4, 5, "capture audit")
