@@ -42,6 +42,8 @@
 import os
 
 world_size: int = 4
+pp: int = 2  # pipeline ranks (the data-parallel size is world_size // pp)
+n_layer: int = 0  # 0 keeps the preset's; DualPipeV needs a multiple of 2·pp
 preset: str = os.environ.get("TOOLKIT_PRESET", "default")  # smoke | default | full
 backend: str = "auto"  # auto | gloo | nccl
 timeout_s: int = 600
@@ -82,8 +84,9 @@ print(inspect.getsource(dp_separate.last_grad_ops))
 # ranks of each replica, each replica on its own micro-batches of real text.
 
 # %%
-cfg = lesson.validate({"preset": preset}, world_size)
-results = launch("l16_cuda_graphs", world_size, {"preset": preset}, backend=backend, timeout_s=timeout_s)
+run_cfg = {"preset": preset, "pp": pp, "dp": max(1, world_size // pp), **({"n_layer": n_layer} if n_layer else {})}
+cfg = lesson.validate(run_cfg, world_size)  # a bad combination stops here, before any process starts
+results = launch("l16_cuda_graphs", world_size, run_cfg, backend=backend, timeout_s=timeout_s)
 r0 = results[0]
 print(f"dp = {r0['dp']} × pp = {r0['pp']}, m = {r0['m']} micro-batches per replica, {r0['model']['n_layer']} layers, "
       f"d_model {r0['model']['d_model']}; wall {results.wall_s:.1f} s")
@@ -274,8 +277,9 @@ display(Markdown(f"""
 # | capture | not possible | `torch.cuda.make_graphed_callables` per stage: replay vs eager step time, same loss and grads |
 # | DP separation | DualPipeV on gloo, all-reduce `async_op=True` per stage | the same on NCCL |
 #
-# **Try:** `pp = 4, dp = 1` (`world_size = 4`): more pipeline ranks, earlier phase-1 chunks; a larger
-# `micro_batch` and the share of host time in section 4 falls.
+# **Try:** `pp = 4, n_layer = 8` with `world_size = 4` (dp = 1): more pipeline ranks, earlier phase-1 chunks;
+# `world_size = 8` on a GPU node (dp = 4); a larger `micro_batch` in the cfg, and the share of host time in
+# section 4 falls.
 #
 # **Sources.** NVIDIA, *CUDA Graphs* (CUDA programming guide); PyTorch `torch.cuda.graphs`,
 # `make_graphed_callables`, and `torch.compile(mode="reduce-overhead")`; Megatron-LM `--cuda-graph-impl`,
