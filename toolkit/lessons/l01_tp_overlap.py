@@ -37,7 +37,7 @@ PRESETS = {
     "smoke": {"model": "smoke", "n_layer": 1, "micro_batch": 4, "seed": 0, "n_head": None, "d_model": None,
               "warmup": 1, "bench_steps": 2, "rounds": 3, "op_steps": 5},
     "default": {"model": "default", "n_layer": 2, "micro_batch": 8, "seed": 0, "n_head": None, "d_model": None,
-                "warmup": 2, "bench_steps": 3, "rounds": 5, "op_steps": 10},
+                "warmup": 1, "bench_steps": 2, "rounds": 3, "op_steps": 8},
     "full": {"model": "full", "n_layer": 4, "micro_batch": 4, "seed": 0, "n_head": None, "d_model": None,
              "warmup": 3, "bench_steps": 5, "rounds": 5, "op_steps": 20},
 }
