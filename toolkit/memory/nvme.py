@@ -42,7 +42,7 @@ import torch
 
 from toolkit.runtime.memory import MemoryTracker
 
-from .optim_offload import HYPER, CopyEngine, adamw_
+from .optim_offload import HYPER, CopyEngine, adamw_, on_host
 
 BLOCK_BYTES = 4096
 ELEM = 4  # fp32
@@ -242,8 +242,8 @@ class DiskAdamW(torch.optim.Optimizer):
             self.register(tracker)
 
     def register(self, tracker: MemoryTracker) -> None:
-        """Count the staging buffers as ``host`` in ``tracker``."""
-        for b in self.buffers:
+        """Count the staging buffers (and the parameter read-ahead slots) as ``host`` in ``tracker``."""
+        for b in self.buffers + (self.params_on_disk.slots if self.params_on_disk is not None else []):
             tracker.register(b, "host")
 
     def host_bytes(self) -> int:
@@ -293,7 +293,7 @@ class DiskAdamW(torch.optim.Optimizer):
             raise ValueError("DiskAdamW.step does not take a closure")
         hyper = {k: self.param_groups[0][k] for k in ("lr", "betas", "eps", "weight_decay")}
         c, store = self.copies, self.store
-        before = store.counters()
+        before, moved = store.counters(), dict(c.moved)
         wait_read = wait_write = compute = 0.0
         free = list(range(self.buffer_count))  # buffers not holding a piece
         pending_write: dict[int, Future] = {}  # buffer -> its write-behind
@@ -322,12 +322,17 @@ class DiskAdamW(torch.optim.Optimizer):
             p, buf, n = self.params[i], self.buffers[b], hi - lo
             t0 = time.perf_counter()
             m, v, pp, g = buf[0, :n], buf[1, :n], buf[2, :n], buf[3, :n]
-            c.copy(g, p.grad.reshape(-1)[lo:hi])
+            c.copy(g, p.grad.reshape(-1)[lo:hi], "d2h")
             if not self.offload_params:
-                c.copy(pp, p.detach().view(-1)[lo:hi])
-            adamw_(pp, g, m, v, self.steps, **hyper)
+                c.copy(pp, p.detach().view(-1)[lo:hi], "d2h")
+            if c.cuda:
+                torch.cuda.current_stream(c.device).synchronize()  # the rows must have landed for the host update
+            with on_host():
+                adamw_(pp, g, m, v, self.steps, **hyper)
             if not self.offload_params:
-                c.copy(p.detach().view(-1)[lo:hi], pp)
+                c.copy(p.detach().view(-1)[lo:hi], pp, "h2d")
+                if c.cuda:
+                    torch.cuda.current_stream(c.device).synchronize()  # before the buffer is written and refilled
             compute += time.perf_counter() - t0
             pending_write[b] = store.submit(self._write_piece, j, b)
             free.append(b)
@@ -341,7 +346,9 @@ class DiskAdamW(torch.optim.Optimizer):
         self.stats.append({"bytes_read": after["bytes_read"] - before["bytes_read"],
                            "bytes_written": after["bytes_written"] - before["bytes_written"],
                            "io_seconds": after["io_seconds"] - before["io_seconds"], "wait_read_s": wait_read,
-                           "wait_write_s": wait_write, "compute_s": compute, "pieces": len(pieces)})
+                           "wait_write_s": wait_write, "compute_s": compute, "pieces": len(pieces),
+                           "io_calls": after["reads"] + after["writes"] - before["reads"] - before["writes"],
+                           **{k: c.moved[k] - moved[k] for k in moved}})
         if self.params_on_disk is not None:
             self.params_on_disk.new_step()
 
@@ -374,6 +381,8 @@ class DiskParams:
         self.asked: list[int] = []  # ... and in this one
         self.served_slot: int | None = None
         self.bytes_read = 0
+        self.last_step_bytes = 0  # read for the all-gathers of the last forward and backward
+        self._mark = 0
         for k, u in enumerate(self.units):
             optimizer.write_param(self.index[k], u.shard)
             u.shard.data.untyped_storage().resize_(0)
@@ -392,6 +401,7 @@ class DiskParams:
         for _, fut in self.slot_of.values():
             fut.result()
         self.slot_of.clear()
+        self.last_step_bytes, self._mark = self.bytes_read - self._mark, self.bytes_read
         self.order, self.asked, self.served_slot = self.asked or self.order, [], None
 
     def _read(self, k: int, slot: int) -> None:
@@ -425,7 +435,7 @@ class DiskParams:
         values = self.slots[slot][:self.units[k].shard_numel]
         if self.copies.cuda:
             dev = torch.empty_like(values, device=self.copies.device)
-            self.copies.copy(dev, values)  # synchronous enough: the all-gather runs on the same stream after it
+            self.copies.copy(dev, values, "h2d")  # synchronous enough: the all-gather runs on the same stream after it
             torch.cuda.current_stream(self.copies.device).synchronize()  # the slot is refilled by the I/O thread
             return dev
         return values

@@ -56,10 +56,18 @@ def adamw_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_a
           weight_decay=weight_decay, eps=eps, maximize=False)
 
 
+def on_host():
+    """What is allocated inside is host memory (the AdamW temporaries of a host update, a spill's mapping),
+    so an active ``MemoryTracker`` counts it as ``host``, not as a device category."""
+    tracker = MemoryTracker.active()
+    return tracker.categorize("host") if tracker is not None else contextlib.nullcontext()
+
+
 class CopyEngine:
     """Host<->device copies: on CUDA on a side stream with events, elsewhere synchronous ``copy_``.
 
-    Counts the bytes it moves each way (``h2d``, ``d2h``).
+    Counts the bytes it moves each way (``h2d``: host store -> device side, ``d2h``: device side -> host
+    store), by the copy's role: on a CPU-only machine both sides are RAM and the copies are memcpys.
     """
 
     def __init__(self, device: torch.device):
@@ -82,10 +90,10 @@ class CopyEngine:
         with torch.cuda.stream(self.stream):
             yield
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """``dst.copy_(src)``, counted by direction (asynchronous on CUDA inside ``side()``)."""
-        if src.device.type != dst.device.type:
-            self.moved["h2d" if dst.device.type != "cpu" else "d2h"] += src.numel() * src.element_size()
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, direction: str) -> None:
+        """``dst.copy_(src)`` counted as ``direction`` (``"h2d"`` or ``"d2h"``; asynchronous on CUDA inside
+        ``side()``)."""
+        self.moved[direction] += src.numel() * src.element_size()
         dst.copy_(src, non_blocking=self.cuda)
 
     def event(self):
@@ -173,14 +181,15 @@ class OffloadAdamW(torch.optim.Optimizer):
         events = []
         with c.side():  # all gradients leave at once; the host updates each as soon as it has landed
             for p, st in live:
-                c.copy(st["grad"], p.grad.reshape(-1))
+                c.copy(st["grad"], p.grad.reshape(-1), "d2h")
                 events.append(c.event())
         for (p, st), ev in zip(live, events):
             if ev is not None:
                 ev.synchronize()
-            adamw_(st["master"], st["grad"], st["exp_avg"], st["exp_avg_sq"], self.steps, **hyper)
+            with on_host():
+                adamw_(st["master"], st["grad"], st["exp_avg"], st["exp_avg_sq"], self.steps, **hyper)
             with c.side():
-                c.copy(p.detach().view(-1), st["master"])
+                c.copy(p.detach().view(-1), st["master"], "h2d")
         c.join()
 
     def _step_stream(self, live, hyper) -> None:
@@ -196,8 +205,8 @@ class OffloadAdamW(torch.optim.Optimizer):
             p, st = live[i]
             slot = slots[i % 2]
             with c.side():
-                c.copy(slot[0, :p.numel()], st["exp_avg"])
-                c.copy(slot[1, :p.numel()], st["exp_avg_sq"])
+                c.copy(slot[0, :p.numel()], st["exp_avg"], "h2d")
+                c.copy(slot[1, :p.numel()], st["exp_avg_sq"], "h2d")
                 loaded[i] = c.event()
 
         prefetch(0)
@@ -209,8 +218,8 @@ class OffloadAdamW(torch.optim.Optimizer):
             m, v = slots[i % 2][0, :p.numel()], slots[i % 2][1, :p.numel()]
             adamw_(p.detach().view(-1), p.grad.reshape(-1), m, v, self.steps, **hyper)
             with c.side():
-                c.copy(st["exp_avg"], m)
-                c.copy(st["exp_avg_sq"], v)
+                c.copy(st["exp_avg"], m, "d2h")
+                c.copy(st["exp_avg_sq"], v, "d2h")
         if c.cuda:
             for s in slots:
                 s.record_stream(c.stream)
