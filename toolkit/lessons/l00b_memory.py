@@ -53,6 +53,8 @@ PARAMS = {**common("model", "batch", "steps", "m", "warmup", "bench_steps", "rou
           "sweep_size": Param(list, "nvme_buffers: buffer_size values swept (multiples of 1024)", of=int, ge=1),
           "topk": Param(int, "side channel: top-k predictions per position sent to rank 0", ge=1),
           "bucket_mb": Param(list, "DDP bucket_cap_mb values swept", of=float, gt=0),
+          "bucket_layers": Param(int, "transformer blocks of the model in the bucket sweep (more blocks: gradients "
+                                      "spread over more of backward)", ge=1),
           "latency_ratio": Param(float, "emulated link: latency per all-reduce call / backward time", ge=0),
           "comm_ratio": Param(float, "emulated link: all-reduce time of the whole gradient / backward time", gt=0),
           "links": Param(list, "links the bucket sizes are swept on", of=str, choices=("emulated", "real"))}
@@ -60,17 +62,17 @@ PRESETS = {
     "smoke": {"model": "smoke", "batch": 2, "steps": 2, "m": 3, "warmup": 1, "bench_steps": 2, "rounds": 3,
               "sections": list(SECTIONS), "stage": 3, "nvme_path": None, "buffer_count": 2, "buffer_size": 2048,
               "sweep_count": [1, 4], "sweep_size": [1024, 8192], "topk": 4,
-              "bucket_mb": [0.001, 0.02, 0.05, 0.5], "latency_ratio": 0.1, "comm_ratio": 0.6,
+              "bucket_mb": [0.001, 0.03, 0.08, 1.0], "bucket_layers": 6, "latency_ratio": 0.03, "comm_ratio": 1.0,
               "links": ["emulated"]},
-    "default": {"model": "default", "batch": 4, "steps": 3, "m": 4, "warmup": 1, "bench_steps": 3, "rounds": 3,
+    "default": {"model": "default", "batch": 2, "steps": 2, "m": 4, "warmup": 1, "bench_steps": 2, "rounds": 3,
                 "sections": list(SECTIONS), "stage": 3, "nvme_path": None, "buffer_count": 4, "buffer_size": 16384,
-                "sweep_count": [1, 2, 4], "sweep_size": [1024, 16384, 131072], "topk": 5,
-                "bucket_mb": [0.005, 0.1, 0.25, 0.5, 1.0, 25.0], "latency_ratio": 0.1, "comm_ratio": 0.6,
-                "links": ["emulated", "real"]},
+                "sweep_count": [1, 4], "sweep_size": [2048, 16384, 131072], "topk": 5,
+                "bucket_mb": [0.005, 0.1, 0.5, 1.0, 25.0], "bucket_layers": 4, "latency_ratio": 0.03, "comm_ratio": 1.0,
+                "links": ["emulated"]},
     "full": {"model": "full", "batch": 4, "steps": 5, "m": 8, "warmup": 2, "bench_steps": 5, "rounds": 5,
              "sections": list(SECTIONS), "stage": 3, "nvme_path": None, "buffer_count": 5, "buffer_size": 1 << 20,
              "sweep_count": [1, 2, 5], "sweep_size": [1 << 14, 1 << 18, 1 << 22], "topk": 5,
-             "bucket_mb": [0.1, 1.0, 5.0, 25.0, 100.0, 400.0], "latency_ratio": 0.02, "comm_ratio": 0.6,
+             "bucket_mb": [0.1, 1.0, 5.0, 25.0, 100.0, 400.0], "bucket_layers": 12, "latency_ratio": 0.03, "comm_ratio": 1.0,
              "links": ["real", "emulated"]},
 }
 
@@ -322,8 +324,11 @@ def nvme_buffers(ctx, cfg: dict) -> dict:
     rows, cands = [], {}
     grid = [(c, s) for c in cfg["sweep_count"] for s in cfg["sweep_size"]]
     opts = {}
+    shards = shard_numels(cfg["model"], ctx.world_size, cfg["stage"])
+    store = nvme.FileStore(cfg["nvme_path"], nvme.file_bytes(shards, False), "nvme-buffers")  # one file for all
     for c, s in grid:
-        z = ZeroDataParallel(copy.deepcopy(base), lambda ps, c=c, s=s: nvme.DiskAdamW(ps, cfg["nvme_path"], c, s),
+        z = ZeroDataParallel(copy.deepcopy(base), lambda ps, c=c, s=s: nvme.DiskAdamW(ps, cfg["nvme_path"], c, s,
+                                                                                     store=store),
                              stage=cfg["stage"])
         z(x, y).backward()
         grads = [p.grad.clone() for p in z.optimizer.params]
@@ -342,7 +347,7 @@ def nvme_buffers(ctx, cfg: dict) -> dict:
         rows.append({"buffer_count": c, "buffer_size": s, "host_bytes": opt.host_bytes(), "pieces": st[-1]["pieces"],
                      "io_calls": st[-1]["io_calls"], "bytes_read": st[-1]["bytes_read"],
                      "bytes_written": st[-1]["bytes_written"], "step_s": res[f"{c}x{s}"].mean_s, **mean})
-        opt.close()
+    store.close()
     return {"rows": rows, "state_bytes": rows[0]["bytes_read"]}
 
 
@@ -482,7 +487,7 @@ def buckets(ctx, cfg: dict) -> dict:
     """DDP with each bucket size, on the emulated link (scaled to the measured backward time) and the real one."""
     from torch.nn.parallel import DistributedDataParallel as DDP
     torch.manual_seed(0)
-    mc = preset(cfg["model"])
+    mc = preset(cfg["model"], n_layer=cfg["bucket_layers"])
     base = GPT(mc).to(ctx.device)
     data = list(batches(cfg["batch"], mc.seq_len, 4, seed=9, rank=ctx.rank, world=ctx.world_size, device=ctx.device))
     grad_bytes = sum(p.numel() * p.element_size() for p in base.parameters())

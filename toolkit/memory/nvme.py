@@ -122,7 +122,7 @@ class FileStore:
     synchronous or on one I/O thread. Counts bytes and the time the I/O calls take.
 
     Raises ``OffloadIOError`` (with the path, the size and the system's reason) when the space cannot be
-    reserved; the file is gone in every case.
+    reserved; the file is gone in every case. Several ``DiskAdamW`` may share one store (``store=``).
     """
 
     def __init__(self, directory: str | os.PathLike, nbytes: int, label: str = "offload"):
@@ -214,7 +214,7 @@ class DiskAdamW(torch.optim.Optimizer):
 
     def __init__(self, params, directory: str | os.PathLike, buffer_count: int = 2, buffer_size: int = 1 << 16,
                  offload_params: bool = False, lr: float = HYPER["lr"], betas=HYPER["betas"], eps: float = HYPER["eps"],
-                 weight_decay: float = HYPER["weight_decay"]):
+                 weight_decay: float = HYPER["weight_decay"], store: FileStore | None = None):
         check_buffers(buffer_count, buffer_size)
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
         self.params = [p for g in self.param_groups for p in g["params"]]
@@ -230,7 +230,10 @@ class DiskAdamW(torch.optim.Optimizer):
                 regions[k] = off
                 off += region_elems(n) * ELEM
             self.offsets.append(regions)
-        self.store = FileStore(directory, off, "nvme-optimizer")
+        if store is not None and store.nbytes < off:
+            raise ValueError(f"store has {store.nbytes:,} bytes; this optimizer's state needs {off:,}")
+        self.owns_store = store is None  # a shared store (e.g. a benchmark of buffer settings) is closed by its owner
+        self.store = FileStore(directory, off, "nvme-optimizer") if store is None else store
         # rows: m, v, p, grad; pinned on CUDA so the grad/param rows can be copied asynchronously
         self.buffers = [self.copies.host_empty(4 * buffer_size).view(4, buffer_size) for _ in range(buffer_count)]
         self.pieces = [(i, lo, min(lo + buffer_size, n)) for i, n in enumerate(numels) for lo in range(0, n, buffer_size)]
@@ -353,7 +356,8 @@ class DiskAdamW(torch.optim.Optimizer):
             self.params_on_disk.new_step()
 
     def close(self) -> None:
-        self.store.close()
+        if self.owns_store:
+            self.store.close()
 
 
 class DiskParams:
