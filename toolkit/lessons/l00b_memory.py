@@ -64,9 +64,9 @@ PRESETS = {
               "sweep_count": [1, 4], "sweep_size": [1024, 8192], "topk": 4,
               "bucket_mb": [0.001, 0.03, 0.08, 1.0], "bucket_layers": 6, "latency_ratio": 0.03, "comm_ratio": 1.0,
               "links": ["emulated"]},
-    "default": {"model": "default", "batch": 2, "steps": 2, "m": 4, "warmup": 1, "bench_steps": 2, "rounds": 3,
+    "default": {"model": "default", "batch": 2, "steps": 2, "m": 4, "warmup": 1, "bench_steps": 2, "rounds": 2,
                 "sections": list(SECTIONS), "stage": 3, "nvme_path": None, "buffer_count": 4, "buffer_size": 16384,
-                "sweep_count": [1, 4], "sweep_size": [2048, 16384, 131072], "topk": 5,
+                "sweep_count": [1, 4], "sweep_size": [4096, 32768, 262144], "topk": 5,
                 "bucket_mb": [0.005, 0.1, 0.5, 1.0, 25.0], "bucket_layers": 4, "latency_ratio": 0.03, "comm_ratio": 1.0,
                 "links": ["emulated"]},
     "full": {"model": "full", "batch": 4, "steps": 5, "m": 8, "warmup": 2, "bench_steps": 5, "rounds": 5,
@@ -108,6 +108,9 @@ def disk_bytes_needed(cfg: dict, world_size: int) -> int:
 def validate(cfg: dict, world_size: int) -> dict:
     cfg = resolve(cfg, PRESETS, PARAMS)
     require_ranks(world_size, 2, "data parallelism, side channels and DDP")
+    if cfg["steps"] < 2:
+        raise ValueError(f"steps={cfg['steps']}: must be >= 2 (memory is taken after a backward that follows an "
+                         "optimizer step, when the optimizer state exists)")
     nvme.check_buffers(cfg["buffer_count"], cfg["buffer_size"])
     for size in cfg["sweep_size"]:
         nvme.check_buffers(1, size, name_size="sweep_size")
@@ -219,7 +222,7 @@ def offload(ctx, cfg: dict) -> dict:
     torch.manual_seed(0)
     base = GPT(preset(cfg["model"])).to(ctx.device)
     mc = base.cfg
-    data = list(batches(cfg["batch"], mc.seq_len, cfg["steps"] + 1, seed=5, rank=ctx.rank, world=ctx.world_size,
+    data = list(batches(cfg["batch"], mc.seq_len, cfg["steps"], seed=5, rank=ctx.rank, world=ctx.world_size,
                         device=ctx.device))
     names = [v for v in OFFLOAD_VARIANTS if v != "nvme_params" or cfg["stage"] == 3]
     out = {"variants": names, "stage": cfg["stage"], "numel": sum(p.numel() for p in base.parameters()),
@@ -234,18 +237,20 @@ def offload(ctx, cfg: dict) -> dict:
         losses = []
         with ctx.ledger.tag(f"offload/{name}"):
             for i, (x, y) in enumerate(data[:cfg["steps"]]):
-                losses.append(tr.fwd_bwd(x, y))
-                if i == cfg["steps"] - 1:  # at rest after backward, optimizer state already there
+                if i < cfg["steps"] - 1:
+                    losses.append(tr.fwd_bwd(x, y))
+                    tr.step()
+                    continue
+                # the last step under the memory tracker: bytes at rest after its backward (optimizer state
+                # exists from the first step on), and each category's peak over the whole step
+                tracked = tr.zdp if tr.zdp is not None else tr.model
+                with MemoryTracker(tracked, tr.optimizer, every_op=False) as mt:
+                    register = getattr(tr.optimizer, "register", None)
+                    register and register(mt)
+                    losses.append(tr.fwd_bwd(x, y))
                     out["memory"][name] = tr.memory(ctx.device)
-                tr.step()
-            x, y = data[cfg["steps"]]
-            tracked = tr.zdp if tr.zdp is not None else tr.model
-            with MemoryTracker(tracked, tr.optimizer, every_op=False) as mt:
-                for reg in (getattr(tr.optimizer, "register", None),):
-                    reg and reg(mt)
-                tr.fwd_bwd(x, y)
-                mt.mark("step")
-                tr.step()
+                    mt.mark("step")
+                    tr.step()
             # on a CPU-only machine FSDP2's CPU-offloaded tensors are where its "device" tensors are: the
             # tracker cannot tell them apart, so that variant's peak is left out there
             cpu_blind = name == "fsdp2_offload" and ctx.device.type == "cpu"
@@ -582,9 +587,13 @@ def run(ctx, cfg: dict) -> dict:
            "device": ctx.device.type}
     steps = {"offload": offload, "nvme_buffers": nvme_buffers, "spill": spill, "side_channel": side_channel,
              "buckets": buckets}
+    out["section_cpu_s"], out["section_wall_s"] = {}, {}
     for i, name in enumerate(cfg["sections"]):
         ctx.progress(i, len(cfg["sections"]), name)
+        cpu, wall = time.process_time(), time.perf_counter()
         with ctx.ledger.tag(name):
             out[name] = steps[name](ctx, cfg)
+        out["section_cpu_s"][name] = time.process_time() - cpu  # this rank's CPU time (all its threads)
+        out["section_wall_s"][name] = time.perf_counter() - wall
     ctx.progress(len(cfg["sections"]), len(cfg["sections"]), "done")
     return out
