@@ -262,19 +262,13 @@ class DiskAdamW(torch.optim.Optimizer):
     def _offset(self, i: int, kind: str, lo: int) -> int:
         return self.offsets[i][kind] + lo * ELEM
 
-    def _read_piece(self, j: int, b: int) -> None:
+    def _piece_io(self, j: int, b: int, io) -> None:
+        """Read (``io = store.read``) or write (``store.write``) piece ``j``'s m, v (and p) rows of buffer ``b``."""
         i, lo, hi = self.pieces[j]
         buf = self.buffers[b]
         for row, kind in ((0, "m"), (1, "v"), (2, "p")):
             if kind in self.kinds:
-                self.store.read(buf[row, :hi - lo], self._offset(i, kind, lo))
-
-    def _write_piece(self, j: int, b: int) -> None:
-        i, lo, hi = self.pieces[j]
-        buf = self.buffers[b]
-        for row, kind in ((0, "m"), (1, "v"), (2, "p")):
-            if kind in self.kinds:
-                self.store.write(buf[row, :hi - lo], self._offset(i, kind, lo))
+                io(buf[row, :hi - lo], self._offset(i, kind, lo))
 
     def read_state(self, i: int) -> dict[str, torch.Tensor]:
         """Shard ``i``'s m and v (and p) read back from the file (for checks)."""
@@ -311,7 +305,7 @@ class DiskAdamW(torch.optim.Optimizer):
                 t0 = time.perf_counter()
                 pending_write.pop(b).result()
                 wait_write += time.perf_counter() - t0
-            reading[pieces[issued]] = (b, store.submit(self._read_piece, pieces[issued], b))
+            reading[pieces[issued]] = (b, store.submit(self._piece_io, pieces[issued], b, store.read))
             issued += 1
 
         for k, j in enumerate(pieces):
@@ -337,7 +331,7 @@ class DiskAdamW(torch.optim.Optimizer):
                 if c.cuda:
                     torch.cuda.current_stream(c.device).synchronize()  # before the buffer is written and refilled
             compute += time.perf_counter() - t0
-            pending_write[b] = store.submit(self._write_piece, j, b)
+            pending_write[b] = store.submit(self._piece_io, j, b, store.write)
             free.append(b)
         t0 = time.perf_counter()
         for f in pending_write.values():
