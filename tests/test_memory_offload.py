@@ -9,7 +9,6 @@ import os
 import resource
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -24,7 +23,6 @@ from toolkit.memory.optim_offload import OffloadAdamW
 from toolkit.memory.spill import ALIGN, DiskSpill, inspect_article_snippet
 from toolkit.models import GPT, preset
 from toolkit.planner import Workload, memory_per_gpu, offload_memory, offload_per_gpu
-from toolkit.runtime.launch import LaunchError
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -197,12 +197,15 @@ display(viz.table([{k: r[k] for k in ("buffer_count", "buffer_size", "host_bytes
                   formats={"step_s": ".4f", "wait_read_s": ".4f", "wait_write_s": ".4f", "compute_s": ".4f"},
                   title="Per configuration: resident host bytes, I/O calls, times (s)"))
 small, large = min(nb, key=lambda r: r["buffer_size"]), max(nb, key=lambda r: r["buffer_size"])
+counts = sorted({r["buffer_count"] for r in nb})
+at_large = {r["buffer_count"]: r["step_s"] * 1e3 for r in nb if r["buffer_size"] == large["buffer_size"]}
 display(Markdown(
     f"Here the smallest buffers ({small['buffer_size']} elements) need {small['io_calls']} I/O calls per step and "
     f"take {small['step_s'] * 1e3:.1f} ms; the largest ({large['buffer_size']}) need {large['io_calls']} and take "
-    f"{large['step_s'] * 1e3:.1f} ms, for {large['host_bytes'] // small['host_bytes']}x the host memory. "
-    "The files sit in the page cache of a machine with free RAM, so reads and writes are memcpys and "
-    "read-ahead (`buffer_count`) has little to hide; on a real NVMe drive each call also waits for the "
+    f"{large['step_s'] * 1e3:.1f} ms, for {large['host_bytes'] // small['host_bytes']}x the host memory. At the "
+    f"largest size, buffer_count {counts[0]} takes {at_large[counts[0]]:.1f} ms and {counts[-1]} takes "
+    f"{at_large[counts[-1]]:.1f} ms. The files sit in the page cache of a machine with free RAM, so reads and "
+    "writes are memcpys and read-ahead has little to hide; on a real NVMe drive each call also waits for the "
     "device, which is what deeper read-ahead is for. The article's `buffer_size: 1e8` would be "
     f"{5 * 10**8 * 16 / 2**30:.1f} GiB of pinned host memory at `buffer_count: 5` in this implementation "
     "(4 rows of fp32): bigger is not free."))
@@ -351,8 +354,8 @@ display(Markdown(
     f"Measured: the fastest step is at bucket_cap_mb = {caps[best]} ({emu[best]['buckets']} buckets, "
     f"{steps_ms[best]:.1f} ms) vs {steps_ms[0]:.1f} ms with {emu[0]['buckets']} buckets and {steps_ms[-1]:.1f} ms "
     f"with {emu[-1]['buckets']}; the optimum is {'interior' if 0 < best < len(emu) - 1 else 'at an end'} in this run. "
-    f"The simulated link's least exposed communication is at {caps[best_sim]} MB. DDP's default is 25 MB: "
-    "right for a large model, where backward produces hundreds of megabytes, one bucket for this one."))
+    f"The simulated link's least exposed communication is at {caps[best_sim]} MB. DDP's default is 25 MB, sized "
+    f"for models whose backward produces gigabytes; this one's gradient is {bk['grad_bytes'] / 2**20:.2f} MiB."))
 if "real" in bk["links"]:
     real = bk["links"]["real"]
     display(viz.lines({"step (measured, loopback)": [r["step_s"] * 1e3 for r in real]}, x=caps, log_x=True,
@@ -390,38 +393,53 @@ print(f"{len(check)} predictions, largest relative error {worst:.4f}")
 
 # %%
 w = Workload(params=13e9, layers=40, hidden=5120, heads=40, seq_len=2048)
-rows = []
+case = []
 for name, zero, oo, op in (("ZeRO-2", 2, "none", "none"), ("ZeRO-3", 3, "none", "none"),
                            ("ZeRO-3 + CPU offload", 3, "cpu", "none"), ("ZeRO-3 + NVMe optimizer + params", 3, "nvme",
                                                                         "nvme")):
     dev = memory_per_gpu(w, 8, 1, 1, zero, offload_optimizer=oo, offload_params=op)
     extra = offload_per_gpu(w, 8, 1, 1, zero, offload_optimizer=oo, offload_params=op)
-    rows.append({"setup": name, "device GB (no activations)": (dev["weights"] + dev["grads"] + dev["optimizer"]) / 1e9,
+    case.append({"setup": name, "device GB (no activations)": (dev["weights"] + dev["grads"] + dev["optimizer"]) / 1e9,
                  "host GB": extra["host"] / 1e9, "disk GB": extra["disk"] / 1e9})
-display(viz.table(rows, formats={"device GB (no activations)": ".2f", "host GB": ".2f", "disk GB": ".2f"},
+display(viz.table(case, formats={"device GB (no activations)": ".2f", "host GB": ".2f", "disk GB": ".2f"},
                   title="13B on 8 GPUs (planner)"))
 display(Markdown(
     f"The article's starting point, ZeRO-2 at 18 GB per GPU, is below what ZeRO-2 needs before any activation: "
-    f"{rows[0]['device GB (no activations)']:.1f} GB (every GPU keeps all 13B bf16 weights, 26 GB). Its end point, "
-    f"9.2 GB with ZeRO-3 + offload, is consistent with {rows[2]['device GB (no activations)']:.2f} GB of weights "
+    f"{case[0]['device GB (no activations)']:.1f} GB (every GPU keeps all "
+    f"{w.params / 1e9:.0f}B bf16 weights, {2 * w.params / 1e9:.0f} GB). Its end point, "
+    f"9.2 GB with ZeRO-3 + offload, is consistent with {case[2]['device GB (no activations)']:.2f} GB of weights "
     "and gradient shards plus a few GB of activations."))
 
 # %% [markdown]
 # ## What we found, and where it disagrees with the source
-#
-# - Optimizer state can leave the device entirely: 0 device bytes at rest for every offload mode (and at the
-#   step's peak for `cpu` and the disk), with results bitwise those of the in-memory run on this machine.
-#   On a GPU, `stream` updates on the device and stays bitwise; `cpu` updates on the host's processor, whose
-#   last bits can differ from the GPU's (`benchmarks/gpu/optim_offload.py` measures it).
-# - Disk offload works through a fixed host budget (`buffer_count x buffer_size`); the buffer size decides the
-#   number of I/O calls, which dominated the step here. Pre-allocation turns a full disk into a start-up error.
-# - The article's `MappedCheckpoint` maps anonymous memory: nothing reaches the file, saves overwrite each other
-#   at offset 0 and are rounded to fp16, and its `custom_checkpoint` keeps every activation. A file-backed
-#   mapping with one region per saved storage writes exactly the checkpointed bytes and gives the same grads.
-# - A separate gloo group with non-blocking sends removes the per-micro-batch wait of a blocking gather.
-# - Bucket size has an interior optimum on a link whose transfers do not use the compute cores; on loopback it
-#   does not show, because there they do.
-#
+
+# %%
+worst_side = {m: max(r["side_channel"]["exposed_collect_s_per_step"][m] for r in results) for m in ("blocking", "side")}
+display(Markdown(f"""
+- Optimizer state can leave the device entirely: 0 device bytes at rest for every offload mode, and none even
+  at the step's peak for `cpu` and the disk (asserted above), with parameters and moments bitwise those of the
+  in-memory run on this machine. On a GPU, `stream` updates on the device; `cpu` updates on the host's
+  processor, whose last bits can differ from the GPU's (`benchmarks/gpu/optim_offload.py` measures it).
+- Disk offload works through a fixed host budget (`buffer_count x buffer_size`, here
+  {off['memory']['nvme']['host']['staging']:,} bytes for {off['memory']['nvme']['disk']['file']:,} bytes of state on
+  disk); the buffer size sets the number of I/O calls ({small['io_calls']} vs {large['io_calls']} in the sweep:
+  {small['step_s'] * 1e3:.1f} vs {large['step_s'] * 1e3:.1f} ms). Pre-allocation turns a full disk into a
+  start-up error (`tests/test_memory_offload.py` fills one).
+- The article's `MappedCheckpoint` maps anonymous memory: nothing reached the file
+  ({art['file_nonzero_bytes_after_saves']} non-zero bytes), saves overwrite each other at offset 0 and are
+  rounded to fp16, and its `custom_checkpoint` kept {sp['article_checkpoint']['article_custom_checkpoint']:,} bytes
+  for backward where `torch.utils.checkpoint` keeps {sp['article_checkpoint']['torch_checkpoint']:,}. The
+  file-backed spill wrote exactly the {sp['saved_bytes_plain_checkpoint']:,} checkpointed bytes, same grads.
+- The side channel cut the time the training thread spent collecting from {worst_side['blocking'] * 1e3:.2f} to
+  {worst_side['side'] * 1e3:.2f} ms per step (worst rank, this run).
+- Bucket size has an interior optimum on a link whose transfers do not use the compute cores (the simulated
+  link's at {caps[best_sim]} MB; measured fastest at {caps[best]} MB). On loopback the all-reduce runs on the
+  cores backward uses, so the curve is flat: `links=["emulated", "real"]` shows both.
+- The article's 13B numbers: 18 GB per GPU with ZeRO-2 is below the {case[0]['device GB (no activations)']:.0f} GB
+  of weights, gradients and optimizer shards ZeRO-2 needs (planner, a cost model).
+"""))
+
+# %% [markdown]
 # **Try:** `stage=1` or `2` (the offload works on every stage; `nvme_params` needs 3); `buffer_count=1` vs `4`
 # with `nvme_path` on a real NVMe drive; `latency_ratio=0` (pure bandwidth: the smallest buckets win) or
 # `comm_ratio=2` (communication longer than backward: nothing hides it); `links=["emulated", "real"]`.

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import copy
 import gc
-import os
 import tempfile
 import time
 
