@@ -33,7 +33,7 @@ class Entry:
 
 
 AREAS = ["Launch and measure", "Data and tensor parallelism", "Pipeline parallelism", "Quantization and compressed "
-         "communication", "Optimizers and memory", "Models and data"]
+         "communication", "Optimizers and memory", "Models and data", "Context parallelism"]
 
 ENTRIES: list[Entry] = [
     # ---- launch and measure ---------------------------------------------------------------------------------
@@ -306,6 +306,36 @@ ENTRIES: list[Entry] = [
           "each rank takes its own slice of every global batch (rank=, world=)",
           'for x, y in batches(8, 64, steps=10, rank=ctx.rank, world=ctx.world_size):\n    loss = model(x, y)\n'
           '    loss.backward()'),
+    # ---- context parallelism -----------------------------------------------------------------------------------
+    Entry("ring_attention", "toolkit.context.ring_attention:ring_attention", AREAS[6],
+          "Causal attention of packed sequences sharded over a CP group: K/V round the ring (isend/irecv overlapped "
+          "with the block compute), online softmax; the backward runs the ring again (dK/dV travel home).",
+          "q, k, v [heads, T_local, head_dim] in CPLayout local order -> [heads, T_local, head_dim]",
+          "every rank of the CP group calls it with the same layout (p2p inside the group)",
+          'layout = CPLayout([512, 128], cp=2)\nidx = layout.coords(rank_in_group)[2]       # my tokens of the pack\n'
+          'out = ring_attention(q[:, idx], k[:, idx], v[:, idx], layout, group)'),
+    Entry("CPLayout", "toolkit.context.ring_attention:CPLayout", AREAS[6],
+          "Where packed sequences' tokens live in a CP group: rank j holds chunks j and 2cp-1-j of each sequence.",
+          "lengths (each a multiple of 2*cp when cp > 1), cp -> coords(j): (sequence id, position, packed index)",
+          "local (no collectives)",
+          'layout = CPLayout([16, 8], cp=2)\nseq, pos, idx = layout.coords(0)\nprint(idx.tolist())'),
+    Entry("schedule_dynamic", "toolkit.context.dynamic_cp:schedule_dynamic", AREAS[6],
+          "Dynamic CP (Megatron's DefaultDynamicCPScheduler, plus refill and merge steps): per micro-batch, a CP "
+          "size per sequence and aligned power-of-two CP groups of equal work L^2/cp.",
+          "lengths [n], n_ranks (DP x CP, a power of two), cap tokens per rank -> Plan (micro-batches of groups)",
+          "local and deterministic: every rank computes the same plan from the all-gathered lengths",
+          'plan = schedule_dynamic([900, 300, 120, 40], n_ranks=4, cap=512)\nplan.check()\n'
+          'print(plan.balance(), plan.cp_sizes())'),
+    Entry("schedule_static", "toolkit.context.dynamic_cp:schedule_static", AREAS[6],
+          "Static CP: one CP size, sequences packed in data order up to cp*cap tokens per DP replica.",
+          "lengths [n], n_ranks, cp, cap -> Plan", "local and deterministic",
+          'plan = schedule_static([900, 300, 120, 40], n_ranks=4, cp=2, cap=512)\nprint(plan.balance())'),
+    Entry("reroute", "toolkit.context.dynamic_cp:reroute", AREAS[6],
+          "Send every rank the CP shards of the sequences its groups hold, all micro-batches, one all_to_all_single.",
+          "plan, owner[s] (loading rank), my samples {s: [L_s, C]} -> per micro-batch {rows, positions, layout, key}",
+          "collective over the DP x CP ranks: every rank calls it with the same plan",
+          'groups = prebuilt_groups(world)               # once, collective\nshards = reroute(plan, owner, mine, rank)\n'
+          'mb = shards[0]; group = groups.get(mb["key"])'),
 ]
 BY_NAME = {e.name: e for e in ENTRIES}
 
