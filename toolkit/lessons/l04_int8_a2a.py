@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 
 from toolkit import quant as Q
-from toolkit.comm.quant_a2a import (MODES, ExpertParallelMoE, all_to_all_quantized, encode, expert_parallel,
-                                   wire_bytes_per_token)
+from toolkit.comm.quant_a2a import MODES, all_to_all_quantized, encode, wire_bytes_per_token
+from toolkit.moe import ExpertParallelMoE, expert_parallel
 from toolkit.data import batches
 from toolkit.models.gpt import GPT, preset
 from toolkit.runtime.config import require_positive_ints
@@ -112,12 +112,12 @@ def invariants(ctx, cfg: dict) -> dict:
     torch.manual_seed(cfg["seed"])
     moe = GPT(model_config(cfg)).blocks[0].mlp
     hidden = torch.randn(2, 5, h, generator=torch.Generator().manual_seed(200 + rank))
-    ep = ExpertParallelMoE(moe, mode="none")
+    ep = ExpertParallelMoE(moe, codec="none")
     with torch.no_grad():
         res["ep_matches_local_moe_max_abs"] = float((ep(hidden) - moe(hidden)).abs().max())
     # (e) every token routed to rank 0's experts: the other ranks receive nothing and still run the same
     #     backward collectives (a rank whose graph skipped them would deadlock the job)
-    ep = ExpertParallelMoE(moe, mode="int8", block=block)
+    ep = ExpertParallelMoE(moe, codec="int8", block=block)
     ep.router = _FixedRouter(cfg["top_k"])
     hidden.requires_grad_(True)
     ep(hidden).sum().backward()
@@ -199,7 +199,7 @@ def train(ctx, cfg: dict, run: str, capture: bool = False) -> dict:
     seed = cfg["seed"] + int(offset or 0)
     torch.manual_seed(seed)  # identical init on every rank; each keeps only its experts
     model = GPT(model_config(cfg))
-    replicated, experts = expert_parallel(model, mode=mode, block=cfg["block"])
+    replicated, experts = expert_parallel(model, codec=mode, block=cfg["block"])
     for moe in model.modules():
         if isinstance(moe, ExpertParallelMoE):  # attribute its collectives to ledger tags
             moe.phase = lambda name: ctx.ledger.tag(f"train/{run}/{name}")

@@ -1,0 +1,278 @@
+"""toolkit.moe: the expert-parallel dispatcher equals a single-process MoE, on real processes (2 and 4 ranks).
+
+Tolerance: outputs and gradients of the fp32 expert-parallel layer (codec "none") within 1e-6 absolute and
+1e-5 relative of the local MoE holding every expert (the same pairs, summed in the same slot order; only
+the batch composition of each expert's GEMM differs). Quantized codecs are compared by SNR.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from toolkit import launch
+from toolkit.models.gpt import GPT, preset
+from toolkit.moe import (Codec, ExpertParallelMoE, TokenDispatcher, all_to_all, dispatch_layout, route,
+                         run_experts)
+from toolkit.quant import qsnr_db
+
+H, E, K = 64, 8, 2
+
+
+def _moe(seed: int = 0, n_expert: int = E, top_k: int = K):
+    torch.manual_seed(seed)
+    return GPT(preset("smoke", d_model=H, n_head=2, n_layer=1, n_expert=n_expert, top_k=top_k)).blocks[0].mlp
+
+
+def _tokens(rank: int, n: int | None = None) -> torch.Tensor:
+    return torch.randn(n if n is not None else 9 + 4 * rank, H, generator=torch.Generator().manual_seed(100 + rank))
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def _compare(ctx, layer_kwargs: dict, n_tokens: int | None = None, async_check: bool = False) -> dict:
+    """The EP layer against the local MoE on this rank's tokens: output, grad of x, router and expert grads."""
+    moe = _moe()
+    ref = copy.deepcopy(moe)
+    x = _tokens(ctx.rank, n_tokens)
+    upstream = torch.randn(x.shape, generator=torch.Generator().manual_seed(7 + ctx.rank))
+    xr = x.clone().requires_grad_(True)
+    yr = ref(xr[None])[0]
+    (yr * upstream).sum().backward()
+    ep = ExpertParallelMoE(moe, **layer_kwargs)
+    xe = x.clone().requires_grad_(True)
+    ye = ep(xe[None])[0]
+    (ye * upstream).sum().backward()
+    # expert grads: the reference sees only this rank's tokens, so sum it over ranks
+    ref_expert = torch.cat([p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel())
+                            for p in ref.experts.parameters()])
+    dist.all_reduce(ref_expert)
+    lo = ctx.rank * ep.local
+    mine = torch.cat([p.grad.reshape(-1) for p in ep.experts.parameters()])
+    per_expert = ref_expert.numel() // E
+    out = {"out": _close(ye, yr), "out_rel": float((ye - yr).norm() / yr.norm()),
+           "grad_x_rel": float((xe.grad - xr.grad).norm() / xr.grad.norm()), "grad_x": _close(xe.grad, xr.grad),
+           "grad_router": _close(ep.router.gate.weight.grad, ref.router.gate.weight.grad),
+           "grad_experts": _close(mine, ref_expert[lo * per_expert:(lo + ep.local) * per_expert])}
+    plan = ep.last_plan
+    routed = torch.bincount(ref.router(x)[1].reshape(-1), minlength=E)
+    dist.all_reduce(routed)
+    out["tokens_per_expert_is_global_bincount"] = torch.equal(plan.tokens_per_expert, routed)
+    received = torch.tensor(sum(plan.recv_counts))
+    dist.all_reduce(received)
+    out["pairs_conserved"] = int(received) == int(routed.sum())
+    return out
+
+
+def equivalence(ctx, cfg) -> dict:
+    res = {}
+    for name, kw in {"plain": {}, "dedup": {"dedup": True},
+                     "bf16_combine": {"combine_codec": "bf16"}}.items():
+        res[name] = _compare(ctx, kw)
+    res["receive_order"] = receive_order(ctx)
+    res["async_equals_sync"] = async_equals_sync(ctx)
+    res["capacity_drop"] = capacity_drop(ctx)
+    res["codecs"] = codec_snr(ctx)
+    res["empty_rank"] = empty_rank(ctx)
+    return res
+
+
+def receive_order(ctx) -> dict:
+    """Rows carry (source rank, token, slot) in their values: the expert input is slot-major, then source
+    rank, then token order, with and without dedup; twice the same."""
+    R = ctx.world_size
+    out = {}
+    for dedup in (False, True):
+        disp = TokenDispatcher(E, K, dedup=dedup)
+        T = 5 + ctx.rank
+        ids = torch.stack([torch.arange(T) % E, (torch.arange(T) * 3 + 1 + ctx.rank) % E], 1)
+        ids[:, 1] = torch.where(ids[:, 1] == ids[:, 0], (ids[:, 1] + 1) % E, ids[:, 1])
+        x = torch.zeros(T, 4)
+        x[:, 0], x[:, 1] = ctx.rank, torch.arange(T).float()
+        plan = disp.plan(ids, torch.full((T, K), 0.5))
+        got = [disp.dispatch(x, plan) for _ in range(2)]
+        expected = []
+        for slot in range(ctx.rank * disp.local, (ctx.rank + 1) * disp.local):
+            for src in range(R):
+                Ts = 5 + src
+                ids_s = torch.stack([torch.arange(Ts) % E, (torch.arange(Ts) * 3 + 1 + src) % E], 1)
+                ids_s[:, 1] = torch.where(ids_s[:, 1] == ids_s[:, 0], (ids_s[:, 1] + 1) % E, ids_s[:, 1])
+                expected += [(src, t) for t in range(Ts) if slot in ids_s[t].tolist()]
+        rows = [tuple(int(v) for v in r[:2]) for r in got[0]]
+        out["dedup" if dedup else "plain"] = rows == expected and torch.equal(got[0], got[1])
+    return out
+
+
+def async_equals_sync(ctx) -> bool:
+    """Two micro-batches in flight at once (dispatch A, dispatch B, wait A, ...) give the sync results bitwise."""
+    moe = _moe()
+    ep = ExpertParallelMoE(copy.deepcopy(moe))
+    xa, xb = _tokens(ctx.rank), _tokens(ctx.rank + 10, 6)
+    sync = [ep(x[None])[0] for x in (xa, xb)]
+    d = ep.dispatcher
+    plans = [d.plan(ep.place(ep.router(x)[1]), ep.router(x)[0], x) for x in (xa, xb)]
+    pend = [d.dispatch(x, p, async_op=True) for x, p in zip((xa, xb), plans)]
+    outs = [run_experts(ep.slots, pd.wait(), p.recv_counts) for pd, p in zip(pend, plans)]
+    back = [d.combine(o, p, async_op=True) for o, p in zip(outs, plans)]
+    ys = [b.wait() for b in back]
+    return all(torch.equal(a, b) for a, b in zip(sync, ys))
+
+
+def capacity_drop(ctx) -> dict:
+    """overflow='drop': the dropped count is reported, the kept pairs are exact, dropped pairs add nothing."""
+    T, cap = 12, 2
+    ids = torch.stack([torch.zeros(T, dtype=torch.long), torch.arange(T) % (E - 1) + 1], 1)  # expert 0 is hot
+    w = torch.full((T, K), 0.5)
+    x = _tokens(ctx.rank, T)
+    disp = TokenDispatcher(E, K, capacity=cap, overflow="drop")
+    plan = disp.plan(ids, w, x)
+    identity = [torch.nn.Identity()] * disp.local
+    y = disp.combine(run_experts(identity, disp.dispatch(x, plan), plan.recv_counts), plan)
+    kept_first = plan.keep[:, 0]
+    expected = x * (0.5 * kept_first[:, None] + 0.5 * plan.keep[:, 1][:, None])
+    return {"dropped_slot0": int(plan.dropped[0]), "expected_dropped_slot0": ctx.world_size * (T - cap),
+            "exact": torch.equal(y, expected), "first_tokens_kept": bool(kept_first[:cap].all() and not kept_first[cap:].any())}
+
+
+def codec_snr(ctx) -> dict:
+    """Identity experts, weights summing to 1: the round trip is exact for "none" (and dyadic weights);
+    quantized codecs keep the SNR of one quantization."""
+    T = 16
+    x = _tokens(ctx.rank, T)
+    g = torch.Generator().manual_seed(3 + ctx.rank)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    w = torch.full((T, K), 1.0 / K)
+    out = {}
+    for mode in ("none", "bf16", "int8", "fp8", "int4"):
+        for dedup in (False, True):
+            disp = TokenDispatcher(E, K, codec=Codec(mode, 32), dedup=dedup)
+            plan = disp.plan(ids, w, x)
+            y = disp.combine(run_experts([torch.nn.Identity()] * disp.local, disp.dispatch(x, plan),
+                                         plan.recv_counts), plan)
+            out[f"{mode}/{'dedup' if dedup else 'plain'}"] = qsnr_db(x, y)
+    return out
+
+
+def empty_rank(ctx) -> bool:
+    """Every token to rank 0's experts: the other ranks receive nothing and still run the backward."""
+    moe = _moe()
+    ep = ExpertParallelMoE(moe)
+    ep.place = lambda ids: torch.stack([torch.zeros_like(ids[:, 0]), torch.ones_like(ids[:, 0])], 1)
+    x = _tokens(ctx.rank).requires_grad_(True)
+    ep(x[None]).sum().backward()
+    return bool(torch.isfinite(x.grad).all()) and (ctx.rank == 0 or sum(ep.last_plan.recv_counts) == 0)
+
+
+def bad_inputs(ctx, cfg) -> dict:
+    """Each scenario is wrong on one rank only; every rank raises the same ValueError (no hang)."""
+    bad = ctx.rank == ctx.world_size - 1
+    T = 6
+    ids = torch.stack([torch.arange(T) % E, (torch.arange(T) + 1) % E], 1)
+    w = torch.full((T, K), 0.5)
+    x = _tokens(ctx.rank, T)
+    nan_x = x.clone()
+    nan_x[2, 5] = float("nan")
+
+    def out_of_range():
+        bad_ids = ids.clone()
+        if bad:
+            bad_ids[3, 1] = E + 1
+        TokenDispatcher(E, K).plan(bad_ids, w)
+
+    def nan_logits():
+        moe = _moe()
+        if bad:
+            moe.router.gate.weight.data[0, 0] = float("nan")
+        ExpertParallelMoE(moe)(x[None])
+
+    scenarios = {
+        "out_of_range": out_of_range,
+        "nan_router_logits": nan_logits,
+        "nan_tokens_int8": lambda: TokenDispatcher(E, K, codec="int8", block=32).plan(ids, w, nan_x if bad else x),
+        "capacity_too_small": lambda: TokenDispatcher(E, K, capacity=1).plan(
+            torch.zeros_like(ids) + torch.tensor([0, 1]) if bad else ids, w),
+        "codec_disagrees": lambda: TokenDispatcher(E, K, codec="int4" if bad else "int8", block=32).plan(ids, w, x),
+        "top_k_above_experts": lambda: TokenDispatcher(E, E + 1),
+        "experts_not_divisible": lambda: TokenDispatcher(E + 1, K),
+        "layer_experts_not_divisible": lambda: ExpertParallelMoE(_moe(n_expert=ctx.world_size + 1)),
+        "route_nan": lambda: route(torch.full((3, E), float("nan")), K),
+        "route_top_k": lambda: route(torch.zeros(3, E), E + 1),
+        "capacity_type": lambda: TokenDispatcher(E, K, capacity=0),
+        "codec_name": lambda: TokenDispatcher(E, K, codec="fp4"),
+    }
+    out = {}
+    for name, fn in scenarios.items():
+        try:
+            fn()
+            out[name] = None
+        except ValueError as exc:
+            out[name] = str(exc)
+    dist.barrier()  # every scenario ended on every rank: the collectives stayed matched
+    return out
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["ep2", "ep4"])
+def results(request):
+    return launch("tests.test_moe_dispatcher:equivalence", request.param, {}, timeout_s=300, progress="none")
+
+
+def test_equal_to_a_single_process_moe(results):
+    for res in results:
+        for mode in ("plain", "dedup", "bf16_combine"):
+            r = res[mode]
+            assert r["tokens_per_expert_is_global_bincount"] and r["pairs_conserved"], (mode, r)
+            if mode == "bf16_combine":  # the expert outputs (and the backward) travel as bf16: 8 mantissa bits
+                assert r["out_rel"] < 2 ** -8 and r["grad_x_rel"] < 2 ** -8, r
+                continue
+            assert r["out"] and r["grad_x"] and r["grad_router"] and r["grad_experts"], (mode, r)
+
+
+def test_deterministic_receive_order_and_async(results):
+    for res in results:
+        assert res["receive_order"] == {"plain": True, "dedup": True}
+        assert res["async_equals_sync"]
+        assert res["empty_rank"]
+
+
+def test_capacity_drops_are_counted_never_silent(results):
+    for res in results:
+        c = res["capacity_drop"]
+        assert c["dropped_slot0"] == c["expected_dropped_slot0"] and c["exact"] and c["first_tokens_kept"]
+
+
+def test_codecs_round_trip(results):
+    for res in results:
+        snr = res["codecs"]
+        assert snr["none/plain"] == snr["none/dedup"] == float("inf")  # weights 1/2: dyadic, so exact
+        assert 40 < snr["int8/plain"] < 50 and 25 < snr["fp8/plain"] < 35 and 15 < snr["int4/plain"] < 25
+        assert 45 < snr["bf16/plain"]
+
+
+def test_bad_input_raises_the_same_error_on_every_rank():
+    res = launch("tests.test_moe_dispatcher:bad_inputs", 2, {}, timeout_s=300, progress="none")
+    assert res[0] == res[1]
+    msg = res[0]
+    assert "expert ids out of range on rank(s) [1]" in msg["out_of_range"] and "got values in 0..9" in msg["out_of_range"]
+    assert "router weights hold NaN/Inf on rank(s) [1]" in msg["nan_router_logits"]
+    assert "tokens x hold NaN/Inf on rank(s) [1]" in msg["nan_tokens_int8"]
+    assert "capacity=1 is too small" in msg["capacity_too_small"] and "overflow='drop'" in msg["capacity_too_small"]
+    assert "ranks disagree on the dispatcher's codec (rank 0: 'int8', rank 1: 'int4')" in msg["codec_disagrees"]
+    assert "top_k=9 must be <=" in msg["top_k_above_experts"]
+    assert "n_slots=9 experts must be divisible by the expert-parallel size ep=2" in msg["experts_not_divisible"]
+    assert "n_expert=3 experts must be divisible" in msg["layer_experts_not_divisible"]
+    assert "router logits hold" in msg["route_nan"] and "top_k=9" in msg["route_top_k"]
+    assert "capacity=0" in msg["capacity_type"] and "codec='fp4'" in msg["codec_name"]
+
+
+def test_layout_without_processes():
+    ids = torch.tensor([[0, 1], [2, 7], [6, 7], [3, 3]])
+    lay = dispatch_layout(ids, 8, 4, ranks_per_node=2)
+    assert lay.token_in_rank.tolist() == [[True, False, False, False], [False, True, False, True],
+                                          [False, False, False, True], [False, True, False, False]]
+    assert lay.tokens_per_rank.tolist() == [1, 2, 0, 2] and lay.tokens_per_expert.tolist() == [1, 1, 1, 2, 0, 0, 1, 2]
+    assert lay.tokens_per_node.tolist() == [3, 2]
+    assert Codec("fp8", 128).row_bytes(7168) == 7168 + 4 * 56 and Codec("bf16").row_bytes(7168) == 2 * 7168
