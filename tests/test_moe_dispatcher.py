@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from toolkit import launch
+from toolkit.lessons.l04_int8_a2a import collect_errors
 from toolkit.models.gpt import GPT, preset
 from toolkit.moe import (Codec, ExpertParallelMoE, TokenDispatcher, all_to_all, dispatch_layout, route,
                          run_experts)
@@ -204,15 +205,7 @@ def bad_inputs(ctx, cfg) -> dict:
         "capacity_type": lambda: TokenDispatcher(E, K, capacity=0),
         "codec_name": lambda: TokenDispatcher(E, K, codec="fp4"),
     }
-    out = {}
-    for name, fn in scenarios.items():
-        try:
-            fn()
-            out[name] = None
-        except ValueError as exc:
-            out[name] = str(exc)
-    dist.barrier()  # every scenario ended on every rank: the collectives stayed matched
-    return out
+    return collect_errors(scenarios)
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["ep2", "ep4"])

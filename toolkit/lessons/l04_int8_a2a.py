@@ -159,6 +159,12 @@ def bad_inputs(ctx, cfg: dict) -> dict:
         "unknown_mode": lambda: all_to_all_quantized(x, splits, splits, "fp4" if rank == 1 else "int8"),
         "block_does_not_divide_hidden": lambda: all_to_all_quantized(x, splits, splits, "int8", h - 2),
     }
+    return collect_errors(scenarios)
+
+
+def collect_errors(scenarios: dict) -> dict:
+    """Run each scenario; its ValueError message (or None). Ends with a barrier: if every rank gets here, the
+    collectives stayed matched (no rank hangs in one its peers skipped)."""
     out = {}
     for name, fn in scenarios.items():
         try:
@@ -166,7 +172,7 @@ def bad_inputs(ctx, cfg: dict) -> dict:
             out[name] = None
         except ValueError as exc:
             out[name] = str(exc)
-    dist.barrier()  # every scenario ended on every rank: the collectives stayed matched
+    dist.barrier()
     return out
 
 

@@ -41,17 +41,18 @@ PARAMS = {
     "ll_tokens": Param(list, "tokens per rank of the low-latency padding sweep (each <= max_tokens)", of=int, ge=1),
     "codecs": Param(list, "dispatch payloads compared in (e)", of=str, choices=CODECS),
     "block": Param(int, "channels per fp32 scale of the quantized payloads", ge=2),
-    "overlap_matmuls": Param(int, "[T,H]x[H,H] matmuls between issuing the LL dispatch and calling its hook", ge=0),
+    "overlap_matmuls": Param(int, "[T,H]x[H,H] matmuls between issuing the LL dispatch and calling its hook "
+                                  "(0: measure how many last one blocking dispatch)", ge=0),
 }
 PRESETS = {
     "smoke": dict(tokens=64, hidden=256, n_expert=16, top_k=4, ranks_per_node=0, max_nodes=0, max_tokens=64,
-                  ll_tokens=[8, 16, 32, 64], codecs=["bf16", "int8", "fp8"], block=128, overlap_matmuls=2,
+                  ll_tokens=[8, 16, 32, 64], codecs=["bf16", "int8", "fp8"], block=128, overlap_matmuls=10,
                   warmup=1, bench_steps=2, rounds=3, seed=0),
     "default": dict(tokens=128, hidden=512, n_expert=32, top_k=8, ranks_per_node=0, max_nodes=0, max_tokens=64,
-                    ll_tokens=[8, 16, 32, 64], codecs=["bf16", "int8", "fp8"], block=128, overlap_matmuls=4,
+                    ll_tokens=[8, 16, 32, 64], codecs=["bf16", "int8", "fp8"], block=128, overlap_matmuls=10,
                     warmup=1, bench_steps=3, rounds=3, seed=0),
     "full": dict(tokens=4096, hidden=7168, n_expert=256, top_k=8, ranks_per_node=0, max_nodes=0, max_tokens=128,
-                 ll_tokens=[16, 32, 64, 128], codecs=["bf16", "int8", "fp8"], block=128, overlap_matmuls=8,
+                 ll_tokens=[16, 32, 64, 128], codecs=["bf16", "int8", "fp8"], block=128, overlap_matmuls=10,
                  warmup=2, bench_steps=5, rounds=5, seed=0),
 }
 # DeepEP V1 on H800 (docs/legacy.md of deepseek-ai/DeepEP): published, not measured here
@@ -97,12 +98,12 @@ def routed_tokens(cfg: dict, rank: int, world: int) -> tuple[torch.Tensor, torch
     text = corpus()
     start = (rank * 7919 * T) % (text.numel() - T)
     x = emb[text[start:start + T]].bfloat16().float()
-    logits = x @ gate
+    logits = x.double() @ gate.double()  # float64: no near-tie in the top-k flips with the CPU's last bits
     if cfg["max_nodes"]:
         weights, ids = node_limited_route(logits, K, E // (world // cfg["ranks_per_node"]), cfg["max_nodes"])
     else:
         weights, ids = route(logits, K)
-    return x, ids, dyadic(weights)
+    return x, ids, dyadic(weights).float()
 
 
 def _identity_round_trip(disp, x, ids, w) -> torch.Tensor:
@@ -210,10 +211,12 @@ def hook_overlap(ctx, cfg: dict, x, ids, w) -> dict:
     ll = LowLatency(cfg["n_expert"], cfg["max_tokens"], codec=Codec("fp8", cfg["block"]), combine_codec="bf16")
     a, b = torch.randn(x.shape[0], x.shape[1]), torch.randn(x.shape[1], x.shape[1]) / x.shape[1] ** 0.5
     exposed = {"blocking": [], "hook": []}
+    with ctx.ledger.tag("timing"):
+        n_matmuls = cfg["overlap_matmuls"] or calibrate(ctx, lambda: ll.dispatch(x, ids, w), lambda: a @ b)
 
     def work():
         y = a
-        for _ in range(cfg["overlap_matmuls"]):
+        for _ in range(n_matmuls):
             y = y @ b
         return y
 
@@ -246,8 +249,24 @@ def hook_overlap(ctx, cfg: dict, x, ids, w) -> dict:
         for fn in (blocking, hooked):  # one traced step each, for the timeline
             ctx.barrier()
             fn(trace=True)
-    return {"hook_step_s": {k: v.median_s for k, v in times.items()},
+    return {"overlap_matmuls": n_matmuls, "hook_step_s": {k: v.median_s for k, v in times.items()},
             "hook_exposed_comm_s": {k: statistics.median(v) for k, v in timed.items()}}
+
+
+def calibrate(ctx, comm, unit, reps: int = 3, cap_s: float = 0.03) -> int:
+    """How many ``unit()`` calls last as long as one ``comm()`` (medians; the largest count over the ranks),
+    at most ``cap_s`` seconds of them (a loaded machine stretches the communication most)."""
+    def median_time(fn):
+        ts = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+        return statistics.median(ts)
+    t_unit = max(median_time(lambda: [unit() for _ in range(10)]) / 10, 1e-6)
+    n = torch.tensor(max(1, min(round(median_time(comm) / t_unit), int(cap_s / t_unit))))
+    dist.all_reduce(n, op=dist.ReduceOp.MAX)
+    return int(n)
 
 
 # ---- (e) quantized dispatch ------------------------------------------------------------------------------------
@@ -311,7 +330,7 @@ def deepep_scale(seed: int = 0, T: int = 4096, E: int = 256, K: int = 8, R: int 
                  max_nodes: int = 4, H: int = 7168) -> dict:
     """Rows a source rank on node 0 sends, by layout only (no transfer): DeepSeek-V3's routing shape with
     random logits (node-limited to ``max_nodes`` of R/rpn nodes)."""
-    logits = torch.randn(T, E, generator=torch.Generator().manual_seed(seed))
+    logits = torch.randn(T, E, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
     _, ids = node_limited_route(logits, K, E // (R // rpn), max_nodes)
     lay = dispatch_layout(ids, E, R, rpn)
     return {"T": T, "E": E, "K": K, "R": R, "ranks_per_node": rpn, "max_nodes": max_nodes, "H": H,
