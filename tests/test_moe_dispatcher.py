@@ -108,19 +108,35 @@ def receive_order(ctx) -> dict:
     return out
 
 
-def async_equals_sync(ctx) -> bool:
-    """Two micro-batches in flight at once (dispatch A, dispatch B, wait A, ...) give the sync results bitwise."""
-    moe = _moe()
-    ep = ExpertParallelMoE(copy.deepcopy(moe))
-    xa, xb = _tokens(ctx.rank), _tokens(ctx.rank + 10, 6)
-    sync = [ep(x[None])[0] for x in (xa, xb)]
+def async_equals_sync(ctx) -> dict:
+    """Two micro-batches in flight at once (dispatch A, dispatch B, wait A, ...; one backward through both) give the
+    sync outputs and input gradients bitwise, and the same expert gradients (summed in another order)."""
+    ep = ExpertParallelMoE(_moe())
+    xs = [_tokens(ctx.rank), _tokens(ctx.rank + 10, 6)]
+    ups = [torch.randn(x.shape, generator=torch.Generator().manual_seed(50 + i)) for i, x in enumerate(xs)]
+
+    def grads(inputs):
+        return [x.grad for x in inputs], torch.cat([p.grad.reshape(-1) for p in ep.experts.parameters()])
+    sync_in = [x.clone().requires_grad_(True) for x in xs]
+    sync_out = []
+    for x, u in zip(sync_in, ups):
+        sync_out.append(ep(x[None])[0])
+        (sync_out[-1] * u).sum().backward()
+    sync_gx, sync_ge = grads(sync_in)
+    ep.zero_grad(set_to_none=True)
     d = ep.dispatcher
-    plans = [d.plan(ep.place(ep.router(x)[1]), ep.router(x)[0], x) for x in (xa, xb)]
-    pend = [d.dispatch(x, p, async_op=True) for x, p in zip((xa, xb), plans)]
+    ins = [x.clone().requires_grad_(True) for x in xs]
+    routes = [ep.router(x) for x in ins]
+    plans = [d.plan(ep.place(ids), w, x) for x, (w, ids) in zip(ins, routes)]
+    pend = [d.dispatch(x, p, async_op=True) for x, p in zip(ins, plans)]  # both in flight
     outs = [run_experts(ep.slots, pd.wait(), p.recv_counts) for pd, p in zip(pend, plans)]
     back = [d.combine(o, p, async_op=True) for o, p in zip(outs, plans)]
     ys = [b.wait() for b in back]
-    return all(torch.equal(a, b) for a, b in zip(sync, ys))
+    sum((y * u).sum() for y, u in zip(ys, ups)).backward()
+    gx, ge = grads(ins)
+    return {"outputs_bitwise": all(torch.equal(a, b) for a, b in zip(sync_out, ys)),
+            "grad_x_bitwise": all(torch.equal(a, b) for a, b in zip(sync_gx, gx)),
+            "grad_experts_close": _close(sync_ge, ge)}
 
 
 def capacity_drop(ctx) -> dict:
@@ -227,7 +243,7 @@ def test_equal_to_a_single_process_moe(results):
 def test_deterministic_receive_order_and_async(results):
     for res in results:
         assert res["receive_order"] == {"plain": True, "dedup": True}
-        assert res["async_equals_sync"]
+        assert res["async_equals_sync"] == {"outputs_bitwise": True, "grad_x_bitwise": True, "grad_experts_close": True}
         assert res["empty_rank"]
 
 

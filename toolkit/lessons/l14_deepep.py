@@ -114,9 +114,9 @@ def _identity_round_trip(disp, x, ids, w) -> torch.Tensor:
 # ---- (a) layout ------------------------------------------------------------------------------------------------
 def layout_check(ids: torch.Tensor, cfg: dict, world: int) -> dict:
     fast = dispatch_layout(ids, cfg["n_expert"], world, cfg["ranks_per_node"])
-    slow = layout_brute_force(ids, cfg["n_expert"], world, cfg["ranks_per_node"])
+    slow = layout_brute_force(ids.cpu(), cfg["n_expert"], world, cfg["ranks_per_node"])
     fields = ("tokens_per_rank", "tokens_per_node", "tokens_per_expert", "token_in_rank", "token_in_node")
-    return {"equal": {f: torch.equal(getattr(fast, f), getattr(slow, f)) for f in fields},
+    return {"equal": {f: torch.equal(getattr(fast, f).cpu(), getattr(slow, f)) for f in fields},
             "tokens_per_rank": fast.tokens_per_rank.tolist(), "tokens_per_node": fast.tokens_per_node.tolist(),
             "tokens_per_expert": fast.tokens_per_expert.tolist(),
             "ranks_per_token_hist": torch.bincount(fast.token_in_rank.sum(1), minlength=world + 1).tolist()}
@@ -144,7 +144,7 @@ def dedup_bytes(ctx, cfg: dict, x, ids, w) -> dict:
                      "meta_wire": ctx.ledger.total("sent_bytes", tag=f"b/{name}/dispatch_meta")}
         exact = TokenDispatcher(E, K, dedup=dedup)  # codec "none": the round trip is exact
         out["round_trip_exact"][name] = torch.equal(_identity_round_trip(exact, x, ids, w), x)
-        recv = torch.tensor(sum(plan.recv_counts))
+        recv = torch.tensor(sum(plan.recv_counts), device=x.device)
         dist.all_reduce(recv)
         out["recv_equals_tokens_per_expert"][name] = int(recv) == int(plan.tokens_per_expert.sum())
     return out
@@ -166,7 +166,7 @@ def two_hop(ctx, cfg: dict, x, ids, w, hop: TwoHop) -> dict:
     hop.phase = lambda n: ctx.ledger.tag("c/exact")
     exin, h2 = hop.dispatch(x, ids, w)
     back = hop.combine(exin, h2)
-    recv = torch.tensor(sum(h2.recv_counts))
+    recv = torch.tensor(sum(h2.recv_counts), device=x.device)
     dist.all_reduce(recv)
     per_expert = lay.tokens_per_expert.clone()
     dist.all_reduce(per_expert)
@@ -209,7 +209,8 @@ def hook_overlap(ctx, cfg: dict, x, ids, w) -> dict:
     Exposed communication = time this rank spends in communication calls (blocking: the whole dispatch;
     hook: issuing plus completing), measured on every timed step."""
     ll = LowLatency(cfg["n_expert"], cfg["max_tokens"], codec=Codec("fp8", cfg["block"]), combine_codec="bf16")
-    a, b = torch.randn(x.shape[0], x.shape[1]), torch.randn(x.shape[1], x.shape[1]) / x.shape[1] ** 0.5
+    a = torch.randn(x.shape[0], x.shape[1], device=x.device)
+    b = torch.randn(x.shape[1], x.shape[1], device=x.device) / x.shape[1] ** 0.5
     exposed = {"blocking": [], "hook": []}
     with ctx.ledger.tag("timing"):
         n_matmuls = cfg["overlap_matmuls"] or calibrate(ctx, lambda: ll.dispatch(x, ids, w), lambda: a @ b)
@@ -264,7 +265,7 @@ def calibrate(ctx, comm, unit, reps: int = 3, cap_s: float = 0.03) -> int:
             ts.append(time.perf_counter() - t0)
         return statistics.median(ts)
     t_unit = max(median_time(lambda: [unit() for _ in range(10)]) / 10, 1e-6)
-    n = torch.tensor(max(1, min(round(median_time(comm) / t_unit), int(cap_s / t_unit))))
+    n = torch.tensor(max(1, min(round(median_time(comm) / t_unit), int(cap_s / t_unit))), device=ctx.device)
     dist.all_reduce(n, op=dist.ReduceOp.MAX)
     return int(n)
 
@@ -344,7 +345,7 @@ def deepep_scale(seed: int = 0, T: int = 4096, E: int = 256, K: int = 8, R: int 
 
 def run(ctx, cfg: dict) -> dict:
     R = ctx.world_size
-    x, ids, w = routed_tokens(cfg, ctx.rank, R)
+    x, ids, w = (t.to(ctx.device) for t in routed_tokens(cfg, ctx.rank, R))
     hop = TwoHop(cfg["n_expert"], cfg["ranks_per_node"])  # collective: creates the rdma and nvl groups
     ctx.ledger.name_group(hop.rdma, "rdma")
     ctx.ledger.name_group(hop.nvl, "nvl")

@@ -94,9 +94,9 @@ def _pairs(ids: torch.Tensor, rank: int, per_rank: int, w: torch.Tensor):
     return row[order], slot[order], w[row[order], k[order]]
 
 
-def _splits_back(in_splits: list[int], group) -> list[int]:
+def _splits_back(in_splits: list[int], group, device=None) -> list[int]:
     """Rows each peer will send me, from the rows I send each peer (a tiny all-to-all of counts)."""
-    mine = torch.tensor(in_splits, dtype=torch.int64)
+    mine = torch.tensor(in_splits, dtype=torch.int64, device=device)
     theirs = torch.empty_like(mine)
     dist.all_to_all_single(theirs, mine, group=group)
     return theirs.tolist()
@@ -149,11 +149,11 @@ class TwoHop:
         T, K = ids.shape
         meta = torch.cat([weights, ids.to(weights.dtype)], 1)  # [T, 2K] travels beside each row
         node_of = ids // (self.per_rank * self.rpn)
-        in_node = torch.zeros(T, self.nodes, dtype=torch.bool).scatter_(1, node_of, True)
+        in_node = torch.zeros(T, self.nodes, dtype=torch.bool, device=x.device).scatter_(1, node_of, True)
         node1, tok1 = in_node.t().nonzero(as_tuple=True)  # hop-1 rows: (node, token), node-major
         s1 = torch.bincount(node1, minlength=self.nodes).tolist()
         with self.phase("counts"):
-            r1 = _splits_back(s1, self.rdma)
+            r1 = _splits_back(s1, self.rdma, x.device)
         wire = self.codec.encode(x[tok1])  # encoded once at the source, forwarded as bytes
         with self.phase("hop1"):
             got1 = all_to_all(wire, s1, r1, self.rdma)
@@ -162,11 +162,12 @@ class TwoHop:
         ids1 = meta1[:, K:].long()  # the proxy fans each row out to the ranks of its node that need it
         mine = ids1 // self.per_rank // self.rpn == self.node
         local_of = torch.where(mine, ids1 // self.per_rank % self.rpn, self.rpn)
-        in_local = torch.zeros(ids1.shape[0], self.rpn + 1, dtype=torch.bool).scatter_(1, local_of, True)[:, :self.rpn]
+        in_local = torch.zeros(ids1.shape[0], self.rpn + 1, dtype=torch.bool, device=x.device
+                               ).scatter_(1, local_of, True)[:, :self.rpn]
         dst2, row2 = in_local.t().nonzero(as_tuple=True)
         s2 = torch.bincount(dst2, minlength=self.rpn).tolist()
         with self.phase("counts"):
-            r2 = _splits_back(s2, self.nvl)
+            r2 = _splits_back(s2, self.nvl, x.device)
         with self.phase("hop2"):
             got2 = all_to_all(got1[row2], s2, r2, self.nvl)
         with self.phase("meta"):
@@ -234,7 +235,7 @@ class LowLatency:
         order = flat.argsort(stable=True)  # position of each pair among this rank's pairs for its slot
         counts = torch.bincount(flat, minlength=self.n_slots)
         pos = torch.empty_like(flat)
-        pos[order] = torch.arange(flat.numel()) - (torch.cumsum(counts, 0) - counts)[flat[order]]
+        pos[order] = torch.arange(flat.numel(), device=flat.device) - (torch.cumsum(counts, 0) - counts)[flat[order]]
         send = x.new_zeros((self.n_slots * self.M, H))  # [R(dst), local, M] rows
         send[flat * self.M + pos] = x.repeat_interleave(ids.shape[1], 0)
         wire = self.codec.encode(send)

@@ -310,16 +310,17 @@ class TokenDispatcher:
         flags = [int(in_range), lo, hi, int(bool(torch.isfinite(weights).all())),
                  int(x is None or not self.codec.quantized or bool(torch.isfinite(x).all())),
                  CODECS.index(self.codec.mode), self.codec.block, -1 if x is None else x.shape[1], int(self.dedup)]
-        mine = torch.cat([demand, kept, rows_to, torch.tensor(flags)]).to(torch.int64)
-        every = torch.empty(R * mine.numel(), dtype=torch.int64)
+        dev = ids.device
+        mine = torch.cat([demand, kept, rows_to, torch.tensor(flags, device=dev)]).to(torch.int64)
+        every = torch.empty(R * mine.numel(), dtype=torch.int64, device=dev)
         with self.phase("routing"):
-            dist.all_gather_into_tensor(every, mine, group=self.group)
+            dist.all_gather_single(every, mine, group=self.group)  # torch >= 2.10 name of all_gather_into_tensor
         every = every.view(R, -1)
         self._raise_if_bad(every[:, 2 * E + R:], every[:, :E])
         demand_all, counts = every[:, :E], every[:, E:2 * E]
         rows = every[:, 2 * E:2 * E + R]  # [src, dst]
         plan = Plan(ids, weights, keep, layout, counts, demand_all, rows[self.rank].tolist(),
-                    rows[:, self.rank].tolist(), counts[:, self._my_slots()].sum(0).tolist(), torch.empty(0))
+                    rows[:, self.rank].tolist(), counts[:, self._my_slots()].sum(0).tolist(), ids.new_empty(0))
         if self.dedup:  # rows: (token, destination rank), sorted by rank then token
             plan.send_rank, plan.send_token = layout.token_in_rank.t().nonzero(as_tuple=True)
         else:  # rows: (token, slot) pairs sorted by slot (hence by rank), then token
@@ -327,7 +328,7 @@ class TokenDispatcher:
             order = flat.argsort(stable=True)[:int(keep.sum())]
             plan.send_pair, plan.send_token = order, order // self.top_k
             recv = counts[:, self._my_slots()]  # [src, local slot]: received rows come source-major
-            local_id = torch.arange(self.local).repeat(R).repeat_interleave(recv.reshape(-1))
+            local_id = torch.arange(self.local, device=dev).repeat(R).repeat_interleave(recv.reshape(-1))
             plan.by_slot = local_id.argsort(stable=True)
         return plan
 
@@ -342,7 +343,7 @@ class TokenDispatcher:
         order = flat.argsort(stable=True)
         starts = torch.cumsum(torch.bincount(flat, minlength=self.n_slots), 0) - torch.bincount(flat, minlength=self.n_slots)
         position = torch.empty_like(flat)
-        position[order] = torch.arange(flat.numel()) - starts[flat[order]]
+        position[order] = torch.arange(flat.numel(), device=flat.device) - starts[flat[order]]
         return (position < self.capacity).view_as(ids)
 
     def _raise_if_bad(self, flags: torch.Tensor, demand: torch.Tensor) -> None:
