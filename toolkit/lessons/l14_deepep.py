@@ -50,7 +50,7 @@ PRESETS = {
                   warmup=1, bench_steps=2, rounds=3, seed=0),
     "default": dict(tokens=128, hidden=512, n_expert=32, top_k=8, ranks_per_node=0, max_nodes=0, max_tokens=64,
                     ll_tokens=[8, 16, 32, 64], codecs=["bf16", "int8", "fp8"], block=128, overlap_matmuls=10,
-                    warmup=1, bench_steps=3, rounds=3, seed=0),
+                    warmup=1, bench_steps=2, rounds=3, seed=0),
     "full": dict(tokens=4096, hidden=7168, n_expert=256, top_k=8, ranks_per_node=0, max_nodes=0, max_tokens=128,
                  ll_tokens=[16, 32, 64, 128], codecs=["bf16", "int8", "fp8"], block=128, overlap_matmuls=10,
                  warmup=2, bench_steps=5, rounds=5, seed=0),
