@@ -79,7 +79,31 @@ def equivalence(ctx, cfg) -> dict:
     res["capacity_drop"] = capacity_drop(ctx)
     res["codecs"] = codec_snr(ctx)
     res["empty_rank"] = empty_rank(ctx)
+    res["gradcheck"] = gradcheck(ctx)
     return res
+
+
+def gradcheck(ctx) -> dict:
+    """torch.autograd.gradcheck (float64) of dispatch -> a nonlinear expert per slot -> weighted combine, with
+    respect to the tokens and the gate weights, through both all-to-alls (same shapes on every rank, so every
+    rank makes the same number of calls)."""
+    T, E_, K_ = 4, 2 * ctx.world_size, 2
+    g = torch.Generator().manual_seed(1 + ctx.rank)
+    ids = torch.stack([torch.randperm(E_, generator=g)[:K_] for _ in range(T)])
+    x = torch.randn(T, 3, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.rand(T, K_, generator=g, dtype=torch.float64, requires_grad=True)
+    torch.manual_seed(5)  # the same expert weights on every rank
+    experts = [torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Tanh()).double() for _ in range(E_)]
+    out = {}
+    for dedup in (False, True):
+        disp = TokenDispatcher(E_, K_, dedup=dedup)
+        mine = experts[ctx.rank * disp.local:(ctx.rank + 1) * disp.local]
+
+        def fn(x, w):
+            plan = disp.plan(ids, w, x)
+            return disp.combine(run_experts(mine, disp.dispatch(x, plan), plan.recv_counts), plan)
+        out["dedup" if dedup else "plain"] = torch.autograd.gradcheck(fn, (x, w), eps=1e-6, atol=1e-7)
+    return out
 
 
 def receive_order(ctx) -> dict:
@@ -245,6 +269,7 @@ def test_deterministic_receive_order_and_async(results):
         assert res["receive_order"] == {"plain": True, "dedup": True}
         assert res["async_equals_sync"] == {"outputs_bitwise": True, "grad_x_bitwise": True, "grad_experts_close": True}
         assert res["empty_rank"]
+        assert res["gradcheck"] == {"plain": True, "dedup": True}
 
 
 def test_capacity_drops_are_counted_never_silent(results):
