@@ -80,7 +80,36 @@ def equivalence(ctx, cfg) -> dict:
     res["codecs"] = codec_snr(ctx)
     res["empty_rank"] = empty_rank(ctx)
     res["gradcheck"] = gradcheck(ctx)
+    res["whole_gpt"] = whole_gpt(ctx)
     return res
+
+
+def whole_gpt(ctx, cfg=None) -> dict:
+    """The tiny MoE GPT with every MoE layer made expert parallel (``expert_parallel``): the same loss and the same
+    gradients as the model itself on this rank's batch (expert gradients summed over the ranks)."""
+    from toolkit.data import batches
+    from toolkit.moe import expert_parallel
+    torch.manual_seed(0)
+    model = GPT(preset("smoke", d_model=H, n_head=2, n_layer=2, n_expert=E, top_k=K))
+    ref = copy.deepcopy(model)
+    replicated, experts = expert_parallel(model, codec="none")
+    x, y = next(iter(batches(2, 16, 1, seed=3, rank=ctx.rank, world=ctx.world_size)))
+    loss, ref_loss = model(x, y), ref(x, y)
+    loss.backward()
+    ref_loss.backward()
+    names = {id(p): n for n, p in model.named_parameters()}
+    ref_params = dict(ref.named_parameters())
+    grads_ok = all(_close(p.grad, ref_params[names[id(p)]].grad) for p in replicated)
+    for n, p in ref.named_parameters():  # the reference saw only this rank's tokens: sum its expert grads
+        if ".experts." in n:
+            p.grad = torch.zeros_like(p) if p.grad is None else p.grad
+            dist.all_reduce(p.grad)
+    local = E // ctx.world_size
+    for p in experts:  # local expert j of rank r is expert r*local + j
+        head, j, rest = names[id(p)].split(".experts.")[0], *names[id(p)].split(".experts.")[1].split(".", 1)
+        grads_ok &= _close(p.grad, ref_params[f"{head}.experts.{ctx.rank * local + int(j)}.{rest}"].grad)
+    return {"loss_close": abs(loss.item() - ref_loss.item()) < 1e-6, "grads_close": grads_ok,
+            "expert_params": sum(p.numel() for p in experts)}
 
 
 def gradcheck(ctx) -> dict:
@@ -270,6 +299,7 @@ def test_deterministic_receive_order_and_async(results):
         assert res["async_equals_sync"] == {"outputs_bitwise": True, "grad_x_bitwise": True, "grad_experts_close": True}
         assert res["empty_rank"]
         assert res["gradcheck"] == {"plain": True, "dedup": True}
+        assert res["whole_gpt"]["loss_close"] and res["whole_gpt"]["grads_close"], res["whole_gpt"]
 
 
 def test_capacity_drops_are_counted_never_silent(results):
