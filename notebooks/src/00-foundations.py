@@ -12,17 +12,18 @@
 #
 # ```
 #  notebook ──launch("l00_foundations", world_size, cfg)──► accelerate launch ──► rank 0 … rank N-1
-#     ▲                                                                            │ real collectives
-#     └──────────── per-rank results (bytes, memory, losses, timings) ◄────────────┘ ledger · memory · timeline
+#     ▲                                                                            │ real collectives,
+#     └──────── per-rank results (bytes, memory, losses, timings) ◄────────────────┘ ledger, memory,
+#                                                                                    timeline
 # ```
 
 # %% tags=["parameters"]
 import os
 
-world_size = 2
-preset = os.environ.get("TOOLKIT_PRESET", "default")  # smoke | default | full
-backend = "auto"  # auto | gloo | nccl
-timeout_s = 600
+world_size: int = 2
+preset: str = os.environ.get("TOOLKIT_PRESET", "default")  # smoke | default | full
+backend: str = "auto"  # auto | gloo | nccl
+timeout_s: int = 600
 
 # %%
 import inspect
@@ -48,13 +49,14 @@ print(f"{world_size} ranks, backend {r0['bandwidth']['backend']}, model {r0['mod
 # n ranks; fp32 weights and AdamW here, so 4 + 4 + 8 bytes per parameter before sharding):
 #
 # ```
-#             keeps per rank                         per step
-#   DDP       W Ψ · G Ψ · opt 2Ψ                      all-reduce(G)                         2(n-1)/n · 4Ψ bytes
-#   ZeRO-1    W Ψ · G Ψ · opt 2Ψ/n                    reduce-scatter(G) + all-gather(W)     same bytes as DDP
-#   ZeRO-2    W Ψ · G Ψ/n · opt 2Ψ/n                  reduce-scatter(G) + all-gather(W)     same bytes as DDP
-#   ZeRO-3    W Ψ/n · G Ψ/n · opt 2Ψ/n                all-gather(W) fwd, again in bwd,      ~1.5 × DDP
-#                                                     reduce-scatter(G)
-#   FSDP2     = ZeRO-3 (torch's fully_shard); reshard_after_forward=False keeps W after forward: 1.0 × DDP bytes
+#           keeps per rank             per step                             bytes sent per rank
+#   DDP     W Ψ · G Ψ · opt 2Ψ         all-reduce(G)                        2(n-1)/n · 4Ψ
+#   ZeRO-1  W Ψ · G Ψ · opt 2Ψ/n       reduce-scatter(G) + all-gather(W)    same as DDP
+#   ZeRO-2  W Ψ · G Ψ/n · opt 2Ψ/n     reduce-scatter(G) + all-gather(W)    same as DDP
+#   ZeRO-3  W Ψ/n · G Ψ/n · opt 2Ψ/n   all-gather(W) fwd, again in bwd,     ~1.5 × DDP
+#                                      reduce-scatter(G)
+#   FSDP2   = ZeRO-3 (torch's fully_shard); reshard_after_forward=False keeps W after forward:
+#           1.0 × DDP bytes
 # ```
 #
 # The toolkit's own ZeRO (`toolkit/parallel/zero.py`, flat padded buffer per unit) runs next to torch's DDP
