@@ -259,9 +259,10 @@ print(GPT(GPTConfig(**r0["model"])).blocks[0].attn)  # the run's model
 # %% [markdown]
 # ## 9 · Explore
 #
-# Pick a schedule, p, m and op costs; the Gantt chart, memory and bubble redraw from the simulator
-# (needs a live kernel). Below it, the same view as a static figure for p = 4, m = 8 with this run's
-# measured chunk costs and F&B at 80 % of F + B.
+# Pick a schedule, p, m and op costs; the Gantt chart, memory and bubble redraw from the simulator.
+# The live explorer needs a kernel and combines every setting; the precomputed one under it moves one
+# setting at a time and works anywhere (the HTML book too). Then the same view as a static figure for
+# p = 4, m = 8 with this run's measured chunk costs and F&B at 80 % of F + B.
 
 # %%
 explorer("dualpipev", p=4, m=8, costs=Costs(1, 2, 1))
