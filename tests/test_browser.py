@@ -164,6 +164,8 @@ def live_explorers_change(page) -> list[dict]:
         box.scroll_into_view_if_needed()
         plot = box.locator(".js-plotly-plot").first
         plot.wait_for(timeout=60_000)
+        cut = box.evaluate("b => Array.from(b.querySelectorAll('.widget-label'))"
+                           ".filter(l => l.scrollWidth > l.clientWidth + 1).map(l => l.textContent)")
         before = plot.evaluate(FIGURE_STATE)
         select = box.locator("select")
         if select.count():
@@ -183,7 +185,7 @@ def live_explorers_change(page) -> list[dict]:
             changed = True
         except sync_api.TimeoutError:
             changed = False
-        results.append({"control": control, "changed": changed})
+        results.append({"control": control, "changed": changed, "cut_labels": cut})
     return results
 
 
@@ -253,6 +255,7 @@ def test_lesson_runs_in_jupyterlab(lab_runs, name):
     assert run["figures"] == run["expected_figures"], \
         f"{run['figures']} plotly figures drawn, the cells emitted {run['expected_figures']}"
     assert run["live"] and all(r["changed"] for r in run["live"]), f"live explorers: {run['live']}"
+    assert not any(r["cut_labels"] for r in run["live"]), f"widget labels cut: {run['live']}"
     assert run["precomputed"] and all(r["changed"] for r in run["precomputed"]), \
         f"precomputed explorers: {run['precomputed']}"
     assert not run["console"], "console errors:\n" + "\n".join(run["console"])

@@ -67,6 +67,9 @@ def main(argv: list[str] | None = None) -> int:
     rows = sorted(rows + [r for r in old if r.get("name") not in done and (out / "notebooks" / f"{r['name']}.ipynb")
                           .exists()], key=lambda r: r["name"])
     (out / "summary.json").write_text(json.dumps(rows, indent=1))
+    if (Path(__file__).resolve().parent / "api_page.py").exists():  # the API page the index links to
+        import api_page
+        api_page.main(["--out", str(out)])
     pages = book.build(out, rows, params)
     print(f"HTML book: {len(pages)} pages; course time {sum(r['seconds'] for r in rows):.1f} s", flush=True)
     failed = [r["name"] for r in ran if r["status"] != "ok"]
