@@ -121,7 +121,8 @@ def precompute(draw: Callable[..., go.Figure], controls: Mapping[str, Sequence],
     sliders = [n for n in lists if _numeric(lists[n])]
     top = margin(figures[0], "t", 70)
     columns = 2 if len(sliders) > 2 else 1  # many sliders: two columns
-    bottom = AXIS_PX + DROPDOWN_PX * bool(dropdowns) + SLIDER_PX * -(-len(sliders) // columns)
+    axis_px = AXIS_PX if any(tr.get("type", "scatter") != "table" for tr in data) else 8  # a table has no x axis
+    bottom = axis_px + DROPDOWN_PX * bool(dropdowns) + SLIDER_PX * -(-len(sliders) // columns)
     plot_h = max(max(int(f.get("layout", {}).get("height") or 450) - margin(f, "t", 70) - margin(f, "b", 50)
                      for f in figures), 120)
     total = top + plot_h + bottom  # room for the largest state's plot, then the controls below it
@@ -145,12 +146,12 @@ def precompute(draw: Callable[..., go.Figure], controls: Mapping[str, Sequence],
     for j, name in enumerate(dropdowns):
         menus.append(dict(
             type="dropdown", direction="up", showactive=True, active=lists[name].index(base[name]),
-            x=j / max(len(dropdowns), 1), xanchor="left", y=-(AXIS_PX / plot_h), yanchor="top",
+            x=j / max(len(dropdowns), 1), xanchor="left", y=-(axis_px / plot_h), yanchor="top",
             pad=dict(t=4, r=8), buttons=[dict(label=f"{name}: {_label(v)}", method="update", args=args(name, v))
                                          for v in lists[name]]))
     bars = []
     for j, name in enumerate(sliders):
-        offset = AXIS_PX + DROPDOWN_PX * bool(dropdowns) + SLIDER_PX * (j // columns)
+        offset = axis_px + DROPDOWN_PX * bool(dropdowns) + SLIDER_PX * (j // columns)
         bars.append(dict(
             active=lists[name].index(base[name]), x=(j % columns) / columns, len=0.94 / columns if columns > 1 else 1,
             xanchor="left", y=-(offset / plot_h), yanchor="top",
