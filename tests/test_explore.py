@@ -73,3 +73,10 @@ def test_live_widget_has_readable_labels_and_redraws():
     assert all(c.style.description_width == "initial" for c in controls)   # no "m (micro-…" cut
     assert isinstance(controls[0], w.Dropdown) and isinstance(controls[1], w.SelectionSlider)
     assert "toolkit-explorer" in box._dom_classes
+
+
+def test_heatmap_labels_that_look_like_numbers_stay_labels():
+    """["32", "64", "tensor"] on a numeric axis puts "tensor" at NaN: the column vanishes, the browser logs errors."""
+    fig = viz.heatmap([[1, 2, 3]], x=["32", "64", "tensor"], y=["int8"])
+    assert fig.layout.xaxis.type == "category" and fig.layout.yaxis.type == "category"
+    assert viz.heatmap([[1, 2]], x=[0.5, 1.5]).layout.xaxis.type is None   # numbers stay numbers

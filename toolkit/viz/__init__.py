@@ -138,6 +138,9 @@ def heatmap(z: Sequence[Sequence[float]], x: Sequence | None = None, y: Sequence
     fig = go.Figure(go.Heatmap(z=z, x=x, y=y, colorscale=colorscale, colorbar=dict(title=colorbar_title),
                                text=[[format(v, text_format) for v in row] for row in z] if text_format else None,
                                texttemplate="%{text}" if text_format else None))
+    for axis, labels in (("xaxis", x), ("yaxis", y)):  # "32", "64", "tensor": labels, not numbers (plotly would
+        if labels is not None and any(isinstance(v, str) for v in labels):  # put "tensor" at NaN)
+            fig.update_layout({axis: {"type": "category", "automargin": True}})  # long row labels stay whole
     return theme(fig, title)
 
 
