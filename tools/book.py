@@ -153,6 +153,7 @@ def index_page(pages: list[dict], rows: list[dict], params: dict, api: bool = Fa
                 else html.escape(name))
         trs.append(f"<tr><td>{link}</td><td class='{html.escape(status.replace(' ', '-'))}'>{html.escape(status)}</td>"
                    f"<td class='num'>{_seconds(seconds) if seconds is not None else ''}</td>"
+                   f"<td>{html.escape(str(r.get('preset', '')))}</td>"
                    f"<td><a href='notebooks/{name}.ipynb'>ipynb</a></td>"
                    f"<td>{html.escape(r.get('error', ''))}</td></tr>")
     total = sum(r.get("seconds", 0.0) for r in rows)
@@ -167,7 +168,7 @@ td.num{{text-align:right;white-space:nowrap}}.ok{{color:#109618}}.failed{{color:
 <h1>llm-scale-toolkit: the lessons</h1>
 <p>Each page is a lesson notebook as it ran: its figures, explorers and checks. Every page works offline.</p>
 {timed}{api_link}
-<table><tr><th>lesson</th><th>status</th><th>time</th><th>notebook</th><th>error</th></tr>
+<table><tr><th>lesson</th><th>status</th><th>time</th><th>preset</th><th>notebook</th><th>error</th></tr>
 {chr(10).join(trs)}
 </table></html>
 """

@@ -61,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
             status, error = "failed", str(exc).strip().splitlines()[-1][:300] if str(exc).strip() else repr(exc)
         seconds = time.monotonic() - start
         print(f"    {status} in {seconds:.1f} s {error}", flush=True)
-        rows.append({"name": nb.stem, "status": status, "seconds": seconds, "error": error})
+        rows.append({"name": nb.stem, "status": status, "seconds": round(seconds, 2), "preset": args.preset,
+                     "error": error})
     ran, done = list(rows), {r["name"] for r in rows}  # --only: keep the other notebooks' last results
     old = json.loads((out / "summary.json").read_text()) if (out / "summary.json").exists() else []
     rows = sorted(rows + [r for r in old if r.get("name") not in done and (out / "notebooks" / f"{r['name']}.ipynb")
