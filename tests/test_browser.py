@@ -130,11 +130,12 @@ FIGURE_STATE = """g => JSON.stringify([(g.data || []).map(t => [t.visible, (t.x 
 def precomputed_explorers_change(page) -> list[dict]:
     """Click a control of every precomputed explorer (plotly figure with layout.meta.explorer); did it redraw?"""
     results = []
-    plots = page.locator(".js-plotly-plot")
-    for i in range(plots.count()):
-        plot = plots.nth(i)
-        if not plot.evaluate("g => !!(g.layout && g.layout.meta && g.layout.meta.explorer)"):
-            continue
+    found = page.evaluate("""() => { let n = 0;   // mark them: other figures may be redrawn meanwhile
+        for (const g of document.querySelectorAll('.js-plotly-plot'))
+            if (g.layout && g.layout.meta && g.layout.meta.explorer) g.setAttribute('data-precomputed', n++);
+        return n; }""")
+    for i in range(found):
+        plot = page.locator(f".js-plotly-plot[data-precomputed='{i}']")
         plot.scroll_into_view_if_needed()
         before = plot.evaluate(FIGURE_STATE)
         if plot.locator("g.updatemenu-header-group").count():           # a dropdown: open it, pick the last item
