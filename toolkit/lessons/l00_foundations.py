@@ -24,7 +24,7 @@ from toolkit.comm.bandwidth import environment_report, probe
 from toolkit.data import batches
 from toolkit.memory.checkpointing import POLICIES, apply_checkpointing, saved_activation_bytes
 from toolkit.models import GPT, preset
-from toolkit.parallel.demos import (run_dp_zero_fsdp, run_tensor_parallel, validate_dp_zero_fsdp,
+from toolkit.lessons.parallel_demos import (run_dp_zero_fsdp, run_tensor_parallel, validate_dp_zero_fsdp,
                                     validate_tensor_parallel)
 from toolkit.precision import MODES, train
 from toolkit.runtime.bench import comm_efficiency_ratio, measure, memory_volatility
@@ -43,6 +43,14 @@ PRESETS = {
              "bench_warmup": 10, "probe_sizes": [2**k for k in range(10, 31, 2)], "probe_iters": 20},
 }
 SECTIONS = ("data_parallel", "tensor_parallel", "pipeline", "checkpointing", "precision", "bandwidth", "bench")
+# the progress bar's phases: one per section run, weighted by its rough share of the run time at the default
+# preset (precision, four training runs of which two in bf16 on the CPU, is the long one)
+WEIGHTS = {"data_parallel": 20, "tensor_parallel": 2, "pipeline": 10, "checkpointing": 8, "precision": 40,
+           "bandwidth": 8, "bench": 12}
+
+
+def PHASES(cfg: dict) -> list[tuple[str, float]]:  # noqa: N802 - the launcher reads PHASES
+    return [(name, WEIGHTS[name]) for name in cfg["sections"]]
 
 
 def validate(cfg: dict, world_size: int) -> dict:
@@ -87,38 +95,32 @@ def run(ctx, cfg: dict) -> dict:
              "precision": lambda: precision(ctx, cfg, model_cfg),
              "bandwidth": lambda: bandwidth(ctx, cfg),
              "bench": lambda: bench(ctx, cfg, model_cfg)}
-    for i, name in enumerate(cfg["sections"]):
-        ctx.progress(i, len(cfg["sections"]), name)
-        with ctx.ledger.tag(name):
+    for name in cfg["sections"]:
+        with ctx.phase(name), ctx.ledger.tag(name):
             out[name] = steps[name]()
-    ctx.progress(len(cfg["sections"]), len(cfg["sections"]), "done")
     return out
 
 
 def pipeline(ctx, cfg, model_cfg) -> dict:
     """GPipe and 1F1B, one stage per rank, on ``pp_microbatches`` micro-batches of real tokens."""
-    from toolkit.pipeline.executor import gpt_micro_batches, measure_schedules, reference_step
+    from toolkit.pipeline.harness import Job, PipelineSetup, measure_schedules
     from toolkit.pipeline.schedule import make_schedule
     from toolkit.pipeline.simulate import timeline_bubble
 
     p, m = ctx.world_size, cfg["pp_microbatches"]
     n_layer = -(-model_cfg.n_layer // p) * p  # a whole number of blocks per stage
-    mc = preset(cfg["model"], n_layer=n_layer)
-    inputs, targets = gpt_micro_batches(m, max(cfg["batch_size"] // 2, 1), mc.seq_len, seed=7)
-    torch.manual_seed(0)
-    base = GPT(mc).to(ctx.device)
-    reference = copy.deepcopy(base)
-    reference_step(reference, inputs, targets)
+    setup = PipelineSetup.build(cfg["model"], n_layer=n_layer, m=m, micro_batch=max(cfg["batch_size"] // 2, 1),
+                                device=ctx.device)
     out = {"p": p, "m": m, "n_layer": n_layer}
-    jobs = {name: (make_schedule(name, p, m), "ours") for name in ("gpipe", "1f1b")}
-    measured, _ = measure_schedules(ctx, jobs, base, inputs, targets, reference, warmup=1, steps=2, rounds=3)
-    for name, got in measured.items():
+    jobs = [Job(make_schedule(name, p, m)) for name in ("gpipe", "1f1b")]
+    records, _ = measure_schedules(ctx, setup, jobs, warmup=1, steps=2, rounds=3)
+    for got in records:
         spans = [None] * p
         dist.all_gather_object(spans, got["spans"])  # every rank's spans of the last timed step
         merged = [s for rank_spans in spans for s in rank_spans]
-        out[name] = {"loss": got["loss"], "grad_diff": got["grad_diff"], "peak_act_bytes": got["peak_act_bytes"],
-                     "step_s": got["bench"]["mean_s"], "spans": merged,
-                     "measured_bubble_fraction": timeline_bubble(merged, p)["bubble_fraction"]}
+        out[got["schedule"]] = {"loss": got["loss"], "grad_diff": got["grad_diff"],
+                                "peak_act_bytes": got["peak_act_bytes"], "step_s": got["bench"]["mean_s"],
+                                "spans": merged, "measured_bubble_fraction": timeline_bubble(merged, p)["bubble_fraction"]}
     return out
 
 
@@ -135,6 +137,7 @@ def checkpointing(ctx, cfg, model_cfg) -> list[dict]:
         loss.backward()
         grads = torch.cat([p.grad.flatten() for p in model.parameters()])
         reference = grads if reference is None else reference
+        ctx.progress(POLICIES.index(policy) + 1, len(POLICIES), policy)
         if policy not in POLICIES[ctx.rank::ctx.world_size]:
             continue  # every rank computes the reference grads; each times its own share of policies
 
@@ -149,12 +152,15 @@ def checkpointing(ctx, cfg, model_cfg) -> list[dict]:
 
 def precision(ctx, cfg, model_cfg) -> list[dict]:
     """This rank's share of the mixed-precision modes, trained on identical data."""
-    mine = MODES[ctx.rank::ctx.world_size]
-    return [train(mode, model_cfg, cfg["train_steps"], cfg["batch_size"], device=ctx.device) for mode in mine]
+    mine, steps = MODES[ctx.rank::ctx.world_size], cfg["train_steps"]
+    return [train(mode, model_cfg, steps, cfg["batch_size"], device=ctx.device,
+                  on_step=lambda done, _, k=k, mode=mode: ctx.progress(k * steps + done, len(mine) * steps, mode))
+            for k, mode in enumerate(mine)]
 
 
 def bandwidth(ctx, cfg) -> dict:
-    rows = probe(cfg["probe_sizes"], iters=cfg["probe_iters"], device=ctx.device)
+    rows = probe(cfg["probe_sizes"], iters=cfg["probe_iters"], device=ctx.device,
+                 on_step=lambda done, total: ctx.progress(done, total, "message sizes"))
     return {"rows": rows, "environment": environment_report(), "backend": ctx.backend}
 
 
@@ -186,10 +192,11 @@ def bench(ctx, cfg, model_cfg) -> dict:
             ddp_step()
             mem.mark("step")
         timing = measure(tracked_step, warmup=cfg["bench_warmup"], steps=cfg["bench_steps"],
-                         rounds=cfg["bench_rounds"])
+                         rounds=cfg["bench_rounds"], on_step=lambda d, t: ctx.progress(d, 2 * t, "DDP steps"))
     n_steps = cfg["bench_warmup"] + cfg["bench_steps"] * cfg["bench_rounds"]
     sent, comm_s = ctx.ledger.total("sent_bytes", op="all_reduce"), ctx.ledger.total("seconds", op="all_reduce")
-    compute = measure(local_step, warmup=1, steps=cfg["bench_steps"], rounds=cfg["bench_rounds"])
+    compute = measure(local_step, warmup=1, steps=cfg["bench_steps"], rounds=cfg["bench_rounds"],
+                      on_step=lambda d, t: ctx.progress(t + d, 2 * t, "compute-only steps"))
     totals = [s["total"] for s in mem.samples]
     comm_s /= n_steps  # all-reduce wall time per step, measured around each bucket's call
     return {"timing": timing.to_dict(), "compute_only": compute.to_dict(), "steps_measured": n_steps,
