@@ -223,6 +223,6 @@ def test_figures_build_from_simulated_and_measured_spans():
     measured = [{"rank": 0, "kind": "F", "start": 5.0, "end": 5.5, "meta": {"mb": 0}},
                 {"rank": 1, "kind": "B", "start": 5.5, "end": 6.0, "meta": {"mb": 0}}]
     assert min(schedule_gantt(measured).data[0].base) == 0.0  # rebased to the step's first action
-    box = explorer("1f1b", p=2, m=4)
-    box.children[0].children[2].value = 1  # m below p: the explorer reports instead of raising
-    assert box.children[0].children[0].value == "1f1b"
+    box = explorer("1f1b", p=2, m=4).widget()
+    box.children[1].children[1].value = 8  # m below p: the explorer reports instead of raising
+    assert box.children[1].children[0].value == "1f1b"

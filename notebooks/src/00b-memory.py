@@ -8,14 +8,14 @@
 # cost? Lesson 00 covers the parallelism; this one covers where the bytes live.
 #
 # ```
-#                  device (GPU)            host (pinned RAM)                 disk (NVMe)
-#  ZeRO-3          params/n grads/n        -                                 -
+#                  device (GPU)        host (pinned RAM)              disk (NVMe)
+#  ZeRO-3          params/n grads/n    -                              -
 #                  m,v/n
-#  + CPU offload   params/n grads/n        master, m, v, grad buffer /n      -        update on the host
-#  + stream        params/n grads/n        m, v /n   (2 units on device      -        update on the device
-#                                                     during the step)
-#  + NVMe          params/n grads/n        buffer_count x buffer_size        m, v /n
-#  + NVMe params   grads/n                 + buffer_count unit shards        params/n, m, v /n
+#  + CPU offload   params/n grads/n    master, m, v, grad buffer /n   -          update on the host
+#  + stream        params/n grads/n    m, v /n  (2 units on device    -          update on the device
+#                                                during the step)
+#  + NVMe          params/n grads/n    buffer_count x buffer_size     m, v /n
+#  + NVMe params   grads/n             + buffer_count unit shards     params/n, m, v /n
 # ```
 #
 # Five experiments, one launch: (1) optimizer-state offload for the toolkit's ZeRO stages next to FSDP2's
@@ -321,7 +321,9 @@ print(f"values received on rank 0: {sc['received_values']}, all complete: {sc['a
 # earlier than a link with α and β would: the transfer then takes time without taking the CPU, as NCCL and the
 # NIC do on a GPU cluster. α and β are set from the measured backward time (`latency_ratio`, `comm_ratio`), so
 # the tiny model sits in the regime a large model sits in at its own scale. The simulated line is the closed
-# form of the same link fed with the measured bucket-ready times.
+# form of the same link, with gradients produced at a steady rate over the measured backward (bucket `i` is
+# ready once its bytes and those of the buckets before it are): it moves with the bucket layout, not with
+# this machine's timing noise.
 
 # %%
 bk = r0["buckets"]

@@ -18,17 +18,17 @@
 # | | idea | what we measure |
 # |---|---|---|
 # | (a) | the dispatch layout from the top-k indices | checked against a brute-force loop |
-# | (b) | deduplication: a token goes once to a rank, however many of its experts live there | bytes, exactly |
-# | (c) | two-hop forwarding: once per remote *node* over the slow link, then fan-out inside the node | inter-node bytes, exactly |
-# | (d) | low-latency mode: fixed receive buffers, no size exchange first, a receive hook | padding waste, exposed time |
+# | (b) | deduplication: a token goes once to a rank, whatever its experts there | bytes, exactly |
+# | (c) | two-hop: once per remote *node* on the slow link, then fan-out inside | inter-node bytes |
+# | (d) | low-latency: fixed buffers, no size exchange first, a receive hook | padding, exposed time |
 # | (e) | FP8 / INT8 dispatch with one scale per 128 channels, BF16 combine | bytes per token, SNR |
 
 # %% [markdown]
 # ## The idea
 #
 # ```
-#  plain all-to-all (lesson 04)            one row per (token, expert):        T·K rows
-#  DeepEP dispatch (dedup)                 one row per (token, rank):          Σ_t |ranks(t)| rows (+ weights, ids)
+#  plain all-to-all (lesson 04)   one row per (token, expert):   T·K rows
+#  DeepEP dispatch (dedup)        one row per (token, rank):     Σ_t |ranks(t)| rows (+ weights, ids)
 #
 #        node A                              node B
 #   ┌──────────────────┐               ┌──────────────────┐
@@ -40,7 +40,7 @@
 #
 #  low-latency mode: every local expert owns a buffer of max_tokens rows for every source rank,
 #     recv_x [local experts, max_tokens · ranks, H]  + recv_count [local experts]
-#  so the data can move before anyone knows how many tokens come (no size exchange = one latency less);
+#  so the data can move before anyone knows how many tokens come (no size exchange: one latency less);
 #  the hook: issue now ──── other work ──── hook() completes the receive
 # ```
 #
