@@ -2,6 +2,7 @@
 
 Sections (each returns plain numbers under its own key):
     data_parallel  DDP vs the toolkit's ZeRO-0/1/2/3 vs FSDP2: losses, bytes/step, memory/rank (toolkit.parallel)
+    zero3_prefetch ZeRO-3 with and without prefetching the next unit's all-gather: timelines, exposed wait
     tensor_parallel  Megatron column/row-parallel block vs one process vs torch's parallelize_module
     pipeline       GPipe and 1F1B on one stage per rank (toolkit.pipeline): loss and grads vs one process,
                    real timelines, bubble fraction, peak activation bytes
@@ -24,63 +25,75 @@ from toolkit.comm.bandwidth import environment_report, probe
 from toolkit.data import batches
 from toolkit.memory.checkpointing import POLICIES, apply_checkpointing, saved_activation_bytes
 from toolkit.models import GPT, preset
-from toolkit.parallel.demos import (run_dp_zero_fsdp, run_tensor_parallel, validate_dp_zero_fsdp,
-                                    validate_tensor_parallel)
+from toolkit.parallel.demos import (DP_VARIANTS, run_dp_zero_fsdp, run_tensor_parallel, run_zero3_prefetch,
+                                    validate_dp_zero_fsdp, validate_tensor_parallel, validate_zero3_prefetch)
 from toolkit.precision import MODES, train
 from toolkit.runtime.bench import comm_efficiency_ratio, measure, memory_volatility
+from toolkit.runtime.config import Param, common, require_ranks, resolve
 from toolkit.runtime.memory import MemoryTracker
-from toolkit.runtime.config import require_positive_ints
 
-PRESETS = {
-    "smoke": {"model": "smoke", "batch_size": 4, "train_steps": 8, "dp_steps": 3, "dp_timing": ["ddp", "zero3", "fsdp2"],
-              "pp_microbatches": 4, "bench_steps": 3, "bench_rounds": 3,
-              "bench_warmup": 1, "probe_sizes": [2**10, 2**14, 2**18], "probe_iters": 3},
-    "default": {"model": "default", "batch_size": 8, "train_steps": 60, "dp_steps": 5, "pp_microbatches": 8,
-                "dp_timing": ["ddp", "zero3", "fsdp2"], "bench_steps": 10, "bench_rounds": 5,
-                "bench_warmup": 3, "probe_sizes": [2**k for k in range(10, 25, 2)], "probe_iters": 5},
-    "full": {"model": "full", "batch_size": 8, "train_steps": 300, "dp_steps": 10, "dp_timing": True,
-             "pp_microbatches": 16, "bench_steps": 50, "bench_rounds": 5,
-             "bench_warmup": 10, "probe_sizes": [2**k for k in range(10, 31, 2)], "probe_iters": 20},
+SECTIONS = ("data_parallel", "zero3_prefetch", "tensor_parallel", "pipeline", "checkpointing", "precision",
+            "bandwidth", "bench")
+PARAMS = {
+    **common("model", "batch", "m", "warmup", "bench_steps", "rounds"),
+    "sections": Param(list, "the parts of the lesson to run", of=str, choices=SECTIONS),
+    "dp_steps": Param(int, "training steps of each data-parallel variant (DDP, ZeRO, FSDP2)", ge=2),
+    "dp_timing": Param(list, "data-parallel variants whose step time is measured", of=str, choices=DP_VARIANTS,
+                       nonempty=False),
+    "precision_steps": Param(int, "training steps of each mixed-precision recipe", ge=1),
+    "probe_sizes": Param(list, "message sizes of the bandwidth probe (bytes)", of=int, ge=1),
+    "probe_iters": Param(int, "timed calls per op and size in the bandwidth probe", ge=1),
 }
-SECTIONS = ("data_parallel", "tensor_parallel", "pipeline", "checkpointing", "precision", "bandwidth", "bench")
+# default: what a 2-core CPU runs within the course's time budget (every section, shorter sweeps and
+# fewer timed steps than `full`; every figure keeps its points)
+PRESETS = {
+    "smoke": {"model": "smoke", "batch": 4, "precision_steps": 8, "dp_steps": 3, "dp_timing": ["ddp", "zero3", "fsdp2"],
+              "m": 4, "warmup": 1, "bench_steps": 3, "rounds": 3, "probe_sizes": [2**10, 2**14, 2**18],
+              "probe_iters": 3, "sections": list(SECTIONS)},
+    "default": {"model": "default", "batch": 8, "precision_steps": 60, "dp_steps": 5, "m": 8,
+                "dp_timing": ["ddp", "zero3", "fsdp2"], "warmup": 3, "bench_steps": 10, "rounds": 5,
+                "probe_sizes": [2**k for k in range(10, 25, 2)], "probe_iters": 5, "sections": list(SECTIONS)},
+    "full": {"model": "full", "batch": 8, "precision_steps": 300, "dp_steps": 10, "dp_timing": list(DP_VARIANTS),
+             "m": 16, "warmup": 10, "bench_steps": 50, "rounds": 5,
+             "probe_sizes": [2**k for k in range(10, 31, 2)], "probe_iters": 20, "sections": list(SECTIONS)},
+}
 
 
 def validate(cfg: dict, world_size: int) -> dict:
-    name = cfg.get("preset", "default")
-    if name not in PRESETS:
-        raise ValueError(f"preset={name!r} is not known; allowed: {sorted(PRESETS)}")
-    if world_size < 2:
-        raise ValueError(f"world_size={world_size}: lesson 00 compares parallel variants and needs at least 2 ranks")
-    sections = cfg.get("sections", list(SECTIONS))
-    unknown = [s for s in sections if s not in SECTIONS]
-    if unknown:
-        raise ValueError(f"sections has unknown entries {unknown}; allowed: {SECTIONS}")
-    out = {**PRESETS[name], **cfg, "sections": sections}
-    require_positive_ints(out, "batch_size", "train_steps", "bench_steps", "bench_rounds", "dp_steps",
-                          "pp_microbatches")
-    if "pipeline" in sections and out["pp_microbatches"] < world_size:
-        raise ValueError(f"pp_microbatches={out['pp_microbatches']} must be >= the {world_size} pipeline stages "
+    out = resolve(cfg, PRESETS, PARAMS)
+    require_ranks(world_size, 2, "lesson 00 (it compares parallel variants)")
+    sections = out["sections"]
+    if "pipeline" in sections and out["m"] < world_size:
+        raise ValueError(f"m={out['m']} micro-batches must be >= the {world_size} pipeline stages "
                          "(1F1B needs at least one micro-batch per stage)")
     if "data_parallel" in sections:
         validate_dp_zero_fsdp(_dp_cfg(out), world_size)
+    if "zero3_prefetch" in sections:
+        validate_zero3_prefetch(_z3_cfg(out), world_size)
     if "tensor_parallel" in sections:
         validate_tensor_parallel(_tp_cfg(out), world_size)
     return out
 
 
 def _dp_cfg(cfg: dict) -> dict:
-    return {"preset": cfg["model"], "steps": cfg["dp_steps"], "batch_size": cfg["batch_size"],
+    return {"preset": cfg["model"], "steps": cfg["dp_steps"], "batch_size": cfg["batch"],
             "timing": cfg["dp_timing"]}
 
 
+def _z3_cfg(cfg: dict) -> dict:
+    return {"preset": cfg["model"], "batch_size": cfg["batch"],
+            "bench": {"warmup": cfg["warmup"], "steps": cfg["bench_steps"], "rounds": cfg["rounds"]}}
+
+
 def _tp_cfg(cfg: dict) -> dict:
-    return {"preset": cfg["model"], "batch_size": cfg["batch_size"]}
+    return {"preset": cfg["model"], "batch_size": cfg["batch"]}
 
 
 def run(ctx, cfg: dict) -> dict:
     model_cfg = preset(cfg["model"])
     out = {"rank": ctx.rank, "world_size": ctx.world_size, "model": vars(model_cfg)}
     steps = {"data_parallel": lambda: run_dp_zero_fsdp(ctx, _dp_cfg(cfg)),
+             "zero3_prefetch": lambda: run_zero3_prefetch(ctx, _z3_cfg(cfg)),
              "tensor_parallel": lambda: run_tensor_parallel(ctx, _tp_cfg(cfg)),
              "pipeline": lambda: pipeline(ctx, cfg, model_cfg),
              "checkpointing": lambda: checkpointing(ctx, cfg, model_cfg),
@@ -96,15 +109,15 @@ def run(ctx, cfg: dict) -> dict:
 
 
 def pipeline(ctx, cfg, model_cfg) -> dict:
-    """GPipe and 1F1B, one stage per rank, on ``pp_microbatches`` micro-batches of real tokens."""
+    """GPipe and 1F1B, one stage per rank, on ``m`` micro-batches of real tokens."""
     from toolkit.pipeline.executor import gpt_micro_batches, measure_schedules, reference_step
     from toolkit.pipeline.schedule import make_schedule
     from toolkit.pipeline.simulate import timeline_bubble
 
-    p, m = ctx.world_size, cfg["pp_microbatches"]
+    p, m = ctx.world_size, cfg["m"]
     n_layer = -(-model_cfg.n_layer // p) * p  # a whole number of blocks per stage
     mc = preset(cfg["model"], n_layer=n_layer)
-    inputs, targets = gpt_micro_batches(m, max(cfg["batch_size"] // 2, 1), mc.seq_len, seed=7)
+    inputs, targets = gpt_micro_batches(m, max(cfg["batch"] // 2, 1), mc.seq_len, seed=7)
     torch.manual_seed(0)
     base = GPT(mc).to(ctx.device)
     reference = copy.deepcopy(base)
@@ -126,7 +139,7 @@ def checkpointing(ctx, cfg, model_cfg) -> list[dict]:
     """Per policy (this rank's share): saved activation bytes, fwd+bwd time, grads equal to no checkpointing."""
     torch.manual_seed(0)
     base = GPT(model_cfg)
-    x, y = next(batches(cfg["batch_size"], model_cfg.seq_len, 1, seed=3))
+    x, y = next(batches(cfg["batch"], model_cfg.seq_len, 1, seed=3))
     reference = None
     rows = []
     for policy in POLICIES:
@@ -150,7 +163,7 @@ def checkpointing(ctx, cfg, model_cfg) -> list[dict]:
 def precision(ctx, cfg, model_cfg) -> list[dict]:
     """This rank's share of the mixed-precision modes, trained on identical data."""
     mine = MODES[ctx.rank::ctx.world_size]
-    return [train(mode, model_cfg, cfg["train_steps"], cfg["batch_size"], device=ctx.device) for mode in mine]
+    return [train(mode, model_cfg, cfg["precision_steps"], cfg["batch"], device=ctx.device) for mode in mine]
 
 
 def bandwidth(ctx, cfg) -> dict:
@@ -165,7 +178,7 @@ def bench(ctx, cfg, model_cfg) -> dict:
     ddp = DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
     ddp.register_comm_hook(None, allreduce_hook)  # same all-reduce as the C++ reducer, but through the ledger
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
-    data = iter(batches(cfg["batch_size"], model_cfg.seq_len, 10**6, seed=11, rank=ctx.rank, world=ctx.world_size))
+    data = iter(batches(cfg["batch"], model_cfg.seq_len, 10**6, seed=11, rank=ctx.rank, world=ctx.world_size))
 
     def ddp_step():
         x, y = next(data)
@@ -185,11 +198,11 @@ def bench(ctx, cfg, model_cfg) -> dict:
         def tracked_step():
             ddp_step()
             mem.mark("step")
-        timing = measure(tracked_step, warmup=cfg["bench_warmup"], steps=cfg["bench_steps"],
-                         rounds=cfg["bench_rounds"])
-    n_steps = cfg["bench_warmup"] + cfg["bench_steps"] * cfg["bench_rounds"]
+        timing = measure(tracked_step, warmup=cfg["warmup"], steps=cfg["bench_steps"],
+                         rounds=cfg["rounds"])
+    n_steps = cfg["warmup"] + cfg["bench_steps"] * cfg["rounds"]
     sent, comm_s = ctx.ledger.total("sent_bytes", op="all_reduce"), ctx.ledger.total("seconds", op="all_reduce")
-    compute = measure(local_step, warmup=1, steps=cfg["bench_steps"], rounds=cfg["bench_rounds"])
+    compute = measure(local_step, warmup=1, steps=cfg["bench_steps"], rounds=cfg["rounds"])
     totals = [s["total"] for s in mem.samples]
     comm_s /= n_steps  # all-reduce wall time per step, measured around each bucket's call
     return {"timing": timing.to_dict(), "compute_only": compute.to_dict(), "steps_measured": n_steps,
