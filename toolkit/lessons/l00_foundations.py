@@ -15,6 +15,7 @@ The ranks split the checkpointing and precision sweeps between them (rank r take
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -35,11 +36,13 @@ from toolkit.runtime.memory import MemoryTracker
 SECTIONS = ("data_parallel", "zero3_prefetch", "tensor_parallel", "pipeline", "checkpointing", "precision",
             "bandwidth", "bench")
 PARAMS = {
-    **common("model", "batch", "m", "warmup", "bench_steps", "rounds"),
+    **common("model", "n_layer", "seq_len", "batch", "m", "warmup", "bench_steps", "rounds"),
     "sections": Param(list, "the parts of the lesson to run", of=str, choices=SECTIONS),
     "dp_steps": Param(int, "training steps of each data-parallel variant (DDP, ZeRO, FSDP2)", ge=2),
     "dp_timing": Param(list, "data-parallel variants whose step time is measured", of=str, choices=DP_VARIANTS,
                        nonempty=False),
+    "precision_model": Param(str, "toolkit.models size preset of the mixed-precision section (bf16/fp16 matmuls "
+                             "are slow on CPUs without AVX-512)", choices=("smoke", "default", "full")),
     "precision_steps": Param(int, "training steps of each mixed-precision recipe", ge=1),
     "probe_sizes": Param(list, "message sizes of the bandwidth probe (bytes)", of=int, ge=1),
     "probe_iters": Param(int, "timed calls per op and size in the bandwidth probe", ge=1),
@@ -47,15 +50,18 @@ PARAMS = {
 # default: what a 2-core CPU runs within the course's time budget (every section, shorter sweeps and
 # fewer timed steps than `full`; every figure keeps its points)
 PRESETS = {
-    "smoke": {"model": "smoke", "batch": 4, "precision_steps": 8, "dp_steps": 3, "dp_timing": ["ddp", "zero3", "fsdp2"],
-              "m": 4, "warmup": 1, "bench_steps": 3, "rounds": 3, "probe_sizes": [2**10, 2**14, 2**18],
-              "probe_iters": 3, "sections": list(SECTIONS)},
-    "default": {"model": "default", "batch": 8, "precision_steps": 60, "dp_steps": 5, "m": 8,
-                "dp_timing": ["ddp", "zero3", "fsdp2"], "warmup": 3, "bench_steps": 10, "rounds": 5,
-                "probe_sizes": [2**k for k in range(10, 25, 2)], "probe_iters": 5, "sections": list(SECTIONS)},
-    "full": {"model": "full", "batch": 8, "precision_steps": 300, "dp_steps": 10, "dp_timing": list(DP_VARIANTS),
-             "m": 16, "warmup": 10, "bench_steps": 50, "rounds": 5,
-             "probe_sizes": [2**k for k in range(10, 31, 2)], "probe_iters": 20, "sections": list(SECTIONS)},
+    "smoke": {"model": "smoke", "n_layer": 2, "seq_len": 32, "batch": 4, "precision_model": "smoke",
+              "precision_steps": 8, "dp_steps": 3, "dp_timing": ["ddp", "zero3", "fsdp2"], "m": 4, "warmup": 1,
+              "bench_steps": 3, "rounds": 3, "probe_sizes": [2**10, 2**14, 2**18], "probe_iters": 3,
+              "sections": list(SECTIONS)},
+    "default": {"model": "default", "n_layer": 2, "seq_len": 64, "batch": 8, "precision_model": "smoke",
+                "precision_steps": 40, "dp_steps": 3, "dp_timing": ["zero3", "fsdp2"], "m": 8, "warmup": 2,
+                "bench_steps": 4, "rounds": 5, "probe_sizes": [2**k for k in range(10, 23, 2)], "probe_iters": 5,
+                "sections": list(SECTIONS)},
+    "full": {"model": "full", "n_layer": 12, "seq_len": 1024, "batch": 8, "precision_model": "full",
+             "precision_steps": 300, "dp_steps": 10, "dp_timing": list(DP_VARIANTS), "m": 16, "warmup": 10,
+             "bench_steps": 50, "rounds": 5, "probe_sizes": [2**k for k in range(10, 31, 2)], "probe_iters": 20,
+             "sections": list(SECTIONS)},
 }
 
 
@@ -75,22 +81,25 @@ def validate(cfg: dict, world_size: int) -> dict:
     return out
 
 
+def _sizes(cfg: dict) -> dict:
+    return {"preset": cfg["model"], "overrides": {"n_layer": cfg["n_layer"], "seq_len": cfg["seq_len"]}}
+
+
 def _dp_cfg(cfg: dict) -> dict:
-    return {"preset": cfg["model"], "steps": cfg["dp_steps"], "batch_size": cfg["batch"],
-            "timing": cfg["dp_timing"]}
+    return {**_sizes(cfg), "steps": cfg["dp_steps"], "batch_size": cfg["batch"], "timing": cfg["dp_timing"]}
 
 
 def _z3_cfg(cfg: dict) -> dict:
-    return {"preset": cfg["model"], "batch_size": cfg["batch"],
+    return {**_sizes(cfg), "batch_size": cfg["batch"],
             "bench": {"warmup": cfg["warmup"], "steps": cfg["bench_steps"], "rounds": cfg["rounds"]}}
 
 
 def _tp_cfg(cfg: dict) -> dict:
-    return {"preset": cfg["model"], "batch_size": cfg["batch"]}
+    return {**_sizes(cfg), "batch_size": cfg["batch"]}
 
 
 def run(ctx, cfg: dict) -> dict:
-    model_cfg = preset(cfg["model"])
+    model_cfg = preset(cfg["model"], n_layer=cfg["n_layer"], seq_len=cfg["seq_len"])
     out = {"rank": ctx.rank, "world_size": ctx.world_size, "model": vars(model_cfg)}
     steps = {"data_parallel": lambda: run_dp_zero_fsdp(ctx, _dp_cfg(cfg)),
              "zero3_prefetch": lambda: run_zero3_prefetch(ctx, _z3_cfg(cfg)),
@@ -116,7 +125,7 @@ def pipeline(ctx, cfg, model_cfg) -> dict:
 
     p, m = ctx.world_size, cfg["m"]
     n_layer = -(-model_cfg.n_layer // p) * p  # a whole number of blocks per stage
-    mc = preset(cfg["model"], n_layer=n_layer)
+    mc = replace(model_cfg, n_layer=n_layer)
     inputs, targets = gpt_micro_batches(m, max(cfg["batch"] // 2, 1), mc.seq_len, seed=7)
     torch.manual_seed(0)
     base = GPT(mc).to(ctx.device)
@@ -163,7 +172,8 @@ def checkpointing(ctx, cfg, model_cfg) -> list[dict]:
 def precision(ctx, cfg, model_cfg) -> list[dict]:
     """This rank's share of the mixed-precision modes, trained on identical data."""
     mine = MODES[ctx.rank::ctx.world_size]
-    return [train(mode, model_cfg, cfg["precision_steps"], cfg["batch"], device=ctx.device) for mode in mine]
+    return [train(mode, preset(cfg["precision_model"]), cfg["precision_steps"], cfg["batch"], device=ctx.device)
+            for mode in mine]
 
 
 def bandwidth(ctx, cfg) -> dict:
@@ -203,7 +213,7 @@ def bench(ctx, cfg, model_cfg) -> dict:
     n_steps = cfg["warmup"] + cfg["bench_steps"] * cfg["rounds"]
     sent, comm_s = ctx.ledger.total("sent_bytes", op="all_reduce"), ctx.ledger.total("seconds", op="all_reduce")
     compute = measure(local_step, warmup=1, steps=cfg["bench_steps"], rounds=cfg["rounds"])
-    totals = [s["total"] for s in mem.samples]
+    totals = [s["total"] for s in mem.samples][cfg["warmup"]:]  # steady state: AdamW's state exists from step 1
     comm_s /= n_steps  # all-reduce wall time per step, measured around each bucket's call
     return {"timing": timing.to_dict(), "compute_only": compute.to_dict(), "steps_measured": n_steps,
             "allreduce_sent_bytes_per_step": sent // n_steps, "allreduce_seconds_per_step": comm_s,
