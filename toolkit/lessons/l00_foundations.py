@@ -15,7 +15,6 @@ The ranks split the checkpointing and precision sweeps between them (rank r take
 from __future__ import annotations
 
 import copy
-from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -26,8 +25,8 @@ from toolkit.comm.bandwidth import environment_report, probe
 from toolkit.data import batches
 from toolkit.memory.checkpointing import POLICIES, apply_checkpointing, saved_activation_bytes
 from toolkit.models import GPT, preset
-from toolkit.parallel.demos import (DP_VARIANTS, run_dp_zero_fsdp, run_tensor_parallel, run_zero3_prefetch,
-                                    validate_dp_zero_fsdp, validate_tensor_parallel, validate_zero3_prefetch)
+from toolkit.lessons.parallel_demos import (DP_VARIANTS, run_dp_zero_fsdp, run_tensor_parallel, run_zero3_prefetch,
+                                            validate_dp_zero_fsdp, validate_tensor_parallel, validate_zero3_prefetch)
 from toolkit.precision import MODES, train
 from toolkit.runtime.bench import comm_efficiency_ratio, measure, memory_volatility
 from toolkit.runtime.config import Param, common, require_ranks, resolve
@@ -63,6 +62,14 @@ PRESETS = {
              "bench_steps": 50, "rounds": 5, "probe_sizes": [2**k for k in range(10, 31, 2)], "probe_iters": 20,
              "sections": list(SECTIONS)},
 }
+# the progress bar's phases: one per section run, weighted by its rough share of the run time at the default
+# preset (CPU seconds per rank, measured)
+WEIGHTS = {"data_parallel": 30, "zero3_prefetch": 18, "tensor_parallel": 2, "pipeline": 9, "checkpointing": 5,
+           "precision": 13, "bandwidth": 2, "bench": 16}
+
+
+def PHASES(cfg: dict) -> list[tuple[str, float]]:  # noqa: N802 - the launcher reads PHASES
+    return [(name, WEIGHTS[name]) for name in cfg["sections"]]
 
 
 def validate(cfg: dict, world_size: int) -> dict:
@@ -109,38 +116,32 @@ def run(ctx, cfg: dict) -> dict:
              "precision": lambda: precision(ctx, cfg, model_cfg),
              "bandwidth": lambda: bandwidth(ctx, cfg),
              "bench": lambda: bench(ctx, cfg, model_cfg)}
-    for i, name in enumerate(cfg["sections"]):
-        ctx.progress(i, len(cfg["sections"]), name)
-        with ctx.ledger.tag(name):
+    for name in cfg["sections"]:
+        with ctx.phase(name), ctx.ledger.tag(name):
             out[name] = steps[name]()
-    ctx.progress(len(cfg["sections"]), len(cfg["sections"]), "done")
     return out
 
 
 def pipeline(ctx, cfg, model_cfg) -> dict:
     """GPipe and 1F1B, one stage per rank, on ``m`` micro-batches of real tokens."""
-    from toolkit.pipeline.executor import gpt_micro_batches, measure_schedules, reference_step
+    from toolkit.pipeline.harness import Job, PipelineSetup, measure_schedules
     from toolkit.pipeline.schedule import make_schedule
     from toolkit.pipeline.simulate import timeline_bubble
 
     p, m = ctx.world_size, cfg["m"]
     n_layer = -(-model_cfg.n_layer // p) * p  # a whole number of blocks per stage
-    mc = replace(model_cfg, n_layer=n_layer)
-    inputs, targets = gpt_micro_batches(m, max(cfg["batch"] // 2, 1), mc.seq_len, seed=7)
-    torch.manual_seed(0)
-    base = GPT(mc).to(ctx.device)
-    reference = copy.deepcopy(base)
-    reference_step(reference, inputs, targets)
+    setup = PipelineSetup.build(cfg["model"], n_layer=n_layer, m=m, micro_batch=max(cfg["batch"] // 2, 1),
+                                device=ctx.device, seq_len=model_cfg.seq_len)
     out = {"p": p, "m": m, "n_layer": n_layer}
-    jobs = {name: (make_schedule(name, p, m), "ours") for name in ("gpipe", "1f1b")}
-    measured, _ = measure_schedules(ctx, jobs, base, inputs, targets, reference, warmup=1, steps=2, rounds=3)
-    for name, got in measured.items():
+    jobs = [Job(make_schedule(name, p, m)) for name in ("gpipe", "1f1b")]
+    records, _ = measure_schedules(ctx, setup, jobs, warmup=1, steps=2, rounds=3)
+    for got in records:
         spans = [None] * p
         dist.all_gather_object(spans, got["spans"])  # every rank's spans of the last timed step
         merged = [s for rank_spans in spans for s in rank_spans]
-        out[name] = {"loss": got["loss"], "grad_diff": got["grad_diff"], "peak_act_bytes": got["peak_act_bytes"],
-                     "step_s": got["bench"]["mean_s"], "spans": merged,
-                     "measured_bubble_fraction": timeline_bubble(merged, p)["bubble_fraction"]}
+        out[got["schedule"]] = {"loss": got["loss"], "grad_diff": got["grad_diff"],
+                                "peak_act_bytes": got["peak_act_bytes"], "step_s": got["bench"]["mean_s"],
+                                "spans": merged, "measured_bubble_fraction": timeline_bubble(merged, p)["bubble_fraction"]}
     return out
 
 
@@ -157,6 +158,7 @@ def checkpointing(ctx, cfg, model_cfg) -> list[dict]:
         loss.backward()
         grads = torch.cat([p.grad.flatten() for p in model.parameters()])
         reference = grads if reference is None else reference
+        ctx.progress(POLICIES.index(policy) + 1, len(POLICIES), policy)
         if policy not in POLICIES[ctx.rank::ctx.world_size]:
             continue  # every rank computes the reference grads; each times its own share of policies
 
@@ -171,13 +173,15 @@ def checkpointing(ctx, cfg, model_cfg) -> list[dict]:
 
 def precision(ctx, cfg, model_cfg) -> list[dict]:
     """This rank's share of the mixed-precision modes, trained on identical data."""
-    mine = MODES[ctx.rank::ctx.world_size]
-    return [train(mode, preset(cfg["precision_model"]), cfg["precision_steps"], cfg["batch"], device=ctx.device)
-            for mode in mine]
+    mine, steps = MODES[ctx.rank::ctx.world_size], cfg["precision_steps"]
+    return [train(mode, preset(cfg["precision_model"]), steps, cfg["batch"], device=ctx.device,
+                  on_step=lambda done, _, k=k, mode=mode: ctx.progress(k * steps + done, len(mine) * steps, mode))
+            for k, mode in enumerate(mine)]
 
 
 def bandwidth(ctx, cfg) -> dict:
-    rows = probe(cfg["probe_sizes"], iters=cfg["probe_iters"], device=ctx.device)
+    rows = probe(cfg["probe_sizes"], iters=cfg["probe_iters"], device=ctx.device,
+                 on_step=lambda done, total: ctx.progress(done, total, "message sizes"))
     return {"rows": rows, "environment": environment_report(), "backend": ctx.backend}
 
 
@@ -209,10 +213,11 @@ def bench(ctx, cfg, model_cfg) -> dict:
             ddp_step()
             mem.mark("step")
         timing = measure(tracked_step, warmup=cfg["warmup"], steps=cfg["bench_steps"],
-                         rounds=cfg["rounds"])
+                         rounds=cfg["rounds"], on_step=lambda d, t: ctx.progress(d, 2 * t, "DDP steps"))
     n_steps = cfg["warmup"] + cfg["bench_steps"] * cfg["rounds"]
     sent, comm_s = ctx.ledger.total("sent_bytes", op="all_reduce"), ctx.ledger.total("seconds", op="all_reduce")
-    compute = measure(local_step, warmup=1, steps=cfg["bench_steps"], rounds=cfg["rounds"])
+    compute = measure(local_step, warmup=1, steps=cfg["bench_steps"], rounds=cfg["rounds"],
+                      on_step=lambda d, t: ctx.progress(t + d, 2 * t, "compute-only steps"))
     totals = [s["total"] for s in mem.samples][cfg["warmup"]:]  # steady state: AdamW's state exists from step 1
     comm_s /= n_steps  # all-reduce wall time per step, measured around each bucket's call
     return {"timing": timing.to_dict(), "compute_only": compute.to_dict(), "steps_measured": n_steps,

@@ -188,6 +188,9 @@ class _FlatUnit:
         self._saved_hooks = None
         self._t_forward: float | None = None  # timeline: when this unit's forward / backward began
         self._t_backward: float | None = None
+        # stage 3: where the shard's values come from when it is not resident (NVMe offload sets this,
+        # toolkit.memory.nvme.DiskParams); None: from ``self.shard``
+        self.shard_source: Callable[[], torch.Tensor] | None = None
         for sub, attr, _ in self.slots:
             del sub._parameters[attr]
         self._set_views(None if stage == 3 else flat)
@@ -236,7 +239,8 @@ class _FlatUnit:
     def _all_gather(self) -> torch.Tensor:
         """Blocking all-gather of the whole unit (used outside forward and backward, e.g. for checkpoints)."""
         full = torch.empty(self.padded, dtype=self.shard.dtype, device=self.shard.device)
-        dist.all_gather_into_tensor(full, self.shard.detach(), group=self.group)
+        shard = self.shard.detach() if self.shard_source is None else self.shard_source()
+        dist.all_gather_into_tensor(full, shard, group=self.group)
         _classify(full, "param")
         return full
 
@@ -248,7 +252,8 @@ class _FlatUnit:
         owner = self.owner
         full = torch.empty(self.padded, dtype=self.shard.dtype, device=self.shard.device)
         times = {"issued": owner._now() if owner else 0.0}
-        work = dist.all_gather_into_tensor(full, self.shard.detach(), group=self.group, async_op=True)
+        shard = self.shard.detach() if self.shard_source is None else self.shard_source()
+        work = dist.all_gather_into_tensor(full, shard, group=self.group, async_op=True)
         if owner is not None and owner.timeline is not None:
             try:  # completion time, stamped by the process group's thread when the data has arrived
                 work.get_future().then(lambda _f: times.setdefault("done", owner._now()))

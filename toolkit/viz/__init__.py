@@ -1,8 +1,10 @@
 """Plotly figures with one look for every lesson. Each function returns a ``go.Figure``.
 
-They render in JupyterLab (interactive) and in the static HTML export of executed
-notebooks (plotly.js is embedded once per page). Colours are fixed per meaning, so
-"F" is the same blue and "activations" the same red in every lesson.
+They render in JupyterLab (plotly's mimetype, drawn by the jupyterlab-plotly extension) and in the
+HTML book ``make run`` writes (``tools/book.py`` draws the same mimetype with one shared, local copy
+of plotly.js). Colours are fixed per meaning, so "F" is the same blue and "activations" the same red
+in every lesson. ``explore`` turns any ``draw(**values) -> Figure`` into an explorer that works live
+in JupyterLab and, precomputed, without a kernel.
 """
 from __future__ import annotations
 
@@ -49,11 +51,12 @@ def theme(fig: go.Figure, title: str | None = None, height: int | None = None) -
 
 
 def gantt(spans: Iterable[dict], color_by: str = "kind", title: str = "", label: str | None = "mb",
-          time_unit: str = "ms") -> go.Figure:
+          time_unit: str = "ms", lane: str | None = None) -> go.Figure:
     """Per-rank timeline: one row per rank, one bar per span, coloured by ``span[color_by]`` (or ``meta``).
 
     ``spans`` are ``Timeline.to_json()`` dicts (rank, kind, start, end, meta) from any number of ranks;
-    ``label`` names a meta field written inside each bar (micro-batch by default).
+    ``label`` names a meta field written inside each bar (micro-batch by default); ``lane`` names a meta
+    field that splits each rank's row in several (e.g. "compute" and "comm").
     """
     scale = {"s": 1.0, "ms": 1e3, "us": 1e6}[time_unit]
     spans = list(spans)
@@ -67,17 +70,24 @@ def gantt(spans: Iterable[dict], color_by: str = "kind", title: str = "", label:
     for i, (key, items) in enumerate(groups.items()):
         fig.add_trace(go.Bar(
             base=[s["start"] * scale for s in items], x=[(s["end"] - s["start"]) * scale for s in items],
-            y=[f"rank {s['rank']}" for s in items], orientation="h", name=key, marker_color=color_of(key, i),
+            y=[_row(s, lane) for s in items], orientation="h", name=key, marker_color=color_of(key, i),
             marker_line=dict(color="white", width=0.5),
             text=[str(s.get("meta", {}).get(label, "")) if label else "" for s in items], textposition="inside",
             insidetextanchor="middle",
             customdata=[[s["kind"], str(s.get("meta", {}))] for s in items],
             hovertemplate="%{customdata[0]} %{customdata[1]}<br>%{base:.3f} + %{x:.3f} " + time_unit
                           + "<extra></extra>"))
-    ranks = sorted({s["rank"] for items in groups.values() for s in items})
+    rows = sorted({(s["rank"], str(s.get("meta", {}).get(lane, "") or "")) for s in spans}) if lane else \
+        sorted({(s["rank"], "") for s in spans})
+    labels = [_row({"rank": r, "meta": {lane: x}}, lane) for r, x in rows]
     fig.update_layout(barmode="overlay", bargap=0.25, xaxis_title=f"time ({time_unit})",
-                      yaxis=dict(categoryorder="array", categoryarray=[f"rank {r}" for r in reversed(ranks)]))
-    return theme(fig, title, height=140 + 45 * max(len(ranks), 1))
+                      yaxis=dict(categoryorder="array", categoryarray=list(reversed(labels))))
+    return theme(fig, title, height=140 + 45 * max(len(labels), 1))
+
+
+def _row(span: dict, lane: str | None) -> str:
+    value = span.get("meta", {}).get(lane, "") if lane else ""
+    return f"rank {span['rank']}" + (f" · {value}" if value not in ("", None) else "")
 
 
 def memory_over_time(samples: Sequence[dict], title: str = "", categories: Sequence[str] | None = None,
@@ -136,6 +146,9 @@ def heatmap(z: Sequence[Sequence[float]], x: Sequence | None = None, y: Sequence
     fig = go.Figure(go.Heatmap(z=z, x=x, y=y, colorscale=colorscale, colorbar=dict(title=colorbar_title),
                                text=[[format(v, text_format) for v in row] for row in z] if text_format else None,
                                texttemplate="%{text}" if text_format else None))
+    for axis, labels in (("xaxis", x), ("yaxis", y)):  # "32", "64", "tensor": labels, not numbers (plotly would
+        if labels is not None and any(isinstance(v, str) for v in labels):  # put "tensor" at NaN)
+            fig.update_layout({axis: {"type": "category", "automargin": True}})  # long row labels stay whole
     return theme(fig, title)
 
 
@@ -160,16 +173,19 @@ def human_bytes(n: float) -> str:
     return f"{n:.2f} TiB"
 
 
+from .explore import Explorer, explore, precompute  # noqa: E402  (needs theme above)
+
 __all__ = ["theme", "gantt", "memory_over_time", "bars", "lines", "heatmap", "table", "human_bytes", "COLORS",
-           "PALETTE", "color_of"]
+           "PALETTE", "color_of", "explore", "precompute", "Explorer"]
 
 
 def _use_notebook_renderer() -> None:
-    """In a Jupyter kernel, emit both the plotly mimetype (JupyterLab) and inline HTML (nbconvert's HTML export)."""
+    """In a Jupyter kernel, emit plotly's mimetype only: JupyterLab draws it, and so does the HTML book
+    (with one shared plotly.js), instead of every executed notebook carrying its own 4.8 MB copy."""
     try:
         from IPython import get_ipython
         if get_ipython() is not None and get_ipython().__class__.__name__ == "ZMQInteractiveShell":
-            pio.renderers.default = "plotly_mimetype+notebook"
+            pio.renderers.default = "plotly_mimetype"
     except ImportError:
         pass
 
