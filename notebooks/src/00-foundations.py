@@ -131,8 +131,8 @@ assert all(abs(row["ratio"] - 1) < 0.01 for row in check), "the memory model mus
 # *comm* (AG: an all-gather from issue to arrival; RS: the reduce-scatter of the unit's gradients).
 #
 # ```
-#   no prefetch   compute: [wait AG0] F0 [wait AG1] F1 [wait AG2] F2 ...     every gather exposed
-#   prefetch      compute: [wait AG0] F0 F1 F2 ...                           AG(i+1) travels under F(i)
+#   no prefetch   compute: [wait AG0] F0 [wait AG1] F1 [wait AG2] F2 ...   every gather exposed
+#   prefetch      compute: [wait AG0] F0 F1 F2 ...                         AG(i+1) under F(i)
 #                 comm:              AG1 AG2 AG3 ...
 # ```
 
