@@ -8,8 +8,9 @@ Rounds alternate (ZeRO-3 S steps, FSDP2 S steps, ...) after a warm-up of each, s
 machine's load hits both; the trimmed mean drops the slowest and fastest round of each. Printed:
 each side's trimmed-mean step time, the ratio ZeRO-3 / FSDP2 (and the median of per-round ratios),
 bytes sent per step (ledger) and the seconds the ledger saw inside collectives.
-The toolkit's ZeRO-3 does no prefetch and no bucketing across units; FSDP2 prefetches the next
-unit's all-gather (on GPUs, on a separate stream) and keeps per-parameter sharding.
+Both prefetch the next unit's all-gather one unit ahead (the toolkit's ``ZeroDataParallel`` by
+default; FSDP2 on GPUs on a separate stream); the toolkit's ZeRO-3 does no bucketing across units,
+FSDP2 keeps per-parameter sharding.
 """
 from __future__ import annotations
 

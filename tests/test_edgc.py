@@ -37,7 +37,7 @@ def test_bytes_after_warmup_and_byte_model(smoke_run):
     res = smoke_run[0]
     assert res["bytes_ratio_after_warmup"] <= 0.4
     assert res["edgc"]["allreduce_bytes"] == res["edgc"]["predicted_allreduce_bytes"]
-    warm = res["cfg"]["warmup"]
+    warm = res["cfg"]["edgc_warmup"]
     assert res["edgc"]["sent_bytes"][:warm] == res["baseline"]["sent_bytes"][:warm]  # warm-up is plain all-reduce
     assert all(b == res["plain_step_bytes"] for b in res["baseline"]["sent_bytes"])
 
@@ -45,7 +45,7 @@ def test_bytes_after_warmup_and_byte_model(smoke_run):
 def test_every_rank_uses_the_same_ranks(smoke_run):
     ranks = [res["edgc"]["ranks"] for res in smoke_run]
     assert ranks[0] == ranks[1]
-    warm, window, steps = (smoke_run[0]["cfg"][k] for k in ("warmup", "window", "steps"))
+    warm, window, steps = (smoke_run[0]["cfg"][k] for k in ("edgc_warmup", "window", "steps"))
     assert all(r == [None, None] for r in ranks[0][:warm])
     assert all(None not in r for r in ranks[0][warm:])
     for s in range(warm, steps):  # ranks change only at window boundaries
@@ -57,7 +57,22 @@ def test_loss_stays_close_to_plain_allreduce(smoke_run):
     res = smoke_run[0]
     base, edgc = res["baseline"]["eval_loss"], res["edgc"]["eval_loss"]
     assert math.isfinite(edgc) and abs(edgc - base) / base < 0.05
-    assert res["edgc"]["loss"][: res["cfg"]["warmup"]] == res["baseline"]["loss"][: res["cfg"]["warmup"]]
+    warm = res["cfg"]["edgc_warmup"]
+    assert res["edgc"]["loss"][:warm] == res["baseline"]["loss"][:warm]
+
+
+def test_every_seed_is_a_separate_paired_run(smoke_run):
+    res = smoke_run[0]
+    seeds = res["seeds"]
+    assert [s["seed"] for s in seeds] == list(range(res["cfg"]["seeds"])) and len(seeds) >= 2
+    base = [s["eval_loss"]["baseline"] for s in seeds]
+    assert len(set(base)) == len(base)  # another init and data order: another loss
+    assert seeds[0]["eval_loss"] == {"baseline": res["baseline"]["eval_loss"], "edgc": res["edgc"]["eval_loss"]}
+    sp = res["spread"]["eval_loss"]
+    assert sp["base"]["values"] == base
+    assert sp["paired"]["values"] == [s["eval_loss"]["edgc"] - s["eval_loss"]["baseline"] for s in seeds]
+    assert sp["verdict"] in ("within noise", "higher", "lower")
+    assert all(r["seeds"] == seeds for r in smoke_run)  # every rank reports the same (mean over ranks) numbers
 
 
 def test_full_rank_is_exact(inv4):
@@ -123,8 +138,10 @@ def test_bad_input_is_a_value_error():
         l05_edgc.validate({"preset": "huge"}, 2)
     with pytest.raises(ValueError, match="stages"):
         l05_edgc.validate({"preset": "smoke", "stages": 3}, 2)
-    with pytest.raises(ValueError, match="warmup"):
-        l05_edgc.validate({"preset": "smoke", "warmup": 40}, 2)
+    with pytest.raises(ValueError, match="edgc_warmup"):
+        l05_edgc.validate({"preset": "smoke", "edgc_warmup": 40}, 2)
+    with pytest.raises(ValueError, match="torch_start"):
+        l05_edgc.validate({"preset": "smoke", "torch_start": 8}, 2)  # = torch_steps: nothing compressed
     with pytest.raises(ValueError, match="r_min <= r_init <= r_max"):
         l05_edgc.validate({"preset": "smoke", "r_min": 5, "r_init": 4}, 2)
     with pytest.raises(ValueError, match="gsr"):

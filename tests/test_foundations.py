@@ -87,8 +87,11 @@ def test_planner_memory_formulas_and_ranking():
 @pytest.mark.parametrize("cfg, world, match", [
     ({"preset": "tiny"}, 2, "preset='tiny' is not known"),
     ({"preset": "smoke"}, 1, "needs at least 2 ranks"),
-    ({"preset": "smoke", "sections": ["bench", "nope"]}, 2, "sections has unknown entries"),
-    ({"preset": "smoke", "train_steps": 0}, 2, "train_steps must be a positive int"),
+    ({"preset": "smoke", "sections": ["bench", "nope"]}, 2, "every item of sections='nope' is not allowed"),
+    ({"preset": "smoke", "precision_steps": 0}, 2, "precision_steps must be >= 1"),
+    ({"preset": "smoke", "pp_microbatches": 8}, 2, "unknown cfg key 'pp_microbatches'"),
+    ({"preset": "smoke", "m": 2}, 4, "m=2 micro-batches must be >= the 4 pipeline stages"),
+    ({"preset": "smoke", "dp_timing": ["zero4"]}, 2, "dp_timing"),
 ])
 def test_lesson00_rejects_bad_config(cfg, world, match):
     with pytest.raises(ValueError, match=match):

@@ -13,13 +13,13 @@ from toolkit.lessons import l06_sdp4bit
 
 @pytest.fixture(scope="module")
 def run4():  # 2 nodes x 2 ranks
-    return launch("l06_sdp4bit", 4, {"preset": "smoke", "steps": 20}, timeout_s=400, progress="none")
+    return launch("l06_sdp4bit", 4, {"preset": "smoke", "steps": 20, "seeds": 2}, timeout_s=400, progress="none")
 
 
 @pytest.fixture(scope="module")
 def run2():  # 2 nodes x 1 rank: every byte crosses nodes
-    return launch("l06_sdp4bit", 2, {"preset": "smoke", "steps": 10, "modes": ["baseline", "sdp4bit"]},
-                  timeout_s=400, progress="none")
+    return launch("l06_sdp4bit", 2, {"preset": "smoke", "steps": 10, "modes": ["sdp4bit"], "seeds": 1},
+                  timeout_s=400, progress="none")  # the baseline is added: every mode is judged against it
 
 
 @pytest.fixture(scope="module", params=[2, 4])
@@ -67,6 +67,20 @@ def test_loss_stays_close_and_snr_is_measured(run4):
     assert snr["TLq-HS"] > snr["TLq"] + 2  # Hadamard smoothing pays off on heavy tails
 
 
+def test_every_seed_trains_every_mode_paired_with_the_baseline(run4, run2):
+    res = run4[0]
+    assert [s["seed"] for s in res["seeds"]] == [0, 1] and list(res["runs"]) == list(l06_sdp4bit.MODES)
+    assert all(s["replicas_identical"][m] for r in run4 for s in r["seeds"] for m in res["runs"])
+    assert res["seeds"][0]["eval_loss"] == {m: r["eval_loss"] for m, r in res["runs"].items()}
+    base = [s["eval_loss"]["baseline"] for s in res["seeds"]]
+    assert base[0] != base[1]  # another init and data order
+    for mode, sp in res["spread"].items():
+        assert sp["paired"]["values"] == [s["eval_loss"][mode] - s["eval_loss"]["baseline"] for s in res["seeds"]]
+        assert sp["verdict"] in ("within noise", "higher", "lower")
+    assert list(run2[0]["runs"]) == ["baseline", "sdp4bit"]
+    assert run2[0]["spread"]["sdp4bit"]["beyond_noise"] is None  # one seed: no spread, no verdict
+
+
 def test_hadamard_is_inverted_once_after_the_sums(inv):
     world, res = inv
     for r in res:
@@ -105,6 +119,8 @@ def test_bad_input_is_a_value_error():
         l06_sdp4bit.validate({"preset": "smoke", "nodes": 0}, 4)
     with pytest.raises(ValueError, match="modes"):
         l06_sdp4bit.validate({"preset": "smoke", "modes": ["int2"]}, 2)
+    with pytest.raises(ValueError, match="unknown cfg key 'mode'"):
+        l06_sdp4bit.validate({"preset": "smoke", "mode": ["sdp4bit"]}, 2)
     with pytest.raises(ValueError, match="preset"):
         l06_sdp4bit.validate({"preset": "tiny"}, 2)
     with pytest.raises(ValueError, match="steps"):

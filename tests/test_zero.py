@@ -22,13 +22,16 @@ ODD = {"d_model": 33, "n_head": 3}  # unit sizes not divisible by 2: exercises t
 
 
 def both_models(ctx, cfg):
-    """Rank program: the demo on the smoke GPT, then on a GPT with odd sizes (padding), ledger reset between."""
-    from toolkit.lessons.parallel_demos import run_dp_zero_fsdp
+    """Rank program: the demo on the smoke GPT, then on a GPT with odd sizes (padding), ledger reset between;
+    then ZeRO-3 with and without prefetch."""
+    from toolkit.lessons.parallel_demos import run_dp_zero_fsdp, run_zero3_prefetch
     smoke = run_dp_zero_fsdp(ctx, {"preset": "smoke", "steps": STEPS, "timing": False})
     ctx.ledger.reset()
     odd = run_dp_zero_fsdp(ctx, {"preset": "smoke", "overrides": ODD, "steps": 2, "timing": False,
                                  "variants": ["ddp", "zero1", "zero2", "zero3", "fsdp2"]})
-    return {"smoke": smoke, "odd": odd}
+    ctx.ledger.reset()
+    prefetch = run_zero3_prefetch(ctx, {"preset": "smoke", "bench": {"warmup": 0, "steps": 1, "rounds": 1, "trim": 0}})
+    return {"smoke": smoke, "odd": odd, "prefetch": prefetch}
 
 
 @pytest.fixture(scope="module")
@@ -137,12 +140,50 @@ def test_peak_memory(results):
     assert res["max_memory_by_category"]["zero2"]["grad"] == 4 * _psi({}, True) // N
 
 
+def test_prefetch_issues_each_gather_one_unit_ahead(results):
+    """From the order of events, not from timing: with prefetch, unit i's forward all-gather is issued while
+    unit i-1 computes (before unit i's forward starts), and in backward the previous unit's re-gather is
+    issued while this unit's backward runs; without prefetch, each gather is issued by the unit that needs it."""
+    n_units = 2 + preset("smoke").n_layer
+    reads = list(range(1, n_units))  # units whose backward reads their parameters (all but the embedding)
+    for r in results:
+        res = r["prefetch"]
+        assert res["bitwise_equal"]  # the same gathers, only earlier: the same numbers
+        trace = [tuple(e) for e in res["trace"]["prefetch"]]
+        at = {e: i for i, e in enumerate(trace)}
+        for i in range(1, n_units):
+            issued = at[("gather", i, "fwd", "prefetch")]
+            assert at[("forward", i - 1)] < issued < at[("forward_done", i - 1)] < at[("forward", i)]
+        for k, j in zip(reads[::-1], reads[-2::-1]):  # k's backward runs, then j's (reverse order)
+            issued = at[("gather", j, "bwd", "prefetch")]
+            assert at[("backward", k)] < issued < at[("reduce", k)] < at[("backward", j)]
+        demand = [e for e in trace if e[0] == "gather" and e[3] == "demand"]
+        assert demand == [("gather", 0, "fwd", "demand"), ("gather", n_units - 1, "bwd", "demand")]
+        plain = [tuple(e) for e in res["trace"]["no prefetch"]]
+        at = {e: i for i, e in enumerate(plain)}
+        assert all(e[3] == "demand" for e in plain if e[0] == "gather")
+        for i in range(n_units):
+            assert at[("forward", i)] < at[("gather", i, "fwd", "demand")] < at[("forward_done", i)]
+        # the ledger saw the same all-gathers (same bytes, same order), the prefetched ones issued async
+        order = res["ledger_order"]
+        assert [b for _, b in order["prefetch"]] == [b for _, b in order["no prefetch"]]
+        assert not any(a for a, _ in order["no prefetch"])
+        assert [a for a, _ in order["prefetch"]] == [False] + [True] * (n_units - 1) + [False] + [True] * (n_units - 2)
+        kinds = {s["kind"] for s in res["spans"]["prefetch"]}
+        assert kinds == {"F", "B", "AG", "wait", "RS"} and {s["rank"] for s in res["spans"]["prefetch"]} == {0, 1}
+
+
 @pytest.mark.parametrize("stage", [-1, 4, 1.0, "1", True, None])
 def test_bad_stage_names_parameter(stage):
     with pytest.raises(ValueError, match="stage"):
         check_stage(stage)
     with pytest.raises(ValueError, match="stage"):  # before any process group is needed
         ZeroDataParallel(GPT(preset("smoke")), stage=stage)
+
+
+def test_bad_prefetch_names_parameter():
+    with pytest.raises(ValueError, match="prefetch"):
+        ZeroDataParallel(GPT(preset("smoke")), stage=3, prefetch="yes")
 
 
 def test_default_units_rejects_root_parameters():

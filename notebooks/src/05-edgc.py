@@ -40,14 +40,19 @@ loss_tolerance: float = 0.02  # EDGC's held-out loss may exceed the baseline's b
 # %%
 import inspect
 
+from IPython.display import Markdown, display
+
 from toolkit import launch, viz
 from toolkit.comm import edgc as E
+from toolkit.runtime.spread import pm
 
 results = launch("l05_edgc", world_size, {"preset": preset}, backend=backend, timeout_s=timeout_s)
 r0 = results[0]
 cfg = r0["cfg"]
-print(f"{world_size} ranks, model {cfg['model']} ({r0['n_params']:,} parameters), {cfg['steps']} steps, "
-      f"warm-up {cfg['warmup']}, window {cfg['window']}, wall {results.wall_s:.1f} s")
+warm = cfg["edgc_warmup"]
+print(f"{world_size} ranks, model {cfg['model']} width with {cfg['n_layer']} blocks ({r0['n_params']:,} parameters), "
+      f"{cfg['steps']} steps x {cfg['seeds']} seeds x 2 runs, warm-up {warm}, window {cfg['window']}, "
+      f"wall {results.wall_s:.1f} s")
 
 # %% [markdown]
 # ## 1 · The engine: one bucket, step by step
@@ -110,10 +115,10 @@ viz.lines({"plain all-reduce": r0["baseline"]["sent_bytes"], "EDGC": r0["edgc"][
 
 # %%
 # NBVAL_CHECK_OUTPUT
-after = slice(cfg["warmup"], cfg["steps"])
+after = slice(warm, cfg["steps"])
 control = sum(r0["edgc"]["sent_bytes"]) - sum(r0["edgc"]["allreduce_bytes"])
 print(f"plain all-reduce per step: {r0['plain_step_bytes']:,} bytes")
-print(f"EDGC after warm-up: {sum(r0['edgc']['sent_bytes'][after]) // (cfg['steps'] - cfg['warmup']):,} bytes/step "
+print(f"EDGC after warm-up: {sum(r0['edgc']['sent_bytes'][after]) // (cfg['steps'] - warm):,} bytes/step "
       f"on average = {r0['bytes_ratio_after_warmup']:.3f} x plain")
 print("byte model == ledger all-reduce bytes at every step:",
       r0["edgc"]["predicted_allreduce_bytes"] == r0["edgc"]["allreduce_bytes"])
@@ -124,23 +129,50 @@ assert r0["bytes_ratio_after_warmup"] <= 0.4, "target: at most 0.4x the plain al
 assert r0["edgc"]["predicted_allreduce_bytes"] == r0["edgc"]["allreduce_bytes"]
 
 # %% [markdown]
-# ## 4 · Does it still learn?
+# ## 4 · Does it still learn? Three seeds, and the noise between them
 #
-# Training loss (mean over ranks) of the two runs, same initialisation and batches, and the loss on fixed
-# held-out batches at the end. The two curves are identical until the warm-up ends.
+# One run cannot tell a small loss difference from the luck of one initialisation and one data order. The
+# lesson trains both runs from `seeds` seeds; seed s gives the plain and the EDGC run the same initialisation
+# and the same batches. Over the seeds, mean ± std of each held-out loss says how much one run varies. The
+# effect itself is judged on the paired differences (EDGC − plain, seed by seed), where the seed's luck
+# cancels, and counts only beyond two standard errors of them (`toolkit/runtime/spread.py`). The curves
+# are seed 0's; the two are identical until the warm-up ends.
 
 # %%
 viz.lines({"plain all-reduce": r0["baseline"]["loss"], "EDGC": r0["edgc"]["loss"]}, x=steps,
-          title="Training loss", xaxis_title="step", yaxis_title="cross-entropy").show()
+          title="Training loss, seed 0 (mean over ranks)", xaxis_title="step", yaxis_title="cross-entropy").show()
+sp = r0["spread"]["eval_loss"]
+viz.table([{"seed": str(s["seed"]), "plain all-reduce": f"{s['eval_loss']['baseline']:.4f}",
+            "EDGC": f"{s['eval_loss']['edgc']:.4f}",
+            "EDGC - plain": f"{s['eval_loss']['edgc'] - s['eval_loss']['baseline']:+.4f}"} for s in r0["seeds"]]
+          + [{"seed": "mean ± std", "plain all-reduce": pm(sp["base"], ".4f"), "EDGC": pm(sp["other"], ".4f"),
+              "EDGC - plain": pm(sp["paired"], "+.4f")}],
+          title="Held-out loss per seed (the same held-out batches for every run)").show()
 
 # %%
 # NBVAL_CHECK_OUTPUT
-base, ours = r0["baseline"]["eval_loss"], r0["edgc"]["eval_loss"]
-print(f"held-out loss: plain {base:.3f}, EDGC {ours:.3f}, relative difference {(ours - base) / base:+.2%}")
-print("identical during the warm-up:", r0["edgc"]["loss"][:cfg["warmup"]] == r0["baseline"]["loss"][:cfg["warmup"]])
+print("seeds:", len(r0["seeds"]), "| identical during the warm-up (seed 0):",
+      r0["edgc"]["loss"][:warm] == r0["baseline"]["loss"][:warm])
 
 # %%
-assert (ours - base) / base <= loss_tolerance, f"EDGC's loss is more than {loss_tolerance:.0%} above the baseline"
+verdict = {"within noise": "is **within the noise**: these runs cannot tell EDGC's loss from the plain all-reduce's",
+           "higher": "is **beyond the noise**: EDGC's held-out loss is higher than the plain all-reduce's, "
+                     "a real (if small) cost of the compression at this scale",
+           "lower": "is **beyond the noise, in EDGC's favour**: its held-out loss is lower than the plain "
+                    "all-reduce's (compression noise acting as a regulariser is one reading; more seeds would tell)",
+           }.get(sp["verdict"], "cannot be judged: " + sp["verdict"])
+display(Markdown(
+    f"Held-out loss over {sp['base']['n']} seeds: plain all-reduce {pm(sp['base'])}, EDGC {pm(sp['other'])}. "
+    f"Per seed, EDGC − plain = {', '.join(f'{d:+.4f}' for d in sp['paired']['values'])}: mean {sp['diff']:+.4f} "
+    f"({sp['rel_diff']:+.2%} of the plain loss) against two standard errors of {sp['noise']:.4f}. "
+    f"The difference {verdict}. The seed-to-seed spread of each loss ({sp['base']['std']:.4f} for plain) is "
+    f"{'larger' if sp['base']['std'] > abs(sp['diff']) else 'smaller'} than the effect: a single-seed comparison "
+    f"{'could not have told the two apart' if sp['base']['std'] > abs(sp['diff']) else 'would already have shown it'}."))
+
+# %%
+assert sp["base"]["n"] == cfg["seeds"] >= 2
+assert sp["diff"] / sp["base"]["mean"] <= loss_tolerance, f"EDGC's loss is more than {loss_tolerance:.0%} above"
+assert r0["edgc"]["loss"][:warm] == r0["baseline"]["loss"][:warm]
 
 # %% [markdown]
 # ## 5 · Entropy and rank over time
@@ -164,7 +196,7 @@ viz.lines({f"stage {i}": [r[i] or 0 for r in ranks] for i in range(cfg["stages"]
 
 # %%
 # NBVAL_CHECK_OUTPUT
-decisions = ranks[cfg["warmup"]::cfg["window"]]
+decisions = ranks[warm::cfg["window"]]
 print("ranks per window (stage 0, stage 1):", [tuple(r) for r in decisions])
 print("all ranks used the same ranks:", all(r["edgc"]["ranks"] == ranks for r in results))
 
@@ -176,9 +208,9 @@ assert all(r["edgc"]["ranks"] == ranks for r in results)
 #
 # **Error.** By Eckart–Young, the best rank-r approximation of M misses Σ_{i>r} σ_i² of ‖M‖². For a gradient
 # with no structure at all (i.i.d. Gaussian entries) the singular values follow the Marchenko–Pastur law and
-# a small rank misses almost everything — that is the worst case a rank risks. Real gradients are far from it:
-# the figure puts the Marchenko–Pastur tail beside the measured tail of this model's own gradients (rank 0's
-# local gradient, SVD per matrix), at initialisation and at the end of training.
+# a small rank misses almost everything: the worst case a rank risks. The figure puts the Marchenko–Pastur
+# tail beside the measured tail of this model's own gradients (rank 0's local gradient, SVD per matrix), at
+# initialisation and at the end of training.
 
 # %%
 curve = r0["rank_curve"]
@@ -189,11 +221,22 @@ viz.lines({"unstructured (Marchenko–Pastur)": [c["error_mp"] for c in curve],
           xaxis_title="rank r", yaxis_title="missed fraction").show()
 
 # %%
-# NBVAL_CHECK_OUTPUT
+# (the real gradients' tails depend on trained weights, whose last bits differ between CPUs: not a checked output)
 for c in curve:
     if c["rank"] in (1, 2, 4, 8, 16, 32):
-        print(f"r={c['rank']:>2}: Marchenko-Pastur {c['error_mp']:.3f}, real gradient init {c['error_grad_init']:.3f}, "
-              f"end {c['error_grad_end']:.3f}")
+        print(f"r={c['rank']:>2}: Marchenko-Pastur {c['error_mp']:.3f}, real gradient init {c['error_grad_init']:.4f}, "
+              f"end {c['error_grad_end']:.4f}")
+
+# %%
+at = curve[min(8, cfg["r_max"]) - 1]
+factor = at["error_mp"] / max(at["error_grad_end"], 1e-12)
+assert at["error_mp"] > 2 * at["error_grad_end"], "the MP model should overstate the real gradient's error"
+display(Markdown(
+    f"**The Marchenko–Pastur model mispredicts the real gradient's error.** At r = {at['rank']} it says a sketch "
+    f"misses {at['error_mp']:.2f} of ‖M‖²; this model's real gradient misses {at['error_grad_end']:.4f} at the end "
+    f"of training ({at['error_grad_init']:.4f} at initialisation): {factor:.0f}× less. A rank rule built on it "
+    f"would keep ranks far too large, so it is **not** the rank rule used here: the rank comes from the entropy "
+    f"(section 5), and the Marchenko–Pastur curve only marks the worst case, a gradient with no structure at all."))
 
 # %% [markdown]
 # **Time.** The other half of the model maps rank to communication time: t = latency + bytes / bandwidth
@@ -217,22 +260,42 @@ viz.table(rows, title="Communication time per step (rank 0)", formats={"predicte
                                                                        "measured_median_ms": ".2f"}).show()
 
 # %% [markdown]
+# %% [markdown]
 # ## 7 · What the paper claims, and what we see
 #
-# - *Claim* (Yi et al., GPT2-2.5B on 32×V100, GPT2-12.1B on 64×H100): communication latency −46%, training
-#   time −16%, accuracy preserved. *Here*: the bytes shrink far more than that (section 3) and the held-out
-#   loss stays close (section 4, the exact gap is printed there), but time is a different story on a CPU
-#   with a tiny model: three latency-bound calls per stage can cost more than one plain all-reduce (section 6).
-#   The byte saving turns into a time saving only when the link is bandwidth-bound — large matrices, slow
-#   inter-node links.
-# - *Claim* (the source article): "convergence speed and final loss almost identical to full communication".
-#   That matches what we measure at this scale; the gap is printed in section 4.
-# - *Gradient entropy decreases as training converges* (the paper's first observation): in our short runs
-#   the entropy falls sharply in the first steps (the loss falls fastest there) and then drifts; the rank
-#   follows it. Whether it keeps falling over a long run is for the `full` preset.
+# > The paper claims (Yi et al., GPT2-2.5B on 32×V100, GPT2-12.1B on 64×H100): communication latency −46%,
+# > training time −16%, accuracy preserved. The source article claims "convergence speed and final loss almost
+# > identical to full communication".
+#
+# The cell below sets this run's numbers beside those claims. On a CPU with a tiny model, time is a different
+# story from bytes: a compressed step makes three latency-bound calls per stage where the plain step makes one.
+# The byte saving turns into a time saving only where the link is bandwidth-bound (large matrices, slow
+# inter-node links).
+
+# %%
+pred_edgc = med(tm["predicted_step_s_edgc"][after])
+meas = {k: med(tm["measured_step_s"][k][after if k == "edgc" else slice(None)]) for k in ("baseline", "edgc")}
+display(Markdown("\n".join([
+    f"- *Bytes*: after the warm-up EDGC sends {r0['bytes_ratio_after_warmup']:.3f} × the plain all-reduce's bytes "
+    f"(section 3), a cut of {1 - r0['bytes_ratio_after_warmup']:.0%}.",
+    f"- *Time*: the fitted model predicts {pred_edgc * 1e3:.2f} ms of communication per compressed step against "
+    f"{tm['predicted_step_s_plain'] * 1e3:.2f} ms plain; this run measured {meas['edgc'] * 1e3:.2f} ms against "
+    f"{meas['baseline'] * 1e3:.2f} ms (medians, rank 0, a shared CPU: an illustration, not a benchmark). "
+    + ("The saving in bytes did become a saving in time here." if meas["edgc"] < meas["baseline"] else
+       "The saving in bytes did not become a saving in time here."),
+    f"- *Loss*: over {sp['base']['n']} seeds EDGC − plain = {sp['diff']:+.4f} ({sp['rel_diff']:+.2%}), "
+    f"{sp['verdict']} (section 4)"
+    + (": at this scale the loss is not quite identical, as the article claims it is." if sp["verdict"] == "higher"
+       else ": consistent with the article's claim at this scale." if sp["verdict"] == "within noise" else "."),
+])))
+
+# %% [markdown]
+# - The paper's first observation is that gradient entropy decreases as training converges. The entropy
+#   figure of section 5 shows what it does in this short run; whether it keeps falling over a long run is for
+#   the `full` preset.
 # - The paper does not publish its exact rank-from-entropy formula; ours (rank proportional to the bits on
 #   the warm-up grid) and the Marchenko–Pastur error model are our reading of its description, labelled as
-#   such in `toolkit/comm/edgc.py`.
+#   such in `toolkit/comm/edgc.py`, and section 6 shows why the error model cannot set the rank.
 #
 # ## Something to try
 #

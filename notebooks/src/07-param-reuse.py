@@ -177,7 +177,7 @@ print(f"amp first differs from same after step {r0['amp_first_drift_step']}; "
 # %% [markdown]
 # Step 0 has no ties: the masters start equal to the bf16 init (residual 0x8000, like TE's zeroed
 # remainders), whose low halves are all 0. Ties appear once updates write arbitrary low bits; a tie is one
-# specific low half out of 65536, so about 1.5·10⁻⁵ of the weights per step. One is enough to change the next
+# specific low half out of 65536, so about 1.5·10⁻⁵ of the weights per step (formula: 1/65536). One is enough to change the next
 # forward, after which `amp` and `same` are two different (equally valid) trajectories: the loss curves lie
 # on top of each other.
 

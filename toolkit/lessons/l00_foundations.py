@@ -2,6 +2,7 @@
 
 Sections (each returns plain numbers under its own key):
     data_parallel  DDP vs the toolkit's ZeRO-0/1/2/3 vs FSDP2: losses, bytes/step, memory/rank (toolkit.parallel)
+    zero3_prefetch ZeRO-3 with and without prefetching the next unit's all-gather: timelines, exposed wait
     tensor_parallel  Megatron column/row-parallel block vs one process vs torch's parallelize_module
     pipeline       GPipe and 1F1B on one stage per rank (toolkit.pipeline): loss and grads vs one process,
                    real timelines, bubble fraction, peak activation bytes
@@ -24,29 +25,47 @@ from toolkit.comm.bandwidth import environment_report, probe
 from toolkit.data import batches
 from toolkit.memory.checkpointing import POLICIES, apply_checkpointing, saved_activation_bytes
 from toolkit.models import GPT, preset
-from toolkit.lessons.parallel_demos import (run_dp_zero_fsdp, run_tensor_parallel, validate_dp_zero_fsdp,
-                                    validate_tensor_parallel)
+from toolkit.lessons.parallel_demos import (DP_VARIANTS, run_dp_zero_fsdp, run_tensor_parallel, run_zero3_prefetch,
+                                            validate_dp_zero_fsdp, validate_tensor_parallel, validate_zero3_prefetch)
 from toolkit.precision import MODES, train
 from toolkit.runtime.bench import comm_efficiency_ratio, measure, memory_volatility
+from toolkit.runtime.config import Param, common, require_ranks, resolve
 from toolkit.runtime.memory import MemoryTracker
-from toolkit.runtime.config import require_positive_ints
 
-PRESETS = {
-    "smoke": {"model": "smoke", "batch_size": 4, "train_steps": 8, "dp_steps": 3, "dp_timing": ["ddp", "zero3", "fsdp2"],
-              "pp_microbatches": 4, "bench_steps": 3, "bench_rounds": 3,
-              "bench_warmup": 1, "probe_sizes": [2**10, 2**14, 2**18], "probe_iters": 3},
-    "default": {"model": "default", "batch_size": 8, "train_steps": 60, "dp_steps": 5, "pp_microbatches": 8,
-                "dp_timing": ["ddp", "zero3", "fsdp2"], "bench_steps": 10, "bench_rounds": 5,
-                "bench_warmup": 3, "probe_sizes": [2**k for k in range(10, 25, 2)], "probe_iters": 5},
-    "full": {"model": "full", "batch_size": 8, "train_steps": 300, "dp_steps": 10, "dp_timing": True,
-             "pp_microbatches": 16, "bench_steps": 50, "bench_rounds": 5,
-             "bench_warmup": 10, "probe_sizes": [2**k for k in range(10, 31, 2)], "probe_iters": 20},
+SECTIONS = ("data_parallel", "zero3_prefetch", "tensor_parallel", "pipeline", "checkpointing", "precision",
+            "bandwidth", "bench")
+PARAMS = {
+    **common("model", "n_layer", "seq_len", "batch", "m", "warmup", "bench_steps", "rounds"),
+    "sections": Param(list, "the parts of the lesson to run", of=str, choices=SECTIONS),
+    "dp_steps": Param(int, "training steps of each data-parallel variant (DDP, ZeRO, FSDP2)", ge=2),
+    "dp_timing": Param(list, "data-parallel variants whose step time is measured", of=str, choices=DP_VARIANTS,
+                       nonempty=False),
+    "precision_model": Param(str, "toolkit.models size preset of the mixed-precision section (bf16/fp16 matmuls "
+                             "are slow on CPUs without AVX-512)", choices=("smoke", "default", "full")),
+    "precision_steps": Param(int, "training steps of each mixed-precision recipe", ge=1),
+    "probe_sizes": Param(list, "message sizes of the bandwidth probe (bytes)", of=int, ge=1),
+    "probe_iters": Param(int, "timed calls per op and size in the bandwidth probe", ge=1),
 }
-SECTIONS = ("data_parallel", "tensor_parallel", "pipeline", "checkpointing", "precision", "bandwidth", "bench")
+# default: what a 2-core CPU runs within the course's time budget (every section, shorter sweeps and
+# fewer timed steps than `full`; every figure keeps its points)
+PRESETS = {
+    "smoke": {"model": "smoke", "n_layer": 2, "seq_len": 32, "batch": 4, "precision_model": "smoke",
+              "precision_steps": 8, "dp_steps": 3, "dp_timing": ["ddp", "zero3", "fsdp2"], "m": 4, "warmup": 1,
+              "bench_steps": 3, "rounds": 3, "probe_sizes": [2**10, 2**14, 2**18], "probe_iters": 3,
+              "sections": list(SECTIONS)},
+    "default": {"model": "default", "n_layer": 2, "seq_len": 64, "batch": 8, "precision_model": "smoke",
+                "precision_steps": 40, "dp_steps": 3, "dp_timing": ["zero3", "fsdp2"], "m": 8, "warmup": 2,
+                "bench_steps": 4, "rounds": 5, "probe_sizes": [2**k for k in range(10, 23, 2)], "probe_iters": 5,
+                "sections": list(SECTIONS)},
+    "full": {"model": "full", "n_layer": 12, "seq_len": 1024, "batch": 8, "precision_model": "full",
+             "precision_steps": 300, "dp_steps": 10, "dp_timing": list(DP_VARIANTS), "m": 16, "warmup": 10,
+             "bench_steps": 50, "rounds": 5, "probe_sizes": [2**k for k in range(10, 31, 2)], "probe_iters": 20,
+             "sections": list(SECTIONS)},
+}
 # the progress bar's phases: one per section run, weighted by its rough share of the run time at the default
-# preset (precision, four training runs of which two in bf16 on the CPU, is the long one)
-WEIGHTS = {"data_parallel": 20, "tensor_parallel": 2, "pipeline": 10, "checkpointing": 8, "precision": 40,
-           "bandwidth": 8, "bench": 12}
+# preset (CPU seconds per rank, measured)
+WEIGHTS = {"data_parallel": 30, "zero3_prefetch": 18, "tensor_parallel": 2, "pipeline": 9, "checkpointing": 5,
+           "precision": 13, "bandwidth": 2, "bench": 16}
 
 
 def PHASES(cfg: dict) -> list[tuple[str, float]]:  # noqa: N802 - the launcher reads PHASES
@@ -54,41 +73,43 @@ def PHASES(cfg: dict) -> list[tuple[str, float]]:  # noqa: N802 - the launcher r
 
 
 def validate(cfg: dict, world_size: int) -> dict:
-    name = cfg.get("preset", "default")
-    if name not in PRESETS:
-        raise ValueError(f"preset={name!r} is not known; allowed: {sorted(PRESETS)}")
-    if world_size < 2:
-        raise ValueError(f"world_size={world_size}: lesson 00 compares parallel variants and needs at least 2 ranks")
-    sections = cfg.get("sections", list(SECTIONS))
-    unknown = [s for s in sections if s not in SECTIONS]
-    if unknown:
-        raise ValueError(f"sections has unknown entries {unknown}; allowed: {SECTIONS}")
-    out = {**PRESETS[name], **cfg, "sections": sections}
-    require_positive_ints(out, "batch_size", "train_steps", "bench_steps", "bench_rounds", "dp_steps",
-                          "pp_microbatches")
-    if "pipeline" in sections and out["pp_microbatches"] < world_size:
-        raise ValueError(f"pp_microbatches={out['pp_microbatches']} must be >= the {world_size} pipeline stages "
+    out = resolve(cfg, PRESETS, PARAMS)
+    require_ranks(world_size, 2, "lesson 00 (it compares parallel variants)")
+    sections = out["sections"]
+    if "pipeline" in sections and out["m"] < world_size:
+        raise ValueError(f"m={out['m']} micro-batches must be >= the {world_size} pipeline stages "
                          "(1F1B needs at least one micro-batch per stage)")
     if "data_parallel" in sections:
         validate_dp_zero_fsdp(_dp_cfg(out), world_size)
+    if "zero3_prefetch" in sections:
+        validate_zero3_prefetch(_z3_cfg(out), world_size)
     if "tensor_parallel" in sections:
         validate_tensor_parallel(_tp_cfg(out), world_size)
     return out
 
 
+def _sizes(cfg: dict) -> dict:
+    return {"preset": cfg["model"], "overrides": {"n_layer": cfg["n_layer"], "seq_len": cfg["seq_len"]}}
+
+
 def _dp_cfg(cfg: dict) -> dict:
-    return {"preset": cfg["model"], "steps": cfg["dp_steps"], "batch_size": cfg["batch_size"],
-            "timing": cfg["dp_timing"]}
+    return {**_sizes(cfg), "steps": cfg["dp_steps"], "batch_size": cfg["batch"], "timing": cfg["dp_timing"]}
+
+
+def _z3_cfg(cfg: dict) -> dict:
+    return {**_sizes(cfg), "batch_size": cfg["batch"],
+            "bench": {"warmup": cfg["warmup"], "steps": cfg["bench_steps"], "rounds": cfg["rounds"]}}
 
 
 def _tp_cfg(cfg: dict) -> dict:
-    return {"preset": cfg["model"], "batch_size": cfg["batch_size"]}
+    return {**_sizes(cfg), "batch_size": cfg["batch"]}
 
 
 def run(ctx, cfg: dict) -> dict:
-    model_cfg = preset(cfg["model"])
+    model_cfg = preset(cfg["model"], n_layer=cfg["n_layer"], seq_len=cfg["seq_len"])
     out = {"rank": ctx.rank, "world_size": ctx.world_size, "model": vars(model_cfg)}
     steps = {"data_parallel": lambda: run_dp_zero_fsdp(ctx, _dp_cfg(cfg)),
+             "zero3_prefetch": lambda: run_zero3_prefetch(ctx, _z3_cfg(cfg)),
              "tensor_parallel": lambda: run_tensor_parallel(ctx, _tp_cfg(cfg)),
              "pipeline": lambda: pipeline(ctx, cfg, model_cfg),
              "checkpointing": lambda: checkpointing(ctx, cfg, model_cfg),
@@ -102,15 +123,15 @@ def run(ctx, cfg: dict) -> dict:
 
 
 def pipeline(ctx, cfg, model_cfg) -> dict:
-    """GPipe and 1F1B, one stage per rank, on ``pp_microbatches`` micro-batches of real tokens."""
+    """GPipe and 1F1B, one stage per rank, on ``m`` micro-batches of real tokens."""
     from toolkit.pipeline.harness import Job, PipelineSetup, measure_schedules
     from toolkit.pipeline.schedule import make_schedule
     from toolkit.pipeline.simulate import timeline_bubble
 
-    p, m = ctx.world_size, cfg["pp_microbatches"]
+    p, m = ctx.world_size, cfg["m"]
     n_layer = -(-model_cfg.n_layer // p) * p  # a whole number of blocks per stage
-    setup = PipelineSetup.build(cfg["model"], n_layer=n_layer, m=m, micro_batch=max(cfg["batch_size"] // 2, 1),
-                                device=ctx.device)
+    setup = PipelineSetup.build(cfg["model"], n_layer=n_layer, m=m, micro_batch=max(cfg["batch"] // 2, 1),
+                                device=ctx.device, seq_len=model_cfg.seq_len)
     out = {"p": p, "m": m, "n_layer": n_layer}
     jobs = [Job(make_schedule(name, p, m)) for name in ("gpipe", "1f1b")]
     records, _ = measure_schedules(ctx, setup, jobs, warmup=1, steps=2, rounds=3)
@@ -128,7 +149,7 @@ def checkpointing(ctx, cfg, model_cfg) -> list[dict]:
     """Per policy (this rank's share): saved activation bytes, fwd+bwd time, grads equal to no checkpointing."""
     torch.manual_seed(0)
     base = GPT(model_cfg)
-    x, y = next(batches(cfg["batch_size"], model_cfg.seq_len, 1, seed=3))
+    x, y = next(batches(cfg["batch"], model_cfg.seq_len, 1, seed=3))
     reference = None
     rows = []
     for policy in POLICIES:
@@ -152,8 +173,8 @@ def checkpointing(ctx, cfg, model_cfg) -> list[dict]:
 
 def precision(ctx, cfg, model_cfg) -> list[dict]:
     """This rank's share of the mixed-precision modes, trained on identical data."""
-    mine, steps = MODES[ctx.rank::ctx.world_size], cfg["train_steps"]
-    return [train(mode, model_cfg, steps, cfg["batch_size"], device=ctx.device,
+    mine, steps = MODES[ctx.rank::ctx.world_size], cfg["precision_steps"]
+    return [train(mode, preset(cfg["precision_model"]), steps, cfg["batch"], device=ctx.device,
                   on_step=lambda done, _, k=k, mode=mode: ctx.progress(k * steps + done, len(mine) * steps, mode))
             for k, mode in enumerate(mine)]
 
@@ -171,7 +192,7 @@ def bench(ctx, cfg, model_cfg) -> dict:
     ddp = DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
     ddp.register_comm_hook(None, allreduce_hook)  # same all-reduce as the C++ reducer, but through the ledger
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
-    data = iter(batches(cfg["batch_size"], model_cfg.seq_len, 10**6, seed=11, rank=ctx.rank, world=ctx.world_size))
+    data = iter(batches(cfg["batch"], model_cfg.seq_len, 10**6, seed=11, rank=ctx.rank, world=ctx.world_size))
 
     def ddp_step():
         x, y = next(data)
@@ -191,13 +212,13 @@ def bench(ctx, cfg, model_cfg) -> dict:
         def tracked_step():
             ddp_step()
             mem.mark("step")
-        timing = measure(tracked_step, warmup=cfg["bench_warmup"], steps=cfg["bench_steps"],
-                         rounds=cfg["bench_rounds"], on_step=lambda d, t: ctx.progress(d, 2 * t, "DDP steps"))
-    n_steps = cfg["bench_warmup"] + cfg["bench_steps"] * cfg["bench_rounds"]
+        timing = measure(tracked_step, warmup=cfg["warmup"], steps=cfg["bench_steps"],
+                         rounds=cfg["rounds"], on_step=lambda d, t: ctx.progress(d, 2 * t, "DDP steps"))
+    n_steps = cfg["warmup"] + cfg["bench_steps"] * cfg["rounds"]
     sent, comm_s = ctx.ledger.total("sent_bytes", op="all_reduce"), ctx.ledger.total("seconds", op="all_reduce")
-    compute = measure(local_step, warmup=1, steps=cfg["bench_steps"], rounds=cfg["bench_rounds"],
+    compute = measure(local_step, warmup=1, steps=cfg["bench_steps"], rounds=cfg["rounds"],
                       on_step=lambda d, t: ctx.progress(t + d, 2 * t, "compute-only steps"))
-    totals = [s["total"] for s in mem.samples]
+    totals = [s["total"] for s in mem.samples][cfg["warmup"]:]  # steady state: AdamW's state exists from step 1
     comm_s /= n_steps  # all-reduce wall time per step, measured around each bucket's call
     return {"timing": timing.to_dict(), "compute_only": compute.to_dict(), "steps_measured": n_steps,
             "allreduce_sent_bytes_per_step": sent // n_steps, "allreduce_seconds_per_step": comm_s,

@@ -7,13 +7,15 @@ Every rank trains the same tiny GPT three ways on its own slice of each global b
     torch/ours   torch DDP + powerSGD_hook and our PowerSGDReducer at one fixed rank, step by step,
                  to show they compute the same numbers
 
-and reports losses, bytes per step (from the ledger), entropy and rank over time. ``invariants``
+and reports losses, bytes per step (from the ledger), entropy and rank over time. The baseline and EDGC
+are trained from ``seeds`` seeds (seed s: the same init and data order for both); the held-out losses of
+all seeds give the run-to-run spread (``toolkit.runtime.spread``) the difference is judged against.
+``invariants``
 runs the checks of the technique on random gradients (used by the tests).
 """
 from __future__ import annotations
 
 import copy
-import math
 
 import torch
 import torch.distributed as dist
@@ -24,56 +26,73 @@ from toolkit.comm.edgc import (EDGC, CommTimeModel, EDGCConfig, PowerSGDReducer,
                                error_fraction, spectral_tail, step_elements)
 from toolkit.data import batches, held_out_loss
 from toolkit.models.gpt import GPT, count_params, preset, split_stages
-from toolkit.runtime.config import require_positive_ints, resolve_preset
+from toolkit.runtime.config import Param, common, require_ranks, resolve
+from toolkit.runtime.spread import compare
 
+PARAMS = {
+    **common("model", "n_layer", "seq_len", "batch", "steps", "lr", "eval_batches", "seeds"),
+    "edgc_warmup": Param(int, "steps of plain all-reduce before compression starts (EDGC's warm-up)", ge=0),
+    "window": Param(int, "steps between two rank decisions", ge=1),
+    "isr_every": Param(int, "the entropy is sampled every isr_every-th step", ge=1),
+    "gsr": Param(float, "fraction of a stage's gradient elements the entropy is estimated from", gt=0, le=1),
+    "ref_bits": Param(float, "bits per element the warm-up gradient is described with", gt=0),
+    "r_init": Param(int, "rank at the end of the warm-up", ge=1),
+    "r_min": Param(int, "smallest rank the controller may pick", ge=1),
+    "r_max": Param(int, "largest rank the controller may pick", ge=1),
+    "stages": Param(int, "pipeline stages emulated as parameter groups, one rank each", ge=1),
+    "torch_rank": Param(int, "fixed rank of the torch powerSGD_hook comparison", ge=1),
+    "torch_start": Param(int, "step from which torch's PowerSGD compresses (it needs 2 plain steps first)", ge=2),
+    "torch_steps": Param(int, "steps of the torch powerSGD_hook comparison", ge=3),
+}
+# default: the default model's width (d=128) with 2 blocks and 64-token sequences, so that 3 seeds x 2 runs
+# fit the course's time budget on a 2-core CPU; full: the full model, long runs (GPUs)
 PRESETS = {
-    "smoke": dict(model="smoke", batch=8, steps=40, lr=3e-3, warmup=8, window=8, isr_every=2, gsr=0.25,
-                  ref_bits=6.0, r_init=4, r_min=1, r_max=8, stages=2, torch_rank=4, torch_start=2, torch_steps=8,
-                  eval_batches=4),
-    "default": dict(model="default", batch=8, steps=200, lr=2e-3, warmup=25, window=25, isr_every=3, gsr=0.05,
-                    ref_bits=6.0, r_init=8, r_min=4, r_max=32, stages=2, torch_rank=4, torch_start=4, torch_steps=16,
-                    eval_batches=8),
-    "full": dict(model="full", batch=8, steps=2000, lr=6e-4, warmup=200, window=100, isr_every=10, gsr=0.01,
-                 ref_bits=6.0, r_init=16, r_min=4, r_max=64, stages=2, torch_rank=8, torch_start=10, torch_steps=40,
-                 eval_batches=16),
+    "smoke": dict(model="smoke", n_layer=2, seq_len=32, batch=8, steps=40, lr=3e-3, edgc_warmup=8, window=8,
+                  isr_every=2, gsr=0.25, ref_bits=6.0, r_init=4, r_min=1, r_max=8, stages=2, torch_rank=4,
+                  torch_start=2, torch_steps=8, eval_batches=4, seeds=3),
+    "default": dict(model="default", n_layer=2, seq_len=64, batch=8, steps=48, lr=2e-3, edgc_warmup=12, window=12,
+                    isr_every=2, gsr=0.05, ref_bits=6.0, r_init=8, r_min=4, r_max=32, stages=2, torch_rank=4,
+                    torch_start=4, torch_steps=8, eval_batches=8, seeds=3),
+    "full": dict(model="full", n_layer=12, seq_len=1024, batch=8, steps=2000, lr=6e-4, edgc_warmup=200, window=100,
+                 isr_every=10, gsr=0.01, ref_bits=6.0, r_init=16, r_min=4, r_max=64, stages=2, torch_rank=8,
+                 torch_start=10, torch_steps=40, eval_batches=16, seeds=3),
 }
 PROBE_ELEMENTS = (1 << 8, 1 << 12, 1 << 16, 1 << 20)  # all-reduce sizes (fp32 elements) the time model is fitted to
 PROBE_REPS = 5
 
 
 def validate(cfg: dict, world_size: int) -> dict:
-    out = resolve_preset(cfg, PRESETS)
-    if world_size < 2:
-        raise ValueError(f"world_size={world_size}: gradient compression needs at least 2 data-parallel ranks")
-    require_positive_ints(out, "batch", "steps", "window", "isr_every", "r_init", "r_min", "r_max", "stages",
-                          "torch_rank", "torch_steps", "eval_batches")
-    if not isinstance(out["warmup"], int) or not 0 <= out["warmup"] < out["steps"]:
-        raise ValueError(f"warmup must be an int in [0, steps={out['steps']}), got {out['warmup']!r}")
-    if not isinstance(out["torch_start"], int) or not 2 <= out["torch_start"] < out["torch_steps"]:
-        raise ValueError(f"torch_start must be an int in [2, torch_steps={out['torch_steps']}) (torch's PowerSGD "
-                         f"needs 2 plain steps first), got {out['torch_start']!r}")
-    if not (isinstance(out["lr"], (int, float)) and math.isfinite(out["lr"]) and out["lr"] > 0):
-        raise ValueError(f"lr must be a finite number > 0, got {out['lr']!r}")
-    n_layer = preset(out["model"]).n_layer
-    if n_layer % out["stages"]:
-        raise ValueError(f"stages={out['stages']} must divide the model's n_layer={n_layer}")
+    out = resolve(cfg, PRESETS, PARAMS)
+    require_ranks(world_size, 2, "gradient compression (data parallelism)")
+    if out["edgc_warmup"] >= out["steps"]:
+        raise ValueError(f"edgc_warmup={out['edgc_warmup']} must be < steps={out['steps']} (no step would compress)")
+    if out["torch_start"] >= out["torch_steps"]:
+        raise ValueError(f"torch_start={out['torch_start']} must be < torch_steps={out['torch_steps']} "
+                         "(no step of the torch comparison would compress)")
+    if out["n_layer"] % out["stages"]:
+        raise ValueError(f"stages={out['stages']} must divide n_layer={out['n_layer']}")
     out["edgc"] = _edgc_cfg(out).validate().__dict__
     return out
 
 
+def _model_cfg(cfg: dict):
+    return preset(cfg["model"], n_layer=cfg["n_layer"], seq_len=cfg["seq_len"])
 
-def _edgc_cfg(cfg: dict) -> EDGCConfig:
-    return EDGCConfig(warmup=cfg["warmup"], window=cfg["window"], isr_every=cfg["isr_every"], gsr=cfg["gsr"],
+
+def _edgc_cfg(cfg: dict, seed: int = 0) -> EDGCConfig:
+    return EDGCConfig(seed=seed, warmup=cfg["edgc_warmup"], window=cfg["window"], isr_every=cfg["isr_every"], gsr=cfg["gsr"],
                       ref_bits=cfg["ref_bits"], r_init=cfg["r_init"], r_min=cfg["r_min"], r_max=cfg["r_max"])
 
 
-def _train(ctx, model: GPT, cfg: dict, tag: str, sync, steps: int) -> dict:
-    """AdamW on this rank's slice of each global batch; ``sync(step)`` averages the gradients."""
+def _train(ctx, model: GPT, cfg: dict, tag: str, sync, seed: int, progress) -> dict:
+    """AdamW on this rank's slice of each global batch (data order from ``seed``); ``sync(step)`` averages
+    the gradients; ``progress()`` is called after every step."""
     opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], weight_decay=0.0)
     seq = model.cfg.seq_len
     out = {"loss": [], "sent_bytes": [], "allreduce_bytes": [], "comm_s": [], "info": []}
     led = ctx.ledger
-    data = batches(cfg["batch"], seq, steps, seed=1, rank=ctx.rank, world=ctx.world_size, device=ctx.device)
+    data = batches(cfg["batch"], seq, cfg["steps"], seed=1 + seed, rank=ctx.rank, world=ctx.world_size,
+                   device=ctx.device)
     for step, (x, y) in enumerate(data):
         loss = model(x, y)
         opt.zero_grad(set_to_none=False)
@@ -88,10 +107,8 @@ def _train(ctx, model: GPT, cfg: dict, tag: str, sync, steps: int) -> dict:
         out["comm_s"].append(led.total("seconds", tag) - before[2])
         opt.step()
         out["loss"].append(ctx.mean_over_ranks(loss))
-        ctx.progress(step + 1, steps, tag)
+        progress()
     return out
-
-
 
 
 def _gradient_tails(model: GPT, cfg: dict) -> dict[tuple[int, int], torch.Tensor]:
@@ -175,30 +192,52 @@ def _torch_vs_ours(ctx, model0: GPT, cfg: dict) -> dict:
             "sent_bytes_torch": ddp_bytes, "sent_bytes_ours": ours_bytes, "bucket_order": seen[-1]}
 
 
-def run(ctx, cfg: dict) -> dict:
-    cfg = cfg if "edgc" in cfg else validate(cfg, ctx.world_size)
-    torch.manual_seed(0)
-    model0 = GPT(preset(cfg["model"])).to(ctx.device)
-    time_model, probe = _fit_time_model(ctx)
-
-    base = copy.deepcopy(model0)
-    base_params = list(base.parameters())
-
-    def plain(step):
-        flat = torch.cat([p.grad.reshape(-1) for p in base_params])
+def _plain_sync(params: list[torch.nn.Parameter]):
+    """The baseline: one flat all-reduce of every gradient (DDP's default hook, one bucket)."""
+    def sync(step):
+        flat = torch.cat([p.grad.reshape(-1) for p in params])
         allreduce_mean_(flat)
         o = 0
-        for p in base_params:
+        for p in params:
             p.grad.copy_(flat[o:o + p.numel()].view_as(p))
             o += p.numel()
+    return sync
 
-    baseline = _train(ctx, base, cfg, "baseline", plain, cfg["steps"])
 
-    model = copy.deepcopy(model0)
-    stages = [list(s.parameters()) for s in split_stages(model, cfg["stages"])]
-    edgc = EDGC(stages, EDGCConfig(**cfg["edgc"]))
-    compressed = _train(ctx, model, cfg, "edgc", edgc.sync, cfg["steps"])
+def run(ctx, cfg: dict) -> dict:
+    """Seed s = 0 … seeds−1: the baseline and EDGC from the same init (seed s) and data order; seed 0's runs are
+    reported in full (curves, bytes, ranks), every seed's held-out loss goes into the spread."""
+    cfg = cfg if "edgc" in cfg else validate(cfg, ctx.world_size)
+    model_cfg = _model_cfg(cfg)
+    time_model, probe = _fit_time_model(ctx)
+    done, total = 0, 2 * cfg["seeds"] * cfg["steps"]
 
+    def progress(tag):
+        def step():
+            nonlocal done
+            done += 1
+            ctx.progress(done, total, tag)
+        return step
+
+    per_seed = []
+    for seed in range(cfg["seeds"]):
+        torch.manual_seed(seed)
+        model0 = GPT(model_cfg).to(ctx.device)
+        base = copy.deepcopy(model0)
+        baseline = _train(ctx, base, cfg, "baseline", _plain_sync(list(base.parameters())), seed,
+                          progress(f"seed {seed}: baseline"))
+        model = copy.deepcopy(model0)
+        stages = [list(s.parameters()) for s in split_stages(model, cfg["stages"])]
+        edgc = EDGC(stages, _edgc_cfg(cfg, seed))
+        compressed = _train(ctx, model, cfg, "edgc", edgc.sync, seed, progress(f"seed {seed}: EDGC"))
+        per_seed.append({"seed": seed, "eval_loss": {"baseline": held_out_loss(base, cfg["batch"], cfg["eval_batches"]),
+                                                     "edgc": held_out_loss(model, cfg["batch"], cfg["eval_batches"])},
+                         "final_loss": {"baseline": baseline["loss"][-1], "edgc": compressed["loss"][-1]},
+                         "ranks_after_warmup": compressed["info"][-1]["ranks"]})
+        if seed == 0:  # reported in full
+            first = (model0, base, baseline, model, compressed, edgc)
+
+    model0, base, baseline, model, compressed, edgc = first
     world = ctx.world_size
     shapes = edgc.shapes
     n_params = count_params(model0)
@@ -206,7 +245,7 @@ def run(ctx, cfg: dict) -> dict:
     ranks = [rec["ranks"] for rec in compressed["info"]]
     calls = [[allreduce_wire_bytes(e, world) for s, r in zip(shapes, rk) for e in step_elements(s, r)]
              for rk in ranks]
-    after = slice(cfg["warmup"], cfg["steps"])
+    after = slice(cfg["edgc_warmup"], cfg["steps"])
     all_shapes = [s for st in shapes for s in st]
     tails_init, tails_end = _gradient_tails(copy.deepcopy(model0), cfg), _gradient_tails(copy.deepcopy(model), cfg)
     rank_curve = [{"rank": r, "sent_bytes": sum(allreduce_wire_bytes(e, world) for e in step_elements(all_shapes, r)),
@@ -216,15 +255,18 @@ def run(ctx, cfg: dict) -> dict:
                    "error_grad_init": error_fraction(all_shapes, r, tails_init),
                    "error_grad_end": error_fraction(all_shapes, r, tails_end)}
                   for r in range(1, cfg["r_max"] + 1)]
+    spread = {key: compare([s[key]["baseline"] for s in per_seed], [s[key]["edgc"] for s in per_seed])
+              for key in ("eval_loss", "final_loss")}
     return {
-        "cfg": cfg, "n_params": n_params, "world_size": world,
+        "cfg": cfg, "n_params": n_params, "world_size": world, "model": vars(model_cfg),
         "baseline": {"loss": baseline["loss"], "sent_bytes": baseline["sent_bytes"],
-                     "eval_loss": held_out_loss(base, cfg["batch"], cfg["eval_batches"])},
+                     "eval_loss": per_seed[0]["eval_loss"]["baseline"]},
         "edgc": {"loss": compressed["loss"], "sent_bytes": compressed["sent_bytes"],
-                 "eval_loss": held_out_loss(model, cfg["batch"], cfg["eval_batches"]),
+                 "eval_loss": per_seed[0]["eval_loss"]["edgc"],
                  "allreduce_bytes": compressed["allreduce_bytes"], "predicted_allreduce_bytes": [sum(c) for c in calls],
                  "entropy": [rec["entropy"] for rec in compressed["info"]], "ranks": ranks,
                  "ref_entropy": edgc.h_ref},
+        "seeds": per_seed, "spread": spread,
         "bytes_ratio_after_warmup": sum(compressed["sent_bytes"][after]) / sum(baseline["sent_bytes"][after]),
         "plain_step_bytes": plain_step,
         "time_model": {"latency_s": time_model.latency_s, "bytes_per_s": time_model.bytes_per_s, "probe": probe,

@@ -8,13 +8,14 @@ Every rank trains the same tiny GPT with ZeRO-style sharding four ways, from the
     direct4              bf16 gradients, 4-bit weights all-gathered directly (the ablation)
 
 and reports losses, bytes per step by phase and by link (intra-/inter-node, from the ledger), gradient
-and weight SNR, and whether the replicas stayed bitwise identical. ``invariants`` runs the checks of
+and weight SNR, and whether the replicas stayed bitwise identical. Every mode is trained from ``seeds``
+seeds (seed s: the same init and data order for every mode); each mode's held-out loss is judged
+against the baseline's on the paired differences (``toolkit.runtime.spread``). ``invariants`` runs the checks of
 the technique on random tensors (used by the tests).
 """
 from __future__ import annotations
 
 import copy
-import math
 
 import torch
 import torch.distributed as dist
@@ -24,37 +25,46 @@ from toolkit.comm.sdp4bit import (Codec, SDPConfig, ShardedDP, all_gather_direct
 from toolkit.data import batches, held_out_loss
 from toolkit.models.gpt import GPT, count_params, preset
 from toolkit.quant import dequantize_blockwise, hadamard32, qsnr_db, quantize_blockwise
-from toolkit.runtime.config import require_positive_ints, resolve_preset
+from toolkit.runtime.config import Param, common, require_ranks, resolve
+from toolkit.runtime.spread import compare
 
-PRESETS = {
-    "smoke": dict(model="smoke", batch=8, steps=20, lr=3e-3, nodes=2, snr_every=5, eval_batches=4),
-    "default": dict(model="default", batch=8, steps=150, lr=2e-3, nodes=2, snr_every=10, eval_batches=8),
-    "full": dict(model="full", batch=8, steps=2000, lr=6e-4, nodes=2, snr_every=50, eval_batches=16),
-}
 MODES = {
     "baseline": dict(weights="bf16", grads="bf16"),
     "sdp4bit": dict(weights="qwd", grads="tlq", hadamard=True),
     "sdp4bit_no_hadamard": dict(weights="qwd", grads="tlq", hadamard=False),
     "direct4": dict(weights="direct4", grads="bf16"),
 }
+PARAMS = {
+    **common("model", "n_layer", "seq_len", "batch", "steps", "lr", "eval_batches", "seeds"),
+    "nodes": Param(int, "emulated nodes (process subgroups); must divide world_size", ge=1),
+    "snr_every": Param(int, "the SNR against an exact fp32 reduce-scatter is measured every snr_every steps", ge=1),
+    "modes": Param(list, "the runs to train side by side (baseline first: the others are compared with it)",
+                   of=str, choices=tuple(MODES)),
+}
+# default: the smoke model's width (d=32) with 2 blocks and 64-token sequences, so that 4 modes x 3 seeds on
+# 4 ranks fit the course's time budget on a 2-core CPU; full: the full model, long runs (GPUs)
+PRESETS = {
+    "smoke": dict(model="smoke", n_layer=2, seq_len=32, batch=8, steps=20, lr=3e-3, nodes=2, snr_every=5,
+                  eval_batches=4, seeds=3, modes=list(MODES)),
+    "default": dict(model="smoke", n_layer=2, seq_len=64, batch=8, steps=32, lr=3e-3, nodes=2, snr_every=4,
+                    eval_batches=8, seeds=3, modes=list(MODES)),
+    "full": dict(model="full", n_layer=12, seq_len=1024, batch=8, steps=2000, lr=6e-4, nodes=2, snr_every=50,
+                 eval_batches=16, seeds=3, modes=list(MODES)),
+}
 
 
 def validate(cfg: dict, world_size: int) -> dict:
-    out = resolve_preset(cfg, PRESETS)
-    if world_size < 2:
-        raise ValueError(f"world_size={world_size}: sharded data parallelism needs at least 2 ranks")
-    require_positive_ints(out, "batch", "steps", "snr_every", "eval_batches")
-    if not (isinstance(out["lr"], (int, float)) and math.isfinite(out["lr"]) and out["lr"] > 0):
-        raise ValueError(f"lr must be a finite number > 0, got {out['lr']!r}")
+    out = resolve(cfg, PRESETS, PARAMS)
+    require_ranks(world_size, 2, "sharded data parallelism")
     check_topology(world_size, out["nodes"])
-    modes = out.get("modes", list(MODES))
-    unknown = [m for m in modes if m not in MODES]
-    if unknown or not modes:
-        raise ValueError(f"modes={modes!r}: allowed values are {list(MODES)}")
-    out["modes"] = modes
-    for m in modes:
+    out["modes"] = ["baseline"] + [m for m in MODES if m in out["modes"] and m != "baseline"]  # fixed order
+    for m in out["modes"]:
         SDPConfig(**MODES[m], nodes=out["nodes"]).validate(world_size)
     return out
+
+
+def _model_cfg(cfg: dict):
+    return preset(cfg["model"], n_layer=cfg["n_layer"], seq_len=cfg["seq_len"])
 
 
 
@@ -69,38 +79,46 @@ def _replicas_identical(ctx, replica: torch.Tensor) -> bool:
     return bool((rows == rows[0]).all())
 
 
-def _train(ctx, model0: GPT, cfg: dict, mode: str, topo) -> dict:
+def _train(ctx, model0: GPT, cfg: dict, mode: str, topo, seed: int, progress) -> dict:
+    """One run of ``mode`` from ``model0`` on the data order of ``seed``. Seed 0 records everything (loss
+    curve, SNR, bytes by link); other seeds only what the spread needs (losses) and the replica check."""
+    detail = seed == 0
     model = copy.deepcopy(model0)
-    sdp = ShardedDP(model, SDPConfig(**MODES[mode], nodes=cfg["nodes"]), topo, lr=cfg["lr"])
+    sdp = ShardedDP(model, SDPConfig(**MODES[mode], nodes=cfg["nodes"], seed=seed), topo, lr=cfg["lr"])
     led, seq = ctx.ledger, model.cfg.seq_len
+    run_tag = mode if detail else f"{mode}@{seed}"
     out = {"loss": [], "grad_snr_db": [], "weight_snr_db": [], "snr_steps": []}
-    for step, (x, y) in enumerate(batches(cfg["batch"], seq, cfg["steps"], seed=1, rank=ctx.rank,
+    for step, (x, y) in enumerate(batches(cfg["batch"], seq, cfg["steps"], seed=1 + seed, rank=ctx.rank,
                                           world=ctx.world_size, device=ctx.device)):
         sdp.zero_grad()
         loss = model(x, y)
         loss.backward()
-        with led.tag(f"{mode}:grads"):
+        with led.tag(f"{run_tag}:grads"):
             shard_grad = sdp.reduce_scatter(step)
-        if step % cfg["snr_every"] == 0:  # against the exact fp32 mean, sent apart under its own tag
+        snr_now = detail and step % cfg["snr_every"] == 0
+        if snr_now:  # against the exact fp32 mean, sent apart under its own tag
             with led.tag("check"):
                 exact = reduce_scatter_fp32(sdp.grad)
             out["snr_steps"].append(step)
             out["grad_snr_db"].append(qsnr_db(exact, shard_grad))
         sdp.apply(shard_grad)
-        with led.tag(f"{mode}:weights"):
+        with led.tag(f"{run_tag}:weights"):
             sdp.gather_weights()
-        if out["snr_steps"] and out["snr_steps"][-1] == step:
+        if snr_now:
             out["weight_snr_db"].append(qsnr_db(sdp.master, sdp.replica[sdp.shard]))
         out["loss"].append(ctx.mean_over_ranks(loss))
-        ctx.progress(step + 1, cfg["steps"], mode)
+        progress(mode, seed)
     out["replicas_identical"] = _replicas_identical(ctx, sdp.replica)
     out["eval_loss"] = held_out_loss(model, cfg["batch"], cfg["eval_batches"])
     out["padded_numel"] = sdp.padded
+    if not detail:
+        return {k: out[k] for k in ("replicas_identical", "eval_loss")} | {"final_loss": out["loss"][-1]}
     for phase in ("grads", "weights"):
         tag = f"{mode}:{phase}"
         out[f"{phase}_bytes_per_step"] = led.total("sent_bytes", tag=tag) // cfg["steps"]
         out[f"{phase}_bytes_by_link"] = {row["group"]: row["sent_bytes"] // cfg["steps"]
                                          for row in led.summary(("tag", "group")) if row["tag"] == tag}
+    out["final_loss"] = out["loss"][-1]
     return out
 
 
@@ -133,14 +151,32 @@ def _static_snr(ctx, model0: GPT, cfg: dict, topo) -> dict:
 
 
 def run(ctx, cfg: dict) -> dict:
-    cfg = cfg if "modes" in cfg else validate(cfg, ctx.world_size)
+    """Every mode from ``seeds`` seeds (seed s: the same init and data order for every mode); seed 0's runs
+    in full under ``runs``, every seed's held-out loss under ``seeds`` and the spread against the baseline."""
+    cfg = validate(cfg, ctx.world_size)  # idempotent: launch validated it already
     topo = make_topology(cfg["nodes"], ctx.ledger)
-    torch.manual_seed(0)
-    model0 = GPT(preset(cfg["model"])).to(ctx.device)
-    runs = {mode: _train(ctx, model0, cfg, mode, topo) for mode in cfg["modes"]}
+    done, total = 0, cfg["seeds"] * len(cfg["modes"]) * cfg["steps"]
+
+    def progress(mode, seed):
+        nonlocal done
+        done += 1
+        ctx.progress(done, total, f"seed {seed}: {mode}")
+
+    runs, per_seed = {}, []
+    for seed in range(cfg["seeds"]):
+        torch.manual_seed(seed)
+        model0 = GPT(_model_cfg(cfg)).to(ctx.device)
+        got = {mode: _train(ctx, model0, cfg, mode, topo, seed, progress) for mode in cfg["modes"]}
+        if seed == 0:
+            runs, first = got, model0
+        per_seed.append({"seed": seed, "eval_loss": {m: r["eval_loss"] for m, r in got.items()},
+                         "final_loss": {m: r["final_loss"] for m, r in got.items()},
+                         "replicas_identical": {m: r["replicas_identical"] for m, r in got.items()}})
+    spread = {m: compare([s["eval_loss"]["baseline"] for s in per_seed], [s["eval_loss"][m] for s in per_seed])
+              for m in cfg["modes"] if m != "baseline"}
     return {"cfg": cfg, "world_size": ctx.world_size, "nodes": topo.nodes, "local": topo.local,
-            "n_params": count_params(model0), "runs": runs, "snr": _static_snr(ctx, model0, cfg, topo),
-            "ledger": ctx.ledger.summary()}
+            "model": vars(first.cfg), "n_params": count_params(first), "runs": runs, "seeds": per_seed,
+            "spread": spread, "snr": _static_snr(ctx, first, cfg, topo), "ledger": ctx.ledger.summary()}
 
 
 # ---- invariants on random tensors (the tests launch this) -------------------------------------------

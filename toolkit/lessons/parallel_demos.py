@@ -5,6 +5,7 @@ Lesson 00 calls them inside ``run(ctx, cfg)``; tests launch them directly::
 
     launch("parallel_demos:run_dp_zero_fsdp", 2, {"preset": "smoke", "steps": 3})
     launch("parallel_demos:run_tensor_parallel", 2, {"preset": "smoke"})
+    launch("parallel_demos:run_zero3_prefetch", 2, {"preset": "smoke"})
 
 Bytes come from ``ctx.ledger`` (sent bytes per rank, the ledger's ring convention), memory from the
 storages the tensors live in, step times from ``toolkit.runtime.bench.measure``.
@@ -22,8 +23,9 @@ import torch.nn as nn
 
 from toolkit.data import batches
 from toolkit.models import GPT, GPTConfig, preset
-from toolkit.runtime.bench import measure
+from toolkit.runtime.bench import compare, measure
 from toolkit.runtime.memory import MemoryTracker
+from toolkit.runtime.timeline import Timeline
 
 from toolkit.parallel.tensor import check_tp, qkv_rows, tensor_parallel_block
 from toolkit.parallel.zero import ZeroDataParallel, adamw, default_units, memory_per_rank, optimizer_state, storage_bytes
@@ -42,6 +44,8 @@ DP_VARIANTS = ("ddp", "zero0", "zero1", "zero2", "zero3", "fsdp2", "fsdp2_keep")
 DP_DEFAULTS = {"preset": "smoke", "overrides": {}, "steps": 3, "batch_size": 4, "lr": 1e-3, "seed": 0, "timing": True,
                "bench": {"warmup": 1, "steps": 2, "rounds": 3, "trim": 1}, "variants": list(DP_VARIANTS)}
 TP_DEFAULTS = {"preset": "smoke", "overrides": {}, "batch_size": 4, "seed": 0}
+Z3_DEFAULTS = {"preset": "smoke", "overrides": {}, "batch_size": 4, "lr": 1e-3, "seed": 0, "steps": 2,
+               "bench": {"warmup": 1, "steps": 2, "rounds": 3, "trim": 1}}
 
 
 def _positive_ints(cfg: dict, *keys: str) -> None:
@@ -72,6 +76,16 @@ def validate_dp_zero_fsdp(cfg: dict, world_size: int) -> dict:
         raise ValueError(f"timing={timing!r}: True, False or a list of the variants to time")
     if world_size < 2:
         raise ValueError(f"world_size={world_size}: data parallelism needs at least 2 ranks")
+    return cfg
+
+
+def validate_zero3_prefetch(cfg: dict, world_size: int) -> dict:
+    """``cfg`` with :data:`Z3_DEFAULTS` filled in; ValueError naming the bad parameter. Runs before launch."""
+    cfg = {**Z3_DEFAULTS, **cfg, "bench": {**Z3_DEFAULTS["bench"], **cfg.get("bench", {})}}
+    _model_cfg(cfg)
+    _positive_ints(cfg, "steps", "batch_size")
+    if world_size < 2:
+        raise ValueError(f"world_size={world_size}: ZeRO-3 needs at least 2 ranks to shard over")
     return cfg
 
 
@@ -236,6 +250,91 @@ def run_dp_zero_fsdp(ctx, cfg: dict) -> dict:
             out["step_time_s"][name], out["step_time_stability"][name] = res.mean_s, res.throughput_stability
         del trainer, params
         gc.collect()  # DDP with a Python comm hook must be gone before the process group is destroyed
+    return dict(out)
+
+
+# ---- ZeRO-3 with and without prefetch ------------------------------------------------------------------
+
+def run_zero3_prefetch(ctx, cfg: dict) -> dict:
+    """ZeRO-3 (``toolkit.parallel.zero``) with and without prefetching the next unit's all-gather, side by side.
+
+    Both train ``steps`` steps from the same init on the same data (losses and parameters must agree bit for
+    bit: prefetch changes *when* a gather is issued, not what it brings), then record one step each on a
+    timeline aligned across ranks, then are timed round-robin (``toolkit.runtime.bench.compare``).
+
+    cfg (defaults in :data:`Z3_DEFAULTS`, checked by :func:`validate_zero3_prefetch`): ``preset``,
+    ``overrides``, ``batch_size``, ``lr``, ``seed``, ``steps``, ``bench`` (``compare`` arguments).
+
+    Returns (per rank; v = "no prefetch" | "prefetch"):
+        ``units``: [{"name", "numel"}] in forward order. ``losses[v]``: this rank's loss at each step.
+        ``bitwise_equal``: losses and full parameters of the two variants identical after ``steps`` steps.
+        ``trace[v]``: ``ZeroDataParallel.trace`` of the recorded step (events in program order, this rank).
+        ``spans[v]``: every rank's spans of the recorded step ("F", "B", "AG", "wait", "RS"; meta ``unit``).
+        ``ledger_order[v]``: the recorded step's all-gathers as the ledger saw them: [(is_async, bytes)].
+        ``wait_s_per_step[v]``: time blocked on gathers (exposed communication), mean over the timed steps.
+        ``step_s[v]``, ``step_stability[v]``: trimmed mean step time and std/mean (``compare``).
+    """
+    cfg = validate_zero3_prefetch(cfg, ctx.world_size)
+    torch.manual_seed(cfg["seed"])
+    base = GPT(_model_cfg(cfg)).to(ctx.device)
+    data = [(x.to(ctx.device), y.to(ctx.device)) for x, y in batches(cfg["batch_size"], base.cfg.seq_len,
+                                                                     cfg["steps"] + 1, seed=cfg["seed"],
+                                                                     rank=ctx.rank, world=ctx.world_size)]
+    names = {False: "no prefetch", True: "prefetch"}
+    factory = lambda ps: adamw(ps, lr=float(cfg["lr"]))  # noqa: E731
+    zdp = {names[pf]: ZeroDataParallel(copy.deepcopy(base), factory, stage=3, prefetch=pf) for pf in (False, True)}
+    out: dict = defaultdict(dict)
+    out["units"] = [{"name": type(u.module).__name__, "numel": u.numel} for u in zdp["prefetch"].units]
+
+    def step(z: ZeroDataParallel, x, y) -> float:
+        loss = z(x, y)
+        loss.backward()
+        z.step()
+        return loss.item()
+
+    for v, z in zdp.items():
+        with ctx.ledger.tag(f"zero3/{v}"):
+            out["losses"][v] = [step(z, x, y) for x, y in data[:cfg["steps"]]]
+    with ctx.ledger.tag("check"):
+        full = {v: z.full_parameters() for v, z in zdp.items()}
+    out["bitwise_equal"] = (out["losses"]["prefetch"] == out["losses"]["no prefetch"]
+                            and all(torch.equal(full["prefetch"][k], t) for k, t in full["no prefetch"].items()))
+    ctx.progress(1, 3, "ZeRO-3 prefetch: trained")
+
+    for v, z in zdp.items():  # one step on the timeline, clocks aligned by a barrier
+        ctx.barrier()
+        z.timeline, z.trace[:] = Timeline(ctx.rank), []
+        first = len(ctx.ledger.records)
+        with ctx.ledger.tag(f"zero3/{v}/recorded"):
+            step(z, *data[cfg["steps"]])
+        out["trace"][v] = [list(e) for e in z.trace]
+        out["ledger_order"][v] = [[r.is_async, r.sent_bytes] for r in ctx.ledger.records[first:]
+                                  if r.op == "all_gather_into_tensor"]
+        gathered: list = [None] * ctx.world_size
+        dist.all_gather_object(gathered, z.timeline.to_json())
+        out["spans"][v] = [s for spans in gathered for s in spans]
+    ctx.progress(2, 3, "ZeRO-3 prefetch: recorded")
+
+    calls = {v: 0 for v in zdp}
+
+    def timed(v: str):
+        def run():
+            calls[v] += 1
+            step(zdp[v], *data[0])
+        return run
+
+    for z in zdp.values():
+        z.timeline = Timeline(ctx.rank)
+    bench = cfg["bench"]
+    with ctx.ledger.tag("zero3/timing"):
+        res = compare({v: timed(v) for v in zdp}, warmup=bench["warmup"], steps=bench["steps"],
+                      rounds=bench["rounds"], trim=bench["trim"], sync=ctx.barrier)
+    for v, z in zdp.items():
+        waits = sum(s.end - s.start for s in z.timeline.spans if s.kind == "wait")
+        out["wait_s_per_step"][v] = waits / calls[v]
+        out["step_s"][v], out["step_stability"][v] = res[v].mean_s, res[v].throughput_stability
+        z.timeline = None
+    ctx.progress(3, 3, "ZeRO-3 prefetch: timed")
     return dict(out)
 
 

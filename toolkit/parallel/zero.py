@@ -33,8 +33,24 @@ stage 1: keep it, reduce-scatter in ``step``). ZeRO-3 frees the gathered buffer 
 forward: a ``saved_tensors_hooks`` pair replaces every saved view of it by a ticket (offset, size,
 stride) and, when backward first needs one, all-gathers the unit again.
 
-Written to be read: one flat buffer per unit, no bucketing, no prefetch, no overlap of comm with
-compute (DeepSpeed and FSDP2 add those; ``benchmarks/bench_zero_vs_fsdp2.py`` measures what they buy).
+Prefetch (stage 3, on by default, as FSDP2 and DeepSpeed do): the all-gather of the *next* unit is
+issued, asynchronously, as soon as the current unit has its own parameters, so it travels while the
+current unit computes; the next unit then only waits for what is left of it. One unit ahead, both ways::
+
+    forward   unit i:   wait AG(i) ─► issue AG(i+1) ─► compute F(i) ─► free i
+    backward  unit i:   wait AG(i) ─► issue AG(prev)─► compute B(i) ─► reduce-scatter, free i
+                        (prev: the nearest earlier unit whose backward reads its parameters)
+
+    without prefetch:   AG(i) ──► F(i) ──► AG(i+1) ──► F(i+1)       every gather on the critical path
+    with prefetch:      AG(i) ──► F(i) ─────► F(i+1)                AG(i+1) runs under F(i)
+                                  AG(i+1) ┘
+
+At most two gathered units are alive at once (the one computing and the one in flight). A prefetched
+buffer stays valid until the shards change: ``step()`` waits for and drops any gather still pending.
+With gloo, async collectives run on the process group's own threads, so the overlap is real on CPU too.
+
+Written to be read: one flat buffer per unit, no bucketing, no overlap of the reduce-scatter with
+compute (FSDP2 adds those; ``benchmarks/bench_zero_vs_fsdp2.py`` measures what they buy).
 """
 from __future__ import annotations
 
@@ -131,8 +147,11 @@ class _Gather(torch.autograd.Function):
 class _FlatUnit:
     """One module's parameters as one flat buffer, padded to a multiple of the group size, sharded by rank."""
 
-    def __init__(self, module: nn.Module, stage: int, group, names: dict[int, str]):
+    def __init__(self, module: nn.Module, stage: int, group, names: dict[int, str], index: int = 0,
+                 owner: "ZeroDataParallel | None" = None):
         self.module, self.stage, self.group = module, stage, group
+        self.index, self.owner = index, owner
+        self._pending: tuple[torch.Tensor, object, str, dict] | None = None  # stage 3: (buffer, work, phase, times)
         self.n, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.slots: list[tuple[nn.Module, str, torch.Size]] = []  # (owner module, attribute, shape)
         self.names: list[str] = []
@@ -167,6 +186,8 @@ class _FlatUnit:
         self._full_ptr = 0  # stage 3: storage of the gathered buffer of the forward now running
         self._regathered: torch.Tensor | None = None  # stage 3: gathered again for backward
         self._saved_hooks = None
+        self._t_forward: float | None = None  # timeline: when this unit's forward / backward began
+        self._t_backward: float | None = None
         # stage 3: where the shard's values come from when it is not resident (NVMe offload sets this,
         # toolkit.memory.nvme.DiskParams); None: from ``self.shard``
         self.shard_source: Callable[[], torch.Tensor] | None = None
@@ -184,8 +205,16 @@ class _FlatUnit:
             setattr(sub, attr, None if chunk is None else chunk.view(shape))
 
     def _pre_forward(self, module, args) -> None:
+        if self.owner is not None:
+            self.owner._event("forward", self.index)
         full = _Gather.apply(self.shard, self)  # [padded], part of the autograd graph
         self._set_views(full)
+        if self.owner is not None:
+            self._t_forward = self.owner._now()  # compute starts once the parameters are here
+        if self.stage == 3 and self.owner is not None and self.owner.prefetch:
+            nxt = self.owner._next_forward(self)
+            if nxt is not None:
+                nxt.start_gather("fwd")  # travels while this unit computes
         if self.stage == 3 and torch.is_grad_enabled():
             self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
             self._saved_hooks.__enter__()
@@ -196,20 +225,74 @@ class _FlatUnit:
             self._saved_hooks = None
         # stage 3: drop the last references to the gathered buffer; stages 0-2: plain views (no graph)
         self._set_views(None if self.stage == 3 else self.full)
+        if self.owner is not None:
+            self.owner._event("forward_done", self.index)
+            self.owner._span("F", self._t_forward, unit=self.index)
 
     def gather_params(self) -> torch.Tensor:
         if self.stage < 3:
             return self.full.view(-1)
-        full = self._all_gather()
+        full = self.take_gather("fwd")
         self._full_ptr = full.untyped_storage().data_ptr()
         return full
 
     def _all_gather(self) -> torch.Tensor:
+        """Blocking all-gather of the whole unit (used outside forward and backward, e.g. for checkpoints)."""
         full = torch.empty(self.padded, dtype=self.shard.dtype, device=self.shard.device)
         shard = self.shard.detach() if self.shard_source is None else self.shard_source()
         dist.all_gather_into_tensor(full, shard, group=self.group)
         _classify(full, "param")
         return full
+
+    # ---- stage 3: gathers issued ahead (prefetch) and taken when the unit needs them ----------------
+    def start_gather(self, phase: str) -> None:
+        """Issue the async all-gather of this unit's parameters (no-op if one is already in flight)."""
+        if self._pending is not None:
+            return
+        owner = self.owner
+        full = torch.empty(self.padded, dtype=self.shard.dtype, device=self.shard.device)
+        times = {"issued": owner._now() if owner else 0.0}
+        shard = self.shard.detach() if self.shard_source is None else self.shard_source()
+        work = dist.all_gather_into_tensor(full, shard, group=self.group, async_op=True)
+        if owner is not None and owner.timeline is not None:
+            try:  # completion time, stamped by the process group's thread when the data has arrived
+                work.get_future().then(lambda _f: times.setdefault("done", owner._now()))
+            except (RuntimeError, AttributeError):  # a backend without futures: wait() closes the span
+                pass
+        _classify(full, "param")
+        self._pending = (full, work, phase, times)
+        if owner is not None:
+            owner._event("gather", self.index, phase, "prefetch")
+
+    def take_gather(self, phase: str) -> torch.Tensor:
+        """This unit's full parameters [padded]: the prefetched buffer once it has arrived, else gathered now."""
+        owner = self.owner
+        if self._pending is None:  # nobody prefetched it: gather on demand, on the critical path
+            start = owner._now() if owner else 0.0
+            full = self._all_gather()
+            if owner is not None:
+                owner._event("gather", self.index, phase, "demand")
+                end = owner._now()
+                owner._span("AG", start, end, unit=self.index, phase=phase, how="demand")
+                owner._span("wait", start, end, unit=self.index, phase=phase)
+            return full
+        full, work, _, times = self._pending
+        self._pending = None
+        start = owner._now() if owner else 0.0
+        work.wait()  # only what is left of the transfer is exposed
+        if owner is not None:
+            owner._event("wait", self.index, phase)
+            end = owner._now()
+            owner._span("AG", times["issued"], min(times.get("done", end), end), unit=self.index, phase=phase,
+                        how="prefetch")
+            owner._span("wait", start, end, unit=self.index, phase=phase)
+        return full
+
+    def drain(self) -> None:
+        """Wait for and drop a gather still in flight (its data is stale once the shards are updated)."""
+        if self._pending is not None:
+            self._pending[1].wait()
+            self._pending = None
 
     # ---- stage 3: keep tickets, not parameters, for backward -----------------------------------------
     def _pack(self, t: torch.Tensor):
@@ -221,7 +304,16 @@ class _FlatUnit:
         if isinstance(packed, torch.Tensor):
             return packed
         if self._regathered is None:  # first use in this backward: gather the unit once more
-            self._regathered = self._all_gather()
+            owner = self.owner
+            if owner is not None:
+                owner._event("backward", self.index)
+            self._regathered = self.take_gather("bwd")
+            if owner is not None:
+                self._t_backward = owner._now()
+            if owner is not None and owner.prefetch:
+                prev = owner._next_backward(self)
+                if prev is not None:
+                    prev.start_gather("bwd")  # travels while this unit's backward computes
         offset, size, stride = packed
         return self._regathered.as_strided(size, stride, offset)
 
@@ -237,7 +329,17 @@ class _FlatUnit:
             dist.all_reduce(grad, group=self.group)
             return grad
         self._regathered = None  # stage 3: backward of this unit is done, free the gathered parameters
-        return self._reduce_scatter(grad)
+        owner = self.owner
+        if owner is None or self.stage != 3:
+            return self._reduce_scatter(grad)
+        start = owner._now()
+        if self._t_backward is not None:
+            owner._span("B", self._t_backward, start, unit=self.index)
+            self._t_backward = None
+        shard = self._reduce_scatter(grad)
+        owner._event("reduce", self.index)
+        owner._span("RS", start, owner._now(), unit=self.index)
+        return shard
 
     def _reduce_scatter(self, grad: torch.Tensor) -> torch.Tensor:
         shard = torch.empty(self.shard_numel, dtype=grad.dtype, device=grad.device)  # [padded/n]
@@ -275,23 +377,57 @@ class ZeroDataParallel(nn.Module):
         optimizer_factory: ``f(list_of_shards) -> Optimizer``; default AdamW(lr=1e-3, foreach=False).
         stage: 0, 1, 2 or 3.
         group: the data-parallel process group (default: the world).
-        units: modules whose parameters form one flat buffer each (default :func:`default_units`).
+        units: modules whose parameters form one flat buffer each (default :func:`default_units`), in the
+            order their forwards run (the prefetch order).
+        prefetch: stage 3 only: issue the next unit's all-gather one unit ahead, forward and backward.
+        timeline: a ``toolkit.runtime.timeline.Timeline`` (``now()``, ``add()``) to record stage 3's spans:
+            "F" and "B" per unit (compute), "AG" (all-gather from issue to arrival), "wait" (time blocked on
+            a gather: the exposed communication) and "RS" (reduce-scatter), each with ``unit`` in its meta.
+
+    ``trace`` (stage 3) lists what happened in program order, for tests and teaching:
+    ``("forward", i)``, ``("forward_done", i)``, ``("gather", i, "fwd" | "bwd", "prefetch" | "demand")``,
+    ``("wait", i, phase)``, ``("backward", i)`` (its first use of the parameters) and ``("reduce", i)``.
     """
 
     def __init__(self, model: nn.Module, optimizer_factory: OptimizerFactory = adamw, stage: int = 1,
-                 group=None, units: list[nn.Module] | None = None):
+                 group=None, units: list[nn.Module] | None = None, prefetch: bool = True, timeline=None):
         super().__init__()
         self.stage = check_stage(stage)
+        if not isinstance(prefetch, bool):
+            raise ValueError(f"prefetch must be True or False, got {prefetch!r}")
+        self.prefetch = prefetch and self.stage == 3
+        self.timeline = timeline
+        self.trace: list[tuple] = []  # stage 3, in program order: ("forward", i), ("gather", i, phase, how), ...
         self.group = group if group is not None else dist.group.WORLD
         self.n = dist.get_world_size(self.group)
         units = default_units(model) if units is None else units
         names = {id(p): name for name, p in model.named_parameters()}
-        self.units = [_FlatUnit(u, self.stage, self.group, names) for u in units]
+        self.units = [_FlatUnit(u, self.stage, self.group, names, i, self) for i, u in enumerate(units)]
         if names:
             raise ValueError(f"parameters outside every unit: {sorted(names.values())}")
         self.module = model
         self.shards = nn.ParameterList([u.shard for u in self.units])
         self.optimizer = optimizer_factory(list(self.shards))
+
+    # ---- prefetch order and the record of what happened ----------------------------------------------
+    def _next_forward(self, unit: _FlatUnit) -> _FlatUnit | None:
+        """The unit whose forward follows ``unit``'s: the next in ``units`` (given in execution order)."""
+        return self.units[unit.index + 1] if unit.index + 1 < len(self.units) else None
+
+    def _next_backward(self, unit: _FlatUnit) -> _FlatUnit | None:
+        """The nearest earlier unit whose backward gathers its parameters again (backward runs in reverse)."""
+        return next((u for u in reversed(self.units[:unit.index]) if u.backward_reads_params), None)
+
+    def _now(self) -> float:
+        return self.timeline.now() if self.timeline is not None else 0.0
+
+    def _event(self, *event) -> None:
+        if self.stage == 3:
+            self.trace.append(event)
+
+    def _span(self, kind: str, start: float, end: float | None = None, **meta) -> None:
+        if self.timeline is not None and self.stage == 3:
+            self.timeline.add(kind, start, self._now() if end is None else end, **meta)
 
     @property
     def numel(self) -> int:
@@ -318,6 +454,8 @@ class ZeroDataParallel(nn.Module):
         if self.stage == 1:
             for u in self.units:
                 u.reduce_scatter_grads()
+        for u in self.units:
+            u.drain()  # a gather still in flight holds the old parameters
         self.optimizer.step()
         self.zero_grad()
         if self.stage in (1, 2):

@@ -112,6 +112,7 @@ COMMON: dict[str, Param] = {
     "steps": Param(int, "training steps", ge=1),
     "lr": Param(float, "learning rate", gt=0),
     "seed": Param(int, "random seed of the data and the weights", ge=0),
+    "seeds": Param(int, "independent runs (init and data order) that measure the run-to-run spread", ge=1),
     "warmup": Param(int, "untimed benchmark steps before timing", ge=0),
     "bench_steps": Param(int, "timed steps per benchmark round", ge=1),
     "rounds": Param(int, "benchmark rounds (each runs every candidate in turn)", ge=1),

@@ -1,0 +1,180 @@
+"""A notebook's static prose states no measured number or comparison of its own: those are rendered from the
+run (``display(Markdown(f"..."))``) or pinned by an assert a few cells above (CONTRIBUTING.md, "Prose").
+
+The check reads the percent-format sources (``notebooks/src/NN-name.py``). In every markdown cell it leaves
+out fenced code blocks (diagrams, formulas), inline code, math, quote blocks (``> ...``) and text in
+quotation marks (what a source says, in its words), splits the rest into clauses (sentences, ``;``-separated parts, list items) and flags a clause that
+
+- states a measured-looking number: a percentage (``35 %``), a ratio (``4.7×``, ``4.7x``), a decibel figure
+  (``8 dB``), a number with a fractional part or thousands separators and a unit of bytes, time or
+  bandwidth (``1.27 MB``, ``0.5 ms``, ``75,000 bytes``), or an approximate number (``≈ 8``, ``~35``,
+  ``about 1.5``), or
+- states a comparison: "faster than", "more than", "lower than", ..., "outperforms", "N times".
+
+A flagged clause passes when it
+
+- is marked as a source's claim: it contains "claim(s/ed)", "the paper/article/source/authors
+  says/reports/...", or a tag in parentheses ``(paper)``, ``(article)``, ``(source)``, ``(spec)``,
+  ``(datasheet)``, ``(theory)``, ``(formula)``, ``(by construction)``; or
+- is pinned: every flagged number appears literally in an ``assert`` of one of the PIN_WINDOW code cells
+  just above the markdown cell, and, for a comparison, one of those asserts compares (``<``, ``>``).
+
+Separately, a figure or table drawn from a simulator or cost model (a code cell that calls ``plan(`` or
+mentions ``simulat``) must say so in its title: "simulat…" or "cost model".
+
+The check applies to the notebooks in ENFORCED; add yours when its prose is fixed.
+"""
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SRC = ROOT / "notebooks" / "src"
+ENFORCED = ["00-foundations", "04-int8-all-to-all", "05-edgc", "06-sdp4bit", "07-param-reuse", "09-int8-vs-fp8"]
+PIN_WINDOW = 3  # code cells above a markdown cell whose asserts may pin its numbers
+
+_spec = importlib.util.spec_from_file_location("nb_tool", ROOT / "tools" / "nb.py")
+nb_tool = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(nb_tool)
+
+NUM = r"\d+(?:[.,]\d+)*"
+UNIT = r"(?:[kKMGT]i?B|B|bytes?|ms|µs|us|ns|s|seconds?|minutes?|GB/s|MB/s|TB/s|Gb/s|TFLOP/s|FLOP/s|bits?)"
+NUMBER_PATTERNS = [
+    re.compile(rf"(?<![\w.]){NUM}\s?%"),  # 35 %, −46%
+    re.compile(rf"(?<![\w.]){NUM}\s?×"),  # 4.7×, 1.5 ×
+    re.compile(rf"(?<![\w.]){NUM}x\b"),  # 4.7x
+    re.compile(rf"(?<![\w.]){NUM}\s?dB\b"),  # 8 dB
+    re.compile(rf"(?<![\w.])\d+\.\d+\s?{UNIT}(?![\w])"),  # 1.27 MB, 0.5 ms
+    re.compile(rf"(?<![\w.])\d{{1,3}}(?:,\d{{3}})+\s?{UNIT}(?![\w])"),  # 75,000 bytes
+    re.compile(rf"(?:≈|~|\babout|\baround|\broughly)\s?{NUM}"),  # ≈ 8, about 35: an approximate result
+]
+COMPARISON = re.compile(r"\b(?:faster|slower|more|less|fewer|larger|smaller|bigger|higher|lower|better|worse|"
+                        r"cheaper|dearer)\s+than\b|\boutperform\w*|\bbeats?\b|\b\d+(?:\.\d+)?\s+times\b", re.I)
+SOURCE_MARK = re.compile(r"\bclaim(?:s|ed)?\b|\b(?:paper|article|source|authors?)\s+(?:says?|reports?|writes?|"
+                         r"recommends?|states?|quotes?)\b|\((?:paper|article|source|spec|datasheet|theory|formula|"
+                         r"by construction)\b[^)]*\)", re.I)
+
+
+def cells(name: str) -> list:
+    return nb_tool.parse((SRC / f"{name}.py").read_text()).cells
+
+
+def prose(markdown: str) -> str:
+    """The markdown a reader takes as this notebook's own statements: no code, math or quotes."""
+    text = re.sub(r"```.*?```", " ", markdown, flags=re.S)  # fenced blocks: diagrams, formulas
+    text = re.sub(r"\$\$.*?\$\$", " ", text, flags=re.S)
+    text = re.sub(r"\$[^$\n]+\$", " ", text)
+    text = re.sub(r"`[^`\n]*`", " ", text)
+    text = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith(">"))
+    return re.sub(r'"[^"]*"|“[^”]*”', " ", text)  # quotation marks: someone else's words
+
+
+def clauses(markdown: str) -> list[str]:
+    out = []
+    for block in re.split(r"\n\s*\n|\n(?=\s*(?:[-*]|\d+\.)\s)|\n(?=#)|\n(?=\|)", prose(markdown)):
+        text = " ".join(block.split())
+        out += [c for c in re.split(r"(?<=[.;!?])\s+(?=\S)", text) if c.strip()]
+    return out
+
+
+def flagged_numbers(clause: str) -> list[str]:
+    return [m.group(0) for pat in NUMBER_PATTERNS for m in pat.finditer(clause)]
+
+
+def pins(code_cells: list[str]) -> tuple[str, bool]:
+    """All assert statements of ``code_cells`` as one text, and whether one of them compares with < or >."""
+    lines = []
+    for src in code_cells:
+        inside = False
+        for line in src.splitlines():
+            stripped = line.strip()
+            if stripped.startswith("assert "):
+                inside = True
+            elif stripped and not line.startswith((" ", "\t")):
+                inside = False
+            if inside:
+                lines.append(line)
+    text = "\n".join(lines)
+    return text, bool(re.search(r"(?<![-=])[<>](?!>)", text))
+
+
+def problems(name: str, cs: list | None = None) -> list[str]:
+    """What breaks the convention in notebook ``name`` (or in the parsed cells ``cs``), one line each."""
+    found = []
+    cs = cells(name) if cs is None else cs
+    for i, cell in enumerate(cs):
+        if cell.cell_type == "code":
+            src = cell.source
+            if re.search(r"\bplan\(|simulat", src) and re.search(r"\bviz\.\w+\(", src):
+                titles = " ".join(re.findall(r"title\s*=\s*f?[\"']([^\"']*)", src))
+                if titles and not re.search(r"simulat|cost model", titles, re.I):
+                    found.append(f"{name} cell {i}: a simulator/cost-model figure must say so in its title: {titles!r}")
+            continue
+        above = [c.source for c in cs[:i] if c.cell_type == "code"][-PIN_WINDOW:]
+        asserts, compares = pins(above)
+        for clause in clauses(cell.source):
+            numbers, comparison = flagged_numbers(clause), COMPARISON.search(clause)
+            if not numbers and not comparison or SOURCE_MARK.search(clause):
+                continue
+            unpinned = [n for n in numbers if re.sub(r"[\s%×x]|dB|" + UNIT + "$", "", n).strip() not in asserts]
+            if unpinned or (comparison and not compares):
+                what = ", ".join(unpinned) if unpinned else f"comparison {comparison.group(0)!r}"
+                found.append(f"{name} cell {i}: {what} in static prose (render it from the run, pin it by an "
+                             f"assert above, or mark it as a source's claim): {clause!r}")
+    return found
+
+
+@pytest.mark.parametrize("name", ENFORCED)
+def test_static_prose_states_no_unpinned_measurement(name):
+    found = problems(name)
+    assert not found, "\n".join(found)
+
+
+def test_enforced_notebooks_exist():
+    assert all((SRC / f"{n}.py").exists() for n in ENFORCED)
+
+
+# ---- the checker itself must catch what it is for, and let through what the convention allows ------------
+
+def _check(markdown: str, code_above: str = "") -> list[str]:
+    nb = f"# %%\n{code_above or 'x = 1'}\n\n# %% [markdown]\n" + "\n".join(f"# {l}" for l in markdown.splitlines())
+    return problems("selftest", nb_tool.parse(nb).cells)
+
+
+@pytest.mark.parametrize("text", [
+    "ZeRO-3 took 4.7× longer here.", "The saving is 35 % of the bytes.", "Each step sends 1.27 MB.",
+    "SDP4Bit is faster than the baseline.", "H32 adds about 8 dB of SNR.", "It sent 75,000 bytes per step.",
+    "The loss is 2.5x the baseline's.", "- a list item: 0.43× above the target",
+])
+def test_measured_statements_are_caught(text):
+    assert _check(text), text
+
+
+@pytest.mark.parametrize("text,code", [
+    ("> The paper claims 4.7× fewer bytes.", ""),
+    ("The article claims a 38% → 9% bubble.", ""),
+    ("On A100 the peaks are the same, 312 TFLOP/s each (datasheet).", ""),
+    ("The formula gives `1.5 × DDP` bytes.", ""),
+    ("```\n  ZeRO-3   ~1.5 × DDP\n```", ""),
+    ("The weights cost at most 0.26× of bf16.", "assert w_ratio <= 0.26"),
+    ("Checkpointing blocks keeps less than checkpointing attention.", "assert by['block'] < by['attn']"),
+    ("Two ranks, 4 bits per value, groups of 128.", ""),
+])
+def test_allowed_statements_pass(text, code):
+    assert not _check(text, code), text
+
+
+def test_a_comparison_needs_an_inequality_assert_and_numbers_the_same_literal():
+    assert _check("Blocks keep less than attention.", "assert ok")
+    assert _check("The ratio is 0.251×.", "assert ratio <= 0.26")
+
+
+def test_simulator_figures_must_be_labelled():
+    code = 'res = simulate(s)\nviz.lines(res, title="Bubble per schedule").show()'
+    assert any("simulator" in p for p in _check("Text.", code))
+    code = 'res = simulate(s)\nviz.lines(res, title="Bubble per schedule (simulated)").show()'
+    assert not _check("Text.", code)
