@@ -524,6 +524,7 @@ class VocabExecutor(PipelineExecutor):
         work.wait() if hasattr(work, "wait") else work.result()
         end = time.perf_counter()
         self.waits.append({"msg": what, "stage": self.rank, "mb": mb, "chunk": 0, "seconds": end - start,
+                           "pair": False,
                            **({"start": start - self.timeline.origin} if self.timeline is not None else {})})
 
     def _on_comm_thread(self, what: str, mb: int, fn):
