@@ -1,13 +1,17 @@
 """Lesson 03, per rank: DualPipeV against 1F1B, ZB-H1 and interleaved 1F1B, and against torch's DualPipeV.
 
-    for each schedule (ours, toolkit.pipeline.executor):       torch.distributed.pipelining.ScheduleDualPipeV
-        fresh copy of the same tiny GPT, same micro-batches      on the same stages and data
-        1 checked step: loss, grads vs single process,           1 checked step
-                        saved-activation bytes over the step
-    then all of them timed round-robin (each round runs every schedule in turn, so they share the load),
-    ours with per-action spans
-    -> step times, op times (F, B, I, W, F&B per stage), the last step's timeline, bytes; the notebook
-       simulates every schedule with the measured op times and compares with the real steps.
+    jobs (toolkit.pipeline.harness, one PipelineSetup: same tiny GPT, same micro-batches, same reference)
+        1f1b, zb-h1, interleaved          ours
+        dualpipev                         ours, F&B overlapped: each half waits for its own input, the first
+                                          half's output leaves while the second computes
+        dualpipev, fb_overlap=False       ours, both inputs of a pair awaited first, halves back to back
+                                          (how torch runs OVERLAP_F_B)
+        dualpipev-unpaired                ours, the same order with every F&B as a separate F and B
+        dualpipev                         torch.distributed.pipelining.ScheduleDualPipeV
+    per job: 1 checked step (loss, grads vs single process, saved-activation bytes over the step), then all
+    timed side by side (bench.compare), ours with per-op spans, receive waits and the ledger's p2p counts
+    -> step times, op times (F, B, I, W, F&B per stage), the last step's timeline, exposed receive time;
+       the notebook simulates every schedule with the measured op times and compares with the real steps.
 
 1F1B and ZB-H1 cut the model into p stages; interleaved (v = 2) and DualPipeV into 2p, so n_layer must be
 a multiple of 2p.
@@ -23,9 +27,9 @@ SCHEDULES = ("1f1b", "zb-h1", "interleaved", "dualpipev")
 PARAMS = {**common("model", "n_layer", "m", "micro_batch", "warmup", "bench_steps", "rounds"),
           "schedules": Param(list, "schedules run beside DualPipeV's variants", of=str, choices=SCHEDULES)}
 PRESETS = {
-    "smoke": {"model": "smoke", "n_layer": 4, "m": 4, "micro_batch": 2, "warmup": 1, "bench_steps": 2, "rounds": 3,
+    "smoke": {"model": "smoke", "n_layer": 4, "m": 4, "micro_batch": 2, "warmup": 1, "bench_steps": 1, "rounds": 3,
               "schedules": list(SCHEDULES)},
-    "default": {"model": "default", "n_layer": 4, "m": 8, "micro_batch": 4, "warmup": 2, "bench_steps": 3,
+    "default": {"model": "default", "n_layer": 4, "m": 8, "micro_batch": 4, "warmup": 1, "bench_steps": 2,
                 "rounds": 5, "schedules": list(SCHEDULES)},
     "full": {"model": "full", "n_layer": 12, "m": 16, "micro_batch": 2, "warmup": 3, "bench_steps": 5, "rounds": 5,
              "schedules": list(SCHEDULES)},
@@ -48,7 +52,11 @@ def run(ctx, cfg: dict) -> dict:
     setup = PipelineSetup.build(cfg["model"], n_layer=cfg["n_layer"], m=m, micro_batch=cfg["micro_batch"],
                                 device=ctx.device)
     dpv = make_schedule("dualpipev", p, m)
-    jobs = [Job(make_schedule(name, p, m)) for name in cfg["schedules"]] + [Job(dpv, impl="torch")]
+    jobs = [Job(make_schedule(name, p, m)) for name in cfg["schedules"] if name != "dualpipev"]
+    jobs += [Job(dpv),                                              # F&B overlapped (ours)
+             Job(dpv, fb_overlap=False),                            # F&B halves back to back (torch's way)
+             Job(make_schedule("dualpipev", p, m, pair=False)),     # the same order, no pairs
+             Job(dpv, impl="torch")]                                # torch's ScheduleDualPipeV
     runs, _ = measure_schedules(ctx, setup, jobs, warmup=cfg["warmup"], steps=cfg["bench_steps"],
                                 rounds=cfg["rounds"])
     return {"rank": ctx.rank, "p": p, "m": m, "model": vars(setup.model_cfg), "ref_loss": setup.ref_loss,

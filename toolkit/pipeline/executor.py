@@ -267,9 +267,9 @@ class PipelineExecutor:
         trace: keep ``trace``, the order of this rank's posts, waits, ops and sends in the last step
             (``[("post" | "wait" | "op" | "send", "3F1"), ...]``; messages are named by their receive).
 
-    After a step, ``waits`` lists the receives this rank blocked on (``{"msg", "stage", "mb", "chunk",
-    "seconds"}``, plus ``"start"`` on the timeline's clock when there is a timeline): the exposed
-    communication. Subclass through the hooks described in the module docstring.
+    After a step, ``waits`` lists the receives this rank waited for (``{"msg", "stage", "mb", "chunk",
+    "seconds", "pair"}``: seconds blocked, ``pair`` whether the receive feeds a half of an F&B; plus ``"start"``
+    on the timeline's clock when there is a timeline): the exposed communication. Subclass through the hooks described in the module docstring.
     """
 
     OPS: dict[str, str] = {"F": "forward", "B": "backward", "I": "backward", "W": "weight", "R": "recompute"}
@@ -354,7 +354,8 @@ class PipelineExecutor:
                 end = time.perf_counter()
                 self._inbox[msg] = (None, buf)
                 self._log("wait", msg)
-                wait = {"msg": msg.op, "stage": msg.stage, "mb": msg.mb, "chunk": msg.chunk, "seconds": end - start}
+                wait = {"msg": msg.op, "stage": msg.stage, "mb": msg.mb, "chunk": msg.chunk, "seconds": end - start,
+                        "pair": self._pair is not None}
                 if self.timeline is not None:
                     wait["start"] = start - self.timeline.origin
                 self.waits.append(wait)
@@ -456,8 +457,8 @@ class PipelineExecutor:
             getattr(self, self.OPS[a.op])(a)
         self._log("op", a)
         if self.timeline is not None:
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)  # spans measure the kernels, not their launch
+            if self.device.type == "cuda":  # spans measure the kernels, not their launch; the compute stream
+                torch.cuda.current_stream(self.device).synchronize()  # only: NCCL's transfers stay in flight
             meta = {"stage": a.stage, "mb": a.mb, "chunk": a.chunk}
             if self._pair is not None:
                 meta["pair"] = "F&B"

@@ -273,12 +273,18 @@ class _Candidate:
                 stages = tuple(h["meta"]["stage"] for h in halves)
                 per_op[("F&B", stages)].append(sum(h["end"] - h["start"] for h in halves))
         exposed = [sum(w["seconds"] for w in st["waits"]) for st in self.steps]
+        by_msg: dict[tuple, list[float]] = defaultdict(list)
+        for st in self.steps:
+            for w in st["waits"]:
+                by_msg[(w["msg"], w["stage"], w["mb"], w["chunk"], w["pair"])].append(w["seconds"])
         out.update({
             "op_seconds": [{"op": op, "stage": list(stage) if isinstance(stage, tuple) else stage,
                             "seconds": statistics.median(v)} for (op, stage), v in sorted(per_op.items(), key=str)],
             "spans": self.steps[-1]["spans"] if self.steps else [],
             "waits": self.steps[-1]["waits"] if self.steps else [],
             "exposed_recv_s": statistics.median(exposed) if exposed else 0.0,
+            "recv_waits": [{"msg": k[0], "stage": k[1], "mb": k[2], "chunk": k[3], "pair": k[4],
+                            "seconds": statistics.median(v)} for k, v in by_msg.items()],
             "timed_steps": n})
         return out
 
@@ -298,7 +304,8 @@ def measure_schedules(ctx, setup: PipelineSetup, jobs: list[Job], *, warmup: int
     - ours only: ``op_seconds`` (``[{"op", "stage", "seconds"}]``, medians over the timed steps; F&B pairs
       as ``{"op": "F&B", "stage": [forward stage, backward stage]}``, their halves' compute), ``spans``
       and ``waits`` of the last timed step (times aligned across ranks), ``exposed_recv_s`` (median over the
-      timed steps of the time this rank blocked on receives).
+      timed steps of the time this rank blocked on receives) and ``recv_waits`` (per received message, the
+      median time blocked on it: ``{"msg", "stage", "mb", "chunk", "pair", "seconds"}``).
     """
     from toolkit.runtime.bench import compare
 
@@ -317,3 +324,9 @@ def measure_schedules(ctx, setup: PipelineSetup, jobs: list[Job], *, warmup: int
         record["bench"] = results[label].to_dict()
         record.update(candidate.summary())
     return records, models
+
+
+def wait_spans(waits: list[dict], rank: int) -> list[dict]:
+    """A record's receive ``waits`` as timeline spans (kind ``"wait"``) of ``rank``, to draw beside its ops."""
+    return [{"rank": rank, "kind": "wait", "start": w["start"], "end": w["start"] + w["seconds"],
+             "meta": {"stage": w["stage"], "mb": w["mb"], "msg": w["msg"]}} for w in waits if "start" in w]
