@@ -110,7 +110,7 @@ def run(ctx, cfg: dict) -> dict:
         with ctx.ledger.tag(name):
             loss = ex.step(setup.inputs, setup.targets)
         out["runs"][name] = {
-            "loss": loss, "max_grad_diff": _vocab_grad_diff(model, stage, setup.reference),
+            "loss": loss, "max_grad_diff": vocab_grad_diff(model, stage, setup.reference),
             "peak_act_bytes": ex.meter.peak, "peak_vocab_bytes": ex.vocab_meter.peak, "peak_total": ex.peak_total,
             "peak_held": ex.peak_held, "forward_bytes": ex.forward_bytes, "waits": ex.waits,
             "comm_spans": ex.comm_spans, "collectives": ex.collectives, "comm": _comm_per_mb(ctx, name, m)}
@@ -160,7 +160,7 @@ def _vocab_executor(ctx, setup: PipelineSetup, schedule, groups, **kwargs):
     return model, stage, ex
 
 
-def _vocab_grad_diff(model, stage: vp.VocabStage, reference) -> float:
+def vocab_grad_diff(model, stage: vp.VocabStage, reference) -> float:
     """Largest |grad - reference grad| over what this rank owns: its blocks (and pos / ln_f, shared with
     ``model``) and its rows of the two tables (``stage.tok``, ``stage.out``)."""
     ref = dict(reference.named_parameters())

@@ -534,6 +534,7 @@ class VocabExecutor(PipelineExecutor):
             event = torch.cuda.Event()
             event.record()
 
+        @torch.no_grad()  # grad mode is per thread: the passes compute their gradients by hand
         def job():
             start = time.perf_counter()
             if event is None:
@@ -578,19 +579,18 @@ class VocabExecutor(PipelineExecutor):
     # -- the ops ------------------------------------------------------------------------------------
     def stage_fn(self, a: Action):
         module, mb = self.modules[a.stage], a.mb
-        if a.stage == 0:
-            def first(idx: torch.Tensor) -> torch.Tensor:
-                E = self._embedding(mb)
-                self.hold(key_of(a), [E])  # alive until B (its gradient is dE)
-                return module(E)
-            return first
-        if a.stage == self.last:
-            def last(x: torch.Tensor) -> torch.Tensor:
-                X = module(x)
-                self._X_out[mb] = X.detach()
-                return _ToShards.apply(X, self, mb)
-            return last
-        return module
+
+        def fn(x: torch.Tensor) -> torch.Tensor:
+            if a.stage == 0:  # x are token ids: the input layer's summed embedding replaces them
+                x = self._embedding(mb)
+                self.hold(key_of(a), [x])  # alive until B (its gradient is dE)
+            X = module(x)
+            if a.stage != self.last:
+                return X
+            self._X_out[mb] = X.detach()
+            return _ToShards.apply(X, self, mb)
+
+        return fn
 
     def forward(self, a: Action) -> None:
         before = self.meter.live if self.meter else 0
@@ -615,6 +615,7 @@ class VocabExecutor(PipelineExecutor):
             last = self.peers[self.schedule.stage_rank[self.last]]
             self._x_in[mb] = (self._issue("x", f"X {mb}", dist.broadcast, buf, src=last, async_op=True), buf)
 
+    @torch.no_grad()  # the vocabulary passes compute their gradients by hand: no graph to keep
     def vocab_s(self, a: Action) -> None:
         """S: this rank's logits, softmax statistics (and Algorithm 2's G, H); C0 goes to the comm thread."""
         mb = a.mb
@@ -638,6 +639,7 @@ class VocabExecutor(PipelineExecutor):
         self.collectives.append(("c0", f"C0 {mb}"))
         return c0(st, group=self.groups["c0"])
 
+    @torch.no_grad()
     def vocab_t(self, a: Action) -> None:
         """T: wait for C0, then dW of this rank's rows (Algorithm 1 also its dX share, all-reduced async)."""
         mb = a.mb
