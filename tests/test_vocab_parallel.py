@@ -180,3 +180,18 @@ def test_shard_rows_and_bad_algorithm():
         vp.vocab_1f1b(2, 4, 3, vp.StageCosts([{"F": 1, "B": 2, "S": 1, "T": 1}] * 2))
     with pytest.raises(ValueError, match="m=1 micro-batches"):
         vp.vocab_1f1b(2, 1, 2, vp.StageCosts([{"F": 1, "B": 2, "S": 1, "T": 1}] * 2))
+
+
+def test_the_gpu_check_passes_on_cpu_with_one_rank():
+    """benchmarks/gpu/vocab_parallel.py's body on gloo/CPU (its GPU run differs only in device and streams)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    code = ("import json, sys; sys.path.insert(0, 'benchmarks/gpu'); import vocab_parallel as v; "
+            "print(json.dumps(v.run('gloo', 'cpu')))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = json.loads(out.stdout.strip().splitlines()[-1])
+    assert len(rows) == 6 and all(row["ok"] for row in rows), rows
