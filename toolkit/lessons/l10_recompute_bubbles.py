@@ -34,8 +34,8 @@ PARAMS = {**common("model", "n_layer", "m", "micro_batch", "warmup", "bench_step
 PRESETS = {
     "smoke": {"model": "smoke", "n_layer": 8, "m": 8, "micro_batch": 2, "keep": 2, "v": 2, "warmup": 1,
               "bench_steps": 1, "rounds": 3},
-    "default": {"model": "default", "n_layer": 8, "m": 8, "micro_batch": 2, "keep": 2, "v": 2, "warmup": 1,
-                "bench_steps": 2, "rounds": 3},
+    "default": {"model": "default", "n_layer": 8, "m": 8, "micro_batch": 1, "keep": 2, "v": 2, "warmup": 1,
+                "bench_steps": 1, "rounds": 3},
     "full": {"model": "full", "n_layer": 16, "m": 16, "micro_batch": 2, "keep": 2, "v": 2, "warmup": 3,
              "bench_steps": 5, "rounds": 5},
 }
