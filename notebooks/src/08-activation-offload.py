@@ -153,7 +153,7 @@ for r in results:
 #
 # - **Which modules matter.** Per block the saved tensors are, in units of B·T·D floats: `ln1` 1 (+ stats),
 #   `qkv` 1, `core` 3 (q, k, v as one storage) + 1 (its output) + the log-sum-exp, `proj` 0 of its own,
-#   `ln2` 1, `fc1` 1, `act` 4, `fc2` 4. The MLP saves more than attention; `act` (GELU's input) and
+#   `ln2` 1, `fc1` 1, `act` 4, `fc2` 4. The MLP saves more than attention (by construction); `act` (GELU's input) and
 #   `fc2` (GELU's output) are the big ones.
 # - **`proj` alone moves nothing**: its only saved tensor is core's output (a view of the same storage), and a
 #   storage leaves only if every module that saved it is in the policy. This is Megatron's "attn_proj needs

@@ -232,11 +232,15 @@ more = [r for r in range(p) if ratio[r] > 1.005]
 same = [r for r in range(p) if r not in fewer + more]
 
 # %%
-# NBVAL_CHECK_OUTPUT
 for r in results:
     print(f"rank {r['rank']}: 1F1B {r['runs']['1f1b']['act_peak_bytes']:,} B, seq1f1b-compute "
           f"{r['runs']['seq1f1b-compute']['act_peak_bytes']:,} B: ratio {ratio[r['rank']]:.3f} "
           f"(chunk count says {chunk_ratio[r['rank']]:.3f})")
+
+# %%
+# NBVAL_CHECK_OUTPUT
+print("fewer bytes than 1F1B, per rank:", [ratio[r] < 1 for r in range(p)])
+print("more bytes than the chunk count says, per rank:", [ratio[r] > chunk_ratio[r] for r in range(p)])
 
 # %% [markdown]
 # **Checks, per rank.** Every rank keeps more bytes than the chunk count says (the K/V copies and the waiting

@@ -196,6 +196,8 @@ unit = {name: [r["runs"][name]["forward_bytes"][0] for r in results] for name in
 act = {name: [r["runs"][name]["peak_act_bytes"] for r in results] for name in runs}
 state = {name: [r["runs"][name]["peak_vocab_bytes"] for r in results] for name in vocab_runs}
 total = {name: [r["runs"][name].get("peak_total", r["runs"][name]["peak_act_bytes"]) for r in results] for name in runs}
+
+# %%
 viz.bars([{"rank": f"rank {r}", "run": name, "bytes": total[name][r]} for name in runs for r in range(p)],
          x="rank", y="bytes", color="run", title="Peak saved bytes per rank (measured: stage activations, plus the "
          "S→T state under vocabulary parallelism)", text_format=",").show()
@@ -289,10 +291,14 @@ c0_lat = sorted(s["end"] - s["start"] for r in results for s in r["runs"]["vocab
                 if s["kind"] == "C0")
 comm = c0_lat[len(c0_lat) // 2]
 sim = {c: vp.simulate_layouts(base_rows, vocab_rows, m, algorithm=2, comm=c) for c in (0.0, comm)}
+schedule_gantt(sim[0.0]["vocab"], title="Simulated: vocabulary parallel (Algorithm 2) from the measured pass "
+               "times, no comm cost (seconds)").show()
+
+# %%
 viz.bars([{"variant": name, "ms per step": 1e3 * bench[name]} for name in runs], x="variant", y="ms per step",
          title="Measured step time (trimmed mean of rounds, this machine)", text_format=".0f").show()
-schedule_gantt(sim[0.0]["vocab"], title="Vocabulary parallel (Algorithm 2) from the measured pass times, "
-               "simulated, no comm cost (seconds)").show()
+
+# %%
 measured_speedup = {name: bench["1f1b"] / bench[name] for name in vocab_runs}
 display(Markdown(
     f"Measured on this machine ({p} processes, {os.cpu_count()} cores): 1F1B {1e3 * bench['1f1b']:.0f} ms per step, "
@@ -359,11 +365,11 @@ display(Markdown(
 # %% [markdown]
 # ## 9 · The paper's setting: a simulation
 #
-# PP = 8, 32 layers of hidden 3072 (3.6B transformer parameters; the two 256k tables add 1.6B), sequence
-# 4096, micro-batch 1, m = 24 micro-batches (3p, the default of the authors' script), on an assumed A100
-# (312 TFLOP/s bf16 at 70%, 2 TB/s HBM at 80%, 200 GB/s links). **Everything in this section is the cost
-# model and the simulator, not a measurement**; the same `vocab_1f1b` schedules as above, built from modelled
-# instead of measured costs.
+# PP = 8, 32 layers of hidden 3072, sequence 4096, micro-batch 1, m = 24 micro-batches (3p, the default of the
+# authors' script): 3.6B transformer parameters, plus 1.6B in the two 256k tables (by construction). The
+# hardware is an assumed A100: 312 TFLOP/s bf16 at 70%, 2 TB/s HBM at 80%, 200 GB/s links (spec, with assumed
+# efficiencies). **Everything in this section is the cost model and the simulator, not a measurement**; the same
+# `vocab_1f1b` schedules as above, built from modelled instead of measured costs.
 
 # %%
 paper = vp.Workload(n_layer=32, d_model=3072, d_ff=4 * 3072, vocab_size=256_000, seq_len=4096)
