@@ -33,7 +33,7 @@ class Entry:
 
 
 AREAS = ["Launch and measure", "Data and tensor parallelism", "Pipeline parallelism", "Quantization and compressed "
-         "communication", "Optimizers and memory", "Models and data", "Context parallelism"]
+         "communication", "Optimizers and memory", "Models and data", "Context parallelism", "Expert parallelism"]
 
 ENTRIES: list[Entry] = [
     # ---- launch and measure ---------------------------------------------------------------------------------
@@ -244,6 +244,46 @@ ENTRIES: list[Entry] = [
           'off = ActivationOffloader({0: model}, [("F", (0, 0, 0)), ("B", (0, 0, 0))], policy="all")\n'
           'with off.forward((0, 0, 0)):\n    loss = model(x).sum()\n'
           'off.backward_begin((0, 0, 0)); loss.backward(); off.backward_end((0, 0, 0))'),
+    Entry("OffloadAdamW", "toolkit.memory.optim_offload:OffloadAdamW", AREAS[4],
+          "AdamW with its state in (pinned) host memory: 'cpu' = master+m+v on the host, host update "
+          "(ZeRO-Offload); 'stream' = m, v streamed to the device per shard on a side stream.",
+          "any parameters (e.g. ZeroDataParallel's shards); host_bytes(), moved_per_step [{'h2d', 'd2h'}]",
+          "local to each rank (use it as ZeroDataParallel's optimizer)",
+          'zdp = ZeroDataParallel(model, lambda ps: OffloadAdamW(ps, mode="cpu"), stage=3)\n'
+          'zdp(x, y).backward()\nzdp.step()                              # no optimizer bytes on the device'),
+    Entry("DiskAdamW", "toolkit.memory.nvme:DiskAdamW", AREAS[4],
+          "AdamW with m, v (and ZeRO-3 shards, with DiskParams) in one pre-allocated, unlinked file per rank, "
+          "streamed through buffer_count buffers of buffer_size elements (NVMe offload).",
+          "any parameters; buffer_size a multiple of 1024; stats[-1]: bytes read/written, exposed I/O, AdamW time",
+          "local to each rank (each rank has its own file)",
+          'opt = lambda ps: DiskAdamW(ps, "/nvme", buffer_count=4, buffer_size=1 << 20)\n'
+          'zdp = ZeroDataParallel(model, opt, stage=3)\nzdp(x, y).backward(); zdp.step()'),
+    Entry("DiskParams", "toolkit.memory.nvme:DiskParams", AREAS[4],
+          "ZeRO-3 parameter shards kept in a DiskAdamW's file: read before each all-gather, the next unit read ahead.",
+          "a ZeroDataParallel(stage=3) whose optimizer is DiskAdamW(offload_params=True)",
+          "local to each rank; the all-gathers stay collective",
+          'zdp = ZeroDataParallel(model, lambda ps: DiskAdamW(ps, d, 2, 4096, offload_params=True), stage=3)\n'
+          'DiskParams(zdp, zdp.optimizer)\nzdp(x, y).backward(); zdp.step()'),
+    Entry("DiskSpill", "toolkit.memory.spill:DiskSpill", AREAS[4],
+          "Saved activations (e.g. checkpointed segments' inputs) to a pre-allocated file-backed mapping, one "
+          "region per saved storage, read back in backward.",
+          "capacity in bytes (count with saved_activation_bytes); bytes_written, regions, verify()",
+          "local",
+          'spill = DiskSpill("/nvme", capacity)\nwith spill.hooks(list(model.parameters())):\n'
+          '    loss = model(x, y)\nloss.backward(); spill.reset()'),
+    Entry("SideChannel", "toolkit.comm.side_channel:SideChannel", AREAS[3],
+          "Per-step values (top-k, metrics) to one rank on a gloo group of their own, non-blocking, waited later.",
+          "post(t, label) any shape/device; collect(leave=n) -> {label: [tensor of each rank]} on dst",
+          "collective construction (new_group); every rank posts the same shapes in the same order",
+          'ch = SideChannel(dst=0)\nch.post(logits.topk(5, dim=-1).indices, label=step)\n'
+          'got = ch.collect(leave=1)               # all but the newest post, long arrived'),
+    Entry("LinkEmulator", "toolkit.comm.bucketing:LinkEmulator", AREAS[3],
+          "A DDP comm hook: the real all-reduce, completed no earlier than a link of latency alpha and bandwidth "
+          "beta would (bucket-size experiments on a CPU machine); spans per bucket.",
+          "alpha_s seconds per call, beta bytes/s; spans [{'bucket', 'ready', 'start', 'end', 'bytes'}]",
+          "every rank registers it on its DDP model",
+          'emu = LinkEmulator(alpha_s=1e-3, beta=1e8)\nddp = DDP(model, bucket_cap_mb=1)\n'
+          'ddp.register_comm_hook(None, emu.hook)'),
     Entry("shard_rows", "toolkit.pipeline.vocab_parallel:shard_rows", AREAS[4],
           "Vocabulary parallelism: the [lo, hi) rows of the output layer / embedding each of p ranks holds.",
           "V divisible by p -> (lo, hi)", "pure arithmetic, the same on every rank",
@@ -296,6 +336,49 @@ ENTRIES: list[Entry] = [
           "collective over the DP x CP ranks: every rank calls it with the same plan",
           'groups = prebuilt_groups(world)               # once, collective\nshards = reroute(plan, owner, mine, rank)\n'
           'mb = shards[0]; group = groups.get(mb["key"])'),
+    # ---- expert parallelism ------------------------------------------------------------------------------------
+    Entry("TokenDispatcher", "toolkit.moe.dispatcher:TokenDispatcher", AREAS[7],
+          "MoE tokens to the ranks owning their experts and back (all_to_all_single with split sizes), autograd "
+          "through both, payload codec none/bf16/int8/int4/fp8, optional dedup, capacity, async handles.",
+          "plan(slot ids [T,K], weights [T,K], x) -> Plan; dispatch(x [T,H], plan) -> expert input [P,H] slot-major "
+          "(split by plan.recv_counts); combine([P,H], plan) -> [T,H]",
+          "plan, dispatch and combine are collective over the ep group (plan all-gathers the per-expert counts and "
+          "raises the same ValueError on every rank)",
+          'disp = TokenDispatcher(n_slots=8, top_k=2, codec="int8", combine_codec="bf16")\n'
+          'plan = disp.plan(ids, weights, x)\n'
+          'y = disp.combine(run_experts(experts, disp.dispatch(x, plan), plan.recv_counts), plan)'),
+    Entry("ExpertParallelMoE", "toolkit.moe.layer:ExpertParallelMoE", AREAS[7],
+          "The tiny GPT's MoE layer with its experts spread over an ep group; a placement hook and spare slots "
+          "(e.g. for clones of hot experts).",
+          "x [B,T,D] -> [B,T,D]; rank r keeps experts [r*E/ep, (r+1)*E/ep)", "every rank of the ep group calls it",
+          'layer = ExpertParallelMoE(model.blocks[0].mlp, group=None, codec="bf16")\ny = layer(x)\n'
+          'print(layer.last_plan.tokens_per_expert)'),
+    Entry("expert_parallel", "toolkit.moe.layer:expert_parallel", AREAS[7],
+          "Make every MoE layer of a GPT expert parallel in place; returns (replicated params, this rank's experts).",
+          "model -> (list of params to average over ranks, list of expert params)",
+          "every rank calls it on an identically initialised model",
+          'torch.manual_seed(0)\nmodel = GPT(preset("smoke", n_expert=4))\n'
+          'replicated, experts = expert_parallel(model, codec="int8")'),
+    Entry("dispatch_layout", "toolkit.moe.dispatcher:dispatch_layout", AREAS[7],
+          "DeepEP's get_dispatch_layout: tokens per rank / node / expert and the token-in-rank mask.",
+          "ids [T,K], n_slots, n_ranks, ranks_per_node -> Layout", "local (no collectives)",
+          'lay = dispatch_layout(ids, n_slots=16, n_ranks=4, ranks_per_node=2)\n'
+          'print(lay.tokens_per_rank, lay.tokens_per_node)'),
+    Entry("TwoHop", "toolkit.moe.deepep:TwoHop", AREAS[7],
+          "DeepEP-style internode dispatch: once per remote node over the rdma group, then fan-out inside the node "
+          "(nvl group); the combine reverses it.",
+          "dispatch(x [T,H], slot ids [T,K], weights [T,K]) -> (expert input [P,H], handle); combine([P,H], handle) "
+          "-> [T,H]",
+          "the constructor creates the process groups (collective); dispatch and combine are collective",
+          'hop = TwoHop(n_slots=16, ranks_per_node=2, codec="fp8")\nh, handle = hop.dispatch(x, ids, weights)\n'
+          'y = hop.combine(h, handle)'),
+    Entry("LowLatency", "toolkit.moe.deepep:LowLatency", AREAS[7],
+          "DeepEP-style low-latency dispatch/combine: fixed receive buffers [local experts, max_tokens*R, H] with "
+          "counts, and a receive hook that completes a transfer issued earlier.",
+          "dispatch(x [T<=max_tokens,H], ids, weights, return_recv_hook) -> (recv_x, recv_count, handle, hook)",
+          "dispatch and combine are collective over the group",
+          'll = LowLatency(n_slots=16, max_tokens=64, codec="fp8", combine_codec="bf16")\n'
+          '_, _, handle, hook = ll.dispatch(x, ids, weights, return_recv_hook=True)\nrecv_x, count = hook()'),
 ]
 BY_NAME = {e.name: e for e in ENTRIES}
 
