@@ -361,6 +361,8 @@ class Seq1F1BExecutor(PipelineExecutor):
     def after_backward(self, a: Action) -> None:  # every B (and I): free the chunk's cache
         self.chunked.done(a.mb, a.chunk)
         self.held_chunks -= 1
+        if self.meter:  # release this chunk's bytes first: the meter tracks storages by address, and the dK/dV
+            self.meter.release(key_of(a))  # filed below may reuse the address of one it freed (its popped dK)
         for c in range(a.chunk):  # dK/dV this backward filed for earlier chunks
             self.hold((a.stage, a.mb, c), self.chunked.held(a.mb, c))
 
