@@ -163,7 +163,7 @@ def test_l04_validate_names_the_parameter():
     with pytest.raises(ValueError, match="block=96 must divide the hidden size"):
         l04.validate({"preset": "smoke", "block": 96}, 2)
     with pytest.raises(ValueError, match="train_modes"):
-        l04.validate({"preset": "smoke", "train_modes": ["fp8"]}, 2)
+        l04.validate({"preset": "smoke", "train_modes": ["fp4"]}, 2)
     with pytest.raises(ValueError, match="wire_modes"):
         l04.validate({"preset": "smoke", "wire_modes": ["int8@1"]}, 2)
     assert l04.validate({"preset": "default", "train_modes": None}, 4)["train_modes"] == ["bf16", "bf16@1", "int8", "int4"]

@@ -33,7 +33,7 @@ class Entry:
 
 
 AREAS = ["Launch and measure", "Data and tensor parallelism", "Pipeline parallelism", "Quantization and compressed "
-         "communication", "Optimizers and memory", "Models and data", "Context parallelism"]
+         "communication", "Optimizers and memory", "Models and data", "Context parallelism", "Expert parallelism"]
 
 ENTRIES: list[Entry] = [
     # ---- launch and measure ---------------------------------------------------------------------------------
@@ -296,6 +296,49 @@ ENTRIES: list[Entry] = [
           "collective over the DP x CP ranks: every rank calls it with the same plan",
           'groups = prebuilt_groups(world)               # once, collective\nshards = reroute(plan, owner, mine, rank)\n'
           'mb = shards[0]; group = groups.get(mb["key"])'),
+    # ---- expert parallelism ------------------------------------------------------------------------------------
+    Entry("TokenDispatcher", "toolkit.moe.dispatcher:TokenDispatcher", AREAS[7],
+          "MoE tokens to the ranks owning their experts and back (all_to_all_single with split sizes), autograd "
+          "through both, payload codec none/bf16/int8/int4/fp8, optional dedup, capacity, async handles.",
+          "plan(slot ids [T,K], weights [T,K], x) -> Plan; dispatch(x [T,H], plan) -> expert input [P,H] slot-major "
+          "(split by plan.recv_counts); combine([P,H], plan) -> [T,H]",
+          "plan, dispatch and combine are collective over the ep group (plan all-gathers the per-expert counts and "
+          "raises the same ValueError on every rank)",
+          'disp = TokenDispatcher(n_slots=8, top_k=2, codec="int8", combine_codec="bf16")\n'
+          'plan = disp.plan(ids, weights, x)\n'
+          'y = disp.combine(run_experts(experts, disp.dispatch(x, plan), plan.recv_counts), plan)'),
+    Entry("ExpertParallelMoE", "toolkit.moe.layer:ExpertParallelMoE", AREAS[7],
+          "The tiny GPT's MoE layer with its experts spread over an ep group; a placement hook and spare slots "
+          "(e.g. for clones of hot experts).",
+          "x [B,T,D] -> [B,T,D]; rank r keeps experts [r*E/ep, (r+1)*E/ep)", "every rank of the ep group calls it",
+          'layer = ExpertParallelMoE(model.blocks[0].mlp, group=None, codec="bf16")\ny = layer(x)\n'
+          'print(layer.last_plan.tokens_per_expert)'),
+    Entry("expert_parallel", "toolkit.moe.layer:expert_parallel", AREAS[7],
+          "Make every MoE layer of a GPT expert parallel in place; returns (replicated params, this rank's experts).",
+          "model -> (list of params to average over ranks, list of expert params)",
+          "every rank calls it on an identically initialised model",
+          'torch.manual_seed(0)\nmodel = GPT(preset("smoke", n_expert=4))\n'
+          'replicated, experts = expert_parallel(model, codec="int8")'),
+    Entry("dispatch_layout", "toolkit.moe.dispatcher:dispatch_layout", AREAS[7],
+          "DeepEP's get_dispatch_layout: tokens per rank / node / expert and the token-in-rank mask.",
+          "ids [T,K], n_slots, n_ranks, ranks_per_node -> Layout", "local (no collectives)",
+          'lay = dispatch_layout(ids, n_slots=16, n_ranks=4, ranks_per_node=2)\n'
+          'print(lay.tokens_per_rank, lay.tokens_per_node)'),
+    Entry("TwoHop", "toolkit.moe.deepep:TwoHop", AREAS[7],
+          "DeepEP-style internode dispatch: once per remote node over the rdma group, then fan-out inside the node "
+          "(nvl group); the combine reverses it.",
+          "dispatch(x [T,H], slot ids [T,K], weights [T,K]) -> (expert input [P,H], handle); combine([P,H], handle) "
+          "-> [T,H]",
+          "the constructor creates the process groups (collective); dispatch and combine are collective",
+          'hop = TwoHop(n_slots=16, ranks_per_node=2, codec="fp8")\nh, handle = hop.dispatch(x, ids, weights)\n'
+          'y = hop.combine(h, handle)'),
+    Entry("LowLatency", "toolkit.moe.deepep:LowLatency", AREAS[7],
+          "DeepEP-style low-latency dispatch/combine: fixed receive buffers [local experts, max_tokens*R, H] with "
+          "counts, and a receive hook that completes a transfer issued earlier.",
+          "dispatch(x [T<=max_tokens,H], ids, weights, return_recv_hook) -> (recv_x, recv_count, handle, hook)",
+          "dispatch and combine are collective over the group",
+          'll = LowLatency(n_slots=16, max_tokens=64, codec="fp8", combine_codec="bf16")\n'
+          '_, _, handle, hook = ll.dispatch(x, ids, weights, return_recv_hook=True)\nrecv_x, count = hook()'),
 ]
 BY_NAME = {e.name: e for e in ENTRIES}
 

@@ -36,32 +36,35 @@
 # %% tags=["parameters"]
 import os
 
-world_size = None  # None: 2 ranks at smoke, 4 otherwise (n_expert / world_size experts per rank)
-preset = os.environ.get("TOOLKIT_PRESET", "default")  # smoke | default | full
-backend = "auto"  # auto | gloo | nccl
-train_modes = None  # None: bf16, int8, int4 (+ "bf16@1", bf16 with another seed, above smoke)
-block = 128  # channels per fp32 scale
-timeout_s = 900
+world_size: int = 0  # 0: 2 ranks at smoke, 4 otherwise (n_expert / world_size experts per rank)
+preset: str = os.environ.get("TOOLKIT_PRESET", "default")  # smoke | default | full
+backend: str = "auto"  # auto | gloo | nccl
+train_modes: list = None  # None: bf16, int8, int4 (+ "bf16@1", bf16 with another seed, above smoke)
+block: int = 128  # channels per fp32 scale
+timeout_s: int = 900
 
 # %% [markdown]
 # ## The code that matters
 #
-# `toolkit/comm/quant_a2a.py`: a token row is its codes followed by its scales' bytes, so one collective moves
-# both.
+# `toolkit/comm/quant_a2a.py` is the wire format: a token row is its codes followed by its scales' bytes, so one
+# collective moves both.
 
 # %%
 import inspect
 
+from toolkit import moe
 from toolkit.comm import quant_a2a
 
 print(inspect.getsource(quant_a2a.encode))
-print(inspect.getsource(quant_a2a.all_to_all_quantized))
 
 # %% [markdown]
-# The expert-parallel MoE layer: route, exchange counts, dispatch, run the local experts, combine.
+# Tokens reach experts through the project's one dispatcher, `toolkit.moe` (lessons 02, 14 and 15 use it too):
+# the MoE layer routes, plans (an all-gather of per-expert counts), dispatches through the codec, runs its local
+# experts and combines.
 
 # %%
-print(inspect.getsource(quant_a2a.ExpertParallelMoE.forward))
+print(inspect.getsource(moe.ExpertParallelMoE.forward))
+print(inspect.getsource(moe.dispatcher._Transfer.start))
 
 # %% [markdown]
 # ## The run
@@ -187,7 +190,8 @@ display(Markdown(
 #
 # - `block=32`: scales cost 4/32 of a byte per value: does int8 still meet 0.52×? (`wire_bytes_per_token`)
 # - `world_size=4` with the default preset: more ranks, more of each token's experts are remote.
-# - Quantize the combine as well (`quant_a2a.dispatch` on the expert outputs) and compare the loss.
+# - Quantize the combine as well (`expert_parallel(model, codec="int8", combine_codec="int8")` in
+#   `toolkit/lessons/l04_int8_a2a.py`) and compare the loss; or dispatch in `"fp8"` (lesson 14).
 # - Rotate tokens with `toolkit.quant.hadamard32` before int4 dispatch (SDP4Bit's trick, lesson 06).
 #
 # ## Sources

@@ -1,4 +1,4 @@
-"""Quantized all-to-all for MoE token dispatch (int8 / int4 payload + fp32 scales), expert parallel.
+"""Quantized all-to-all for MoE token dispatch (int8 / int4 / fp8-e4m3 payload + fp32 scales).
 
 Dispatch sends each routed token to the rank that owns its expert. Quantizing the tokens before
 the all-to-all halves (int8) or quarters (int4) the bytes; the combine that brings the expert
@@ -6,34 +6,33 @@ outputs back stays in high precision (DeepSeek-V3: FP8 dispatch, BF16 combine)::
 
     rank r: x [T,H] ─► per token, per `block` channels: s = amax/qmax, q = round(x/s)
             wire row = [ q (H bytes | H/2 bytes for int4) | s (4*H/block bytes, fp32 viewed as uint8) ]
+            (fp8: s = amax/448, q = the float8_e4m3fn bits as uint8: gloo cannot send float8 tensors)
             all_to_all_single(wire rows, in_splits ─► out_splits)          (one collective)
             received rows ─► q * s ─► experts ─► y ─► all_to_all_single (fp32, plain) ─► combine
 
-    bytes per token on the wire:  fp32 4H   bf16 2H   int8 H + 4H/128 = 1.031H   int4 0.5H + 0.031H
+    bytes per token on the wire:  fp32 4H   bf16 2H   int8 = fp8 H + 4H/128 = 1.031H   int4 0.5H + 0.031H
 
 Backward is straight-through: the gradient of the dispatch is the plain all-to-all of the incoming
 gradient in the opposite direction, in the gradient's own precision.
 
-``mode`` is "none" (send the tensor as it is: bitwise the plain collective), "bf16", "int8" or "int4".
+``mode`` is "none" (send the tensor as it is: bitwise the plain collective), "bf16", "int8", "int4" or "fp8".
 With ``check=True`` (the default) the ranks first all-gather their settings and whether their
 tokens are finite, so a mismatch (mode, block, hidden size, dtype) or a NaN/Inf on any rank raises
-the same ValueError on every rank instead of a hang or garbage. ``ExpertParallelMoE`` checks on its
-first forward only (``check="first"``): the all-gather costs one extra latency per call, and after the
-first step a NaN is caught locally (that rank raises; its peers then fail at the collective timeout).
+the same ValueError on every rank instead of a hang or garbage.
+
+This module is the wire format; the MoE token dispatcher that uses it (routing, permutation, autograd,
+async handles) is ``toolkit.moe``.
 """
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 
 from toolkit import quant as Q
 
-MODES = ("none", "bf16", "int8", "int4")
+MODES = ("none", "bf16", "int8", "int4", "fp8")
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_BITS = {"int8": 8, "int4": 4}
+_BITS = {"int8": 8, "int4": 4, "fp8": 8}  # the quantized modes: payload bits per value
 
 
 def wire_bytes_per_token(mode: str, hidden: int, block: int = 128, dtype: torch.dtype = torch.float32) -> int:
@@ -91,7 +90,10 @@ def encode(x: torch.Tensor, mode: str, block: int = 128) -> torch.Tensor:
     if mode == "bf16":
         return x.to(torch.bfloat16)
     t, h = x.shape
-    q = Q.quantize_blockwise(x, bits=_BITS[mode], block=block)  # per token, per block of channels
+    if t == 0:  # nothing to quantize (a rank may send no token to anyone)
+        return x.new_empty((0, wire_bytes_per_token(mode, h, block)), dtype=torch.uint8)
+    q = (Q.quantize_fp8_blockwise(x, block=block) if mode == "fp8"  # per token, per block of channels
+         else Q.quantize_blockwise(x, bits=_BITS[mode], block=block))
     payload = q.payload.view(torch.uint8).view(t, -1)  # [T, H] or [T, H/2]
     scales = q.scales.view(t, h // block).view(torch.uint8)  # [T, 4H/block]
     return torch.cat([payload, scales], dim=1)
@@ -102,12 +104,14 @@ def decode(wire: torch.Tensor, mode: str, hidden: int, dtype: torch.dtype, block
     if mode in ("none", "bf16"):
         return wire.to(dtype)
     r = wire.shape[0]
+    if r == 0:
+        return torch.empty((0, hidden), dtype=dtype, device=wire.device)
     pay_cols = hidden * _BITS[mode] // 8
     payload = wire[:, :pay_cols].contiguous().view(-1)
     scales = wire[:, pay_cols:].contiguous().view(torch.float32).view(-1)  # [R * H/block]
     if mode == "int8":
         payload = payload.view(torch.int8)
-    q = Q.Quantized(payload, scales, _BITS[mode], block, torch.Size((r, hidden)), mode)
+    q = Q.Quantized(payload, scales, _BITS[mode], block, torch.Size((r, hidden)), "fp8_e4m3" if mode == "fp8" else mode)
     return Q.dequantize_blockwise(q, dtype=dtype)
 
 
@@ -121,102 +125,3 @@ def all_to_all_quantized(x: torch.Tensor, in_splits: list[int], out_splits: list
     out = wire.new_empty((sum(out_splits), *wire.shape[1:]))
     dist.all_to_all_single(out, wire.contiguous(), out_splits, in_splits, group=group)
     return decode(out, mode, x.shape[1], x.dtype, block)
-
-
-class _Dispatch(torch.autograd.Function):
-    """Forward: (quantized) all-to-all. Backward: plain all-to-all of the gradient the other way."""
-
-    @staticmethod
-    def forward(ctx, x, in_splits, out_splits, mode, block, group, check):
-        ctx.in_splits, ctx.out_splits, ctx.group = in_splits, out_splits, group
-        return all_to_all_quantized(x, in_splits, out_splits, mode, block, group, check)
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous()
-        out = grad.new_empty((sum(ctx.in_splits), grad.shape[1]))
-        dist.all_to_all_single(out, grad, ctx.in_splits, ctx.out_splits, group=ctx.group)
-        return out, None, None, None, None, None, None
-
-
-def dispatch(x: torch.Tensor, in_splits: list[int], out_splits: list[int], mode: str = "int8", block: int = 128,
-             group=None, check: bool = True) -> torch.Tensor:
-    """Autograd-aware :func:`all_to_all_quantized` (straight-through backward)."""
-    return _Dispatch.apply(x, in_splits, out_splits, mode, block, group, check)
-
-
-def combine(y: torch.Tensor, in_splits: list[int], out_splits: list[int], group=None) -> torch.Tensor:
-    """Autograd-aware plain all-to-all (expert outputs back to their tokens' ranks, full precision)."""
-    return _Dispatch.apply(y, in_splits, out_splits, "none", 0, group, False)
-
-
-class ExpertParallelMoE(nn.Module):
-    """The router and this rank's experts of a ``toolkit.models.MoE``; tokens travel by all-to-all.
-
-    Rank r owns experts [r*E/W, (r+1)*E/W). Per forward::
-
-        x [B,T,D] ─► router ─► (token, expert) pairs sorted by expert ─► counts [W, E/W] ─all_to_all─►
-        dispatch(rows, mode) ─► local experts ─► combine (fp32) ─► unsort, * gate weight, sum over top-k
-    """
-
-    def __init__(self, moe: nn.Module, group=None, mode: str = "int8", block: int = 128, check: str = "first"):
-        super().__init__()
-        world, rank = dist.get_world_size(group), dist.get_rank(group)
-        n_expert = len(moe.experts)
-        if n_expert % world:
-            raise ValueError(f"n_expert={n_expert} must be divisible by the expert-parallel size {world}")
-        if mode not in MODES:
-            raise ValueError(f"mode={mode!r} is not allowed; allowed: {MODES}")
-        if check not in ("first", "always", "never"):
-            raise ValueError(f"check={check!r}; allowed: 'first', 'always', 'never'")
-        self.local = n_expert // world
-        self.router = moe.router
-        self.experts = nn.ModuleList(moe.experts[rank * self.local:(rank + 1) * self.local])
-        self.group, self.world, self.rank, self.mode, self.block, self.check = group, world, rank, mode, block, check
-        self._checked = False
-        self.phase = lambda name: contextlib.nullcontext()  # e.g. lambda name: ledger.tag(name)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B,T,D]
-        flat = x.reshape(-1, x.shape[-1])  # [N,D]
-        weights, ids = self.router(flat)  # [N,K]
-        order = ids.reshape(-1).argsort(stable=True)  # (token, slot) pairs sorted by expert
-        expert_of = ids.reshape(-1)[order]  # [N*K]
-        counts = torch.bincount(expert_of, minlength=self.local * self.world).view(self.world, self.local)
-        recv_counts = torch.empty_like(counts)
-        with self.phase("routing"):  # rows per (destination rank, its local expert)
-            dist.all_to_all_single(recv_counts, counts, group=self.group)  # [W, E/W]
-        in_splits, out_splits = counts.sum(1).tolist(), recv_counts.sum(1).tolist()
-        check = self.check == "always" or (self.check == "first" and not self._checked)
-        self._checked = True
-        rows = flat[order // ids.shape[1]]  # [N*K, D]
-        with self.phase("dispatch"):
-            recv = dispatch(rows, in_splits, out_splits, self.mode, self.block, self.group, check)  # [R, D]
-        # received rows come source-major, expert-minor: regroup by expert, run each (even on 0 rows, so every
-        # rank builds the same autograd graph and calls the same backward collectives), restore the order
-        local_id = torch.arange(self.local).repeat(self.world).repeat_interleave(recv_counts.reshape(-1))  # [R]
-        by_expert = local_id.argsort(stable=True)
-        chunks = recv[by_expert].split(recv_counts.sum(0).tolist())
-        out = torch.cat([expert(c) for expert, c in zip(self.experts, chunks)])[by_expert.argsort()]  # [R, D]
-        with self.phase("combine"):
-            back = combine(out, out_splits, in_splits, self.group)  # [N*K, D], sorted order
-        gate = weights.reshape(-1)[order, None]  # [N*K, 1]
-        y = torch.zeros_like(flat).index_add(0, order // ids.shape[1], back * gate)
-        return y.view_as(x)
-
-
-def expert_parallel(model: nn.Module, group=None, mode: str = "int8", block: int = 128,
-                    check: str = "first") -> tuple[list[nn.Parameter], list[nn.Parameter]]:
-    """Replace every ``MoE`` module of ``model`` by an :class:`ExpertParallelMoE` (in place).
-
-    Returns (replicated params, expert params): the first need a data-parallel gradient average,
-    the second are this rank's own experts (their gradients already sum over every rank's tokens).
-    """
-    from toolkit.models.gpt import MoE
-    for name, module in list(model.named_modules()):
-        if isinstance(module, MoE):
-            parent, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent), child, ExpertParallelMoE(module, group, mode, block, check))
-    expert_ids = {id(p) for m in model.modules() if isinstance(m, ExpertParallelMoE)
-                  for p in m.experts.parameters()}
-    params = list(model.parameters())
-    return [p for p in params if id(p) not in expert_ids], [p for p in params if id(p) in expert_ids]

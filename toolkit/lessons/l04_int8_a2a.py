@@ -9,7 +9,9 @@ Every rank runs three phases::
     3. train        a tiny MoE GPT, expert parallel (rank r owns n_expert/world experts), once per dispatch mode;
                     the ledger tags split routing / dispatch / combine / backward bytes
 
-The combine and every backward all-to-all stay in fp32; only the forward dispatch is quantized.
+Tokens reach experts through ``toolkit.moe`` (the project's one dispatcher; its codec is the wire format of
+``toolkit.comm.quant_a2a``). The combine and every backward all-to-all stay in fp32; only the forward
+dispatch is quantized. "routing" is the dispatcher's all-gather of per-expert counts.
 """
 from __future__ import annotations
 
@@ -18,53 +20,58 @@ import torch
 import torch.distributed as dist
 
 from toolkit import quant as Q
-from toolkit.comm.quant_a2a import (MODES, ExpertParallelMoE, all_to_all_quantized, encode, expert_parallel,
-                                   wire_bytes_per_token)
+from toolkit.comm.quant_a2a import MODES, all_to_all_quantized, encode, wire_bytes_per_token
+from toolkit.moe import Codec, ExpertParallelMoE, all_to_all, expert_parallel
 from toolkit.data import batches
 from toolkit.models.gpt import GPT, preset
-from toolkit.runtime.config import require_positive_ints
+from toolkit.runtime.config import Param, common, require_divisible, require_ranks, resolve
 
-PRESETS = {  # sizes only; a "model" preset of toolkit.models with these fields overridden
-    "smoke": dict(model="smoke", d_model=128, d_ff=256, n_head=2, n_layer=2, seq_len=32, n_expert=4, top_k=2,
-                  steps=20, batch=4, lr=3e-3, wire_tokens=256),
-    "default": dict(model="default", d_model=256, d_ff=512, n_head=4, n_layer=2, seq_len=64, n_expert=8, top_k=2,
-                    steps=80, batch=4, lr=2e-3, wire_tokens=1024),
-    "full": dict(model="full", d_model=768, d_ff=3072, n_head=12, n_layer=12, seq_len=1024, n_expert=16, top_k=2,
-                 steps=1000, batch=8, lr=6e-4, wire_tokens=8192),
+PARAMS = {
+    **common("model", "n_layer", "seq_len", "steps", "batch", "lr", "seed"),
+    "d_model": Param(int, "hidden size (the width of a dispatched token)", ge=1),
+    "d_ff": Param(int, "inner size of each expert MLP", ge=1),
+    "n_head": Param(int, "attention heads", ge=1),
+    "n_expert": Param(int, "experts per MoE layer (each rank owns n_expert / world_size)", ge=1),
+    "top_k": Param(int, "experts each token is routed to", ge=1),
+    "wire_tokens": Param(int, "tokens per rank sent in the bytes/SNR sweep", ge=1),
+    "block": Param(int, "channels per fp32 scale (even, divides d_model)", ge=2),
+    "train_modes": Param(list, 'dispatch modes to train with, "<mode>@<seed offset>" for another seed; '
+                               'None: bf16, int8, int4 (+ bf16@1 above smoke)', of=str, nullable=True),
+    "wire_modes": Param(list, "dispatch modes of the bytes/SNR sweep", of=str, choices=MODES),
+    "outlier_channels": Param(int, "channels scaled up in the outlier-channel tokens", ge=0),
+    "outlier_scale": Param(float, "factor of the outlier channels", gt=0),
 }
-DEFAULTS = dict(block=128, train_modes=None, wire_modes=["none", "bf16", "int8", "int4"],
-                outlier_channels=4, outlier_scale=50.0, seed=0)
+_SHARED = dict(block=128, train_modes=None, wire_modes=["none", "bf16", "int8", "int4"], outlier_channels=4,
+               outlier_scale=50.0, seed=0)
+PRESETS = {  # sizes: a "model" preset of toolkit.models with these fields overridden
+    "smoke": dict(model="smoke", d_model=128, d_ff=256, n_head=2, n_layer=2, seq_len=32, n_expert=4, top_k=2,
+                  steps=20, batch=4, lr=3e-3, wire_tokens=256, **_SHARED),
+    "default": dict(model="default", d_model=256, d_ff=512, n_head=4, n_layer=2, seq_len=64, n_expert=8, top_k=2,
+                    steps=80, batch=4, lr=2e-3, wire_tokens=1024, **_SHARED),
+    "full": dict(model="full", d_model=768, d_ff=3072, n_head=12, n_layer=12, seq_len=1024, n_expert=16, top_k=2,
+                 steps=1000, batch=8, lr=6e-4, wire_tokens=8192, **_SHARED),
+}
 
 
 def validate(cfg: dict, world_size: int) -> dict:
-    name = cfg.get("preset", "default")
-    if name not in PRESETS:
-        raise ValueError(f"preset={name!r} is not known; allowed: {sorted(PRESETS)}")
-    out = {**PRESETS[name], **DEFAULTS, **{k: v for k, v in cfg.items() if v is not None}, "preset": name}
+    out = resolve(cfg, PRESETS, PARAMS)
     if out["train_modes"] is None:  # "bf16@1" (another seed) measures the run-to-run spread; skipped at smoke
-        out["train_modes"] = ["bf16", "int8", "int4"] if name == "smoke" else ["bf16", "bf16@1", "int8", "int4"]
-    for key in ("train_modes", "wire_modes"):
-        bad = [m for m in out[key] if not (m.partition("@")[0] in MODES and (
-            not m.partition("@")[1] or (key == "train_modes" and m.partition("@")[2].isdigit())))]
-        if bad or not out[key]:
-            raise ValueError(f"{key}={out[key]!r}: allowed modes are {MODES}"
-                             + (' (a training run may add "@<seed offset>", e.g. "bf16@1")' if key == "train_modes"
-                                else ""))
-    if world_size < 2:
-        raise ValueError(f"world_size={world_size}: an all-to-all lesson needs at least 2 ranks")
-    if out["n_expert"] % world_size:
-        raise ValueError(f"n_expert={out['n_expert']} must be divisible by world_size={world_size} "
-                         "(each rank owns n_expert/world experts)")
-    block = out["block"]
-    if not isinstance(block, int) or isinstance(block, bool) or block < 2 or block % 2:
-        raise ValueError(f"block={block!r} must be an even int >= 2")
-    if out["d_model"] % block:
-        raise ValueError(f"block={block} must divide the hidden size d_model={out['d_model']} "
+        out["train_modes"] = ["bf16", "int8", "int4"] if out["preset"] == "smoke" else ["bf16", "bf16@1", "int8", "int4"]
+    bad = [m for m in out["train_modes"] if m.partition("@")[0] not in MODES
+           or (m.partition("@")[1] and not m.partition("@")[2].isdigit())]
+    if bad:
+        raise ValueError(f"train_modes={out['train_modes']!r}: {bad} not allowed; allowed modes are {MODES}, "
+                         'optionally with "@<seed offset>", e.g. "bf16@1"')
+    require_ranks(world_size, 2, "an all-to-all lesson")
+    require_divisible("n_expert", out["n_expert"], world_size, "world_size", "each rank owns n_expert/world experts")
+    if out["block"] % 2:
+        raise ValueError(f"block={out['block']} must be even (int4 packs two codes per byte)")
+    if out["d_model"] % out["block"]:
+        raise ValueError(f"block={out['block']} must divide the hidden size d_model={out['d_model']} "
                          "(one fp32 scale per token per block of channels)")
-    if not 1 <= out["top_k"] <= out["n_expert"]:
+    if out["top_k"] > out["n_expert"]:
         raise ValueError(f"top_k={out['top_k']} must be in 1..n_expert={out['n_expert']}")
-    require_positive_ints(out, "steps", "batch", "wire_tokens", "n_layer", "seq_len", "d_ff")
-    if not 0 <= out["outlier_channels"] < out["d_model"]:
+    if out["outlier_channels"] >= out["d_model"]:
         raise ValueError(f"outlier_channels={out['outlier_channels']} must be in 0..d_model-1")
     return out
 
@@ -112,12 +119,12 @@ def invariants(ctx, cfg: dict) -> dict:
     torch.manual_seed(cfg["seed"])
     moe = GPT(model_config(cfg)).blocks[0].mlp
     hidden = torch.randn(2, 5, h, generator=torch.Generator().manual_seed(200 + rank))
-    ep = ExpertParallelMoE(moe, mode="none")
+    ep = ExpertParallelMoE(moe, codec="none")
     with torch.no_grad():
         res["ep_matches_local_moe_max_abs"] = float((ep(hidden) - moe(hidden)).abs().max())
     # (e) every token routed to rank 0's experts: the other ranks receive nothing and still run the same
     #     backward collectives (a rank whose graph skipped them would deadlock the job)
-    ep = ExpertParallelMoE(moe, mode="int8", block=block)
+    ep = ExpertParallelMoE(moe, codec="int8", block=block)
     ep.router = _FixedRouter(cfg["top_k"])
     hidden.requires_grad_(True)
     ep(hidden).sum().backward()
@@ -152,6 +159,12 @@ def bad_inputs(ctx, cfg: dict) -> dict:
         "unknown_mode": lambda: all_to_all_quantized(x, splits, splits, "fp4" if rank == 1 else "int8"),
         "block_does_not_divide_hidden": lambda: all_to_all_quantized(x, splits, splits, "int8", h - 2),
     }
+    return collect_errors(scenarios)
+
+
+def collect_errors(scenarios: dict) -> dict:
+    """Run each scenario; its ValueError message (or None). Ends with a barrier: if every rank gets here, the
+    collectives stayed matched (no rank hangs in one its peers skipped)."""
     out = {}
     for name, fn in scenarios.items():
         try:
@@ -159,7 +172,7 @@ def bad_inputs(ctx, cfg: dict) -> dict:
             out[name] = None
         except ValueError as exc:
             out[name] = str(exc)
-    dist.barrier()  # every scenario ended on every rank: the collectives stayed matched
+    dist.barrier()
     return out
 
 
@@ -177,10 +190,10 @@ def wire_sweep(ctx, cfg: dict, moe_input: torch.Tensor) -> dict:
     rows, sent = [], {}
     for name, x in data.items():
         splits = even_splits(x.shape[0], world)  # the same count both ways keeps splits simple
-        exact = all_to_all_quantized(x, splits, splits, "none")
+        exact = all_to_all(x, splits, splits)
         for mode in cfg["wire_modes"]:
             with ctx.ledger.tag(f"wire/{name}/{mode}"):
-                got = all_to_all_quantized(x, splits, splits, mode, cfg["block"], check=False)
+                got = all_to_all(x, splits, splits, codec=Codec(mode, cfg["block"]))
             rows.append({"data": name, "mode": mode, "snr_db": Q.qsnr_db(exact, got),
                          "sent_bytes": ctx.ledger.total("sent_bytes", tag=f"wire/{name}/{mode}"),
                          "tokens_sent": x.shape[0] - splits[ctx.rank]})
@@ -199,7 +212,7 @@ def train(ctx, cfg: dict, run: str, capture: bool = False) -> dict:
     seed = cfg["seed"] + int(offset or 0)
     torch.manual_seed(seed)  # identical init on every rank; each keeps only its experts
     model = GPT(model_config(cfg))
-    replicated, experts = expert_parallel(model, mode=mode, block=cfg["block"])
+    replicated, experts = expert_parallel(model, codec=mode, block=cfg["block"])
     for moe in model.modules():
         if isinstance(moe, ExpertParallelMoE):  # attribute its collectives to ledger tags
             moe.phase = lambda name: ctx.ledger.tag(f"train/{run}/{name}")

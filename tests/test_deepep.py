@@ -1,0 +1,112 @@
+"""Lesson 14 (DeepEP-style dispatch/combine): the invariants on 4 real processes (2 emulated nodes x 2 ranks),
+exact byte counts from the ledger against their closed forms, and the bad-input errors."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from toolkit import launch
+from toolkit.lessons import l14_deepep as l14
+from toolkit.moe import dispatch_layout, route
+from toolkit.moe.deepep import dyadic, layout_brute_force, node_limited_route
+
+
+@pytest.fixture(scope="module")
+def results():
+    return launch("l14_deepep", 4, {"preset": "smoke"}, timeout_s=300, progress="none")
+
+
+def test_layout_equals_brute_force(results):
+    for res in results:
+        assert all(res["layout"]["equal"].values()), res["layout"]["equal"]
+        assert sum(res["layout"]["tokens_per_expert"]) == res["config"]["tokens"] * res["config"]["top_k"]
+
+
+def test_dedup_bytes_equal_the_closed_form_exactly(results):
+    for res in results:
+        d = res["dedup"]
+        cf = d["closed_form"]
+        assert d["plain"]["ledger_payload"] == cf["plain_payload"] and d["plain"]["ledger_wire"] == cf["plain_wire"]
+        assert d["dedup"]["ledger_payload"] == cf["dedup_payload"] and d["dedup"]["ledger_wire"] == cf["dedup_wire"]
+        assert cf["dedup_payload"] < cf["plain_payload"]  # top-4 of 16 experts on 4 ranks: some ranks repeat
+        assert d["round_trip_exact"] == {"plain": True, "dedup": True}
+        assert d["recv_equals_tokens_per_expert"] == {"plain": True, "dedup": True}
+        k = res["config"]["top_k"]  # the gate weights (K fp32) and local slots (K fp32) travel beside each row
+        assert d["dedup"]["meta_wire"] == cf["dedup_wire"] // d["row_bytes"] * 2 * k * 4
+
+
+def test_two_hop_inter_node_bytes_equal_sum_of_nodes(results):
+    for res in results:
+        t = res["two_hop"]
+        assert t["ledger"]["hop1"] == t["closed_form"]["inter_node_two_hop"]
+        assert t["closed_form"]["inter_node_two_hop"] < t["closed_form"]["inter_node_direct"]
+        assert t["round_trip_exact"] and t["recv_equals_tokens_per_expert"]
+    total = lambda key: sum(r["two_hop"]["ledger"][key] for r in results)
+    assert total("combine_hop1") == total("hop1") and total("combine_hop2") == total("hop2")  # combine reverses
+
+
+def test_low_latency_buffers(results):
+    for res in results:
+        ll = res["low_latency"]
+        local, rows_per_expert, hidden = ll["buffer_shape"]
+        assert rows_per_expert == 4 * res["config"]["max_tokens"]
+        for row in ll["sweep"]:
+            assert row["ledger_wire"] == row["padded_wire_closed_form"]  # the emulation sends the whole buffer
+            assert row["buffer_rows"] == local * rows_per_expert
+            assert row["round_trip_exact"] and row["recv_equals_tokens_per_expert"]
+            assert math.isclose(row["waste"], 1 - row["used_rows"] / row["buffer_rows"])
+        used = [row["used_rows"] for row in ll["sweep"]]
+        assert used == sorted(used)  # more tokens, less waste (same buffer)
+        assert set(ll["hook_exposed_comm_s"]) == {"blocking", "hook"}
+
+
+def test_quantized_dispatch_bytes_and_snr(results):
+    for res in results:
+        rows = {r["codec"]: r for r in res["codecs"]["rows"]}
+        for r in rows.values():
+            assert r["ledger_dispatch"] == r["remote_rows"] * r["row_bytes"]
+        h = res["config"]["hidden"]
+        assert rows["fp8"]["row_bytes"] == rows["int8"]["row_bytes"] == h + 4 * h // 128
+        assert rows["fp8"]["ledger_combine"] == rows["bf16"]["ledger_combine"]  # bf16 combine either way
+        assert rows["bf16"]["dispatch_snr_db"] == math.inf  # bf16 tokens travel exactly as bf16
+        assert 40 < rows["int8"]["dispatch_snr_db"] < 48 and 29 < rows["fp8"]["dispatch_snr_db"] < 35
+
+
+def test_deepep_scale_and_timing_reported(results):
+    scale = results[0]["deepep_scale"]
+    assert scale["rank_rows"] < scale["pairs"] and scale["remote_node_rows"] < scale["remote_node_rank_rows"]
+    assert scale["fp8_row_bytes"] == 7168 + 4 * 56
+    assert set(results[0]["timing"]) >= {"plain bf16", "dedup bf16", "dedup fp8", "two-hop fp8"}
+
+
+def test_layout_and_routing_without_processes():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(300, 32, generator=g)
+    _, ids = route(logits, 6)
+    for rpn in (1, 2, 4):
+        fast, slow = dispatch_layout(ids, 32, 8, rpn), layout_brute_force(ids, 32, 8, rpn)
+        for f in ("tokens_per_rank", "tokens_per_node", "tokens_per_expert", "token_in_rank", "token_in_node"):
+            assert torch.equal(getattr(fast, f), getattr(slow, f)), f
+    w, ids = node_limited_route(logits, 6, 8, 2)  # 4 nodes of 8 experts, at most 2 nodes per token
+    assert int(dispatch_layout(ids, 32, 8, 2).token_in_node.sum(1).max()) <= 2
+    d = dyadic(w)
+    assert torch.equal(d.sum(1), torch.ones(300)) and torch.equal(d * 256, torch.round(d * 256))
+
+
+def test_validate_names_the_parameter():
+    with pytest.raises(ValueError, match="world_size=2"):
+        l14.validate({"preset": "smoke"}, 2)
+    with pytest.raises(ValueError, match="ranks_per_node=3"):
+        l14.validate({"preset": "smoke", "ranks_per_node": 3}, 4)
+    with pytest.raises(ValueError, match="ll_tokens"):
+        l14.validate({"preset": "smoke", "ll_tokens": [128]}, 4)
+    with pytest.raises(ValueError, match="max_nodes=3"):
+        l14.validate({"preset": "smoke", "max_nodes": 3}, 4)
+    with pytest.raises(ValueError, match="block=96"):
+        l14.validate({"preset": "smoke", "block": 96}, 4)
+    with pytest.raises(ValueError, match="n_expert=18"):
+        l14.validate({"preset": "smoke", "n_expert": 18}, 4)
+    with pytest.raises(ValueError, match="top_k=20"):
+        l14.validate({"preset": "smoke", "top_k": 20}, 4)
