@@ -36,6 +36,7 @@ every prefix, so a chain that reaches a conflict fails at the step that causes i
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from dataclasses import dataclass, field, fields
 
@@ -319,7 +320,6 @@ class Composed:
 
     # -- the step -----------------------------------------------------------------------------------------
     def _tag(self, name: str):
-        import contextlib
         return self.ledger.tag(name) if self.ledger is not None else contextlib.nullcontext()
 
     def step(self, inputs: list[torch.Tensor], targets: list[torch.Tensor]) -> float:
@@ -349,6 +349,28 @@ class Composed:
             with self._tag("metrics"):
                 dist.all_reduce(t)
         return float(t[0] / t[1])
+
+    @contextlib.contextmanager
+    def record_routing(self):
+        """Inside the block, record the rows each MoE layer's experts receive, per (stage, micro-batch): yields
+        a dict ``{(stage, mb): [rows of layer 0, layer 1, ...]}`` filled as the forwards run (a stage's forwards
+        come in micro-batch order in every schedule here). The memory model takes it as the router's decision."""
+        from toolkit.moe import ExpertParallelMoE
+        rows: dict[tuple[int, int], list[int]] = {}
+        handles = []
+        for s, module in self.modules.items():
+            calls = [-1]
+            handles.append(module.register_forward_pre_hook(lambda m, a, calls=calls: calls.__setitem__(0, calls[0] + 1)))
+            for sub in module.modules():
+                if isinstance(sub, ExpertParallelMoE):
+                    handles.append(sub.register_forward_hook(
+                        lambda m, a, o, s=s, calls=calls: rows.setdefault((s, calls[0]), []).append(
+                            int(sum(m.last_plan.recv_counts)))))
+        try:
+            yield rows
+        finally:
+            for h in handles:
+                h.remove()
 
     def parameter_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.params)

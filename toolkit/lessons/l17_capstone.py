@@ -111,13 +111,14 @@ def run(ctx, cfg: dict) -> dict:
         job = Composed.build(c, grid, ctx.device, ledger=ctx.ledger)
         with ctx.ledger.tag(f"{name}:train"):
             losses = [job.step(*data[k]) for k in range(cfg["steps"])]
-        with MemoryTracker(list(job.modules.values()), job.optimizer, every_op=False) as mem:
-            with ctx.ledger.tag(f"{name}:memory"):
-                job.step(*data[cfg["steps"]])
+        with MemoryTracker(list(job.modules.values()), job.optimizer, every_op=False) as mem, \
+                job.record_routing() as rows, ctx.ledger.tag(f"{name}:memory"):
+            job.step(*data[cfg["steps"]])
         composed[name] = job
         runs.append({"name": name, "against": against, "config": c.to_dict(), "losses": losses,
                      "memory": mem.summary(), "bytes": _bytes_by_op(ctx.ledger, f"{name}:train", cfg["steps"]),
                      "param_bytes": job.parameter_bytes(), "stages": sorted(job.modules),
+                     "routing": [{"stage": s, "mb": mb, "rows": r} for (s, mb), r in sorted(rows.items())],
                      "edgc_ranks": job.history[-1]["ranks"] if job.history else None,
                      "offload": dict(job.offloader.stats) if job.offloader is not None else None})
         ctx.progress(i + 1, len(configs), f"trained {name}")

@@ -275,9 +275,12 @@ class ActivationOffloader:
 
     def _host_buffer(self, nbytes: int) -> torch.Tensor:
         pool = self._pool.get(nbytes)
-        if pool:
-            return pool.pop()
         tracker = MemoryTracker.active()
+        if pool:
+            buf = pool.pop()
+            if tracker:  # a buffer from an earlier step: the active tracker would count its first copy_ as "act"
+                tracker.register(buf, "host")
+            return buf
         with tracker.categorize("host") if tracker else contextlib.nullcontext():
             buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.cuda)
         self.meter.register(buf, "host")
