@@ -6,7 +6,8 @@ import torch.nn as nn
 
 from toolkit import launch
 from toolkit.lessons import l08_activation_offload
-from toolkit.memory.offload import ALL_KINDS, ActivationOffloader, resolve_policy
+from toolkit.memory.offload import ALL_KINDS, ActivationOffloader, long_lived, resolve_policy, schedule_order
+from toolkit.pipeline.schedule import one_f_one_b
 from toolkit.models import GPT, lm_loss, preset
 
 ORDER = [("F", (0, 0, 0)), ("F", (0, 1, 0)), ("B", (0, 0, 0)), ("B", (0, 1, 0))]  # GPipe on one rank: 2 in flight
@@ -140,19 +141,23 @@ def test_bad_inputs_raise_clear_errors():
         with off.forward((1, 0, 0)):
             pass
     off.remove()
-    with pytest.raises(ValueError, match="unknown modules"):
+    with pytest.raises(ValueError, match="every item of policies='flash' is not allowed"):
         l08_activation_offload.validate({"preset": "smoke", "policies": ["all", "flash"]}, 2)
+    with pytest.raises(ValueError, match="skip_within must be >= 0"):
+        l08_activation_offload.validate({"preset": "smoke", "skip_within": -1}, 2)
+    with pytest.raises(ValueError, match="skip_within must be an int >= 0"):
+        long_lived(ORDER, -1)
     with pytest.raises(ValueError, match="m=1"):
         l08_activation_offload.validate({"preset": "smoke", "m": 1}, 2)
     with pytest.raises(ValueError, match="n_layer=3"):
         l08_activation_offload.validate({"preset": "smoke", "n_layer": 3}, 2)
-    with pytest.raises(ValueError, match="at least 2 ranks"):
+    with pytest.raises(ValueError, match="needs at least 2 ranks"):
         l08_activation_offload.validate({"preset": "smoke"}, 1)
 
 
 @pytest.fixture(scope="module")
 def pipeline():
-    cfg = {"preset": "smoke", "policies": ["all", "attention", "proj"], "bench_rounds": 1, "bench_steps": 1}
+    cfg = {"preset": "smoke", "policies": ["all", "attention", "proj"], "rounds": 1, "bench_steps": 1}
     return launch("l08_activation_offload", 2, cfg, timeout_s=300, progress="none")
 
 
@@ -168,3 +173,27 @@ def test_1f1b_on_two_ranks_gradients_bitwise_equal_and_peak_halved(pipeline):
         assert rows["proj"]["offloaded_bytes"] == 0 and rows["proj"]["resident_reduction"] == 0
     assert pipeline[0]["order"] == ["F0", "F1", "B0", "F2", "B1", "F3", "B2", "B3"]
     assert pipeline[1]["order"] == ["F0", "B0", "F1", "B1", "F2", "B2", "F3", "B3"]
+
+
+def test_long_lived_follows_the_lifetime_in_the_schedule():
+    s = one_f_one_b(4, 8)
+    # rank 3 runs each backward right after its forward: nothing lives longer than 1 action
+    assert long_lived(schedule_order(s, 3), 1) == set()
+    assert long_lived(schedule_order(s, 3), 0) == {(3, mb, 0) for mb in range(8)}
+    # rank 0: F0 F1 F2 F3 B0 F4 B1 ...: every micro-batch lives 4+ actions
+    assert long_lived(schedule_order(s, 0), 3) == {(0, mb, 0) for mb in range(8)}
+    assert long_lived(schedule_order(s, 0), 4) == {(0, mb, 0) for mb in range(1, 7)}  # F0 -> B0, F7 -> B7: 4 apart
+    sizes = [len(long_lived(schedule_order(s, r), 2)) for r in range(4)]
+    assert sizes == sorted(sizes, reverse=True) and sizes[0] > sizes[-1] == 0  # later ranks offload less
+
+
+def test_offload_by_lifetime_per_rank(pipeline):
+    """all-long-lived: bitwise-equal gradients; the last rank copies nothing, rank 0 what 'all' copies."""
+    rows = [{row["variant"]: row for row in r["rows"]} for r in pipeline]
+    for by in rows:
+        assert by["all-long-lived"]["grads_bitwise_equal"] and by["all-long-lived"]["late_reloads"] == 0
+    assert rows[-1]["all-long-lived"]["offloaded_bytes"] == 0 < rows[-1]["all"]["offloaded_bytes"]
+    assert rows[-1]["all-long-lived"]["resident_peak"] == rows[-1]["none"]["resident_peak"]
+    assert rows[0]["all-long-lived"]["offloaded_bytes"] == rows[0]["all"]["offloaded_bytes"] > 0
+    assert pipeline[0]["long_lived"] == list(range(4)) and pipeline[-1]["long_lived"] == []
+    assert all("bench" in by["all"] and "bench" in by["all-long-lived"] for by in rows)  # timed side by side

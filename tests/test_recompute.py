@@ -7,27 +7,34 @@ import torch.nn as nn
 
 from toolkit import launch
 from toolkit.lessons import l10_recompute_bubbles as l10
-from toolkit.pipeline.recompute import RecomputeQueue
+from toolkit.pipeline import Action, Costs, interleaved_1f1b, make_schedule, one_f_one_b, simulate, zb_h1
+from toolkit.pipeline.recompute import RecomputeQueue, with_recompute
 
 
 @pytest.fixture(scope="module")
 def lesson():
-    return launch("l10_recompute_bubbles", 2, {"preset": "smoke"}, timeout_s=300, progress="none")
+    return launch("l10_recompute_bubbles", l10.WORLD_SIZE, {"preset": "smoke"}, timeout_s=600, progress="none")
 
 
-def test_gradients_are_bitwise_those_without_recompute(lesson):
+def test_gradients_are_bitwise_those_without_recompute_for_every_policy(lesson):
+    names = [n for n in lesson[0]["runs"] if "recompute" in n]
+    assert {"1f1b-recompute-bubble-cooldown", "interleaved-recompute-bubble-cooldown",
+            "interleaved-recompute-inline-cooldown"} <= set(names)
     for r in lesson:
-        assert r["bitwise_equal_to_none"] == {"inline": True, "bubble": True}
-        for mode in l10.MODES:
-            assert r["runs"][mode]["grad_diff"] <= 1e-5
+        assert r["bitwise_equal_to_no_recompute"] == {n: True for n in names}
+        for name, run in r["runs"].items():
+            assert run["grad_diff"] <= 1e-5, name
 
 
-def test_recompute_lowers_the_resident_activations_of_rank_0(lesson):
+def test_recompute_lowers_the_resident_activations_where_the_policy_says(lesson):
     runs = lesson[0]["runs"]
-    assert runs["bubble"]["checkpointed"] and runs["bubble"]["checkpointed"] == runs["inline"]["checkpointed"]
-    assert runs["bubble"]["peak_act_bytes"] < runs["none"]["peak_act_bytes"]
-    assert runs["inline"]["peak_act_bytes"] < runs["none"]["peak_act_bytes"]
-    assert {s["kind"] for r in lesson for s in r["runs"]["bubble"]["spans"]} >= {"F", "B", "R"}
+    assert runs["1f1b-recompute-bubble"]["checkpointed"] == runs["1f1b-recompute-inline"]["checkpointed"] != []
+    assert runs["1f1b-recompute-bubble"]["peak_act_bytes"] == runs["1f1b-recompute-inline"]["peak_act_bytes"]
+    assert runs["1f1b-recompute-bubble"]["peak_act_bytes"] < runs["1f1b"]["peak_act_bytes"]
+    # cool-down policy: plain 1F1B reached its peak before the cool-down; interleaved holds less on rank 0
+    assert runs["1f1b-recompute-bubble-cooldown"]["peak_act_bytes"] == runs["1f1b"]["peak_act_bytes"]
+    assert runs["interleaved-recompute-bubble-cooldown"]["peak_act_bytes"] < runs["interleaved"]["peak_act_bytes"]
+    assert {s["kind"] for r in lesson for s in r["runs"]["1f1b-recompute-bubble"]["spans"]} >= {"F", "B", "R"}
 
 
 def test_restoring_the_rng_state_makes_dropout_repeat(lesson):
@@ -52,11 +59,61 @@ def test_recompute_of_an_unknown_forward_fails_loudly():
         RecomputeQueue().recompute((0, 3, 0))
 
 
+def test_cooldown_policy_picks_the_cool_down_backwards():
+    # 1F1B rank r: the p-r-1 backwards after the one paired with the last forward
+    s = with_recompute(one_f_one_b(4, 8), "bubble", "cooldown")
+    for r in range(4):
+        assert sorted(mb for st, mb, _ in s.checkpointed if st == r) == list(range(8 - (4 - r - 1), 8))
+    # interleaved: (v-1)p + 2(p-r-1) cool-down backwards, some of them early warm-up chunks
+    s = interleaved_1f1b(4, 8, 2, "bubble", policy="cooldown")
+    mine = sorted((st, mb) for st, mb, _ in s.checkpointed if s.stage_rank[st] == 0)
+    assert len(mine) == 4 + 6 and (0, 2) in mine and (0, 3) in mine  # chunk 0 of mbs 2, 3: forward in the warm-up
+    # every R sits right before its own backward
+    for acts in s.ranks:
+        for i, a in enumerate(acts):
+            if a.op == "R":
+                assert acts[i + 1] == Action("B", a.stage, a.mb, a.chunk)
+
+
+def test_cooldown_in_the_bubble_is_free_in_the_simulator():
+    """1F1B: at any latency. Interleaved (half-size chunks, shorter cool-down gaps): partly hidden at a low
+    latency, free once a gradient hop takes half a chunk's backward."""
+    for base, costs in ((one_f_one_b(4, 8), Costs(1, 2, 1, comm=0.0)), (one_f_one_b(4, 8), Costs(1, 2, 1, comm=0.25)),
+                        (interleaved_1f1b(4, 8, 2), Costs(0.5, 1, 0.5, comm=0.5))):
+        plain = simulate(base, costs)
+        bubble = simulate(with_recompute(base, "bubble", "cooldown"), costs)
+        inline = simulate(with_recompute(base, "inline", "cooldown"), costs)
+        assert bubble.makespan == pytest.approx(plain.makespan) and inline.makespan > plain.makespan
+    base, costs = interleaved_1f1b(4, 8, 2), Costs(0.5, 1, 0.5)
+    plain, bubble, inline = (simulate(with_recompute(base, mode, "cooldown"), costs).makespan
+                             for mode in ("none", "bubble", "inline"))
+    assert plain < bubble < inline
+    assert simulate(interleaved_1f1b(4, 8, 2, "bubble", policy="cooldown"), Costs(0.5, 1, 0.5)).peak_mb[0] < \
+        simulate(interleaved_1f1b(4, 8, 2), Costs(0.5, 1, 0.5)).peak_mb[0]
+
+
+def test_with_recompute_bad_input():
+    with pytest.raises(ValueError, match="policy='fastest'"):
+        with_recompute(one_f_one_b(2, 4), "bubble", "fastest")
+    with pytest.raises(ValueError, match="takes no keep"):
+        with_recompute(one_f_one_b(2, 4), "bubble", "cooldown", keep=1)
+    with pytest.raises(ValueError, match="recompute='later'"):
+        with_recompute(one_f_one_b(2, 4), "later")
+    with pytest.raises(ValueError, match="F and B actions only"):
+        with_recompute(zb_h1(2, 4), "bubble")
+    with pytest.raises(ValueError, match="keep must be an int >= 1"):
+        with_recompute(one_f_one_b(2, 4), "inline", keep=0)
+    assert make_schedule("interleaved-recompute-bubble", 2, 4, policy="cooldown").name == \
+        "interleaved-recompute-bubble-cooldown"
+
+
 def test_bad_input_names_the_parameter():
     with pytest.raises(ValueError, match="m=1 micro-batches is too few"):
         l10.validate({"preset": "smoke", "m": 1}, 2)
-    with pytest.raises(ValueError, match="n_layer=3 must be divisible by world_size=2"):
-        l10.validate({"preset": "smoke", "n_layer": 3}, 2)
+    with pytest.raises(ValueError, match="m=6 must be divisible by world_size=4"):
+        l10.validate({"preset": "smoke", "m": 6}, 4)
+    with pytest.raises(ValueError, match=r"n_layer=6 must be divisible by v \* world_size=4"):
+        l10.validate({"preset": "smoke", "n_layer": 6}, 2)
     with pytest.raises(ValueError, match="keep must be >= 1"):
         l10.validate({"preset": "smoke", "keep": 0}, 2)
     with pytest.raises(ValueError, match="preset='huge'"):

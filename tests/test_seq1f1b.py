@@ -135,11 +135,20 @@ def test_real_runs_hold_the_predicted_chunks(results):
     assert results[0]["runs"]["seq1f1b-tokens"]["act_peak_bytes"] < results[0]["runs"]["1f1b"]["act_peak_bytes"]
 
 
+def test_bytes_per_rank_fewer_first_more_last(results):
+    """Bytes, not chunks: every rank keeps more than the chunk count says (K/V concatenation, waiting dK/dV);
+    rank 0 keeps fewer bytes than 1F1B, the last rank (one micro-batch of chunks in both) more."""
+    ratio = [r["runs"]["seq1f1b-compute"]["act_peak_bytes"] / r["runs"]["1f1b"]["act_peak_bytes"] for r in results]
+    chunk_ratio = [s1.peak_formula(P, r, K) / (P - r) for r in range(P)]
+    assert all(b > c for b, c in zip(ratio, chunk_ratio)), (ratio, chunk_ratio)
+    assert ratio[0] < 1 < ratio[-1]
+
+
 # ---- bad input, before any process starts ------------------------------------------------------------
 @pytest.mark.parametrize("cfg, world, match", [
-    ({"seq_chunks": 33}, 4, "seq_chunks=33"), ({"seq_chunks": 0}, 4, "seq_chunks=0"),
-    ({"micro_batches": 2}, 4, "micro_batches=2"), ({"partitions": ["halves"]}, 4, "halves"),
-    ({"partitions": []}, 4, "partitions is empty"),
+    ({"seq_chunks": 33}, 4, "seq_chunks=33"), ({"seq_chunks": 0}, 4, "seq_chunks must be >= 1"),
+    ({"m": 2}, 4, "m=2"), ({"partitions": ["halves"]}, 4, "halves"),
+    ({"partitions": []}, 4, "partitions must not be empty"), ({"micro_batches": 8}, 4, "did you mean 'micro_batch'"),
     ({"n_layer": 3}, 4, "n_layer=3"), ({}, 1, "world_size=1"), ({"preset": "huge"}, 4, "preset='huge'")])
 def test_validate_rejects_bad_input(cfg, world, match):
     with pytest.raises(ValueError, match=match):

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import pytest
 
+import torch
+
 from toolkit import launch
 from toolkit.lessons import l13_vocab_parallel as lesson
 from toolkit.pipeline import vocab_parallel as vp
+from toolkit.pipeline.schedule import one_f_one_b
 from toolkit.pipeline.simulate import simulate
 
 P = 4
+M = lesson.PRESETS["smoke"]["m"]
 PAPER = vp.Workload(n_layer=32, d_model=3072, d_ff=4 * 3072, vocab_size=256_000, seq_len=4096)
 
 
@@ -20,10 +24,55 @@ def results():
 
 # ---- real processes ---------------------------------------------------------------------------------
 def test_loss_and_grads_equal_unsharded_head(results):
-    for name in ("baseline", "vocab1", "vocab2"):
-        assert abs(results[0]["runs"][name]["loss"] - results[0]["ref_loss"]) <= lesson.TOL, name
-        for r in results:  # each rank: its blocks, its embedding and head rows, pos / ln_f where it holds them
+    for name in lesson.RUNS:
+        for r in results:  # every rank has the loss; each rank checks what it owns
+            assert abs(r["runs"][name]["loss"] - results[0]["ref_loss"]) <= lesson.TOL, (name, r["rank"])
             assert r["runs"][name]["max_grad_diff"] <= lesson.TOL, (name, r["rank"])
+
+
+def test_the_run_is_the_simulators_schedule(results):
+    """The action lists that ran are vocab_1f1b's from the gathered pass times (identical on every rank)."""
+    for alg in vp.ALGORITHMS:
+        _, rows = lesson.measured_rows(results, alg)
+        want = vp.vocab_1f1b(P, M, alg, vp.StageCosts(rows)).to_strings()
+        assert all(r["schedules"][f"vocab-{alg}"] == want for r in results)
+        assert {a[1] for acts in want for a in acts} == {"F", "B", "S", "T"}
+
+
+def test_collectives_issued_in_the_same_order_on_every_rank(results):
+    for name in ("vocab-1", "vocab-2"):
+        orders = []
+        for r in results:
+            per_group: dict[str, list[str]] = {}
+            for group, what in r["runs"][name]["collectives"]:
+                per_group.setdefault(group, []).append(what)
+            orders.append(per_group)
+        assert all(o == orders[0] for o in orders)
+        assert orders[0]["c0"] == [f"C0 {i}" for i in range(M)]
+        assert ("c1" in orders[0]) == (name == "vocab-1") and ("dx" in orders[0]) == (name == "vocab-2")
+
+
+def test_activations_p_plus_2_and_p_plus_1_micro_batches(results):
+    """Rank 0 holds p+2 (Algorithm 1) and p+1 (Algorithm 2) micro-batches of stage activations, counted and in
+    bytes (every forward saves the same bytes); the schedule says so too."""
+    for alg in vp.ALGORITHMS:
+        name = f"vocab-{alg}"
+        _, rows = lesson.measured_rows(results, alg)
+        sim = simulate(vp.vocab_1f1b(P, M, alg, vp.StageCosts(rows)), vp.StageCosts(rows))
+        held = [r["runs"][name]["peak_held"] for r in results]
+        assert held == [int(x) for x in sim.peak_mb] and held[0] == P + 3 - alg
+        run0 = results[0]["runs"][name]
+        assert run0["peak_act_bytes"] == held[0] * run0["forward_bytes"][0]
+        assert run0["peak_total"] > run0["peak_act_bytes"]  # plus S→T state
+
+
+def test_c0_runs_on_the_comm_thread(results):
+    for r in results:
+        for name in ("vocab-1", "vocab-2"):
+            run = r["runs"][name]
+            assert sorted(s["mb"] for s in run["comm_spans"] if s["kind"] == "C0") == list(range(M))
+            assert sum(w["msg"] == "C0" for w in run["waits"]) == M  # each T waited for its C0 (maybe 0 s)
+            assert all(s["end"] >= s["start"] for s in run["comm_spans"])
 
 
 def test_extra_collectives_bytes_from_the_ledger(results):
@@ -32,15 +81,27 @@ def test_extra_collectives_bytes_from_the_ledger(results):
     ring = lambda s: 2 * (P - 1) * s // P
     for r in results:
         for alg, last in ((1, "c1"), (2, "dx")):
-            comm = r["runs"][f"vocab{alg}"]["comm"]
-            assert comm["input_fwd"] == ring(N * D * 4) and comm["input_bwd"] == N * D * 4
-            assert comm["bcast_x"] == N * D * 4 and comm["c0"] == ring(N * 4) + ring(2 * N * 4)
-            assert comm[last] == ring(N * D * 4)
+            comm = r["runs"][f"vocab-{alg}"]["comm"]
+            assert comm["input:all_reduce"] == ring(N * D * 4) and comm["input:broadcast"] == N * D * 4
+            assert comm["x:broadcast"] == N * D * 4 and comm["c0:all_reduce"] == ring(N * 4) + ring(2 * N * 4)
+            assert comm[f"{last}:all_reduce"] == ring(N * D * 4)
             inner = 0 < r["rank"] < P - 1
-            assert comm["p2p"] == N * D * 4 * (2 if inner else 1)
-    # Algorithm 2 keeps G_i and H_i (N x D each) beyond Algorithm 1's state
-    state = {alg: results[0]["runs"][f"vocab{alg}"]["s_state_bytes"] for alg in (1, 2)}
-    assert state[2] - state[1] == 2 * N * D * 4
+            assert comm["world:isend"] == N * D * 4 * (2 if inner else 1)
+
+
+def test_algorithm_2_state_keeps_g_and_h():
+    torch.manual_seed(0)
+    x, w, target = torch.randn(6, 4), torch.randn(8, 4), torch.randint(0, 16, (6,))
+    one, two = (vp.s_pass(x, w, target, 8, alg) for alg in vp.ALGORITHMS)
+    assert vp.state_bytes(two) - vp.state_bytes(one) == 2 * 6 * 4 * 4  # G_i and H_i, [N, D] each
+
+
+def test_executor_bad_input():
+    with pytest.raises(ValueError, match="runs a VocabSchedule"):
+        vp.VocabExecutor(one_f_one_b(2, 2), 0, None, (1, 2, 4), {})
+    costs = vp.StageCosts([{"F": 1, "B": 2, "S": 1, "T": 1}] * 2)
+    with pytest.raises(ValueError, match=r"groups lacks \['c0', 'c1', 'dx', 'input', 'x'\]"):
+        vp.VocabExecutor(vp.vocab_1f1b(2, 2, 2, costs), 0, None, (1, 2, 4), {})
 
 
 def test_parameters_balanced(results):
@@ -100,7 +161,7 @@ def test_larger_vocab_larger_gain():
 
 # ---- bad input, before any process starts ------------------------------------------------------------
 @pytest.mark.parametrize("cfg, world, match", [
-    ({"vocab_size": 1001}, 4, "vocab_size=1001"), ({"micro_batches": 3}, 4, "micro_batches=3"),
+    ({"vocab_size": 1001}, 4, "vocab_size=1001"), ({"m": 3}, 4, "m=3"),
     ({"n_layer": 6}, 4, "n_layer=6"), ({}, 1, "world_size=1"), ({"d_model": 31}, 4, "d_model=31"),
     ({"preset": "huge"}, 4, "preset='huge'")])
 def test_validate_rejects_bad_input(cfg, world, match):
@@ -117,5 +178,20 @@ def test_shard_rows_and_bad_algorithm():
     assert [vp.shard_rows(12, 3, r) for r in range(3)] == [(0, 4), (4, 8), (8, 12)]
     with pytest.raises(ValueError, match="algorithm=3"):
         vp.vocab_1f1b(2, 4, 3, vp.StageCosts([{"F": 1, "B": 2, "S": 1, "T": 1}] * 2))
-    with pytest.raises(ValueError, match="micro_batches=1"):
+    with pytest.raises(ValueError, match="m=1 micro-batches"):
         vp.vocab_1f1b(2, 1, 2, vp.StageCosts([{"F": 1, "B": 2, "S": 1, "T": 1}] * 2))
+
+
+def test_the_gpu_check_passes_on_cpu_with_one_rank():
+    """benchmarks/gpu/vocab_parallel.py's body on gloo/CPU (its GPU run differs only in device and streams)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    code = ("import json, sys; sys.path.insert(0, 'benchmarks/gpu'); import vocab_parallel as v; "
+            "print(json.dumps(v.run('gloo', 'cpu')))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = json.loads(out.stdout.strip().splitlines()[-1])
+    assert len(rows) == 6 and all(row["ok"] for row in rows), rows

@@ -55,7 +55,8 @@ timeout_s = 900
 # %% [markdown]
 # ## The code that matters
 #
-# `toolkit/memory/offload.py`. The pack hook files each saved tensor under its group, one entry per storage
+# `toolkit/memory/offload.py` (the offloader, and `OffloadingExecutor`: the pipeline executor with the
+offloader's hooks around every forward and backward). The pack hook files each saved tensor under its group, one entry per storage
 # (the q, k, v views of one qkv tensor are one storage, copied once):
 
 # %%
@@ -83,10 +84,10 @@ print(inspect.getsource(offload.ActivationOffloader._unpack))
 # %% [markdown]
 # ## The run
 #
-# `world_size` ranks run the tiny GPT as a pipeline, one stage per rank, with the 1F1B schedule and executor of
-# lesson 10's `toolkit.pipeline` (real processes, activations and gradients sent point to point). Every variant
+# `world_size` ranks run the tiny GPT as a pipeline, one stage per rank, with the 1F1B schedule through
+# `OffloadingExecutor` (real processes, activations and gradients sent point to point). Every variant
 # runs the same step on the same micro-batches: `none` (the baseline, counted the same way), one run per
-# policy, and `torch.autograd.graph.save_on_cpu` (PyTorch's own offload: synchronous, no prefetch, not pipeline
+# policy, `all-long-lived` (section 5), and `torch.autograd.graph.save_on_cpu` (PyTorch's own offload: synchronous, no prefetch, not pipeline
 # aware). *Resident* bytes are the saved activations on the device, each storage once, from when autograd
 # saves it until its memory is really freed; *total* is every tensor of the rank (parameters, gradients,
 # activations, buffers in flight) from the `MemoryTracker`.
@@ -158,9 +159,20 @@ for r in results:
 #   storage leaves only if every module that saved it is in the policy. This is Megatron's "attn_proj needs
 #   core_attn". The reverse, `core` without `proj`, copies that storage and then finds it still needed by
 #   proj: the *wasted* column counts such copies, which cost bandwidth and free nothing.
-# - **Rank 1 holds less to begin with** (1F1B's last stage runs each backward right after its forward), and
-#   its last group is always kept; rank 0 holds p micro-batches and gains the most.
+# - **The last rank holds less to begin with** (1F1B's last stage runs each backward right after its forward),
+#   and its last group is always kept (figures below); rank 0 holds p micro-batches.
 # - **late** counts reloads the backward had to wait for: zero with prefetch (compare `prefetch=False` below).
+
+# %%
+by_rank = [{row["variant"]: row for row in r["rows"]} for r in results]
+assert all(rows["mlp"]["resident_peak"] < rows["attention"]["resident_peak"] for rows in by_rank)  # MLP saves more
+assert all(rows["proj"]["offloaded_bytes"] == 0 for rows in by_rank) and by_rank[0]["core"]["wasted_copy_bytes"] > 0
+last = by_rank[-1]
+display(Markdown(
+    f"Measured: without offload the last rank's resident peak is {last['none']['resident_peak']:,} B against rank "
+    f"0's {by_rank[0]['none']['resident_peak']:,} B; offloading every module lowers them by "
+    + ", ".join(f"{100 * rows['all']['resident_reduction']:.1f}% (rank {i})" for i, rows in enumerate(by_rank))
+    + f". The MLP policy lowers the peak more than the attention policy on every rank."))
 
 # %% [markdown]
 # ## 3 · Gradients, and `save_on_cpu`
@@ -178,16 +190,23 @@ for r in results:
 # %% [markdown]
 # `save_on_cpu` packs each saved tensor with `tensor.cpu()` and unpacks it with `.to(device)` when the backward
 # reaches it. On CUDA that moves everything (parameters included: every linear layer saves its weight) with
-# synchronous copies and no prefetch, so each backward waits for its reloads. On this CPU machine `.cpu()` of a
-# CPU tensor returns the tensor itself: nothing moves and nothing is saved; the total above stays within a
-fraction of a percent of the baseline.
-# Our offloader makes real copies on CPU too, so the bytes and the copy cost are measured here; only the
-# overlap of copies with compute (side streams) needs a GPU.
+# synchronous copies and no prefetch, so each backward waits for its reloads. On a CPU machine `.cpu()` of a
+# CPU tensor returns the tensor itself: nothing moves and nothing is saved. Our offloader makes real copies on
+# CPU too, so the bytes and the copy cost are measured here; only the overlap of copies with compute (side
+# streams) needs a GPU.
+
+# %%
+soc_change = [abs(rows["save_on_cpu"]["tracker_peak_total"] / rows["none"]["tracker_peak_total"] - 1) for rows in by_rank]
+if r0["copies"].endswith("(CPU)"):
+    assert max(soc_change) < 0.01
+display(Markdown(f"Measured: `save_on_cpu` changes the rank's total peak by at most {100 * max(soc_change):.2f}% here "
+                 f"({r0['copies']})."))
 
 # %% [markdown]
 # ## 4 · What it costs
 #
-# Median step time over interleaved rounds (`toolkit.runtime.bench.measure`), on this machine. On CPU the
+# Step time of the variants timed side by side (`toolkit.runtime.bench.compare`: warm-up, then rounds with the
+# order rotating; the trimmed mean of the round means), on this machine. On CPU the
 # copies are synchronous memcpy in the same RAM, so this is the pure cost of the extra copies with no overlap;
 # on a GPU they run on side streams while the next module computes.
 
@@ -197,6 +216,50 @@ viz.bars([{"variant": row["variant"], "rank": f"rank {r['rank']}", "ms": 1e3 * r
           for row in r["rows"] if "step_s" in row], x="variant", y="ms", color="rank",
          title="Pipeline step time by variant", yaxis_title="ms per step", text_format=".1f").show()
 print(", ".join(f"{row['variant']} x{row['step_ratio']:.2f}" for row in timed), "(step time / no offload, rank 0)")
+
+# %% [markdown]
+# ## 5 · Which micro-batches: offload by lifetime, per rank
+#
+# Offloading every micro-batch treats all ranks alike. But under 1F1B the last rank runs each backward right
+# after its forward: whatever it sends to the host comes straight back, two copies that free memory for a
+# moment and that no compute can hide. Production systems offload by lifetime instead (PipeOffload; Megatron
+# offloads fewer bytes on higher pipeline ranks): `long_lived(order, skip_within)` keeps the micro-batches whose
+# backward comes within `skip_within` actions of their forward, so later ranks offload less.
+
+# %%
+print(inspect.getsource(offload.long_lived))
+for r in results:
+    print(f"rank {r['rank']}: long-lived micro-batches (skip within {r['skip_within']} actions): {r['long_lived']}")
+
+# %%
+# NBVAL_CHECK_OUTPUT
+print(f"{'rank':>4} {'policy':>15} {'groups':>6} {'resident peak':>14} {'offloaded':>10} {'reloaded':>10}  grads equal")
+for r, rows in zip(results, by_rank):
+    for variant in ("none", "all", "all-long-lived"):
+        row = rows[variant]
+        print(f"{r['rank']:>4} {variant:>15} {row['offloaded_groups']:>6} {row['resident_peak']:>14,} "
+              f"{row['offloaded_bytes']:>10,} {row['reloaded_bytes']:>10,}  {row['grads_bitwise_equal']}")
+
+# %%
+for rows in by_rank:
+    assert rows["all-long-lived"]["grads_bitwise_equal"] and rows["all-long-lived"]["late_reloads"] == 0
+    assert rows["all-long-lived"]["offloaded_bytes"] <= rows["all"]["offloaded_bytes"]
+assert by_rank[-1]["all-long-lived"]["offloaded_bytes"] == 0 < by_rank[-1]["all"]["offloaded_bytes"]
+assert by_rank[0]["all-long-lived"]["offloaded_bytes"] > 0
+last, first = by_rank[-1], by_rank[0]
+display(Markdown(
+    f"Measured, per rank (`all` vs `all-long-lived`): rank 0 copies {first['all']['offloaded_bytes']:,} vs "
+    f"{first['all-long-lived']['offloaded_bytes']:,} B to the host, resident peak "
+    f"{first['all']['resident_peak']:,} vs {first['all-long-lived']['resident_peak']:,} B. The last rank copies "
+    f"{last['all']['offloaded_bytes']:,} B (and as many back) under `all` to lower its resident peak from "
+    f"{last['none']['resident_peak']:,} to {last['all']['resident_peak']:,} B for the span of one forward and "
+    f"backward; `all-long-lived` copies nothing there and keeps {last['all-long-lived']['resident_peak']:,} B. "
+    f"On a GPU those copies would sit on the critical path of the rank with no work to hide them; the pipeline's "
+    f"memory peak is rank 0's, which both policies lower alike."
+    if first["all-long-lived"]["resident_peak"] == first["all"]["resident_peak"] else
+    f"Measured, per rank: rank 0's resident peak is {first['all']['resident_peak']:,} B under `all` and "
+    f"{first['all-long-lived']['resident_peak']:,} B under `all-long-lived`; the last rank copies "
+    f"{last['all']['offloaded_bytes']:,} B under `all` and nothing under `all-long-lived`."))
 
 # %% [markdown]
 # ## Checks

@@ -1,14 +1,21 @@
-"""Lesson 10, per rank: recompute in the pipeline bubble (RiPipe) against plain checkpointing and no recompute.
+"""Lesson 10, per rank: recompute in the pipeline bubble (RiPipe) against plain checkpointing and no recompute,
+on 1F1B and on interleaved 1F1B (v stages per rank)::
 
-    1F1B, no recompute            every forward keeps its activations: rank r holds p - r micro-batches
-    1F1B, recompute inline        forwards beyond the cap ``keep`` are checkpointed; the backward
-                                  recomputes after its gradient arrives (torch.utils.checkpoint)
-    1F1B, recompute in bubble     the same forwards checkpointed; an R action right before the backward
-                                  rebuilds them while the rank waits for the gradient
+    1f1b                               every forward keeps its activations: rank r holds p - r micro-batches
+    1f1b-recompute-inline              policy "cap": forwards beyond ``keep`` held are checkpointed; the
+                                       backward recomputes after its gradient arrives (torch.utils.checkpoint)
+    1f1b-recompute-bubble              the same forwards; an R action right before the backward rebuilds them
+                                       while the rank waits for the gradient
+    1f1b-recompute-bubble-cooldown     policy "cooldown" (bubble-aware): only the forwards whose backward runs
+                                       in the rank's cool-down, where it waits anyway; R in that wait
+    interleaved                        v stages per rank, no recompute: rank 0 holds (v p + p - 1) / v
+    interleaved-recompute-*-cooldown   the cool-down forwards of the interleaved schedule, recomputed inline or
+                                       in the bubble (some are early warm-up chunks: the peak drops)
 
-For each: one checked step (loss, gradients bitwise against the no-recompute run, saved-activation
-bytes over the step), then the three timed round-robin (sharing the machine's load) with per-action spans. Plus, on rank 0, the dropout check: the
-recompute restores the RNG state, so masks (and gradients) repeat; recomputing without it does not.
+For each: one checked step (loss, gradients bitwise against the same schedule without recompute, saved-
+activation bytes over the step), then all timed side by side, round-robin (sharing the machine's load),
+with per-action spans. Plus, on rank 0, the dropout check: the recompute restores the RNG state, so masks
+(and gradients) repeat; recomputing without it does not.
 """
 from __future__ import annotations
 
@@ -17,27 +24,46 @@ import torch.nn as nn
 
 from toolkit.pipeline.harness import Job, PipelineSetup, grads_bitwise_equal, measure_schedules
 from toolkit.pipeline.recompute import RecomputeQueue
-from toolkit.pipeline.schedule import one_f_one_b
+from toolkit.pipeline.schedule import interleaved_1f1b, one_f_one_b
 from toolkit.runtime.config import Param, common, require_divisible, resolve
 
+WORLD_SIZE = 4
 PARAMS = {**common("model", "n_layer", "m", "micro_batch", "warmup", "bench_steps", "rounds"),
-          "keep": Param(int, "micro-batches whose activations a rank may hold at once", ge=1)}
+          "keep": Param(int, "micro-batches whose activations a rank may hold at once (policy 'cap')", ge=1),
+          "v": Param(int, "stages per rank of the interleaved schedule", ge=2)}
 PRESETS = {
-    "smoke": {"model": "smoke", "n_layer": 2, "m": 4, "micro_batch": 2, "keep": 1, "warmup": 1, "bench_steps": 2,
-              "rounds": 3},
-    "default": {"model": "default", "n_layer": 4, "m": 8, "micro_batch": 4, "keep": 1, "warmup": 2,
-                "bench_steps": 3, "rounds": 5},
-    "full": {"model": "full", "n_layer": 12, "m": 16, "micro_batch": 2, "keep": 2, "warmup": 3, "bench_steps": 5,
-             "rounds": 5},
+    "smoke": {"model": "smoke", "n_layer": 8, "m": 8, "micro_batch": 2, "keep": 2, "v": 2, "warmup": 1,
+              "bench_steps": 1, "rounds": 3},
+    "default": {"model": "default", "n_layer": 8, "m": 8, "micro_batch": 2, "keep": 2, "v": 2, "warmup": 1,
+                "bench_steps": 2, "rounds": 3},
+    "full": {"model": "full", "n_layer": 16, "m": 16, "micro_batch": 2, "keep": 2, "v": 2, "warmup": 3,
+             "bench_steps": 5, "rounds": 5},
 }
 MODES = ("none", "inline", "bubble")
 
 
+def schedules(p: int, cfg: dict) -> dict[str, object]:
+    """The schedules this lesson runs, by name (``Schedule.name``), and the one each is compared against."""
+    m, keep, v = cfg["m"], cfg["keep"], cfg["v"]
+    out = [one_f_one_b(p, m), one_f_one_b(p, m, "inline", keep), one_f_one_b(p, m, "bubble", keep),
+           one_f_one_b(p, m, "bubble", policy="cooldown"),
+           interleaved_1f1b(p, m, v), interleaved_1f1b(p, m, v, "inline", policy="cooldown"),
+           interleaved_1f1b(p, m, v, "bubble", policy="cooldown")]
+    return {s.name: s for s in out}
+
+
+def baseline_of(name: str) -> str:
+    """The schedule without recompute that ``name`` is compared against."""
+    return name.split("-recompute-")[0]
+
+
 def validate(cfg: dict, world_size: int) -> dict:
-    cfg = resolve(cfg, PRESETS, PARAMS)
+    cfg = resolve(cfg, PRESETS, PARAMS)  # any world size: with one rank every stage is local (the GPU check)
     if cfg["m"] < world_size:
         raise ValueError(f"m={cfg['m']} micro-batches is too few: 1F1B needs m >= world_size = {world_size}")
-    require_divisible("n_layer", cfg["n_layer"], world_size, "world_size", "one stage per rank")
+    require_divisible("m", cfg["m"], world_size, "world_size", "interleaved 1F1B")
+    require_divisible("n_layer", cfg["n_layer"], cfg["v"] * world_size, "v * world_size",
+                      "one stage per rank for 1F1B, v per rank interleaved")
     return cfg
 
 
@@ -45,16 +71,22 @@ def run(ctx, cfg: dict) -> dict:
     p, m = ctx.world_size, cfg["m"]
     setup = PipelineSetup.build(cfg["model"], n_layer=cfg["n_layer"], m=m, micro_batch=cfg["micro_batch"],
                                 device=ctx.device)
-    jobs = [Job(one_f_one_b(p, m, mode, cfg["keep"])) for mode in MODES]
+    named = schedules(p, cfg)
+    jobs = [Job(s) for s in named.values()]
     records, models = measure_schedules(ctx, setup, jobs, warmup=cfg["warmup"], steps=cfg["bench_steps"],
                                         rounds=cfg["rounds"])
-    runs = dict(zip(MODES, records))
-    for mode, job in zip(MODES, jobs):
-        runs[mode]["checkpointed"] = sorted(mb for s, mb, _ in job.schedule.checkpointed if s == ctx.rank)
-    mine = setup.stages(models[0], jobs[0].schedule, ctx.rank).values()  # this rank's stages, no recompute
-    bitwise = {mode: grads_bitwise_equal(models[0], model, mine) for mode, model in zip(MODES[1:], models[1:])}
-    return {"rank": ctx.rank, "p": p, "m": m, "keep": cfg["keep"], "model": vars(setup.model_cfg),
-            "ref_loss": setup.ref_loss, "runs": runs, "bitwise_equal_to_none": bitwise,
+    runs = dict(zip(named, records))
+    trained = dict(zip(named, models))
+    bitwise = {}
+    for name, schedule in named.items():
+        runs[name]["checkpointed"] = sorted([s, mb] for s, mb, _ in schedule.checkpointed
+                                            if schedule.stage_rank[s] == ctx.rank)
+        base = baseline_of(name)
+        if base != name:
+            mine = setup.stages(trained[base], named[base], ctx.rank).values()  # this rank's stages
+            bitwise[name] = grads_bitwise_equal(trained[base], trained[name], mine)
+    return {"rank": ctx.rank, "p": p, "m": m, "keep": cfg["keep"], "v": cfg["v"], "model": vars(setup.model_cfg),
+            "ref_loss": setup.ref_loss, "runs": runs, "bitwise_equal_to_no_recompute": bitwise,
             "dropout": dropout_check() if ctx.rank == 0 else None}
 
 

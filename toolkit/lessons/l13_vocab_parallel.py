@@ -1,16 +1,16 @@
 """Lesson 13: vocabulary parallelism. Per rank (p ranks = p pipeline stages)::
 
-    reference     the whole GPT on one process: loss and every gradient (each rank, for comparison)
-    baseline      pipeline, embedding on stage 0, head + loss on stage p-1           (GPipe order, real P2P)
-    vocab 1 / 2   pipeline, both tables split in p row blocks, S/C0/T(/C1) passes on every rank
-    timings       each rank in turn (the others wait) times its passes for one micro-batch (CPU time of
-                  the rank's thread on CPU, so other processes on the cores do not count)
-    calibration   matmul FLOP/s, memory bytes/s and per-op overhead of this CPU, for the cost model
-
-The real runs use GPipe order (all forwards, the vocabulary passes, all backwards) so every rank issues
-its collectives in the same order; the throughput of 1F1B schedules comes from the simulator
-(``toolkit.pipeline.vocab_parallel.simulate``), fed with the measured pass times here and with the
-cost model at the paper's scale.
+    reference     the whole GPT on one process (``PipelineSetup``): loss and every gradient, for comparison
+    pass costs    each rank in turn (the others wait) times its passes for one micro-batch, both layouts
+                  (CPU time of the rank's thread on CPU, so other processes on the cores do not count);
+                  every rank gets every rank's times; rank 0 also calibrates this CPU for the cost model
+    schedules     ``vocab_1f1b(p, m, algorithm, measured costs)``: the simulator places the S and T passes
+                  into 1F1B; every rank builds the same action lists from the same gathered times
+    1f1b          baseline: embedding on stage 0, head + loss on stage p-1, 1F1B through ``PipelineExecutor``
+    vocab-1/-2    both tables split in p row blocks, the same action lists run by ``VocabExecutor``: S/T on
+                  every rank, C0 on a comm thread, async collectives (Algorithm 1: C1; Algorithm 2: fused dX)
+    one checked step of each: loss, gradients against the reference, activation bytes, waits, collectives;
+    then all three timed side by side (``toolkit.runtime.bench.compare``).
 """
 from __future__ import annotations
 
@@ -20,240 +20,174 @@ import time
 import torch
 import torch.distributed as dist
 
-from toolkit.data import batches
-from toolkit.models.gpt import GPT, GPTConfig, lm_loss, split_stages
+from toolkit.models.gpt import lm_loss, split_stages
 from toolkit.pipeline import vocab_parallel as vp
-from toolkit.runtime.bench import measure
-from toolkit.runtime.config import require_positive_ints, resolve_preset
+from toolkit.pipeline.harness import Job, PipelineSetup, check_step
+from toolkit.pipeline.schedule import one_f_one_b
+from toolkit.pipeline.simulate import simulate
+from toolkit.runtime.bench import compare, measure
+from toolkit.runtime.config import Param, common, require_divisible, require_ranks, resolve
+from toolkit.runtime.timeline import Timeline
 
+WORLD_SIZE = 4
+PARAMS = {**common("n_layer", "seq_len", "m", "micro_batch", "warmup", "bench_steps", "rounds"),
+          "vocab_size": Param(int, "tokens in the vocabulary (a multiple of world_size)", ge=1),
+          "d_model": Param(int, "hidden size", ge=1),
+          "n_head": Param(int, "attention heads (must divide d_model)", ge=1)}
 PRESETS = {
-    "smoke": dict(vocab_size=1024, n_layer=4, d_model=32, n_head=2, seq_len=32, micro_batch=2, micro_batches=4,
-                  bench_steps=3),
-    "default": dict(vocab_size=8192, n_layer=4, d_model=128, n_head=4, seq_len=128, micro_batch=2, micro_batches=8,
-                    bench_steps=5),
-    "full": dict(vocab_size=65536, n_layer=8, d_model=1024, n_head=16, seq_len=1024, micro_batch=1,
-                 micro_batches=16, bench_steps=10),
+    "smoke": dict(vocab_size=1024, n_layer=4, d_model=32, n_head=2, seq_len=32, micro_batch=2, m=6,
+                  warmup=1, bench_steps=1, rounds=1),
+    "default": dict(vocab_size=8192, n_layer=4, d_model=128, n_head=4, seq_len=128, micro_batch=2, m=8,
+                    warmup=1, bench_steps=1, rounds=3),
+    "full": dict(vocab_size=65536, n_layer=8, d_model=1024, n_head=16, seq_len=1024, micro_batch=1, m=16,
+                 warmup=2, bench_steps=5, rounds=5),
 }
 TOL = 1e-5  # fp32: the sharded softmax and the all-reduces only reorder sums
+RUNS = ("1f1b", "vocab-1", "vocab-2")
 
 
 def validate(cfg: dict, world_size: int) -> dict:
-    cfg = resolve_preset(cfg, PRESETS)
+    cfg = resolve(cfg, PRESETS, PARAMS)
     p = world_size
-    if p < 2:
-        raise ValueError(f"world_size={p}: vocabulary parallelism needs at least 2 pipeline stages")
-    require_positive_ints(cfg, "vocab_size", "n_layer", "d_model", "n_head", "seq_len", "micro_batch", "micro_batches",
-                          "bench_steps")
+    require_ranks(p, 2, "vocabulary parallelism (one pipeline stage per rank)")
     vp.shard_rows(cfg["vocab_size"], p, 0)  # raises, naming vocab_size, unless p divides it
-    if cfg["n_layer"] % p:
-        raise ValueError(f"n_layer={cfg['n_layer']} must be divisible by world_size={p} (layers per stage)")
-    if cfg["micro_batches"] < p:
-        raise ValueError(f"micro_batches={cfg['micro_batches']} is fewer than the {p} stages; need >= {p}")
-    GPTConfig(vocab_size=cfg["vocab_size"], seq_len=cfg["seq_len"], n_layer=cfg["n_layer"], n_head=cfg["n_head"],
-              d_model=cfg["d_model"])  # its own checks (d_model % n_head)
+    require_divisible("n_layer", cfg["n_layer"], p, "world_size", "layers per stage")
+    if cfg["m"] < p:
+        raise ValueError(f"m={cfg['m']} micro-batches is fewer than the {p} stages; need m >= {p}")
+    require_divisible("d_model", cfg["d_model"], cfg["n_head"], "n_head", "heads split the hidden size")
     return cfg
+
+
+def setup_of(cfg: dict, device="cpu") -> PipelineSetup:
+    """The lesson's GPT (the smoke preset of ``toolkit.models`` with this config's sizes), data and reference."""
+    return PipelineSetup.build("smoke", m=cfg["m"], micro_batch=cfg["micro_batch"], n_layer=cfg["n_layer"],
+                               vocab_size=cfg["vocab_size"], seq_len=cfg["seq_len"], d_model=cfg["d_model"],
+                               n_head=cfg["n_head"], device=device)
 
 
 # ---------------------------------------------------------------------------------------------
 def run(ctx, cfg: dict) -> dict:
     r, p = ctx.rank, ctx.world_size
-    mcfg = GPTConfig(vocab_size=cfg["vocab_size"], seq_len=cfg["seq_len"], n_layer=cfg["n_layer"],
-                     n_head=cfg["n_head"], d_model=cfg["d_model"])
-    torch.manual_seed(0)
-    model = GPT(mcfg).to(ctx.device)
-    data = [(x.to(ctx.device), y.to(ctx.device))
-            for x, y in batches(cfg["micro_batch"], cfg["seq_len"], cfg["micro_batches"], seed=1)]
-    m = len(data)
-
-    ref_loss, ref_grads = _reference(model, data)
-    out = {"rank": r, "ref_loss": ref_loss, "runs": {}}
-    progress = [0]
+    setup = setup_of(cfg, ctx.device)
+    m = setup.m
+    groups = vp.vocab_groups(list(range(p)))
+    for name, group in groups.items():
+        ctx.ledger.name_group(group, name)
+    out = {"rank": r, "ref_loss": setup.ref_loss, "runs": {}}
+    ticks, total = [0], 4
 
     def tick(msg):
-        progress[0] += 1
-        ctx.progress(progress[0], 6, msg)
+        ticks[0] += 1
+        ctx.progress(ticks[0], total, msg)
 
-    with ctx.ledger.tag("baseline"):
-        loss, grads = _baseline(ctx, model, data)
-    out["runs"]["baseline"] = {"loss": loss, "max_grad_diff": _diff(grads, ref_grads)}
-    tick("baseline")
-    for alg in vp.ALGORITHMS:
-        ctx.ledger.reset()
-        loss, grads, sbytes = _vocab(ctx, model, data, alg)
-        out["runs"][f"vocab{alg}"] = {"loss": loss, "max_grad_diff": _diff(grads, ref_grads),
-                                      "s_state_bytes": sbytes, "comm": _comm_per_mb(ctx, m)}
-        tick(f"vocab algorithm {alg}")
-    out["param_bytes"] = {"baseline": _param_bytes_baseline(model, r, p), "vocab": _param_bytes_vocab(model, r, p)}
-
-    # Pass times, one rank at a time so ranks do not share the cores while timed.
+    # Pass costs, one rank at a time so ranks do not share the cores while timed; then everyone has all.
     for turn in range(p):
         ctx.barrier()
         if r == turn:
-            out["times"] = _time_passes(model, data[0], r, p, cfg["bench_steps"])
+            out["times"] = _time_passes(setup.fresh(), setup.inputs[0], setup.targets[0], r, p, cfg["bench_steps"])
             if r == 0:
                 out["calibration"] = _calibrate(cfg, p, ctx.device)
-    ctx.barrier()
-    tick("timings")
+    everyone = [None] * p
+    dist.all_gather_object(everyone, out["times"])
+    tick("pass costs")
+
+    # The schedules: what the simulator builds from the measured costs, the same on every rank.
+    schedules = {"1f1b": one_f_one_b(p, m)}
+    for alg in vp.ALGORITHMS:
+        _, rows = measured_rows([{"times": t} for t in everyone], alg)
+        schedules[f"vocab-{alg}"] = vp.vocab_1f1b(p, m, alg, vp.StageCosts(rows))
+    out["schedules"] = {name: s.to_strings() for name, s in schedules.items()}
+
+    # One checked step of each.
+    record, _ = check_step(ctx, setup, Job(schedules["1f1b"]))
+    loss = torch.tensor([record["loss"] or 0.0], device=ctx.device)
+    dist.broadcast(loss, src=p - 1)  # the last stage computed it
+    out["runs"]["1f1b"] = {"loss": loss.item(), "max_grad_diff": record["grad_diff"],
+                           "peak_act_bytes": record["peak_act_bytes"]}
+    for alg in vp.ALGORITHMS:
+        name = f"vocab-{alg}"
+        model, stage, ex = _vocab_executor(ctx, setup, schedules[name], groups, meter=True)
+        with ctx.ledger.tag(name):
+            loss = ex.step(setup.inputs, setup.targets)
+        out["runs"][name] = {
+            "loss": loss, "max_grad_diff": vocab_grad_diff(model, stage, setup.reference),
+            "peak_act_bytes": ex.meter.peak, "peak_vocab_bytes": ex.vocab_meter.peak, "peak_total": ex.peak_total,
+            "peak_held": ex.peak_held, "forward_bytes": ex.forward_bytes, "waits": ex.waits,
+            "comm_spans": ex.comm_spans, "collectives": ex.collectives, "comm": _comm_per_mb(ctx, name, m)}
+    tick("checked steps")
+
+    # All three timed side by side, round-robin, each on a fresh copy; spans of each one's last step.
+    def timeline() -> Timeline:
+        t = Timeline(r)
+        t.origin = ctx.timeline.origin  # aligned across ranks by the launch barrier
+        return t
+
+    timed = {"1f1b": (*setup.executor(schedules["1f1b"], r, timeline=timeline()), None)}
+    for alg in vp.ALGORITHMS:
+        model, stage, ex = _vocab_executor(ctx, setup, schedules[f"vocab-{alg}"], groups, timeline=timeline())
+        timed[f"vocab-{alg}"] = (model, ex, stage)
+
+    def stepper(model, ex, stage):
+        def go():
+            model.zero_grad(set_to_none=True)
+            if stage is not None:
+                stage.zero_grad(set_to_none=True)
+            ex.timeline.spans.clear()
+            ex.step(setup.inputs, setup.targets)
+        return go
+
+    bench = compare({name: stepper(*timed[name]) for name in RUNS}, warmup=cfg["warmup"], steps=cfg["bench_steps"],
+                    rounds=cfg["rounds"], sync=ctx.barrier,
+                    on_round=lambda done, n: ctx.progress(2 + done / n, total, "timing"))
+    for name in RUNS:
+        _, ex, _ = timed[name]
+        out["runs"][name]["bench"] = bench[name].to_dict()
+        out["runs"][name]["spans"] = ex.timeline.to_json()  # the last timed step
+        out["runs"][name]["timed_waits"] = ex.waits
+        if name != "1f1b":
+            out["runs"][name]["timed_comm_spans"] = ex.comm_spans
+    out["param_bytes"] = {"baseline": _param_bytes_baseline(setup, r, p),
+                          "vocab": sum(q.numel() * q.element_size() for q in timed["vocab-2"][2].parameters())}
+    tick("timing")
     return out
 
 
-def _reference(model: GPT, data) -> tuple[float, dict]:
-    model.zero_grad()
-    total = 0.0
-    for idx, tgt in data:
-        loss = model(idx, tgt) / len(data)
-        loss.backward()
-        total += loss.item()
-    grads = {n: q.grad.clone() for n, q in model.named_parameters()}
-    model.zero_grad()
-    return total, grads
+def _vocab_executor(ctx, setup: PipelineSetup, schedule, groups, **kwargs):
+    """(model, stage, executor): a fresh copy of the model, this rank's ``VocabStage`` of it, its executor."""
+    model = setup.fresh()
+    stage = vp.VocabStage(model, ctx.rank, ctx.world_size)
+    ex = vp.VocabExecutor(schedule, ctx.rank, stage, setup.act_shape, groups, device=ctx.device, **kwargs)
+    return model, stage, ex
 
 
-def _diff(grads: dict, ref: dict) -> float:
-    """Max |grad - reference| over the parameters (or row slices) this rank owns."""
+def vocab_grad_diff(model, stage: vp.VocabStage, reference) -> float:
+    """Largest |grad - reference grad| over what this rank owns: its blocks (and pos / ln_f, shared with
+    ``model``) and its rows of the two tables (``stage.tok``, ``stage.out``)."""
+    ref = dict(reference.named_parameters())
+    mine = {id(q) for q in stage.parameters()}
     worst = 0.0
-    for name, (g, rows) in grads.items():
-        want = ref[name] if rows is None else ref[name][rows[0]:rows[1]]
-        worst = max(worst, (g - want).abs().max().item())
+    for name, q in model.named_parameters():
+        if id(q) in mine:
+            worst = max(worst, (q.grad - ref[name].grad).abs().max().item())
+    for own, name in ((stage.tok, "embed.tok.weight"), (stage.out, "head.out.weight")):
+        worst = max(worst, (own.grad - ref[name].grad[stage.lo:stage.hi]).abs().max().item())
     return worst
 
 
-def _owned(model: GPT, r: int, p: int) -> dict:
-    """Names of the block / position / ln_f parameters stage r owns in both layouts."""
-    per = len(model.blocks) // p
-    names = {}
-    for n, q in model.named_parameters():
-        if n.startswith("blocks."):
-            if r * per <= int(n.split(".")[1]) < (r + 1) * per:
-                names[n] = q
-        elif n == "embed.pos.weight" and r == 0 or n.startswith("head.ln_f") and r == p - 1:
-            names[n] = q
-    return names
+def _comm_per_mb(ctx, tag: str, m: int) -> dict:
+    """Bytes this rank put on the wire per micro-batch in the step tagged ``tag``, by group and op."""
+    rows = [row for row in ctx.ledger.summary(by=("tag", "group", "op")) if row["tag"] == tag]
+    return {f"{row['group']}:{row['op']}": row["sent_bytes"] // m for row in rows}
 
 
-def _baseline(ctx, model: GPT, data) -> tuple[float, dict]:
-    """GPipe order: every forward, then every backward; the first stage embeds, the last computes the loss."""
-    r, p, m = ctx.rank, ctx.world_size, len(data)
-    stage = split_stages(model, p)[r]
-    B, T = data[0][0].shape
-    xs, ys = [], []
-    for i, (idx, tgt) in enumerate(data):
-        with ctx.timeline.span("F", mb=i, run="baseline"):
-            x = idx if r == 0 else _recv((B, T, model.cfg.d_model), r - 1, idx.device).requires_grad_()
-            y = stage(x)
-            if r == p - 1:
-                y = lm_loss(y, tgt) / m
-            else:
-                dist.send(y.detach(), r + 1)
-        xs.append(x)
-        ys.append(y)
-    for i in range(m):
-        with ctx.timeline.span("B", mb=i, run="baseline"):
-            ys[i].backward(None if r == p - 1 else _recv(ys[i].shape, r + 1, ys[i].device))
-            if r > 0:
-                dist.send(xs[i].grad, r - 1)
-    loss = torch.tensor([sum(y.item() for y in ys) if r == p - 1 else 0.0], device=ctx.device)
-    dist.broadcast(loss, src=p - 1)
-    grads = {n: (q.grad.clone(), None) for n, q in model.named_parameters() if q.grad is not None}
-    model.zero_grad()
-    return loss.item(), grads
-
-
-def _vocab(ctx, model: GPT, data, algorithm: int) -> tuple[float, dict, int]:
-    """Vocabulary parallelism in GPipe order: input layer, forwards, S/C0/T(/C1) per micro-batch, backwards."""
-    r, p, m = ctx.rank, ctx.world_size, len(data)
-    V, D = model.cfg.vocab_size, model.cfg.d_model
-    lo, hi = vp.shard_rows(V, p, r)
-    tok = model.embed.tok.weight[lo:hi].detach().clone().requires_grad_()  # [V/p,D] this rank's rows
-    W = model.head.out.weight[lo:hi].detach().clone().requires_grad_()  # [V/p,D]
-    per = len(model.blocks) // p
-    blocks = model.blocks[r * per:(r + 1) * per]
-    B, T = data[0][0].shape
-    N, g = B * T, 1.0 / (B * T * len(data))  # mean over every token of every micro-batch
-    dev = ctx.device
-
-    partials, embeds = [], []
-    with ctx.ledger.tag("input_fwd"):
-        for i, (idx, _) in enumerate(data):
-            with ctx.timeline.span("I", mb=i, run=f"vocab{algorithm}"):
-                partial, full = vp.embed_forward(tok, idx, lo)
-            partials.append(partial)
-            embeds.append(full.requires_grad_() if r == 0 else None)
-    xs, hs = [], []
-    for i in range(m):
-        with ctx.timeline.span("F", mb=i, run=f"vocab{algorithm}"), ctx.ledger.tag("p2p"):
-            x = embeds[i] + model.embed.pos(torch.arange(T, device=dev)) if r == 0 else \
-                _recv((B, T, D), r - 1, dev).requires_grad_()
-            h = x
-            for block in blocks:
-                h = block(h)
-            if r == p - 1:
-                h = model.head.ln_f(h)  # X, the output layer's input
-            else:
-                dist.send(h.detach(), r + 1)
-        xs.append(x)
-        hs.append(h)
-    loss, dxs, sbytes = 0.0, [], 0
-    for i, (_, tgt) in enumerate(data):
-        X = hs[i].detach().reshape(N, D).contiguous() if r == p - 1 else torch.empty(N, D, device=dev)
-        with ctx.ledger.tag("bcast_x"):
-            dist.broadcast(X, src=p - 1)
-        with ctx.timeline.span("S", mb=i, run=f"vocab{algorithm}"):
-            st = vp.s_pass(X, W, tgt.reshape(-1), lo, algorithm)
-        sbytes = vp.state_bytes(st)
-        with ctx.ledger.tag("c0"):
-            loss += vp.c0(st).mean().item() / m
-        if algorithm == 2:
-            with ctx.ledger.tag("dx"):
-                dx = vp.dx_fused(st, g)
-        with ctx.timeline.span("T", mb=i, run=f"vocab{algorithm}"):
-            dx_i = vp.t_pass(st, W, g, algorithm)
-        if algorithm == 1:
-            with ctx.ledger.tag("c1"):
-                dx = vp.c1(dx_i)
-        dxs.append(dx.view(B, T, D))
-    for i in range(m):
-        with ctx.timeline.span("B", mb=i, run=f"vocab{algorithm}"), ctx.ledger.tag("p2p"):
-            hs[i].backward(dxs[i] if r == p - 1 else _recv((B, T, D), r + 1, dev))
-            if r > 0:
-                dist.send(xs[i].grad, r - 1)
-    with ctx.ledger.tag("input_bwd"):
-        for i in range(m):
-            d_embed = embeds[i].grad if r == 0 else torch.empty(B, T, D, device=dev)
-            vp.embed_backward(partials[i], d_embed, src=0)
-    grads = {n: (q.grad.clone(), None) for n, q in _owned(model, r, p).items()}
-    grads["embed.tok.weight"] = (tok.grad, (lo, hi))
-    grads["head.out.weight"] = (W.grad, (lo, hi))
-    model.zero_grad()
-    return loss, grads, sbytes
-
-
-def _recv(shape, src: int, device) -> torch.Tensor:
-    buf = torch.empty(shape, device=device)
-    dist.recv(buf, src)
-    return buf
-
-
-def _comm_per_mb(ctx, m: int) -> dict:
-    """Bytes this rank put on the wire per micro-batch, by phase, for the last run."""
-    return {row["tag"]: row["sent_bytes"] // m for row in ctx.ledger.summary(by=("tag",))}
-
-
-def _param_bytes_baseline(model: GPT, r: int, p: int) -> int:
-    stage = split_stages(model, p)[r]
+def _param_bytes_baseline(setup: PipelineSetup, r: int, p: int) -> int:
+    stage = split_stages(setup.base, p)[r]
     return sum(q.numel() * q.element_size() for q in stage.parameters())
 
 
-def _param_bytes_vocab(model: GPT, r: int, p: int) -> int:
-    V, D = model.cfg.vocab_size, model.cfg.d_model
-    own = sum(q.numel() * q.element_size() for q in _owned(model, r, p).values())
-    return own + 2 * (V // p) * D * 4
-
-
 # ---------------------------------------------------------------------------------------------
-def _time_passes(model: GPT, batch, r: int, p: int, steps: int) -> dict:
+def _time_passes(model, idx: torch.Tensor, tgt: torch.Tensor, r: int, p: int, steps: int) -> dict:
     """Median seconds of each pass of this rank for one micro-batch, in both layouts."""
-    idx, tgt = batch
     B, T = idx.shape
     V, D = model.cfg.vocab_size, model.cfg.d_model
     N = B * T

@@ -19,7 +19,11 @@ Pipeline awareness (the rank's action order comes from the schedule):
   (offloading it would stall: it is needed right away);
 - when a backward ends (or a forward is followed by a backward), the last group of that next backward
   is reloaded ahead of it (prefetch across actions);
-- inside a backward, unpacking the first tensor of group g starts the reload of group g-1.
+- inside a backward, unpacking the first tensor of group g starts the reload of group g-1;
+- which micro-batches offload at all (``groups``): ``long_lived`` keeps those whose backward comes within k
+  actions of their forward (the last rank of 1F1B: every one), as production systems do.
+
+``OffloadingExecutor`` is the pipeline executor with these hooks around every forward and backward.
 
 Policies name the modules whose saved tensors may leave (``KINDS``): a storage leaves only if every
 module that saved it is in the policy. Parameters and stage inputs (leaves that require grad, held by
@@ -46,6 +50,7 @@ from typing import Iterable
 import torch
 import torch.nn as nn
 
+from toolkit.pipeline.executor import PipelineExecutor, key_of
 from toolkit.runtime.memory import MemoryTracker
 
 Key = tuple[int, int, int]  # (stage, micro-batch, chunk)
@@ -374,3 +379,69 @@ class ActivationOffloader:
 def _bytes_of(st: torch.UntypedStorage) -> torch.Tensor:
     """A uint8 tensor over a whole storage (what the copies move)."""
     return torch.empty(0, dtype=torch.uint8, device=st.device).set_(st, 0, (st.nbytes(),), (1,))
+
+
+# ------------------------------------------------------------------------------------------------
+# Which micro-batches to offload: by how long their activations live (pipeline-aware)
+# ------------------------------------------------------------------------------------------------
+def schedule_order(schedule, rank: int) -> list[tuple[str, Key]]:
+    """Rank ``rank``'s forwards and backwards in ``schedule`` (``toolkit.pipeline.schedule``) as
+    ``[(op, (stage, mb, chunk)), ...]`` in execution order: the ``order`` an ``ActivationOffloader`` takes."""
+    return [(part.op, (part.stage, part.mb, part.chunk)) for a in schedule.ranks[rank] for part in a.parts
+            if part.op in ("F", "B", "I")]
+
+
+def long_lived(order: list[tuple[str, Key]], skip_within: int) -> set[Key]:
+    """The (stage, mb, chunk) worth offloading: those whose backward comes more than ``skip_within`` actions
+    after their forward in this rank's order. What production systems do instead of offloading everything::
+
+        1F1B, p = 4      rank 0: F0 F1 F2 F3 B0 F4 B1 ...   F(i) ──► B(i): 4 to 7 actions   offload
+                         rank 3: F0 B0 F1 B1 ...            F(i) ──► B(i): 1 action        skip
+
+    Activations that come back at once cost two copies and free memory only for a moment, so later ranks
+    (whose activations live one F→B) offload less and the last rank of 1F1B nothing (Megatron offloads
+    ``pp_rank * delta`` fewer bytes on higher ranks; PipeOffload offloads by lifetime). 0 keeps everything.
+    """
+    if not isinstance(skip_within, int) or isinstance(skip_within, bool) or skip_within < 0:
+        raise ValueError(f"skip_within must be an int >= 0 (actions between a forward and its backward), "
+                         f"got {skip_within!r}")
+    forward = {key: i for i, (op, key) in enumerate(order) if op == "F"}
+    return {key for i, (op, key) in enumerate(order) if op in ("B", "I") and i - forward[key] > skip_within}
+
+
+# ------------------------------------------------------------------------------------------------
+# The pipeline executor with an offloader's hooks
+# ------------------------------------------------------------------------------------------------
+
+class OffloadingExecutor(PipelineExecutor):
+    """``PipelineExecutor`` with an ``ActivationOffloader``'s hooks around every forward and backward (B and I
+    alike, also as halves of an F&B): ``forward_context`` enters ``offloader.forward(key)``, ``before_backward``
+    and ``after_backward`` call ``backward_begin`` / ``backward_end``.
+
+    ``forward_context`` (a function of the key) wraps each forward instead when there is no offloader (e.g.
+    ``torch.autograd.graph.save_on_cpu``); ``on_action(action)`` runs after each scheduled action (sampling).
+    """
+
+    def __init__(self, *args, offloader: ActivationOffloader | None = None, forward_context=None, on_action=None,
+                 **kwargs):
+        super().__init__(*args, **kwargs)
+        self.offloader, self.context_fn, self.on_action = offloader, forward_context, on_action
+
+    def forward_context(self, a):
+        if a.op != "F":  # an R rebuilds activations right before their backward: nothing to send away
+            return contextlib.nullcontext()
+        if self.offloader:
+            return self.offloader.forward(key_of(a))
+        return self.context_fn(key_of(a)) if self.context_fn else contextlib.nullcontext()
+
+    def before_backward(self, a) -> None:
+        if self.offloader:
+            self.offloader.backward_begin(key_of(a))
+
+    def after_backward(self, a) -> None:
+        if self.offloader:
+            self.offloader.backward_end(key_of(a))
+
+    def after_action(self, action) -> None:
+        if self.on_action:
+            self.on_action(action)

@@ -45,9 +45,9 @@ Dependencies (``Schedule.deps``), each naming the action that must finish first:
     W(s, mb, c)   <- I(s, mb, c)
     R(s, mb, c)   <- F(s, mb, c)
 
-Generators (all return a checked ``Schedule``): ``gpipe``, ``one_f_one_b`` (optionally with recompute
-inline or in the bubbles), ``interleaved_1f1b``, ``zb_h1``, ``dualpipev`` (DeepSeek's eight steps), and
-``from_torch`` (any schedule torch.distributed.pipelining defines, e.g. ZBVZeroBubble), all reachable by
+Generators (all return a checked ``Schedule``): ``gpipe``, ``one_f_one_b`` and ``interleaved_1f1b`` (both
+optionally with recompute inline or in the bubbles, ``recompute.with_recompute``), ``zb_h1``, ``dualpipev``
+(DeepSeek's eight steps), and ``from_torch`` (any schedule torch.distributed.pipelining defines, e.g. ZBVZeroBubble), all reachable by
 name through ``make_schedule``.
 """
 from __future__ import annotations
@@ -280,62 +280,46 @@ def _one_f_one_b_order(p: int, m: int, r: int, backward: str = "B") -> list[Acti
     return acts
 
 
-def _peak_held(order: list[Action], checkpointed: set[int]) -> int:
-    """Most micro-batches whose activations one rank holds at once, walking its 1F1B order, when the
-    forwards of ``checkpointed`` keep nothing and rebuild their activations right before their backward."""
-    held = peak = 0
-    for a in order:
-        held += 1 if (a.op == "F" and a.mb not in checkpointed) or (a.op == "B" and a.mb in checkpointed) else 0
-        peak = max(peak, held)
-        held -= 1 if a.op == "B" else 0
-    return peak
-
-
-def one_f_one_b(p: int, m: int, recompute: str = "none", keep: int | None = None) -> Schedule:
+def one_f_one_b(p: int, m: int, recompute: str = "none", keep: int | None = None, policy: str = "cap") -> Schedule:
     """1F1B (PipeDream-flush): bubble (p-1)(F+B), rank r holds p-r micro-batches.
 
-    ``recompute`` checkpoints forwards so that each rank holds at most ``keep`` micro-batches' activations
-    at once (default ``ceil(p/2)``), counting the one a recompute rebuilds: walking the rank's order, a
-    forward keeps its activations unless that would break the cap even if every later one recomputed.
+    ``recompute`` checkpoints forwards (``recompute.with_recompute``): with ``policy="cap"`` so that each rank
+    holds at most ``keep`` micro-batches' activations at once (default ``ceil(p/2)``), counting the one a
+    recompute rebuilds; with ``policy="cooldown"`` exactly those whose backward runs in the rank's cool-down.
 
     - ``"none"``: no checkpointing.
     - ``"inline"``: the backward recomputes first, after its gradient arrived (``torch.utils.checkpoint``).
     - ``"bubble"``: an explicit ``R`` right before the backward; it needs no gradient, so it runs while the
       rank would wait for one (cool-down bubbles, gradient in flight): recompute in the bubble (RiPipe).
     """
+    from .recompute import with_recompute
+
     _need("p", p, 1)
     _need("m", m, p, " (1F1B needs at least p micro-batches)")
-    if recompute not in ("none", "inline", "bubble"):
-        raise ValueError(f"recompute={recompute!r}; allowed: 'none', 'inline', 'bubble'")
-    keep = -(-p // 2) if keep is None else keep
-    _need("keep", keep, 1)
-    ranks, ckpt = [], set()
-    for r in range(p):
-        order = _one_f_one_b_order(p, m, r)
-        if recompute != "none":
-            mine: set[int] = set()
-            undecided = set(range(m))
-            for a in order:  # greedy: hold a forward unless that breaks the cap even if all later ones recompute
-                if a.op == "F":
-                    undecided.discard(a.mb)
-                    if _peak_held(order, mine | undecided) > keep:
-                        mine.add(a.mb)
-            ckpt |= {(r, mb, 0) for mb in mine}
-        if recompute == "bubble":
-            order = [x for a in order for x in
-                     ([Action("R", r, a.mb), a] if a.op == "B" and (r, a.mb, 0) in ckpt else [a])]
-        ranks.append(order)
-    name = "1f1b" if recompute == "none" else f"1f1b-recompute-{recompute}"
-    return Schedule(name, ranks, linear_layout(p), m, checkpointed=frozenset(ckpt),
-                    meta={"recompute": recompute, "keep": keep}).check()
+    base = Schedule("1f1b", [_one_f_one_b_order(p, m, r) for r in range(p)], linear_layout(p), m).check()
+    if recompute == "none" and policy == "cap":
+        keep = -(-p // 2) if keep is None else keep
+        _need("keep", keep, 1)
+        base.meta.update({"recompute": "none", "keep": keep})
+        return base
+    return with_recompute(base, recompute, policy, keep)
 
 
-def interleaved_1f1b(p: int, m: int, v: int = 2) -> Schedule:
+def interleaved_1f1b(p: int, m: int, v: int = 2, recompute: str = "none", keep: int | None = None,
+                     policy: str = "cap") -> Schedule:
     """Megatron's interleaved 1F1B with v stages per rank: bubble (p-1)(F+B)/v with per-rank F, B.
 
     Rank r warms up with (v-1)p + 2(p-r-1) forwards. The k-th forward runs stage chunk (k // p) % v of
-    micro-batch (k // pv) * p + k % p; backwards walk the chunks in reverse. Needs m % p == 0.
+    micro-batch (k // pv) * p + k % p; backwards walk the chunks in reverse. Needs m % p == 0. ``recompute``,
+    ``keep`` (stage-chunks held) and ``policy`` as for ``one_f_one_b`` (``recompute.with_recompute``).
     """
+    from .recompute import with_recompute
+
+    return with_recompute(_interleaved(p, m, v), recompute, policy, keep)
+
+
+def _interleaved(p: int, m: int, v: int) -> Schedule:
+    """``interleaved_1f1b`` without recompute."""
     _need("p", p, 1)
     _need("v", v, 2, " (v = 1 is plain 1F1B)")
     _need("m", m, p, " (interleaved 1F1B needs at least p micro-batches)")
@@ -534,8 +518,12 @@ SCHEDULES = {
     "interleaved": lambda p, m, v=2: interleaved_1f1b(p, m, v),
     "zb-h1": lambda p, m: zb_h1(p, m),
     "dualpipev": lambda p, m, pair=True: dualpipev(p, m, pair),
-    "1f1b-recompute-inline": lambda p, m, keep=None: one_f_one_b(p, m, "inline", keep),
-    "1f1b-recompute-bubble": lambda p, m, keep=None: one_f_one_b(p, m, "bubble", keep),
+    "1f1b-recompute-inline": lambda p, m, keep=None, policy="cap": one_f_one_b(p, m, "inline", keep, policy),
+    "1f1b-recompute-bubble": lambda p, m, keep=None, policy="cap": one_f_one_b(p, m, "bubble", keep, policy),
+    "interleaved-recompute-inline": lambda p, m, v=2, keep=None, policy="cap": interleaved_1f1b(p, m, v, "inline",
+                                                                                                keep, policy),
+    "interleaved-recompute-bubble": lambda p, m, v=2, keep=None, policy="cap": interleaved_1f1b(p, m, v, "bubble",
+                                                                                                keep, policy),
 }
 """name -> builder(p, m, **options); a builder's keyword parameters are the options the name accepts."""
 
@@ -550,8 +538,9 @@ def schedule_options(name: str) -> tuple[str, ...]:
 def make_schedule(name: str, p: int, m: int, **options) -> Schedule:
     """``make_schedule("dualpipev", p=2, m=8)``: the named schedule, checked.
 
-    Options by name (``schedule_options``): ``v`` (interleaved: stages per rank), ``keep`` (1f1b-recompute-*:
-    micro-batches a rank may hold), ``pair`` (dualpipev: False runs each F&B as a separate F and B). An option
+    Options by name (``schedule_options``): ``v`` (interleaved*: stages per rank), ``keep`` (*-recompute-*:
+    stage-chunks a rank may hold), ``policy`` (*-recompute-*: ``"cap"`` or ``"cooldown"``), ``pair`` (dualpipev:
+    False runs each F&B as a separate F and B). An option
     the schedule does not take is a ValueError naming the ones it does.
     """
     allowed = schedule_options(name)

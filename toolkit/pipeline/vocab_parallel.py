@@ -24,21 +24,32 @@ Algorithm 1 waits for the T pass before the last stage can start its backward (t
 precomputes G_i, H_i in the S pass (N*D more memory per micro-batch) so dX is ready right after C0 and the
 T pass only produces dW (one barrier). Both give the unsharded loss and gradients up to summation order.
 
-For settings this machine cannot hold: ``pass_ops`` writes every pass as (FLOPs, bytes) ops, ``stage_costs``
-times them with a roofline per op on a ``Hardware`` for the baseline layout (embedding on stage 0, head on
-stage p-1) and for vocabulary parallelism, ``vocab_1f1b`` weaves the S/T passes into 1F1B as actions of
-``toolkit.pipeline.schedule``, and ``simulate_layouts`` times both layouts with ``toolkit.pipeline.simulate``.
+The schedule: ``vocab_1f1b`` weaves the S/T passes into 1F1B as actions of ``toolkit.pipeline.schedule``
+(``VocabSchedule``: a warm-up one forward longer for Algorithm 2, two for Algorithm 1, which is where the
+paper's p + 1 and p + 2 micro-batches of activations come from). ``VocabExecutor`` runs exactly those action
+lists on p processes (``VocabStage``: a rank's blocks and its rows of both tables; C0 on a comm thread, every
+collective asynchronous and issued in micro-batch order per process group on every rank).
+
+For settings this machine cannot hold: the cost model (``vocab_costs``, re-exported here: ``pass_ops``,
+``stage_costs`` on a ``Hardware``) gives per-stage seconds for the baseline layout (embedding on stage 0,
+head on stage p-1) and for vocabulary parallelism, and ``simulate_layouts`` times both layouts with
+``toolkit.pipeline.simulate``.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 import torch.nn.functional as F
 
+from toolkit.pipeline.executor import ActivationMeter, PipelineExecutor, _finished, key_of
 from toolkit.pipeline.schedule import Action, Schedule, linear_layout, one_f_one_b
 from toolkit.pipeline.simulate import simulate
+from toolkit.pipeline.vocab_costs import (A100, Hardware, Workload, comm_time, op_time, pass_ops,  # noqa: F401
+                                          stage_costs, stage_flops)
 
 ALGORITHMS = (1, 2)
 
@@ -60,7 +71,8 @@ def partial_embedding(weight: torch.Tensor, idx: torch.Tensor, lo: int) -> torch
     """Rows of ``weight`` (the shard [lo, lo+V/p)) for the ids it holds, zeros elsewhere. [B,T] -> [B,T,D]"""
     local = idx - lo
     inside = (local >= 0) & (local < weight.shape[0])
-    return F.embedding(local.clamp(0, weight.shape[0] - 1), weight) * inside.unsqueeze(-1)
+    # masked_fill keeps only the mask for its backward (a product would keep the [B,T,D] rows too)
+    return F.embedding(local.clamp(0, weight.shape[0] - 1), weight).masked_fill(~inside.unsqueeze(-1), 0.0)
 
 
 def embed_forward(weight: torch.Tensor, idx: torch.Tensor, lo: int, group=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -157,157 +169,6 @@ def state_bytes(st: SState) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
-# Cost model: FLOPs and bytes per op, a roofline per op, summed per pass (a simulation input)
-# ---------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Hardware:
-    """What one rank does per second. Assumed figures for GPUs; calibrated by measurement for this CPU."""
-
-    name: str
-    matmul_flops: float  # achieved FLOP/s on matmuls
-    mem_bw: float  # achieved bytes/s on elementwise ops
-    link_bw: float  # bytes/s one rank puts on the wire in a collective
-    op_overhead_s: float = 0.0  # fixed cost per op (kernel launch / eager dispatch)
-    link_latency_s: float = 10e-6
-    peak_flops: float = 0.0  # nominal peak, for MFU
-
-
-# A100-SXM4-80GB, bf16: 312 TFLOP/s peak, 2.04 TB/s HBM, NVLink3 ~240 GB/s per direction in practice.
-# The efficiencies (70% / 80%) are assumptions, not measurements.
-A100 = Hardware("A100-80GB bf16 (assumed 70% matmul, 80% HBM)", 312e12 * 0.70, 2.04e12 * 0.80, 200e9, 5e-6,
-                10e-6, 312e12)
-
-
-@dataclass(frozen=True)
-class Workload:
-    """One micro-batch through a GPT: the sizes the cost model needs."""
-
-    n_layer: int
-    d_model: int
-    d_ff: int
-    vocab_size: int
-    seq_len: int
-    micro_batch: int = 1
-    act_bytes: int = 2  # bf16 activations and weights (4 on this CPU: fp32)
-    logit_bytes: int = 4  # the softmax runs in fp32
-
-    @property
-    def tokens(self) -> int:
-        return self.micro_batch * self.seq_len
-
-    def params(self) -> int:
-        D = self.d_model
-        layer = 4 * D * D + 2 * D * self.d_ff + 4 * D + self.d_ff + D + 4 * D  # weights, biases, 2 LayerNorms
-        return self.n_layer * layer + 2 * self.vocab_size * D + self.seq_len * D + 2 * D  # untied in/out tables
-
-
-def _mm(M: int, K: int, N: int, e: int) -> tuple[float, float]:
-    """(FLOPs, bytes) of [M,K] @ [K,N]."""
-    return 2.0 * M * K * N, float(M * K + K * N + M * N) * e
-
-
-def _ew(elements: int, passes: float, e: int) -> tuple[float, float]:
-    """(FLOPs, bytes) of an elementwise op touching ``elements`` ``passes`` times (reads + writes)."""
-    return float(elements) * passes, float(elements) * passes * e
-
-
-def pass_ops(w: Workload, p: int) -> dict[str, list[tuple[float, float]]]:
-    """Every pass of the two layouts as a list of (FLOPs, bytes) ops, for one micro-batch.
-
-    layer_f/layer_b: one transformer layer (attention counted as flash: causal pairs, no score matrix).
-    embed_f/embed_b, head_f/head_b: the whole vocabulary on one stage (baseline).
-    input_f/input_b, s1/s2, t1/t2: one rank's share under vocabulary parallelism (s2/t2 = Algorithm 2).
-    """
-    N, D, Fd, V, e, le = w.tokens, w.d_model, w.d_ff, w.vocab_size, w.act_bytes, w.logit_bytes
-    Vp = V // p
-    pairs = w.micro_batch * w.seq_len * (w.seq_len + 1) / 2
-    attn_f = (4.0 * D * pairs, 4.0 * N * D * e)
-    layer_f = [_ew(N * D, 2, e), _mm(N, D, 3 * D, e), attn_f, _mm(N, D, D, e), _ew(N * D, 3, e),
-               _ew(N * D, 2, e), _mm(N, D, Fd, e), _ew(N * Fd, 2, e), _mm(N, Fd, D, e), _ew(N * D, 3, e)]
-    layer_b = []
-    for (M, K, Nn) in ((N, D, 3 * D), (N, D, D), (N, D, Fd), (N, Fd, D)):
-        layer_b += [_mm(M, Nn, K, e), _mm(Nn, M, K, e)]  # dX and dW
-    layer_b += [(2.5 * attn_f[0], 2.5 * attn_f[1]), _ew(N * D, 4, e), _ew(N * D, 4, e), _ew(N * Fd, 3, e),
-                _ew(N * D, 6, e)]
-    head_f = [_ew(N * D, 2, e), _mm(N, D, V, e), _ew(N * V, 4, le)]  # ln_f, logits, max/exp/sum/log-softmax
-    head_b = [_ew(N * V, 3, le), _mm(N, V, D, e), _mm(V, N, D, e), _ew(N * D, 4, e)]
-    return {
-        "layer_f": layer_f, "layer_b": layer_b,
-        "embed_f": [_ew(N * D, 3, e)], "embed_b": [_ew(N * D, 3, e)],
-        "head_f": head_f, "head_b": head_b,
-        "input_f": [_ew(N * D, 4, e)], "input_b": [_ew(N * D, 3, e)],
-        "s1": [_mm(N, D, Vp, e), _ew(N * Vp, 4, le)],
-        "s2": [_mm(N, D, Vp, e), _ew(N * Vp, 4, le), _mm(N, Vp, D, e), _ew(N * D, 2, e)],
-        "t1": [_ew(N * Vp, 3, le), _mm(Vp, N, D, e), _mm(N, Vp, D, e)],
-        "t2": [_ew(N * Vp, 3, le), _mm(Vp, N, D, e)],
-    }
-
-
-def op_time(ops: list[tuple[float, float]], hw: Hardware) -> float:
-    """Seconds of a list of ops: each op is bound by compute or by memory (roofline), plus a fixed overhead."""
-    return sum(max(f / hw.matmul_flops, b / hw.mem_bw) + hw.op_overhead_s for f, b in ops)
-
-
-def comm_time(nbytes: float, hw: Hardware) -> float:
-    """Seconds of a collective that puts ``nbytes`` on this rank's link."""
-    return hw.link_latency_s + nbytes / hw.link_bw
-
-
-def stage_costs(w: Workload, p: int, hw: Hardware, layout: str, algorithm: int = 2) -> list[dict[str, float]]:
-    """Per-stage seconds of one micro-batch: F and B (transformer layers plus whatever vocabulary work the
-    layout puts inside them), S and T (vocabulary passes, 0 for the baseline), and the comm latencies
-    the vocabulary passes wait on (broadcast of X, C0, dX; input all-reduce and dE broadcast).
-
-    ``layout``: ``"baseline"`` (embedding on stage 0, head + loss on stage p-1) or ``"vocab"``.
-    """
-    if layout not in ("baseline", "vocab"):
-        raise ValueError(f"layout={layout!r}; allowed: 'baseline', 'vocab'")
-    if w.n_layer % p:
-        raise ValueError(f"n_layer={w.n_layer} must be divisible by the {p} stages")
-    ops = pass_ops(w, p)
-    t = {k: op_time(v, hw) for k, v in ops.items()}
-    per = w.n_layer // p
-    N, D, e = w.tokens, w.d_model, w.act_bytes
-    ring = 2 * (p - 1) / p
-    out = []
-    for r in range(p):
-        f, b = per * t["layer_f"], per * t["layer_b"]
-        row = {"F": f, "B": b, "S": 0.0, "T": 0.0}
-        if layout == "baseline":
-            if r == 0:
-                row["F"] += t["embed_f"]
-                row["B"] += t["embed_b"]
-            if r == p - 1:
-                row["F"] += t["head_f"]
-                row["B"] += t["head_b"]
-        else:
-            row["S"] = t[f"s{algorithm}"] + t["input_f"]  # the input layer's partial embedding rides with S
-            row["T"] = t[f"t{algorithm}"] + t["input_b"]
-            row["bcast_x"] = comm_time(N * D * e, hw)
-            row["c0"] = 3 * comm_time(N * 4 * ring, hw)
-            row["dx"] = comm_time(N * D * e * ring, hw)
-            row["input"] = comm_time(N * D * e * ring, hw) + comm_time(N * D * e, hw)
-        out.append(row)
-    return out
-
-
-def stage_flops(w: Workload, p: int, layout: str, algorithm: int = 2) -> list[float]:
-    """Training FLOPs (forward + backward) of each stage for one micro-batch."""
-    ops = pass_ops(w, p)
-    fl = {k: sum(f for f, _ in v) for k, v in ops.items()}
-    per = w.n_layer // p
-    out = []
-    for r in range(p):
-        x = per * (fl["layer_f"] + fl["layer_b"])
-        if layout == "baseline":
-            x += (fl["embed_f"] + fl["embed_b"]) * (r == 0) + (fl["head_f"] + fl["head_b"]) * (r == p - 1)
-        else:
-            x += fl[f"s{algorithm}"] + fl[f"t{algorithm}"] + fl["input_f"] + fl["input_b"]
-        out.append(x)
-    return out
-
-
-# ---------------------------------------------------------------------------------------------
 # Schedules for the simulator: 1F1B with the vocabulary passes woven in
 # ---------------------------------------------------------------------------------------------
 @dataclass
@@ -356,7 +217,7 @@ def vocab_1f1b(p: int, m: int, algorithm: int, costs) -> VocabSchedule:
     if algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm={algorithm!r}; allowed: {ALGORITHMS}")
     if not isinstance(m, int) or m < p:
-        raise ValueError(f"micro_batches={m!r} must be an int >= p={p}")
+        raise ValueError(f"m={m!r} micro-batches: must be an int >= p={p}")
     extra = 3 - algorithm
     ranks = []
     for r in range(p):
@@ -402,3 +263,310 @@ def simulate_layouts(rows_base: list[dict], rows_vocab: list[dict], m: int, algo
     sched = vocab_1f1b(p, m, algorithm, costs)
     ours = simulate(sched, costs)
     return {"baseline": base, "vocab": ours, "schedule": sched, "speedup": base.makespan / ours.makespan}
+
+
+# ---------------------------------------------------------------------------------------------
+# Running it for real: the pipeline executor with S and T actions
+# ---------------------------------------------------------------------------------------------
+GROUPS = ("input", "x", "c0", "dx", "c1")
+"""One process group per stream of collectives. Inside a group every rank issues in micro-batch order, whatever
+its own action order, so the collectives match; groups never wait on each other."""
+
+
+def vocab_groups(peers: list[int]) -> dict[str, object]:
+    """The process groups ``VocabExecutor`` issues its collectives on. Collective: every rank calls it."""
+    return {name: dist.new_group(peers) for name in GROUPS}
+
+
+class VocabStage(nn.Module):
+    """Rank r's share of a ``toolkit.models.GPT`` under vocabulary parallelism::
+
+        stage 0      x = E (token embedding, summed over ranks) + pos ─► its blocks
+        stage r      its blocks (n_layer / p of them)
+        stage p-1    its blocks ─► X = ln_f(h)
+        every rank   tok, out: rows [lo, hi) of the token table and of the output layer
+
+    Blocks, ``pos`` and ``ln_f`` are the model's own modules (parameters shared with it); ``tok`` and ``out`` are
+    copies of this rank's rows, the vocabulary parameters this rank owns.
+    """
+
+    def __init__(self, model: nn.Module, rank: int, p: int):
+        super().__init__()
+        n_layer = len(model.blocks)
+        if n_layer % p:
+            raise ValueError(f"n_layer={n_layer} must be divisible by the {p} pipeline stages")
+        per = n_layer // p
+        self.lo, self.hi = shard_rows(model.cfg.vocab_size, p, rank)
+        self.blocks = nn.ModuleList(model.blocks[rank * per:(rank + 1) * per])
+        self.pos = model.embed.pos if rank == 0 else None
+        self.ln_f = model.head.ln_f if rank == p - 1 else None
+        self.tok = nn.Parameter(model.embed.tok.weight[self.lo:self.hi].detach().clone())  # [V/p, D]
+        self.out = nn.Parameter(model.head.out.weight[self.lo:self.hi].detach().clone())  # [V/p, D]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B,T,D] -> [B,T,D]
+        if self.pos is not None:
+            x = x + self.pos(torch.arange(x.shape[1], device=x.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.ln_f(x) if self.ln_f is not None else x
+
+
+class _ToShards(torch.autograd.Function):
+    """Where the last stage's output X leaves the graph for the vocabulary passes of every rank. Its backward
+    brings dX back from them (``VocabExecutor.output_grad``), so the last stage's B is a plain backward."""
+
+    @staticmethod
+    def forward(ctx, X, executor, mb):
+        ctx.executor, ctx.mb, ctx.shape = executor, mb, X.shape
+        return X.new_zeros(())
+
+    @staticmethod
+    def backward(ctx, _):
+        return ctx.executor.output_grad(ctx.mb).view(ctx.shape), None, None
+
+
+class VocabExecutor(PipelineExecutor):
+    """``PipelineExecutor`` for a ``VocabSchedule``: its S and T actions run on every rank, the input layer
+    around the step, the collectives asynchronously. Where each piece runs and what it waits for (every wait
+    is recorded in ``waits`` with its seconds: the exposed communication)::
+
+        step start   all ranks  partial embedding of every micro-batch; all-reduce each      async "input"
+        F(0, i)      rank 0     wait E_i ("E"); x = E_i + pos ─► blocks
+        F(last, i)   last rank  X_i = ln_f(blocks(x)); broadcast X_i                         async "x" (root)
+        S(q, i)      rank q     wait X_i ("X"; posted one action ahead); S pass; state to the comm thread
+        comm thread  each rank  C0: all-reduce max m, all-reduce [s, z]                          "c0"
+                                Algorithm 2: dX = g Σ_i (α_i G_i - H_i)                          "dx"
+                                one micro-batch after another, while the main thread computes
+        T(q, i)      rank q     wait C0_i ("C0"); T pass: dW_i; Algorithm 1: all-reduce dX_i   async "c1"
+        B(last, i)   last rank  its backward pulls dX_i: Algorithm 2 waits "dX", Algorithm 1 "C1"
+        B(0, i)      rank 0     dE_i = grad of E_i; broadcast it                       async "input" (root)
+        step end     all ranks  wait the dE broadcasts, push dE into the token rows; finish the comm thread
+
+    The comm thread is the CPU counterpart of the paper's side stream for C0 (on CUDA it runs its kernels on a
+    side stream). Each group's collectives are issued in micro-batch order on every rank (``collectives``
+    records (group, "what micro-batch") in issue order), so they match whatever a rank's action order is.
+
+    The input layer runs ahead: the tokens are known before the step, so rank 0's summed embeddings of all m
+    micro-batches wait for their forward (m·N·D floats, not counted below). Counted:
+    ``meter`` (as in ``PipelineExecutor``) the stage activations, F to B, including the embedding E_i that
+    stage 0 differentiates; ``vocab_meter`` what an S pass keeps until its T pass; ``peak_total`` the largest
+    sum of both after any op; ``peak_held`` the most micro-batches whose stage activations were held at once;
+    ``forward_bytes`` the saved bytes of each forward. ``step`` returns the mean loss on every rank.
+    """
+
+    OPS = {**PipelineExecutor.OPS, "S": "vocab_s", "T": "vocab_t"}
+
+    def __init__(self, schedule: VocabSchedule, rank: int, stage: VocabStage, act_shape: tuple[int, int, int],
+                 groups: dict[str, object], **kwargs):
+        if not isinstance(schedule, VocabSchedule):
+            raise ValueError(f"VocabExecutor runs a VocabSchedule (vocab_1f1b), got {type(schedule).__name__}")
+        missing = sorted(set(GROUPS) - set(groups))
+        if missing:
+            raise ValueError(f"groups lacks {missing}; make them with vocab_groups(peers)")
+        super().__init__(schedule, rank, {rank: stage}, None, act_shape, **kwargs)
+        self.stage, self.algorithm, self.groups = stage, schedule.algorithm, groups
+        self.vocab_meter = ActivationMeter(stage.parameters())
+        if self.device.type == "cuda":
+            self._side = torch.cuda.Stream(self.device)
+        self.collectives: list[tuple[str, str]] = []
+        self.comm_spans: list[dict] = []
+
+    # -- collectives ------------------------------------------------------------------------------
+    def _issue(self, group: str, what: str, fn, *args, **kwargs):
+        self.collectives.append((group, what))
+        return fn(*args, group=self.groups[group], **kwargs)
+
+    def _wait(self, what: str, mb: int, work) -> None:
+        start = time.perf_counter()
+        work.wait() if hasattr(work, "wait") else work.result()
+        end = time.perf_counter()
+        self.waits.append({"msg": what, "stage": self.rank, "mb": mb, "chunk": 0, "seconds": end - start,
+                           "pair": False,
+                           **({"start": start - self.timeline.origin} if self.timeline is not None else {})})
+
+    def _on_comm_thread(self, what: str, mb: int, fn):
+        """Run ``fn`` on the comm thread after everything queued before it (FIFO, one worker)."""
+        event = None
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+
+        @torch.no_grad()  # grad mode is per thread: the passes compute their gradients by hand
+        def job():
+            start = time.perf_counter()
+            if event is None:
+                out = fn()
+            else:  # its kernels on a side stream, after the main stream's work so far; done when it returns
+                torch.cuda.set_device(self.device)
+                with torch.cuda.stream(self._side):
+                    self._side.wait_event(event)
+                    out = fn()
+                    self._side.synchronize()
+            self.comm_spans.append({"kind": what, "mb": mb, "start": start - self._origin,
+                                    "end": time.perf_counter() - self._origin})
+            return out
+
+        return self._pool.submit(job)
+
+    # -- the input layer ----------------------------------------------------------------------------
+    def _input_forward(self, inputs: list[torch.Tensor]) -> None:
+        for mb, idx in enumerate(inputs):
+            partial = partial_embedding(self.stage.tok, idx, self.stage.lo)  # [B,T,D], graph to the token rows
+            full = partial.detach().clone()
+            self._partials[mb] = partial
+            self._embeds[mb] = (self._issue("input", f"E {mb}", dist.all_reduce, full, async_op=True), full)
+        if self.rank != 0:  # dE of each micro-batch comes from rank 0, in micro-batch order
+            for mb, idx in enumerate(inputs):
+                buf = torch.empty(self.act_shape, dtype=self.dtype, device=self.device)
+                self._dE[mb] = (self._issue("input", f"dE {mb}", dist.broadcast, buf, src=self.peers[0],
+                                            async_op=True), buf)
+
+    def _embedding(self, mb: int) -> torch.Tensor:
+        work, full = self._embeds.pop(mb)
+        self._wait("E", mb, work)
+        self._E[mb] = full.requires_grad_()
+        return full
+
+    def _input_backward(self, mb: int) -> None:
+        """Rank 0, after B(0, mb): dE to every rank (async), and into rank 0's own rows."""
+        dE = self._E.pop(mb).grad
+        self._dE[mb] = (self._issue("input", f"dE {mb}", dist.broadcast, dE, src=self.peers[0], async_op=True), dE)
+        self._partials.pop(mb).backward(dE)
+
+    # -- the ops ------------------------------------------------------------------------------------
+    def stage_fn(self, a: Action):
+        module, mb = self.modules[a.stage], a.mb
+
+        def fn(x: torch.Tensor) -> torch.Tensor:
+            if a.stage == 0:  # x are token ids: the input layer's summed embedding replaces them
+                x = self._embedding(mb)
+                self.hold(key_of(a), [x])  # alive until B (its gradient is dE)
+            X = module(x)
+            if a.stage != self.last:
+                return X
+            self._X_out[mb] = X.detach()
+            return _ToShards.apply(X, self, mb)
+
+        return fn
+
+    def forward(self, a: Action) -> None:
+        before = self.meter.live if self.meter else 0
+        super().forward(a)
+        if self.meter:
+            self.forward_bytes.append(self.meter.live - before)
+        self._held += 1
+        self.peak_held = max(self.peak_held, self._held)
+        if a.stage == self.last:  # X to every rank for its S pass (root of the broadcast)
+            X = self._X_out[a.mb]
+            self._x_root.append((self._issue("x", f"X {a.mb}", dist.broadcast, X, src=self.peers[self.rank],
+                                             async_op=True), X))
+
+    def after_backward(self, a: Action) -> None:
+        self._held -= 1
+        if a.stage == 0:
+            self._input_backward(a.mb)
+
+    def _post_x(self, mb: int) -> None:
+        if mb not in self._x_in and self.rank != self.schedule.stage_rank[self.last]:
+            buf = torch.empty(self.act_shape, dtype=self.dtype, device=self.device)
+            last = self.peers[self.schedule.stage_rank[self.last]]
+            self._x_in[mb] = (self._issue("x", f"X {mb}", dist.broadcast, buf, src=last, async_op=True), buf)
+
+    @torch.no_grad()  # the vocabulary passes compute their gradients by hand: no graph to keep
+    def vocab_s(self, a: Action) -> None:
+        """S: this rank's logits, softmax statistics (and Algorithm 2's G, H); C0 goes to the comm thread."""
+        mb = a.mb
+        if mb in self._X_out:
+            X = self._X_out.pop(mb)
+        else:
+            self._post_x(mb)
+            work, X = self._x_in.pop(mb)
+            self._wait("X", mb, work)
+        N, D = X.shape[0] * X.shape[1], X.shape[2]
+        st = s_pass(X.reshape(N, D), self.stage.out, self._targets[mb].reshape(-1), self.stage.lo, self.algorithm)
+        self.vocab_meter.hold(("S", mb), [t for t in (st.x, st.P, st.m, st.s, st.z, st.G, st.H) if t is not None])
+        self._state[mb] = st
+        self._grad_scale = 1.0 / (N * self.schedule.m)  # the mean over every token of every micro-batch
+        self._c0[mb] = self._on_comm_thread("C0", mb, lambda: self._c0_job(mb, st))
+        if self.algorithm == 2:
+            self._dx[mb] = self._on_comm_thread("dX", mb, lambda: self._issue("dx", f"dX {mb}", dx_fused, st,
+                                                                               self._grad_scale))
+
+    def _c0_job(self, mb: int, st: SState) -> torch.Tensor:
+        self.collectives.append(("c0", f"C0 {mb}"))
+        return c0(st, group=self.groups["c0"])
+
+    @torch.no_grad()
+    def vocab_t(self, a: Action) -> None:
+        """T: wait for C0, then dW of this rank's rows (Algorithm 1 also its dX share, all-reduced async)."""
+        mb = a.mb
+        future = self._c0.pop(mb)
+        self._wait("C0", mb, future)
+        self._loss += float(future.result().mean()) / self.schedule.m
+        st = self._state.pop(mb)
+        dx_i = t_pass(st, self.stage.out, self._grad_scale, self.algorithm)
+        if self.algorithm == 1:
+            self._c1[mb] = (self._issue("c1", f"C1 {mb}", dist.all_reduce, dx_i, async_op=True), dx_i)
+        self.vocab_meter.release(("S", mb))
+
+    def output_grad(self, mb: int) -> torch.Tensor:
+        """dX of micro-batch ``mb`` for the last stage's backward: Algorithm 2's fused all-reduce (after C0),
+        or Algorithm 1's C1 (after every T pass)."""
+        if self.algorithm == 2:
+            future = self._dx.pop(mb)
+            self._wait("dX", mb, future)
+            return future.result()
+        work, dx = self._c1.pop(mb)
+        self._wait("C1", mb, work)
+        return dx
+
+    def after_op(self, a: Action) -> None:
+        live = (self.meter.live if self.meter else 0) + self.vocab_meter.live
+        self.peak_total = max(self.peak_total, live)
+
+    def after_action(self, action: Action) -> None:
+        self._done += 1
+        acts = self.schedule.ranks[self.rank]
+        if self._done < len(acts) and acts[self._done].op == "S":
+            self._post_x(acts[self._done].mb)  # X arrives while this rank computes something else
+        self._x_root = [(w, t) for w, t in self._x_root if not _finished(w)]
+
+    # -- the step -----------------------------------------------------------------------------------
+    def step(self, inputs: list[torch.Tensor], targets: list[torch.Tensor]) -> float:
+        """One training step (gradients accumulate); returns the mean loss, on every rank."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        self._origin = self.timeline.origin if self.timeline is not None else time.perf_counter()
+        self._partials, self._embeds, self._E, self._dE = {}, {}, {}, {}
+        self._X_out, self._x_in, self._x_root = {}, {}, []
+        self._state, self._c0, self._dx, self._c1 = {}, {}, {}, {}
+        self._loss, self._done, self._held, self.peak_held, self.peak_total = 0.0, 0, 0, 0, 0
+        self.collectives, self.comm_spans, self.forward_bytes = [], [], []
+        self.vocab_meter = ActivationMeter(self.stage.parameters())
+        self._input_forward(inputs)
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vocab-comm")
+        try:
+            super().step(inputs, targets)
+        except BaseException:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            raise
+        self._pool.shutdown(wait=True)
+        for mb, (work, dE) in sorted(self._dE.items()):
+            work.wait()
+            if self.rank != 0:
+                self._partials.pop(mb).backward(dE)
+        if self.rank != self.schedule.stage_rank[self.last]:  # dX is the last stage's; the others contributed
+            for future in self._dx.values():
+                future.result()  # raises what the comm thread raised
+            self._dx = {}
+        if self.rank != 0:  # the summed embeddings are rank 0's input; the other ranks only contributed
+            self._x_root += list(self._embeds.values())
+            self._embeds = {}
+        for work, _ in self._x_root + list(self._c1.values()):
+            work.wait()
+        left = {name: len(d) for name, d in (("partials", self._partials), ("embeddings", self._embeds),
+                                             ("S states", self._state), ("C0", self._c0), ("dX", self._dx))
+                if d}
+        if left:
+            raise RuntimeError(f"rank {self.rank}: vocabulary step ended with unconsumed {left}")
+        return self._loss

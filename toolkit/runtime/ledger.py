@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass
@@ -147,7 +148,17 @@ class CommLedger:
         self.group_names: dict[int, str] = dict(group_names or {})
         self._tag = "untagged"
         self._originals: dict[str, object] = {}
-        self._depth = 0  # ops issued by other tracked ops (e.g. batch_isend_irecv -> isend) are not double counted
+        self._local = threading.local()  # per thread: a side thread's ops are counted while the main one is inside an op
+
+    @property
+    def _depth(self) -> int:
+        """Tracked ops this thread is inside (ops issued by other tracked ops, e.g. batch_isend_irecv -> isend,
+        are not double counted)."""
+        return getattr(self._local, "depth", 0)
+
+    @_depth.setter
+    def _depth(self, value: int) -> None:
+        self._local.depth = value
 
     # ---- installation -------------------------------------------------------------
     def install(self) -> "CommLedger":
