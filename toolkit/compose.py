@@ -107,6 +107,9 @@ class ComposeConfig:
     # ---- 6 memory ------------------------------------------------------------------------------------------
     offload: str = "none"
     """Activation offload policy of ``toolkit.memory.offload`` (``none``, ``all``, ``attention``, ``mlp``, ...)."""
+    offload_skip_within: int = 1
+    """Pipeline-aware offload: keep a micro-batch on the device when its backward comes within this many of the
+    rank's actions after its forward (``long_lived``; 0 offloads every micro-batch)."""
 
     # -------------------------------------------------------------------------------------------------------
     def replace(self, **changes) -> "ComposeConfig":
@@ -142,7 +145,7 @@ class ComposeConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
-        for name in ("n_expert", "seed", "edgc_warmup"):
+        for name in ("n_expert", "seed", "edgc_warmup", "offload_skip_within"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {v!r}")
@@ -259,11 +262,6 @@ def chain(base: ComposeConfig, names: list[str], world_size: int | None = None) 
 
 
 # ---- one rank's share --------------------------------------------------------------------------------------------
-def rank_order(schedule, rank: int) -> list[tuple[str, tuple[int, int, int]]]:
-    """This rank's forwards and backwards as (op, (stage, mb, chunk)), in execution order (the offloader's input)."""
-    return [(p.op, (p.stage, p.mb, p.chunk)) for a in schedule.ranks[rank] for p in a.parts if p.op in ("F", "B", "I")]
-
-
 @dataclass
 class Composed:
     """One rank's share of the composed training run; build with ``Composed.build(cfg, grid, device)``."""
@@ -377,6 +375,7 @@ class Composed:
 
 
 def _pipeline(cfg: ComposeConfig, model: nn.Module, grid, pp_rank: int, device, timeline):
+    """The schedule, this rank's stage modules, the executor (and the offloader whose hooks it calls)."""
     from toolkit.models import lm_loss, split_stages
     from toolkit.pipeline.schedule import make_schedule
     peers, group = grid.ranks("pp"), grid.group("pp")
@@ -384,22 +383,61 @@ def _pipeline(cfg: ComposeConfig, model: nn.Module, grid, pp_rank: int, device, 
     act_shape = (cfg.micro_batch, mcfg.seq_len, mcfg.d_model)
     kwargs = dict(dtype=cfg.dtype, device=device, peers=peers, group=group, timeline=timeline)
     if cfg.vocab_parallel:
-        raise NotImplementedError("vocab_parallel: composed once toolkit.pipeline.vocab_parallel's executor lands")
-    schedule = make_schedule(cfg.schedule, cfg.pp, cfg.m)
-    stages = split_stages(model, schedule.n_stages)
-    modules = {s: stages[s] for s in schedule.stages_of(pp_rank)}
+        from toolkit.pipeline import vocab_parallel as vp
+        schedule = vocab_schedule(cfg)
+        groups = None
+        for members in pipeline_groups(grid):  # collective: every rank makes every pipeline's groups, in order
+            made = vp.vocab_groups(members)
+            if members == peers:
+                groups = made
+        modules = {pp_rank: vp.VocabStage(model, pp_rank, cfg.pp)}
+        base, extra = vp.VocabExecutor, (act_shape, groups)
+    else:
+        schedule = make_schedule(cfg.schedule, cfg.pp, cfg.m)
+        stages = split_stages(model, schedule.n_stages)
+        modules = {s: stages[s] for s in schedule.stages_of(pp_rank)}
+        base, extra = None, (lm_loss, act_shape)
     if cfg.moe_overlap:
         raise NotImplementedError("moe_overlap: composed once toolkit.moe.overlap lands")
     offloader = None
     if cfg.offload != "none":
-        from toolkit.memory.offload import ActivationOffloader
-        from toolkit.lessons.l08_activation_offload import OffloadingExecutor
-        offloader = ActivationOffloader(modules, rank_order(schedule, pp_rank), policy=cfg.offload)
-        executor = OffloadingExecutor(schedule, pp_rank, modules, lm_loss, act_shape, offloader=offloader, **kwargs)
-    else:
+        from toolkit.memory.offload import ActivationOffloader, OffloadingExecutor, long_lived, schedule_order
+        order = schedule_order(schedule, pp_rank)
+        offloader = ActivationOffloader(modules, order, policy=cfg.offload,
+                                        groups=long_lived(order, cfg.offload_skip_within))
+        cls = OffloadingExecutor if base is None else type("OffloadingVocabExecutor", (OffloadingExecutor, base), {})
+        executor = cls(schedule, pp_rank, modules if base is None else modules[pp_rank], *extra,
+                       offloader=offloader, **kwargs)
+    elif base is None:
         from toolkit.pipeline.executor import PipelineExecutor
-        executor = PipelineExecutor(schedule, pp_rank, modules, lm_loss, act_shape, **kwargs)
+        executor = PipelineExecutor(schedule, pp_rank, modules, *extra, **kwargs)
+    else:
+        executor = base(schedule, pp_rank, modules[pp_rank], *extra, **kwargs)
     return schedule, modules, executor, offloader
+
+
+def vocab_schedule(cfg: ComposeConfig):
+    """vocab_1f1b with the S and T passes placed by the vocabulary cost model (``vocab_costs``): only their
+    place in each rank's order depends on it (the same on every rank), never the values computed."""
+    from toolkit.pipeline import vocab_costs as vc
+    from toolkit.pipeline import vocab_parallel as vp
+    mcfg = cfg.model_config()
+    w = vc.Workload(n_layer=cfg.n_layer, d_model=mcfg.d_model, d_ff=mcfg.d_ff, vocab_size=mcfg.vocab_size,
+                    seq_len=mcfg.seq_len, micro_batch=cfg.micro_batch, act_bytes=4 if cfg.precision == "fp32" else 2)
+    hw = vc.Hardware("placement model", matmul_flops=1e11, mem_bw=1e10, link_bw=1e9)
+    return vp.vocab_1f1b(cfg.pp, cfg.m, VOCAB_ALGORITHM, vp.StageCosts(vc.stage_costs(w, cfg.pp, hw, "vocab",
+                                                                                     VOCAB_ALGORITHM)))
+
+
+VOCAB_ALGORITHM = 2
+"""Vocabulary parallelism's Algorithm 2: dX right after the first barrier (one barrier per micro-batch)."""
+
+
+def pipeline_groups(grid) -> list[list[int]]:
+    """The global ranks of every pipeline (one per dp replica), in the grid's order (pp slowest: rank =
+    pp_rank · dp + dp_rank when cp = tp = 1)."""
+    pp, dp = grid.sizes["pp"], grid.sizes["dp"]
+    return [[p * dp + d for p in range(pp)] for d in range(dp)]
 
 
 def _dp_comm(cfg: ComposeConfig, buckets: list[list[nn.Parameter]], group):
@@ -408,7 +446,7 @@ def _dp_comm(cfg: ComposeConfig, buckets: list[list[nn.Parameter]], group):
     if cfg.dp_comm == "edgc":
         from toolkit.comm.edgc import EDGC, EDGCConfig
         edgc = EDGCConfig(warmup=cfg.edgc_warmup, window=1, isr_every=1, r_init=cfg.edgc_rank, r_min=1,
-                          r_max=4 * cfg.edgc_rank, seed=cfg.seed)
+                          r_max=4 * cfg.edgc_rank, seed=cfg.seed, epsilon=1e-8)  # a zero-gradient shard stays 0
         return EDGC(buckets, edgc, group)
     from toolkit.comm.edgc import PowerSGDReducer
     return PowerSGDReducer(buckets, None, group)
@@ -423,4 +461,4 @@ def _optimizer(cfg: ComposeConfig, params: list[nn.Parameter]) -> torch.optim.Op
     return ReuseAdamW(params, lr=cfg.lr)
 
 
-__all__ = ["ComposeConfig", "Composed", "TECHNIQUES", "CONFLICTS", "ORDER", "chain", "rank_order"]
+__all__ = ["ComposeConfig", "Composed", "TECHNIQUES", "CONFLICTS", "ORDER", "chain", "pipeline_groups", "vocab_schedule"]
