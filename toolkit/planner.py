@@ -270,9 +270,12 @@ def composed_memory(c, pp_rank: int, rows: dict | None = None, trace: list | Non
     def output(s: int) -> float:
         return 0 if s == last else N * D * elem  # the stage's output, held by the executor until the backward
 
+    def offloaded(s: int, mb: int) -> bool:
+        return offload and (s, mb) in moved
+
     def held_after_forward(s: int, mb: int, keep_last: bool) -> float:
         g = groups(s, mb)
-        if not offload:
+        if not offloaded(s, mb):
             return sum(a + b for a, b in g) + output(s)
         return sum(b for _, b in g) + (g[-1][0] if keep_last else 0) + output(s)
 
@@ -289,7 +292,7 @@ def composed_memory(c, pp_rank: int, rows: dict | None = None, trace: list | Non
         rows_max = max((r if r is not None else N * cfg.top_k) for r in rows_of(s, mb)) if cfg.n_expert else N
         if c.a2a_codec in ("int8", "int4", "fp8") and op == "F":  # the codec's fp32 staging of sent/received rows
             w += (N * cfg.top_k + rows_max) * D * 4
-        if offload:
+        if offloaded(s, mb):
             g = [a for a, _ in groups(s, mb)]
             w += max(x + y for x, y in zip(g, g[1:] + [0]))  # a group computed (or reloaded) beside the next
             if op in ("B", "I"):  # and the gradient of the reloaded group's largest tensor
@@ -297,6 +300,10 @@ def composed_memory(c, pp_rank: int, rows: dict | None = None, trace: list | Non
         return w
 
     order = [a for action in sched.ranks[pp_rank] for a in action.parts]
+    moved = None  # the (stage, mb) the offloader moves: those whose backward is far enough from their forward
+    if offload:
+        from toolkit.memory.offload import long_lived, schedule_order
+        moved = {key[:2] for key in long_lived(schedule_order(sched, pp_rank), c.offload_skip_within)}
     held: dict[tuple[int, int], float] = {}
     grads: dict[int, set] = {s: set() for s in stages}  # which gradients exist: "other", "linear"
     best = {"total": -1.0}
