@@ -350,11 +350,18 @@ class Composed:
 
     @contextlib.contextmanager
     def record_routing(self):
-        """Inside the block, record the rows each MoE layer's experts receive, per (stage, micro-batch): yields
-        a dict ``{(stage, mb): [rows of layer 0, layer 1, ...]}`` filled as the forwards run (a stage's forwards
-        come in micro-batch order in every schedule here). The memory model takes it as the router's decision."""
+        """Inside the block, record what the router decided, per (stage, micro-batch) and MoE layer: yields a dict
+        ``{(stage, mb): [(rows its experts receive, pairs sent to other ranks, rows received from other ranks),
+        ...]}`` filled as the forwards run (a stage's forwards come in micro-batch order in every schedule here).
+        The planner's memory and bytes models take it as an input (``toolkit.planner_tiny``)."""
         from toolkit.moe import ExpertParallelMoE
-        rows: dict[tuple[int, int], list[int]] = {}
+        rows: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
+
+        def routed(m) -> tuple[int, int, int]:
+            plan, me = m.last_plan, m.dispatcher.rank
+            return (int(sum(plan.recv_counts)), int(sum(plan.in_splits) - plan.in_splits[me]),
+                    int(sum(plan.out_splits) - plan.out_splits[me]))
+
         handles = []
         for s, module in self.modules.items():
             calls = [-1]
@@ -362,8 +369,7 @@ class Composed:
             for sub in module.modules():
                 if isinstance(sub, ExpertParallelMoE):
                     handles.append(sub.register_forward_hook(
-                        lambda m, a, o, s=s, calls=calls: rows.setdefault((s, calls[0]), []).append(
-                            int(sum(m.last_plan.recv_counts)))))
+                        lambda m, a, o, s=s, calls=calls: rows.setdefault((s, calls[0]), []).append(routed(m))))
         try:
             yield rows
         finally:

@@ -6,9 +6,9 @@ starts from the baseline (1F1B, fp32, plain all-to-all, plain DP all-reduce) and
 baseline (those that conflict with something in the chain). For every configuration, on a fresh model from
 the same seed and the same data::
 
-    train     ``steps`` training steps: the loss of each (global batch, all-reduced), bytes per step by op
-              and group (ledger)
-    memory    one more step inside a MemoryTracker: this rank's tensor peak by category (and at which mark)
+    train     ``steps`` training steps: the loss of each (global batch, all-reduced)
+    memory    one more step inside a MemoryTracker: this rank's tensor peak by category, the bytes it sent by op
+              and group (ledger), and the router's decisions (rows per MoE layer: the planner's input)
     timing    every configuration timed side by side (toolkit.runtime.bench.compare, round-robin)
 
 The single-process reference (the same model, the global batch, micro-batches in order) gives the baseline's
@@ -116,10 +116,10 @@ def run(ctx, cfg: dict) -> dict:
             job.step(*data[cfg["steps"]])
         composed[name] = job
         runs.append({"name": name, "against": against, "config": c.to_dict(), "losses": losses,
-                     "memory": mem.summary(), "bytes": _bytes_by_op(ctx.ledger, f"{name}:train", cfg["steps"]),
+                     "memory": mem.summary(), "bytes": _bytes_by_op(ctx.ledger, f"{name}:memory", 1),
                      "param_bytes": job.parameter_bytes(), "stages": sorted(job.modules),
-                     "routing": [{"stage": s, "mb": mb, "rows": r} for (s, mb), r in sorted(rows.items())],
-                     "edgc_ranks": job.history[-1]["ranks"] if job.history else None,
+                     "routing": [{"stage": s, "mb": mb, "layers": r} for (s, mb), r in sorted(rows.items())],
+                     "edgc_ranks": [job.history[-1]["ranks"]] if job.history else None,
                      "offload": dict(job.offloader.stats) if job.offloader is not None else None})
         ctx.progress(i + 1, len(configs), f"trained {name}")
 
