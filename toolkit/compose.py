@@ -241,6 +241,18 @@ TECHNIQUES: dict[str, dict] = {
 }
 """technique name -> the config fields it changes."""
 
+LOSS_RTOL: dict[str, float] = {
+    "dualpipev": 1e-5,        # the same math; micro-batch gradients summed in another order
+    "bf16": 5e-3,             # bf16 weights and activations (8-bit mantissa) against fp32
+    "bf16_residual": 0.0,     # bit-exact: MasterAdamW(rounding="away") is ReuseAdamW's reference
+    "offload": 0.0,           # the bytes move, the values and the order of the ops do not
+    "vocab_parallel": 1e-5,   # the sharded softmax sums in another order (in the activation dtype)
+    "int8_a2a": 5e-3,         # tokens quantized to int8 per 32 channels on their way to the experts
+    "edgc": 1e-2,             # low-rank gradients (with error feedback) change every update a little
+    "moe_overlap": 1e-5,      # half micro-batches through the same layers
+}
+"""How far each step's losses may move from the step before (relative), and why."""
+
 
 def chain(base: ComposeConfig, names: list[str], world_size: int | None = None) -> list[tuple[str, ComposeConfig]]:
     """``[("baseline", base), (names[0], base + names[0]), (names[1], base + names[0] + names[1]), ...]``, every
@@ -467,4 +479,4 @@ def _optimizer(cfg: ComposeConfig, params: list[nn.Parameter]) -> torch.optim.Op
     return ReuseAdamW(params, lr=cfg.lr)
 
 
-__all__ = ["ComposeConfig", "Composed", "TECHNIQUES", "CONFLICTS", "ORDER", "chain", "pipeline_groups", "vocab_schedule"]
+__all__ = ["ComposeConfig", "Composed", "TECHNIQUES", "LOSS_RTOL", "CONFLICTS", "ORDER", "chain", "pipeline_groups", "vocab_schedule"]
