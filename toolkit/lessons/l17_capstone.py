@@ -35,14 +35,14 @@ PARAMS = {**common("model", "n_layer", "m", "micro_batch", "steps", "lr", "seed"
 CHAIN = ["dualpipev", "bf16", "bf16_residual", "offload", "int8_a2a", "edgc"]
 PRESETS = {
     "smoke": {"model": "smoke", "n_layer": 4, "m": 4, "micro_batch": 2, "steps": 2, "lr": 1e-3, "seed": 0,
-              "warmup": 1, "bench_steps": 1, "rounds": 3, "pp": 2, "n_expert": 4, "top_k": 2,
-              "techniques": CHAIN, "branch": []},
-    "default": {"model": "smoke", "n_layer": 4, "m": 4, "micro_batch": 4, "steps": 3, "lr": 1e-3, "seed": 0,
-                "warmup": 1, "bench_steps": 2, "rounds": 3, "pp": 2, "n_expert": 4, "top_k": 2,
-                "techniques": CHAIN, "branch": []},
+              "warmup": 0, "bench_steps": 1, "rounds": 3, "pp": 2, "n_expert": 4, "top_k": 2,
+              "techniques": CHAIN, "branch": ["vocab_parallel"]},
+    "default": {"model": "smoke", "n_layer": 4, "m": 4, "micro_batch": 2, "steps": 3, "lr": 1e-3, "seed": 0,
+                "warmup": 0, "bench_steps": 1, "rounds": 3, "pp": 2, "n_expert": 4, "top_k": 2,
+                "techniques": CHAIN, "branch": ["vocab_parallel"]},
     "full": {"model": "default", "n_layer": 8, "m": 8, "micro_batch": 4, "steps": 10, "lr": 1e-3, "seed": 0,
              "warmup": 2, "bench_steps": 3, "rounds": 5, "pp": 2, "n_expert": 8, "top_k": 2,
-             "techniques": CHAIN, "branch": []},
+             "techniques": CHAIN, "branch": ["vocab_parallel"]},
 }
 PHASES = [("reference", 1), ("train", 6), ("timing", 3)]
 
