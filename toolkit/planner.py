@@ -246,3 +246,138 @@ def validate_memory_model(n_params: int, dp: int, measured: dict[str, dict[str, 
 
 def as_dicts(w: Workload, c: Cluster) -> dict:
     return {"workload": asdict(w), "cluster": asdict(c)}
+
+
+# ---- choosing a configuration: layout, micro-batches, schedule, checkpointing, offload ----------------------------
+@dataclass
+class Links:
+    """Host-side bandwidths the offload options use (per GPU)."""
+    pcie_gbps: float = 25.0
+    """Host <-> device copies (PCIe 4 x16, achieved)."""
+    cpu_adam_gbps: float = 10.0
+    """Optimizer state bytes a CPU Adam streams per second, per GPU's share of the host."""
+    nvme_gbps: float = 3.0
+    """NVMe read + write per GPU's share of the drives."""
+
+
+def offload_time(w: Workload, dp: int, tp: int, pp: int, zero: int, offload: str, links: Links = Links()) -> float:
+    """Seconds per step the optimizer offload adds, not overlapped (an upper bound): gradients down and bf16
+    weights up over PCIe, the Adam step on the host (16 B/param of state touched), and for ``nvme`` the
+    optimizer state (16 B/param) read and written through the drives."""
+    if offload == "none":
+        return 0.0
+    shard = w.params / (tp * pp) / (dp if zero >= 1 else 1)
+    t = (2 + 2) * shard / (links.pcie_gbps * 1e9) + 16 * shard / (links.cpu_adam_gbps * 1e9)
+    if offload == "nvme":
+        t += 2 * 16 * shard / (links.nvme_gbps * 1e9)
+    return t
+
+
+def choose(w: Workload, c: Cluster, micro_batches=(1, 2, 4), schedules=("1f1b", "dualpipev"),
+           recompute=(False, True), offload=("none", "cpu", "nvme"), zero_stages=(0, 1, 2, 3),
+           headroom: float = 0.9, links: Links = Links()) -> list[dict]:
+    """Every (dp, tp, pp, ZeRO stage, micro-batch size, pipeline schedule, full recompute, optimizer offload) the
+    cluster can run, with the model's memory per GPU and step time; the ones that fit first, fastest first.
+
+    The pipeline simulator (``toolkit.pipeline.simulate``) supplies what the closed forms assume: the bubble
+    of the schedule at this pp and number of micro-batches (unit costs F = 1, B = 2, W = 1 per rank, split
+    over its stage chunks) and the micro-batches of activations rank 0 holds at its peak (1F1B: pp;
+    DualPipeV: more). A model, not a measurement: label what it prints as such.
+    """
+    from dataclasses import replace
+
+    from toolkit.pipeline.schedule import make_schedule
+    from toolkit.pipeline.simulate import Costs, simulate
+    sims: dict[tuple, tuple[float, float]] = {}
+
+    def pipeline(name: str, pp: int, m: int) -> tuple[float, float] | None:
+        if pp == 1:
+            return 0.0, 1.0
+        if (name == "dualpipev" and (m < 2 * pp or w.layers % (2 * pp))) or m < pp:
+            return None
+        if (name, pp, m) not in sims:
+            sched = make_schedule(name, pp, m)
+            spr = sched.stages_per_rank
+            sim = simulate(sched, Costs(F=1 / spr, B=2 / spr, W=1 / spr))
+            sims[(name, pp, m)] = (sim.bubble_fraction, max(sim.peak_mb))
+        return sims[(name, pp, m)]
+
+    rows = []
+    for tp in (t for t in (1, 2, 4, 8) if t <= c.gpus_per_node and w.heads % t == 0):
+        for pp in (p for p in (1, 2, 4, 8, 16) if w.layers % p == 0):
+            if c.gpus % (tp * pp):
+                continue
+            dp = c.gpus // (tp * pp)
+            for mb in micro_batches:
+                if w.global_batch % (dp * mb):
+                    continue
+                m = w.global_batch // (dp * mb)
+                for name in (schedules if pp > 1 else ("none",)):
+                    sim = pipeline(name, pp, m)
+                    if sim is None:
+                        continue
+                    bubble, peak_mb = sim
+                    for rc in recompute:
+                        wl = replace(w, micro_batch=mb, recompute=rc)
+                        t = step_time(wl, c, dp, tp, pp, 0)
+                        busy = t["compute"] + t["tp_comm"]
+                        for zero in zero_stages:
+                            dp_comm = step_time(wl, c, dp, tp, pp, zero)["dp_comm"]
+                            for off in offload:
+                                mem = memory_per_gpu(wl, dp, tp, pp, zero, offload_optimizer=off)
+                                mem["activations"] *= peak_mb / pp  # the formula assumes pp micro-batches held
+                                extra = offload_time(wl, dp, tp, pp, zero, off, links)
+                                total = busy / (1 - bubble) + dp_comm + extra
+                                gb = sum(mem.values()) / 1e9
+                                rows.append({
+                                    "dp": dp, "tp": tp, "pp": pp, "zero": zero, "micro_batch": mb, "m": m,
+                                    "schedule": name, "recompute": rc, "offload": off, "memory_gb": gb,
+                                    "fits": gb <= c.memory_gb * headroom, "step_s": total,
+                                    "tokens_per_s": w.global_batch * w.seq_len / total, "bubble": bubble,
+                                    "peak_mb": peak_mb, "t_compute_s": t["compute"], "t_bubble_s": busy / (1 - bubble) - busy,
+                                    "t_tp_comm_s": t["tp_comm"], "t_dp_comm_s": dp_comm, "t_offload_s": extra,
+                                    **{f"mem_{k}_gb": v / 1e9 for k, v in mem.items()}})
+    return sorted(rows, key=lambda r: (not r["fits"], r["step_s"], r["memory_gb"]))
+
+
+def label(row: dict) -> str:
+    """``dp 3 · tp 8 · pp 1 · ZeRO-1 · b 1 · 1f1b · recompute · offload cpu`` for a ``choose`` row."""
+    parts = [f"dp {row['dp']}", f"tp {row['tp']}", f"pp {row['pp']}", f"ZeRO-{row['zero']}", f"b {row['micro_batch']}"]
+    if row["pp"] > 1:
+        parts.append(f"{row['schedule']} (m {row['m']})")
+    parts.append("full recompute" if row["recompute"] else "no recompute")
+    parts.append(f"offload {row['offload']}")
+    return " · ".join(parts)
+
+
+def explain(rows: list[dict], c: Cluster, headroom: float = 0.9) -> list[str]:
+    """Why ``rows[0]`` (``choose``'s answer), in sentences built from the model's numbers: what it costs, what the
+    faster configurations lack, and for each knob the best configuration that sets it otherwise."""
+    best = rows[0]
+    if not best["fits"]:
+        return [f"nothing fits in {headroom:.0%} of {c.memory_gb:g} GB; the smallest needs "
+                f"{min(r['memory_gb'] for r in rows):.1f} GB"]
+    cap = c.memory_gb * headroom
+    out = [f"{label(best)}: {best['memory_gb']:.1f} GB of the {cap:.0f} GB allowed ({headroom:.0%} of "
+           f"{c.memory_gb:g} GB), {best['step_s']:.2f} s per step = compute {best['t_compute_s']:.2f} + bubble "
+           f"{best['t_bubble_s']:.2f} + TP {best['t_tp_comm_s']:.2f} + exposed DP {best['t_dp_comm_s']:.2f} + "
+           f"offload {best['t_offload_s']:.2f} s"]
+    faster = [r for r in rows if not r["fits"] and r["step_s"] < best["step_s"]]
+    if faster:
+        f = min(faster, key=lambda r: r["step_s"])
+        out.append(f"faster configurations do not fit: the fastest, {label(f)}, needs {f['memory_gb']:.1f} GB "
+                   f"for {f['step_s']:.2f} s")
+    for key in ("pp", "tp", "zero", "micro_batch", "schedule", "recompute", "offload"):
+        alternatives: dict = {}
+        for r in rows:  # sorted: the first row with a value is the best configuration that has it
+            if r[key] != best[key]:
+                alternatives.setdefault(r[key], r)
+        for value, alt in alternatives.items():
+            verdict = (f"{alt['step_s']:.2f} s ({alt['step_s'] / best['step_s'] - 1:+.1%}), {alt['memory_gb']:.1f} GB"
+                       if alt["fits"] else f"does not fit ({alt['memory_gb']:.1f} GB)")
+            out.append(f"{key} {value} instead of {best[key]}: at best {verdict}")
+    return out
+
+
+# the composed tiny run of lesson 17: the same categories, counted tensor by tensor for the toolkit's own GPT
+from toolkit.planner_tiny import composed_bytes, composed_memory  # noqa: E402

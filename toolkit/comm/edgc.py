@@ -377,6 +377,9 @@ class EDGCConfig:
     r_max: int = 16
     min_compression_rate: float = 2.0
     seed: int = 0
+    epsilon: float = 0.0
+    """Added to each column norm when orthogonalizing (0: torch's powerSGD_hook; > 0 keeps a matrix whose gradient
+    is all zero, e.g. a vocabulary shard whose tokens never occur, from dividing 0 by 0 in Gram-Schmidt)."""
 
     def validate(self) -> "EDGCConfig":
         for name in ("warmup", "window", "isr_every", "bins", "r_init", "r_min", "r_max"):
@@ -390,6 +393,8 @@ class EDGCConfig:
             raise ValueError(f"gsr must be in (0, 1], got {self.gsr!r}")
         if not (isinstance(self.ref_bits, (int, float)) and self.ref_bits > 0 and math.isfinite(self.ref_bits)):
             raise ValueError(f"ref_bits must be a finite number > 0, got {self.ref_bits!r}")
+        if not (isinstance(self.epsilon, (int, float)) and 0.0 <= self.epsilon < 1.0):
+            raise ValueError(f"epsilon must be a number in [0, 1), got {self.epsilon!r}")
         if self.isr_every > self.window:
             raise ValueError(f"isr_every={self.isr_every} must be <= window={self.window} (one sample per window)")
         return self
@@ -411,7 +416,7 @@ class EDGC:
     def __post_init__(self):
         self.cfg.validate()
         self.reducer = PowerSGDReducer(self.stages, None, self.group, self.cfg.min_compression_rate,
-                                       seed=self.cfg.seed)
+                                       seed=self.cfg.seed, epsilon=self.cfg.epsilon)
         self.shapes = [[tuple(p.shape) for p in s] for s in self.stages]
         self.gen = torch.Generator().manual_seed(self.cfg.seed)
         self.samples: list[tuple[int, list[float]]] = []  # (step, entropy per stage) of the sampled steps

@@ -280,9 +280,12 @@ class ActivationOffloader:
 
     def _host_buffer(self, nbytes: int) -> torch.Tensor:
         pool = self._pool.get(nbytes)
-        if pool:
-            return pool.pop()
         tracker = MemoryTracker.active()
+        if pool:
+            buf = pool.pop()
+            if tracker:  # a buffer from an earlier step: the active tracker would count its first copy_ as "act"
+                tracker.register(buf, "host")
+            return buf
         with tracker.categorize("host") if tracker else contextlib.nullcontext():
             buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.cuda)
         self.meter.register(buf, "host")
@@ -424,21 +427,26 @@ class OffloadingExecutor(PipelineExecutor):
         super().__init__(*args, **kwargs)
         self.offloader, self.context_fn, self.on_action = offloader, forward_context, on_action
 
+    # Each hook also calls the next class's (cooperative), so another executor's hooks still run when a class
+    # combines both, e.g. ``type("X", (OffloadingExecutor, VocabExecutor), {})`` (toolkit.compose).
     def forward_context(self, a):
         if a.op != "F":  # an R rebuilds activations right before their backward: nothing to send away
-            return contextlib.nullcontext()
+            return super().forward_context(a)
         if self.offloader:
             return self.offloader.forward(key_of(a))
-        return self.context_fn(key_of(a)) if self.context_fn else contextlib.nullcontext()
+        return self.context_fn(key_of(a)) if self.context_fn else super().forward_context(a)
 
     def before_backward(self, a) -> None:
+        super().before_backward(a)
         if self.offloader:
             self.offloader.backward_begin(key_of(a))
 
     def after_backward(self, a) -> None:
         if self.offloader:
             self.offloader.backward_end(key_of(a))
+        super().after_backward(a)
 
     def after_action(self, action) -> None:
+        super().after_action(action)
         if self.on_action:
             self.on_action(action)

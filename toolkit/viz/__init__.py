@@ -164,6 +164,21 @@ def table(rows: Sequence[dict], title: str = "", formats: dict[str, str] | None 
     return theme(fig, title, height=120 + 28 * len(rows))
 
 
+def waterfall(steps: Sequence[str], values: Sequence[float], title: str = "", yaxis_title: str = "",
+              text_format: str = ".3g") -> go.Figure:
+    """What each step changed: the first value as a bar, then one floating bar per step from the value before it
+    to its own (green down, red up), and the last value as a total bar. ``values[i]`` is the quantity after
+    ``steps[i]`` (``steps[0]`` the starting point)."""
+    deltas = [values[0]] + [b - a for a, b in zip(values, values[1:])] + [values[-1]]
+    fig = go.Figure(go.Waterfall(
+        x=[*steps, "result"], y=deltas, measure=["absolute"] + ["relative"] * (len(values) - 1) + ["total"],
+        text=[format(v, text_format) for v in deltas], textposition="outside",
+        increasing=dict(marker_color=COLORS["act"]), decreasing=dict(marker_color=COLORS["grad"]),
+        totals=dict(marker_color=COLORS["param"]), connector=dict(line=dict(color="#999", width=1))))
+    fig.update_layout(yaxis_title=yaxis_title, showlegend=False)
+    return theme(fig, title)
+
+
 def human_bytes(n: float) -> str:
     """1536 -> '1.50 KiB'."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
@@ -175,8 +190,8 @@ def human_bytes(n: float) -> str:
 
 from .explore import Explorer, explore, precompute  # noqa: E402  (needs theme above)
 
-__all__ = ["theme", "gantt", "memory_over_time", "bars", "lines", "heatmap", "table", "human_bytes", "COLORS",
-           "PALETTE", "color_of", "explore", "precompute", "Explorer"]
+__all__ = ["theme", "gantt", "memory_over_time", "bars", "lines", "heatmap", "table", "waterfall", "human_bytes",
+           "COLORS", "PALETTE", "color_of", "explore", "precompute", "Explorer"]
 
 
 def _use_notebook_renderer() -> None:

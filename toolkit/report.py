@@ -1,0 +1,121 @@
+"""A lesson's headline result, for the course results page: recorded in the notebook, collected from it.
+
+The last cells of every lesson notebook call ``headline(...)`` once with what its run measured (a ratio, dB,
+bytes, a peak), what the source claims, and whether the run reproduces it — values computed in the notebook
+from its own results, never typed in. ``headline`` displays one line of markdown and attaches the same record
+as JSON to that output under its own MIME type, so the record lives *in the executed notebook*::
+
+    notebook cell          headline(...)  ─► display({"text/markdown": "...", MIME: {record}})
+    papermill / JupyterLab the output is saved in the .ipynb like any other (no files, no environment)
+    tools/run_all.py       collect(executed .ipynb) ─► records ─► out/results.json, out/results.html
+
+It works the same under plain papermill, in JupyterLab and in ``make run``; a notebook run twice keeps only
+its last record per lesson (``collect`` returns the last).
+"""
+from __future__ import annotations
+
+import html
+import json
+import math
+from pathlib import Path
+
+MIME = "application/vnd.llm-scale-toolkit.headline+json"
+FIELDS = ("lesson", "technique", "measured", "value", "unit", "claim", "source", "reproduced", "note")
+
+
+def record(lesson: str, technique: str, measured: str, value: float | int | None = None, unit: str = "",
+           claim: str = "", source: str = "", reproduced: bool | None = None, note: str = "") -> dict:
+    """The headline as a JSON-able dict; ValueError for a missing lesson/technique/measurement or a bad value.
+
+    ``measured``: the run's headline in words with its number ("int8 all-to-all: 1.94x fewer bytes"); ``value``
+    the number itself (for sorting and plots); ``claim``: the source's number or statement; ``reproduced``:
+    True / False computed by the notebook from its run against that claim, None when the run cannot tell
+    (e.g. a GPU-only claim on a CPU)."""
+    for name, v in (("lesson", lesson), ("technique", technique), ("measured", measured)):
+        if not isinstance(v, str) or not v.strip():
+            raise ValueError(f"headline needs a non-empty {name} (a string), got {v!r}")
+    if value is not None:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(float(value)):
+            raise ValueError(f"headline value must be a finite number or None, got {value!r}")
+        value = float(value) if isinstance(value, float) else int(value)
+    if reproduced is not None and not isinstance(reproduced, bool):
+        raise ValueError(f"reproduced must be True, False or None (computed from the run), got {reproduced!r}")
+    return {"lesson": lesson, "technique": technique, "measured": measured, "value": value, "unit": unit,
+            "claim": claim, "source": source, "reproduced": reproduced, "note": note}
+
+
+def headline(lesson: str, technique: str, measured: str, value: float | int | None = None, unit: str = "",
+             claim: str = "", source: str = "", reproduced: bool | None = None, note: str = "") -> dict:
+    """Record and display this lesson's headline (see the module docstring); returns the record."""
+    rec = record(lesson, technique, measured, value, unit, claim, source, reproduced, note)
+    try:
+        from IPython.display import display
+    except ImportError:  # plain Python: nothing to attach the record to
+        print(_markdown(rec))
+        return rec
+    display({"text/markdown": _markdown(rec), "text/plain": _markdown(rec), MIME: rec}, raw=True)
+    return rec
+
+
+def _markdown(rec: dict) -> str:
+    verdict = {True: "reproduced", False: "not reproduced", None: "not testable here"}[rec["reproduced"]]
+    claim = f" — source: {rec['claim']}" + (f" ({rec['source']})" if rec["source"] else "") if rec["claim"] else ""
+    return f"**Headline ({rec['lesson']}, {rec['technique']}).** {rec['measured']}{claim}. *{verdict}*"
+
+
+def collect(notebook: str | Path) -> dict | None:
+    """The last headline record in an executed notebook (None if it has none)."""
+    nb = json.loads(Path(notebook).read_text())
+    found = None
+    for cell in nb.get("cells", []):
+        for out in cell.get("outputs", []):
+            data = out.get("data", {})
+            if MIME in data:
+                rec = data[MIME]
+                found = json.loads(rec) if isinstance(rec, str) else rec
+    return found
+
+
+def write_results(rows: list[dict], out: str | Path, params: dict | None = None) -> tuple[Path, Path]:
+    """``out/results.json`` and ``out/results.html``: one row per lesson (``rows``: ``{"name", "status",
+    "headline"}`` with the collected record or None). Returns both paths."""
+    out = Path(out)
+    (out / "results.json").write_text(json.dumps({"params": params or {}, "lessons": rows}, indent=1))
+    (out / "results.html").write_text(results_html(rows, params or {}))
+    return out / "results.json", out / "results.html"
+
+
+def results_html(rows: list[dict], params: dict) -> str:
+    """The course results page (self-contained HTML, no scripts)."""
+    esc = html.escape
+    body = []
+    for r in rows:
+        h = r.get("headline")
+        link = f"<a href='html/{esc(r['name'])}.html'>{esc(r['name'])}</a>"
+        if h is None:
+            why = "notebook failed" if r.get("status") not in (None, "ok") else "no headline recorded"
+            body.append(f"<tr><td>{link}</td><td colspan='3' class='none'>{why}</td><td class='none'>-</td></tr>")
+            continue
+        verdict = {True: ("yes", "yes"), False: ("no", "no"), None: ("not testable here", "none")}[h["reproduced"]]
+        claim = esc(h["claim"]) + (f"<div class='src'>{esc(h['source'])}</div>" if h["source"] else "")
+        note = f"<div class='src'>{esc(h['note'])}</div>" if h.get("note") else ""
+        body.append(f"<tr><td>{link}</td><td>{esc(h['technique'])}</td><td>{esc(h['measured'])}{note}</td>"
+                    f"<td>{claim}</td><td class='{verdict[1]}'>{verdict[0]}</td></tr>")
+    counts = {k: sum(1 for r in rows if (r.get("headline") or {}).get("reproduced", "x") is k)
+              for k in (True, False, None)}
+    return f"""<!doctype html><meta charset="utf-8"><title>llm-scale-toolkit: course results</title>
+<style>body{{font-family:Inter,Helvetica,Arial,sans-serif;margin:2em;color:#222;max-width:75em}}
+table{{border-collapse:collapse}}td,th{{padding:.4em .8em;border-bottom:1px solid #ddd;text-align:left;
+vertical-align:top}}.yes{{color:#109618}}.no{{color:#dc3912}}.none{{color:#777}}.src{{color:#777;font-size:.85em}}
+</style>
+<h1>Course results</h1>
+<p>One row per lesson: the headline its run measured, the source's claim, and whether the run reproduces it —
+read from each executed notebook's <code>toolkit.report.headline</code> output, never typed in. Parameters:
+{esc(json.dumps(params))}. Reproduced: {counts[True]}, not reproduced: {counts[False]}, not testable here:
+{counts[None]}.</p>
+<table><tr><th>lesson</th><th>technique</th><th>measured (this run)</th><th>source's claim</th>
+<th>reproduced</th></tr>
+{chr(10).join(body)}</table>"""
+
+
+__all__ = ["headline", "record", "collect", "write_results", "results_html", "MIME"]
