@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib
+import json
 import time
 import warnings
 
@@ -37,6 +38,8 @@ def test_failing_rank_is_named_with_its_traceback(tmp_path):
     assert err.rank == 1
     assert "rank 1 of 2 failed with RuntimeError: deliberate failure on rank 1" in str(err)
     assert "selftest.py" in err.traceback and "raise RuntimeError" in err.traceback
+    written = json.loads((tmp_path / "rank1.error.json").read_text())  # renamed into place whole
+    assert written["rank"] == 1 and written["type"] == "RuntimeError" and not list(tmp_path.glob("*.tmp"))
     time.sleep(0.5)
     assert not _workers_alive(str(tmp_path))
 
@@ -44,8 +47,9 @@ def test_failing_rank_is_named_with_its_traceback(tmp_path):
 def test_hanging_rank_times_out_with_its_stack_and_no_orphans(tmp_path):
     start = time.monotonic()
     with pytest.raises(LaunchTimeout) as info:
-        launch(f"{LESSON}:hang", 2, {"bad_rank": 1}, timeout_s=25, progress="none", out_dir=tmp_path)
-    assert time.monotonic() - start < 60
+        # 45 s: long enough for the healthy rank to start and finish on a loaded 2-core machine
+        launch(f"{LESSON}:hang", 2, {"bad_rank": 1}, timeout_s=45, progress="none", out_dir=tmp_path)
+    assert time.monotonic() - start < 90
     assert "ranks without a result: [1]" in str(info.value)
     assert "in hang" in info.value.traceback  # the watchdog's stack of the hung rank
     time.sleep(0.5)
@@ -54,16 +58,63 @@ def test_hanging_rank_times_out_with_its_stack_and_no_orphans(tmp_path):
 
 @pytest.mark.parametrize("kwargs, match", [
     ({"world_size": 0}, "world_size must be a positive int"),
+    ({"world_size": 2.0}, "world_size must be a positive int"),
     ({"world_size": 2, "backend": "mpi"}, "backend='mpi' is not allowed"),
     ({"world_size": 2, "backend": "nccl"}, "nccl"),
     ({"world_size": 2, "lesson": "toolkit.lessons.selftest:nope"}, "has no function 'nope'"),
+    ({"world_size": 2, "lesson": "l99_no_such_lesson"}, "lessons that exist: .*'l00_foundations'"),
+    ({"world_size": 2, "lesson": "no such thing!"}, "is not a lesson name or 'module:function'"),
+    ({"world_size": 2, "lesson": 42}, "lesson must be a lesson name"),
     ({"world_size": 2, "timeout_s": 0}, "timeout_s must be > 0"),
     ({"world_size": 2, "progress": "fancy"}, "progress='fancy'"),
+    ({"world_size": 2, "cfg": [1, 2]}, "cfg must be a dict"),
+    ({"world_size": 2, "cfg": {"x": object()}}, "cfg must be JSON-able"),
+    ({"world_size": 2, "seed": -1}, "seed must be an int >= 0"),
+    ({"world_size": 2, "threads": 0}, "threads must be a positive int"),
+    ({"world_size": 2, "accelerate_args": "--num_machines 2"}, "accelerate_args must be a list of strings"),
+    ({"world_size": 2, "phases": [("a", 0)]}, "every phase must be \\(name, weight > 0\\)"),
+    ({"world_size": 2, "phases": [("a", 1), ("a", 2)]}, "phase 'a' is declared twice"),
+    ({"world_size": 10_000}, "world_size=10000 is far beyond this machine"),
 ])
-def test_bad_launch_arguments_fail_before_any_process(kwargs, match):
+def test_bad_launch_arguments_fail_before_any_process(kwargs, match, monkeypatch):
+    launch_module = importlib.import_module("toolkit.runtime.launch")
+    started = []
+    monkeypatch.setattr(launch_module.subprocess, "Popen", lambda *a, **k: started.append(a))
     lesson = kwargs.pop("lesson", LESSON)
     with pytest.raises(ValueError, match=match):
         launch(lesson, **kwargs)
+    assert not started
+
+
+def test_cheap_checks_import_nothing_heavy():
+    """A bad world size or lesson name is refused before torch (or any lesson) is imported."""
+    import subprocess
+    import sys
+    code = ("import sys\nfrom toolkit import launch\n"
+            "for args in ((LESSON, 0), ('l99_missing', 2), (LESSON, 2, [1])):\n"
+            "    try:\n        launch(*args)\n    except ValueError:\n        pass\n"
+            "    else:\n        raise SystemExit('no error')\n"
+            "print(sorted(m for m in ('torch', 'numpy', 'toolkit.lessons.selftest') if m in sys.modules))\n"
+            ).replace("LESSON", repr(LESSON))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def test_far_too_many_ranks_are_refused_unless_allowed(monkeypatch):
+    launch_module = importlib.import_module("toolkit.runtime.launch")
+    monkeypatch.setattr(launch_module.os, "cpu_count", lambda: 2)
+    with pytest.raises(ValueError, match="world_size=10000 is far beyond this machine \\(2 CPU cores.*"
+                                         "oversubscribe=True"):
+        launch_module.check_capacity(10_000, "gloo")
+    with pytest.raises(ValueError, match="far beyond"):  # 9 ranks: more than 4 per core
+        launch_module.check_capacity(9, "gloo")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert launch_module.check_capacity(10_000, "gloo", oversubscribe=True) == "gloo"
+        assert launch_module.check_capacity(8, "gloo") == "gloo"
+        # on two machines, this one starts half of the ranks
+        assert launch_module.check_capacity(16, "gloo", ["--num_machines", "2"]) == "gloo"
 
 
 def test_more_ranks_than_cores_warns(monkeypatch):
@@ -71,8 +122,46 @@ def test_more_ranks_than_cores_warns(monkeypatch):
     monkeypatch.setattr(launch_module.os, "cpu_count", lambda: 1)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        launch_module.validate_launch(LESSON, 2, {}, "gloo")
+        launch_module.check_capacity(2, "gloo")
     assert any("more ranks than the 1 CPU cores" in str(w.message) for w in caught)
+
+
+def test_launch_inside_a_rank_is_refused(monkeypatch):
+    launch_module = importlib.import_module("toolkit.runtime.launch")
+    monkeypatch.setenv(launch_module.RANK_ENV, "1")
+    with pytest.raises(RuntimeError, match="called inside a rank"):
+        launch(LESSON, 2)
+
+
+def test_timeout_kills_the_tree_once(tmp_path, monkeypatch):
+    import sys
+    launch_module = importlib.import_module("toolkit.runtime.launch")
+    real, kills = launch_module.kill_tree, []
+    monkeypatch.setattr(launch_module, "kill_tree", lambda pid: (kills.append(pid), real(pid)))
+    cmd = [sys.executable, "-c", "import time; time.sleep(60)"]
+    with pytest.raises(LaunchTimeout, match="timed out after 1s"):
+        launch_module.run_ranks(cmd, {}, tmp_path, 1, 1.0, None, "sleeper")
+    assert len(kills) == 1
+
+
+def test_rank_files_are_written_atomically(tmp_path, monkeypatch):
+    """The worker writes results and errors through a temporary file: a failed write leaves the old file whole."""
+    from pathlib import Path
+
+    from toolkit.runtime.worker import write_atomic
+    target = tmp_path / "rank0.error.json"
+    write_atomic(target, '{"complete": true}')
+    assert target.read_text() == '{"complete": true}' and not list(tmp_path.glob("*.tmp"))
+    real = Path.write_text
+
+    def half_write(self, text, *a, **k):
+        real(self, text[:3], *a, **k)
+        raise OSError("disk full")
+    monkeypatch.setattr(Path, "write_text", half_write)
+    with pytest.raises(OSError):
+        write_atomic(target, '{"complete": false, "long": "..."}')
+    monkeypatch.undo()
+    assert target.read_text() == '{"complete": true}'
 
 
 def test_validate_grid_names_the_parameter():

@@ -133,13 +133,15 @@ class PowerSGDReducer:
         rank = b.rank if rank is None else rank
         return step_elements([tuple(p.shape) for p in b.params], rank, self.min_compression_rate)
 
-    def reduce_(self) -> None:
-        for b in self.buckets:
-            self._reduce_bucket(b)
+    def reduce_(self, grads: list[list[torch.Tensor]] | None = None) -> None:
+        """Average every bucket in place: the parameters' ``.grad``, or ``grads[i]`` for bucket i (tensors
+        shaped like its parameters, e.g. a DDP hook's ``bucket.gradients()``)."""
+        for i, b in enumerate(self.buckets):
+            self._reduce_bucket(b, grads[i] if grads is not None else [p.grad for p in b.params])
 
     # ---- one bucket ------------------------------------------------------------------------------
-    def _reduce_bucket(self, b: _Bucket) -> None:
-        flat = torch.cat([p.grad.reshape(-1) for p in b.params])  # x [N] = g (+ e), in bucket order
+    def _reduce_bucket(self, b: _Bucket, grads: list[torch.Tensor]) -> None:
+        flat = torch.cat([g.reshape(-1) for g in grads])  # x [N] = g (+ e), in bucket order
         if not bool(torch.isfinite(flat).all()):
             raise ValueError("gradient holds NaN/Inf values; refusing to compress and all-reduce it")
         world = dist.get_world_size(self.group)
@@ -148,7 +150,7 @@ class PowerSGDReducer:
         if b.rank is None:
             allreduce_mean_(flat, self.group)
             b.error = None  # whatever error was kept has now been sent, in full
-            self._write_back(b, flat)
+            self._write_back(grads, flat)
             return
         if self.error_feedback and b.error is None:
             b.error = torch.zeros_like(flat)
@@ -183,7 +185,7 @@ class PowerSGDReducer:
             b.error = local - flat  # e = x − x̂ (for the vectors: local − mean, whose sum over ranks is 0)
         if not self.warm_start:
             b.p_mem = b.q_mem = None
-        self._write_back(b, flat)
+        self._write_back(grads, flat)
 
     def _factors(self, b: _Bucket, comp: list[torch.Tensor], like: torch.Tensor
                  ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -212,9 +214,9 @@ class PowerSGDReducer:
         return ps, qs
 
     @staticmethod
-    def _write_back(b: _Bucket, flat: torch.Tensor) -> None:
-        for p, o in zip(b.params, _offsets(b.params)):
-            p.grad.copy_(flat[o:o + p.numel()].view_as(p.grad))
+    def _write_back(grads: list[torch.Tensor], flat: torch.Tensor) -> None:
+        for g, o in zip(grads, _offsets(grads)):
+            g.copy_(flat[o:o + g.numel()].view_as(g))
 
 
 def _offsets(tensors) -> list[int]:

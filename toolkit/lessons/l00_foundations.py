@@ -43,6 +43,14 @@ PRESETS = {
              "bench_warmup": 10, "probe_sizes": [2**k for k in range(10, 31, 2)], "probe_iters": 20},
 }
 SECTIONS = ("data_parallel", "tensor_parallel", "pipeline", "checkpointing", "precision", "bandwidth", "bench")
+# the progress bar's phases: one per section run, weighted by its rough share of the run time at the default
+# preset (precision, four training runs of which two in bf16 on the CPU, is the long one)
+WEIGHTS = {"data_parallel": 20, "tensor_parallel": 2, "pipeline": 10, "checkpointing": 8, "precision": 40,
+           "bandwidth": 8, "bench": 12}
+
+
+def PHASES(cfg: dict) -> list[tuple[str, float]]:  # noqa: N802 - the launcher reads PHASES
+    return [(name, WEIGHTS[name]) for name in cfg["sections"]]
 
 
 def validate(cfg: dict, world_size: int) -> dict:
@@ -87,11 +95,9 @@ def run(ctx, cfg: dict) -> dict:
              "precision": lambda: precision(ctx, cfg, model_cfg),
              "bandwidth": lambda: bandwidth(ctx, cfg),
              "bench": lambda: bench(ctx, cfg, model_cfg)}
-    for i, name in enumerate(cfg["sections"]):
-        ctx.progress(i, len(cfg["sections"]), name)
-        with ctx.ledger.tag(name):
+    for name in cfg["sections"]:
+        with ctx.phase(name), ctx.ledger.tag(name):
             out[name] = steps[name]()
-    ctx.progress(len(cfg["sections"]), len(cfg["sections"]), "done")
     return out
 
 
@@ -135,6 +141,7 @@ def checkpointing(ctx, cfg, model_cfg) -> list[dict]:
         loss.backward()
         grads = torch.cat([p.grad.flatten() for p in model.parameters()])
         reference = grads if reference is None else reference
+        ctx.progress(POLICIES.index(policy) + 1, len(POLICIES), policy)
         if policy not in POLICIES[ctx.rank::ctx.world_size]:
             continue  # every rank computes the reference grads; each times its own share of policies
 
@@ -149,12 +156,15 @@ def checkpointing(ctx, cfg, model_cfg) -> list[dict]:
 
 def precision(ctx, cfg, model_cfg) -> list[dict]:
     """This rank's share of the mixed-precision modes, trained on identical data."""
-    mine = MODES[ctx.rank::ctx.world_size]
-    return [train(mode, model_cfg, cfg["train_steps"], cfg["batch_size"], device=ctx.device) for mode in mine]
+    mine, steps = MODES[ctx.rank::ctx.world_size], cfg["train_steps"]
+    return [train(mode, model_cfg, steps, cfg["batch_size"], device=ctx.device,
+                  on_step=lambda done, _, k=k, mode=mode: ctx.progress(k * steps + done, len(mine) * steps, mode))
+            for k, mode in enumerate(mine)]
 
 
 def bandwidth(ctx, cfg) -> dict:
-    rows = probe(cfg["probe_sizes"], iters=cfg["probe_iters"], device=ctx.device)
+    rows = probe(cfg["probe_sizes"], iters=cfg["probe_iters"], device=ctx.device,
+                 on_step=lambda done, total: ctx.progress(done, total, "message sizes"))
     return {"rows": rows, "environment": environment_report(), "backend": ctx.backend}
 
 
@@ -186,10 +196,11 @@ def bench(ctx, cfg, model_cfg) -> dict:
             ddp_step()
             mem.mark("step")
         timing = measure(tracked_step, warmup=cfg["bench_warmup"], steps=cfg["bench_steps"],
-                         rounds=cfg["bench_rounds"])
+                         rounds=cfg["bench_rounds"], on_step=lambda d, t: ctx.progress(d, 2 * t, "DDP steps"))
     n_steps = cfg["bench_warmup"] + cfg["bench_steps"] * cfg["bench_rounds"]
     sent, comm_s = ctx.ledger.total("sent_bytes", op="all_reduce"), ctx.ledger.total("seconds", op="all_reduce")
-    compute = measure(local_step, warmup=1, steps=cfg["bench_steps"], rounds=cfg["bench_rounds"])
+    compute = measure(local_step, warmup=1, steps=cfg["bench_steps"], rounds=cfg["bench_rounds"],
+                      on_step=lambda d, t: ctx.progress(t + d, 2 * t, "compute-only steps"))
     totals = [s["total"] for s in mem.samples]
     comm_s /= n_steps  # all-reduce wall time per step, measured around each bucket's call
     return {"timing": timing.to_dict(), "compute_only": compute.to_dict(), "steps_measured": n_steps,

@@ -62,3 +62,19 @@ def ledger_ops(ctx, cfg):
     return {"records": ctx.ledger.to_json(), "summary": ctx.ledger.summary(by=("op", "group")),
             "coords": grid.coords if grid else None, "tp_ranks": grid.ranks("tp") if grid else None,
             "dp_ranks": grid.ranks("dp") if grid else None}
+
+
+def phased(ctx, cfg):
+    """Two phases with sub-progress (launched with ``phases=[("warm", w), ("work", w)]``)."""
+    with ctx.phase("warm"):
+        dist.barrier()
+    ctx.phase("work")
+    for i in range(cfg.get("steps", 3)):
+        dist.barrier()
+        time.sleep(0.3)
+        ctx.progress(i + 1, cfg.get("steps", 3), f"step {i + 1}")
+    try:
+        ctx.phase("undeclared")
+    except ValueError as exc:
+        return {"rank": ctx.rank, "undeclared": str(exc)}
+    return {"rank": ctx.rank, "undeclared": None}

@@ -59,7 +59,11 @@ class Context:
     timeline: Timeline
     out_dir: Path | None = None
     grid: ProcessGrid | None = None
+    phases: list = field(default_factory=list)
+    """``[[name, weight], ...]`` from the lesson's ``PHASES`` (empty: the run is one phase)."""
     _last_progress: float = field(default=0.0, repr=False)
+    _phase: int = field(default=0, repr=False)
+    _phase_name: str = field(default="", repr=False)
 
     def make_grid(self, **sizes: int) -> ProcessGrid:
         """Build (collectively, on every rank) a dp/pp/tp/cp/ep grid and label its groups in the ledger."""
@@ -82,22 +86,58 @@ class Context:
         if dist.is_initialized() and self.world_size > 1:
             dist.barrier()
 
+    # -- progress: what the launcher's bar shows (rank 0's) ------------------------------------------------
+    def phase(self, name: str) -> "_Phase":
+        """Start phase ``name`` (declared in the lesson's ``PHASES``); ``progress`` then reports inside it.
+
+        Usable as a statement or as ``with ctx.phase("name"):`` (the phase is reported complete at the end).
+        Without declared phases, a name is only shown as the message.
+        """
+        if self.phases:
+            names = [n for n, _ in self.phases]
+            if name not in names:
+                raise ValueError(f"phase {name!r} is not declared; PHASES declares {names}")
+            self._phase = names.index(name)
+        self._phase_name = name
+        self._report(0, 0, "" if self.phases else name, force=True)
+        return _Phase(self)
+
     def progress(self, done: int, total: int, message: str = "") -> None:
-        """Report progress; the launcher shows rank 0's as a bar (Jupyter) or log lines."""
+        """Sub-progress inside the current phase (the whole run if no phases are declared): ``done`` of
+        ``total`` units, and what is being done. Cheap: call it in every long loop."""
+        if not self.phases and self._phase_name and not message:
+            message = self._phase_name
+        self._report(done, total, message)
+
+    def _report(self, done: int, total: int, message: str, force: bool = False) -> None:
         now = time.monotonic()
-        if self.out_dir is None or (now - self._last_progress < 0.2 and done < total):
+        if self.out_dir is None or (not force and now - self._last_progress < 0.2 and done < total):
             return
         self._last_progress = now
         tmp = self.out_dir / f"progress.rank{self.rank}.tmp"
-        tmp.write_text(json.dumps({"done": done, "total": total, "message": message}))
+        tmp.write_text(json.dumps({"phase": self._phase, "done": done, "total": total, "message": message}))
         tmp.replace(self.out_dir / f"progress.rank{self.rank}.json")
 
     def log(self, message: str) -> None:
         print(f"[rank {self.rank}] {message}", flush=True)
 
 
+class _Phase:
+    """What ``ctx.phase`` returns: nothing to do as a statement; as a context, reports the phase complete."""
+
+    def __init__(self, ctx: Context):
+        self.ctx, self.index = ctx, ctx._phase
+
+    def __enter__(self) -> "_Phase":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if exc[0] is None and self.ctx._phase == self.index:
+            self.ctx._report(1, 1, "", force=True)
+
+
 def init_context(backend: str = "auto", timeout_s: float = 60.0, seed: int = 0,
-                 out_dir: Path | None = None, threads: int = 1) -> Context:
+                 out_dir: Path | None = None, threads: int = 1, phases: list | None = None) -> Context:
     """Initialise torch.distributed from the launcher's env vars (RANK, WORLD_SIZE, ...).
 
     ``timeout_s`` bounds every collective, so a rank waiting on a dead peer fails with
@@ -118,7 +158,7 @@ def init_context(backend: str = "auto", timeout_s: float = 60.0, seed: int = 0,
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
     ledger = CommLedger().install()
     timeline = Timeline(rank)
-    ctx = Context(rank, world, local_rank, backend, device, ledger, timeline, out_dir)
+    ctx = Context(rank, world, local_rank, backend, device, ledger, timeline, out_dir, phases=list(phases or []))
     seed_everything(seed)
     ctx.barrier()
     timeline.reset_origin()

@@ -1,19 +1,32 @@
-"""Run a lesson on N real processes from a notebook or a script.
+"""Run a lesson, or your own function, on N real processes from a notebook or a script.
 
 ::
 
-    notebook / script                    accelerate launch (subprocess, own session)
-    ─────────────────                    ───────────────────────────────────────────
-    launch("l00_foundations", 4, cfg) ─► torchrun ─► rank 0..3: python -m toolkit.runtime.worker spec.json
-          │  polls out_dir:                              │ init_process_group (gloo | nccl)
-          │   progress.rank0.json  ◄──────────────────── │ run(ctx, cfg)  -> rank{r}.json
-          │   rank{r}.error.json   ◄──────────────────── │ exception      -> rank{r}.error.json
-          │   rank{r}.stack.txt    ◄──────────────────── │ watchdog dump before the deadline
+    notebook / script                        accelerate launch (subprocess, own session)
+    ─────────────────                        ───────────────────────────────────────────
+    launch(what, 4, cfg)
+      1 check_arguments    cheap, nothing heavy imported yet
+      2 target.resolve     lesson / "module:function" / function object ─► target (import or shipped source)
+      3 check_capacity     ranks vs GPUs, cores and memory (refused far beyond the machine)
+      4 validate + phases  the module's validate(cfg, world_size) and PHASES, before any process starts
+      5 write spec.json ─► torchrun ─► rank 0..3: python -m toolkit.runtime.worker spec.json
+      6 watch out_dir:                               │ cwd and sys.path of the caller, init_process_group
+          progress.rank0.json  ◄──────────────────── │ fn(ctx, cfg) -> rank{r}.json       (ctx.phase, ctx.progress)
+          rank{r}.error.json   ◄──────────────────── │ exception    -> rank{r}.error.json
+          rank{r}.stack.txt    ◄──────────────────── │ watchdog dump before the deadline
+      7 collect
           ▼
     [result of rank 0, ..., result of rank 3]    or LaunchError naming the failing rank
 
-The whole process tree is killed on failure, on timeout and on KeyboardInterrupt
-(the stop button in Jupyter), so no rank outlives its launch.
+Every file a rank writes for the launcher is written to a temporary name and renamed, so the launcher
+never reads half a file. The whole process tree is killed (once) on failure, on timeout and on
+KeyboardInterrupt (the stop button in Jupyter), so no rank outlives its launch.
+
+Progress: a lesson module may declare ``PHASES = [("name", weight), ...]`` (or a function of the
+validated cfg returning that list); ``ctx.phase("name")`` starts a phase on a rank and ``ctx.progress(done,
+total, msg)`` is sub-progress inside it. The launcher shows rank 0's as one bar whose total is the sum of
+the weights (a widget in JupyterLab, plain lines under papermill, CI and scripts). Without ``PHASES`` the
+whole run is one phase.
 """
 from __future__ import annotations
 
@@ -28,7 +41,13 @@ import time
 import warnings
 from pathlib import Path
 
-from .context import resolve_backend
+from . import target as targets  # light: the standard library only
+
+BACKENDS = ("auto", "gloo", "nccl")  # the same names as context.BACKENDS (not imported: context imports torch)
+PROGRESS_MODES = ("auto", "widget", "plain", "none")
+RANK_ENV = "TOOLKIT_LAUNCHED_RANK"  # set in every rank; launch() refuses to start ranks from inside one
+RANKS_PER_CORE = 4  # gloo ranks per CPU core accepted without oversubscribe=True
+BYTES_PER_RANK = 400 * 2**20  # a rank's resident memory before it does any work (python, torch, gloo)
 
 
 class LaunchError(RuntimeError):
@@ -51,58 +70,238 @@ class RankResults(list):
     log: str = ""
 
 
-def _in_notebook() -> bool:
+def launch(lesson, world_size: int, cfg: dict | None = None, *, backend: str = "auto",
+           timeout_s: float = 120.0, seed: int = 0, threads: int = 1, progress: str = "auto",
+           accelerate_args: list[str] | None = None, out_dir: str | Path | None = None,
+           keep_files: bool = False, phases: list | None = None, oversubscribe: bool = False) -> RankResults:
+    """Run ``lesson`` on ``world_size`` processes with ``accelerate launch`` and return each rank's result.
+
+    Args:
+        lesson: what every rank runs, called as ``fn(ctx, cfg) -> dict``:
+
+            - a lesson name, ``"l00_foundations"`` (a module of ``toolkit.lessons``, its ``run``);
+            - ``"module"`` or ``"module:function"``, imported from the caller's working directory and
+              ``sys.path`` first, then from ``toolkit.lessons`` (``"my_module:my_experiment"``);
+            - a function object: imported by name on the ranks if it lives in a module, or shipped as
+              source if it is defined in a notebook cell or in the script being run (it must then be
+              self-contained: see ``toolkit.runtime.target``).
+
+            The module's ``validate(cfg, world_size)``, if any, runs here first, before any process starts.
+        world_size: number of ranks (processes).
+        cfg: JSON-able configuration, passed to every rank.
+        backend: ``"auto"`` (nccl with GPUs, else gloo), ``"gloo"`` or ``"nccl"``.
+        timeout_s: the whole launch is killed after this; collectives time out a bit earlier.
+        seed: seeds Python, NumPy and torch identically on every rank.
+        threads: intra-op threads per rank.
+        progress: ``"auto"``, ``"widget"``, ``"plain"`` or ``"none"``.
+        accelerate_args: extra ``accelerate launch`` arguments, e.g. multi-node
+            ``["--num_machines", "2", "--machine_rank", "0", "--main_process_ip", "node0",
+            "--main_process_port", "29500"]`` or ``["--config_file", "cluster.yaml"]``.
+        out_dir: where ranks write results (a temporary folder by default, removed after).
+        keep_files: keep ``out_dir`` (logs, per-rank stacks) after a successful launch.
+        phases: ``[("name", weight), ...]`` for the progress bar (default: the module's ``PHASES``).
+        oversubscribe: allow far more ranks than this machine has cores or memory for (refused otherwise).
+
+    Raises:
+        ValueError: bad arguments (before anything starts).
+        LaunchError: a rank failed; the message names it and carries its traceback.
+        LaunchTimeout: past ``timeout_s``; carries the stacks of the ranks still running.
+    """
+    check_arguments(world_size, cfg, backend, timeout_s, seed, threads, progress, accelerate_args, out_dir)
+    target = targets.resolve(lesson)
+    backend = check_capacity(world_size, backend, accelerate_args, oversubscribe)
+    cfg = validate_cfg(target, dict(cfg or {}), world_size)
+    phase_list = check_phases(phases if phases is not None else getattr(target.module, "PHASES", None), cfg)
+    tmp = prepare_out_dir(out_dir)
+    spec_path = write_spec(tmp, target, cfg, backend, seed, threads, timeout_s, phase_list)
+    title = f"{target.label} x{world_size} ({backend})"
+    bar = Progress(title, progress, phase_list) if progress != "none" else None
+    proc, wall = run_ranks(command(spec_path, world_size, accelerate_args), child_env(threads), tmp, world_size,
+                           timeout_s, bar, title)
+    results = collect(tmp, world_size, proc.returncode, bar)
+    results.wall_s = wall
+    if keep_files or out_dir:
+        results.out_dir = tmp
+    else:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return results
+
+
+# ---- 1. cheap checks ------------------------------------------------------------------------------------------
+def check_arguments(world_size, cfg, backend, timeout_s, seed=0, threads=1, progress="auto", accelerate_args=None,
+                    out_dir=None) -> None:
+    """Every check that needs nothing imported: types and ranges of the launch arguments."""
+    if os.environ.get(RANK_ENV):
+        raise RuntimeError("launch() was called inside a rank (the script that launches was imported by the ranks). "
+                           "Put the launch call under  if __name__ == '__main__':  or in a separate file")
+    if not _is_int(world_size) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    if cfg is not None and not isinstance(cfg, dict):
+        raise ValueError(f"cfg must be a dict, got {type(cfg).__name__}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} is not allowed; allowed: {BACKENDS}")
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+        raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+    if not _is_int(seed) or seed < 0:
+        raise ValueError(f"seed must be an int >= 0, got {seed!r}")
+    if not _is_int(threads) or threads < 1:
+        raise ValueError(f"threads must be a positive int, got {threads!r}")
+    if progress not in PROGRESS_MODES:
+        raise ValueError(f"progress={progress!r}; allowed: {', '.join(map(repr, PROGRESS_MODES))}")
+    if accelerate_args is not None and (not isinstance(accelerate_args, (list, tuple)) or
+                                        not all(isinstance(a, str) for a in accelerate_args)):
+        raise ValueError(f"accelerate_args must be a list of strings, got {accelerate_args!r}")
+    if out_dir is not None and not isinstance(out_dir, (str, os.PathLike)):
+        raise ValueError(f"out_dir must be a path, got {type(out_dir).__name__}")
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+# ---- 3. what the machine can hold ---------------------------------------------------------------------------
+def check_capacity(world_size: int, backend: str, accelerate_args=None, oversubscribe: bool = False) -> str:
+    """Resolve ``backend`` and refuse a world size far beyond this machine; returns the backend.
+
+    nccl: one rank per visible GPU. gloo: at most ``RANKS_PER_CORE`` ranks per core and as many ranks as the
+    available memory holds at ``BYTES_PER_RANK`` each, unless ``oversubscribe=True``; more ranks than cores
+    only warns (they share the cores: timings slow down, results are unaffected). On several machines
+    (``--num_machines N``) the limits apply to this machine's share; with ``--config_file`` they are skipped.
+    """
+    from .context import resolve_backend
+    backend = resolve_backend(backend)
+    extra = list(accelerate_args or [])
+    if "--config_file" in extra:
+        return backend
+    machines = int(extra[extra.index("--num_machines") + 1]) if "--num_machines" in extra[:-1] else 1
+    local = -(-world_size // max(machines, 1))
+    if backend == "nccl":
+        import torch
+        gpus = torch.cuda.device_count()
+        if local > gpus:
+            raise ValueError(f"world_size={world_size} exceeds the {gpus} visible GPUs "
+                             "(nccl runs one rank per GPU)")
+        return backend
+    cores = os.cpu_count() or 1
+    if not oversubscribe:
+        import psutil
+        memory = psutil.virtual_memory().available
+        by_memory = max(int(memory // BYTES_PER_RANK), 1)
+        if local > RANKS_PER_CORE * cores or local > by_memory:
+            raise ValueError(
+                f"world_size={world_size} is far beyond this machine ({cores} CPU cores, "
+                f"{memory / 2**30:.1f} GiB available: at most {min(RANKS_PER_CORE * cores, by_memory)} gloo ranks, "
+                f"{RANKS_PER_CORE} per core and about {BYTES_PER_RANK // 2**20} MiB each); pass oversubscribe=True "
+                "to start them anyway")
+    if local > cores:
+        warnings.warn(f"world_size={world_size} is more ranks than the {cores} CPU cores: ranks will share cores "
+                      "and timings will be slower (results are unaffected)", stacklevel=3)
+    return backend
+
+
+# ---- 4. the target's own checks ------------------------------------------------------------------------------
+def validate_cfg(target, cfg: dict, world_size: int) -> dict:
+    """The module's ``validate(cfg, world_size)`` (lessons define one), run before any process starts."""
+    validate = getattr(target.module, "validate", None) if target.module is not None else None
+    if callable(validate):
+        cfg = validate(dict(cfg), world_size) or cfg
     try:
-        from IPython import get_ipython
-        shell = get_ipython()
-        return shell is not None and shell.__class__.__name__ == "ZMQInteractiveShell"
-    except ImportError:
-        return False
+        json.dumps(cfg)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"cfg must be JSON-able (it is sent to every rank): {exc}") from None
+    return cfg
 
 
-class _Progress:
-    """A progress bar in JupyterLab; plain log lines under papermill, CI and scripts."""
+def check_phases(phases, cfg: dict) -> list[list]:
+    """``PHASES`` (a list, or a function of cfg returning one) -> ``[[name, weight], ...]``; [] if none."""
+    if phases is None:
+        return []
+    if callable(phases):
+        phases = phases(cfg)
+    if not isinstance(phases, (list, tuple)) or not phases:
+        raise ValueError(f"PHASES must be a non-empty list of (name, weight) pairs, got {phases!r}")
+    out, names = [], set()
+    for item in phases:
+        ok = isinstance(item, (list, tuple)) and len(item) == 2 and isinstance(item[0], str)
+        if not ok or isinstance(item[1], bool) or not isinstance(item[1], (int, float)) or not item[1] > 0:
+            raise ValueError(f"every phase must be (name, weight > 0), got {item!r}")
+        if item[0] in names:
+            raise ValueError(f"phase {item[0]!r} is declared twice")
+        names.add(item[0])
+        out.append([item[0], float(item[1])])
+    return out
 
-    def __init__(self, title: str, mode: str):
-        self.title, self.start, self.last_line, self.last_key = title, time.monotonic(), 0.0, None
-        if mode == "auto":
-            plain = os.environ.get("TOOLKIT_PLAIN_PROGRESS") or os.environ.get("CI") or not _in_notebook()
-            mode = "plain" if plain else "widget"
-        self.mode, self.bar = mode, None
-        if mode == "widget":
-            try:
-                import ipywidgets as w
-                from IPython.display import display
-                self.bar = w.IntProgress(value=0, min=0, max=1, description="starting",
-                                         layout=w.Layout(width="45%"))
-                self.label = w.Label(title)
-                display(w.HBox([self.bar, self.label]))
-            except ImportError:
-                self.mode = "plain"
-        if self.mode == "plain":
-            print(f"[launch] {title}: starting", flush=True)
 
-    def update(self, done: int, total: int, message: str) -> None:
-        elapsed = time.monotonic() - self.start
-        if self.mode == "widget" and self.bar is not None:
-            self.bar.max, self.bar.value = max(total, 1), done
-            self.bar.description = f"{done}/{total}"
-            self.label.value = f"{self.title} · {message} · {elapsed:.1f}s"
-        elif self.mode == "plain":
-            key = (done * 10 // max(total, 1), message)
-            if key != self.last_key and time.monotonic() - self.last_line > 2.0:
-                print(f"[launch] {self.title}: {done}/{total} {message} ({elapsed:.1f}s)", flush=True)
-                self.last_key, self.last_line = key, time.monotonic()
+# ---- 5. the spec the ranks read ----------------------------------------------------------------------------
+def prepare_out_dir(out_dir) -> Path:
+    tmp = Path(out_dir) if out_dir else Path(tempfile.mkdtemp(prefix="toolkit-"))
+    tmp.mkdir(parents=True, exist_ok=True)
+    for stale in list(tmp.glob("rank*")) + list(tmp.glob("progress.*")):
+        stale.unlink()
+    return tmp
 
-    def close(self, status: str) -> None:
-        elapsed = time.monotonic() - self.start
-        if self.mode == "widget" and self.bar is not None:
-            self.bar.bar_style = "success" if status == "done" else "danger"
-            self.bar.value = self.bar.max
-            self.bar.description = status
-            self.label.value = f"{self.title} · {status} in {elapsed:.1f}s"
-        elif self.mode == "plain":
-            print(f"[launch] {self.title}: {status} in {elapsed:.1f}s", flush=True)
+
+def write_spec(tmp: Path, target, cfg: dict, backend: str, seed: int, threads: int, timeout_s: float,
+               phases: list) -> Path:
+    spec = {"target": target.spec, "label": target.label, "cfg": cfg, "backend": backend, "seed": seed,
+            "threads": threads, "timeout_s": timeout_s, "deadline": time.time() + timeout_s,
+            "collective_timeout_s": max(5.0, timeout_s * 0.8), "out_dir": str(tmp.resolve()),
+            "cwd": os.getcwd(), "sys_path": [os.path.abspath(p) if p else os.getcwd() for p in sys.path],
+            "phases": phases}
+    spec_path = tmp / "spec.json"
+    spec_path.write_text(json.dumps(spec))
+    return spec_path
+
+
+def command(spec_path: Path, world_size: int, accelerate_args=None) -> list[str]:
+    extra = list(accelerate_args or [])
+    cmd = [sys.executable, "-m", "accelerate.commands.launch"]
+    if "--config_file" not in extra:
+        cmd += ["--multi_gpu", "--num_processes", str(world_size), "--mixed_precision", "no",
+                "--dynamo_backend", "no", "--monitor_interval", "0.1"]
+        if "--num_machines" not in extra:
+            cmd += ["--num_machines", "1"]
+        if "--main_process_port" not in extra:
+            cmd += ["--main_process_port", "0"]
+    return cmd + extra + ["-m", "toolkit.runtime.worker", str(spec_path)]
+
+
+def child_env(threads: int) -> dict:
+    root = str(Path(__file__).resolve().parents[2])  # the toolkit's checkout, importable even if not installed
+    return dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1", **{RANK_ENV: "1"},
+                PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+
+
+# ---- 6. run and watch ---------------------------------------------------------------------------------------
+def run_ranks(cmd: list[str], env: dict, tmp: Path, world_size: int, timeout_s: float, bar, title: str):
+    """Start the ranks and poll until they exit; kill the tree once on timeout, error or interrupt."""
+    log_path = tmp / "launch.log"
+    start = time.monotonic()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            while proc.poll() is None:
+                if time.monotonic() - start > timeout_s:
+                    break
+                if bar:
+                    bar.poll(tmp)
+                time.sleep(0.05)
+        except BaseException:  # KeyboardInterrupt (Jupyter's stop button) included
+            kill_tree(proc.pid)
+            if bar:
+                bar.close("interrupted")
+            raise
+    wall = time.monotonic() - start
+    if proc.poll() is None:  # timed out: read the watchdogs' stacks, then kill, once
+        stacks = _read_stacks(tmp, world_size)
+        kill_tree(proc.pid)
+        if bar:
+            bar.close("timed out")
+        raise LaunchTimeout(
+            f"launch of {title} timed out after {timeout_s:.0f}s (ranks without a result: "
+            f"{_unfinished(tmp, world_size)}); all processes killed.\n" + stacks,
+            rank=None, traceback=stacks, log=_tail(log_path))
+    return proc, wall
 
 
 def kill_tree(pid: int, grace_s: float = 3.0) -> None:
@@ -110,9 +309,9 @@ def kill_tree(pid: int, grace_s: float = 3.0) -> None:
     import psutil
     try:
         root = psutil.Process(pid)
+        procs = root.children(recursive=True) + [root]
     except psutil.NoSuchProcess:
         return
-    procs = root.children(recursive=True) + [root]
     for p in procs:
         try:
             p.send_signal(signal.SIGTERM)
@@ -127,111 +326,13 @@ def kill_tree(pid: int, grace_s: float = 3.0) -> None:
     psutil.wait_procs(alive, timeout=grace_s)
 
 
-def validate_launch(lesson: str, world_size: int, cfg: dict, backend: str) -> tuple[object, dict, str]:
-    """All checks that can run before any process starts; returns (module, cfg, backend)."""
-    from .worker import resolve_lesson
-    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
-        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
-    backend = resolve_backend(backend)
-    if backend == "nccl":
-        import torch
-        if world_size > torch.cuda.device_count():
-            raise ValueError(f"world_size={world_size} exceeds the {torch.cuda.device_count()} visible GPUs "
-                             "(nccl runs one rank per GPU)")
-    cores = os.cpu_count() or 1
-    if backend == "gloo" and world_size > cores:
-        warnings.warn(f"world_size={world_size} is more ranks than the {cores} CPU cores: ranks will share cores "
-                      "and timings will be slower (results are unaffected)", stacklevel=3)
-    if not isinstance(cfg, dict):
-        raise ValueError(f"cfg must be a dict, got {type(cfg).__name__}")
-    module, _ = resolve_lesson(lesson)
-    validate = getattr(module, "validate", None)
-    if validate is not None:
-        cfg = validate(dict(cfg), world_size) or cfg
-    return module, cfg, backend
-
-
-def launch(lesson: str, world_size: int, cfg: dict | None = None, *, backend: str = "auto",
-           timeout_s: float = 120.0, seed: int = 0, threads: int = 1, progress: str = "auto",
-           accelerate_args: list[str] | None = None, out_dir: str | Path | None = None,
-           keep_files: bool = False) -> RankResults:
-    """Run ``lesson`` on ``world_size`` processes with ``accelerate launch`` and return each rank's result.
-
-    Args:
-        lesson: ``"l00_foundations"`` (a module in ``toolkit.lessons``), ``"pkg.module"`` or
-            ``"pkg.module:function"``; the function is ``fn(ctx, cfg) -> dict``. A module-level
-            ``validate(cfg, world_size)`` runs here first, before any process starts.
-        world_size: number of ranks (processes).
-        cfg: JSON-able lesson configuration, passed to every rank.
-        backend: ``"auto"`` (nccl with GPUs, else gloo), ``"gloo"`` or ``"nccl"``.
-        timeout_s: the whole launch is killed after this; collectives time out a bit earlier.
-        seed: seeds Python, NumPy and torch identically on every rank.
-        threads: intra-op threads per rank.
-        progress: ``"auto"``, ``"widget"``, ``"plain"`` or ``"none"``.
-        accelerate_args: extra ``accelerate launch`` arguments, e.g. multi-node
-            ``["--num_machines", "2", "--machine_rank", "0", "--main_process_ip", "node0",
-            "--main_process_port", "29500"]`` or ``["--config_file", "cluster.yaml"]``.
-        out_dir: where ranks write results (a temporary folder by default, removed after).
-        keep_files: keep ``out_dir`` (logs, per-rank stacks) after a successful launch.
-
-    Raises:
-        ValueError: bad arguments (before anything starts).
-        LaunchError: a rank failed; the message names it and carries its traceback.
-        LaunchTimeout: past ``timeout_s``; carries the stacks of the ranks still running.
-    """
-    cfg = dict(cfg or {})
-    _, cfg, backend = validate_launch(lesson, world_size, cfg, backend)
-    if progress not in ("auto", "widget", "plain", "none"):
-        raise ValueError(f"progress={progress!r}; allowed: 'auto', 'widget', 'plain', 'none'")
-    if timeout_s <= 0:
-        raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
-    tmp = Path(out_dir) if out_dir else Path(tempfile.mkdtemp(prefix="toolkit-"))
-    tmp.mkdir(parents=True, exist_ok=True)
-    for stale in list(tmp.glob("rank*")) + list(tmp.glob("progress.*")):
-        stale.unlink()
-    spec = {"lesson": lesson, "cfg": cfg, "backend": backend, "seed": seed, "threads": threads,
-            "timeout_s": timeout_s, "deadline": time.time() + timeout_s,
-            "collective_timeout_s": max(5.0, timeout_s * 0.8), "out_dir": str(tmp)}
-    spec_path = tmp / "spec.json"
-    spec_path.write_text(json.dumps(spec))
-    extra = list(accelerate_args or [])
-    cmd = [sys.executable, "-m", "accelerate.commands.launch"]
-    if "--config_file" not in extra:
-        cmd += ["--multi_gpu", "--num_processes", str(world_size), "--num_machines", "1",
-                "--mixed_precision", "no", "--dynamo_backend", "no", "--monitor_interval", "0.1"]
-        if "--main_process_port" not in extra:
-            cmd += ["--main_process_port", "0"]
-    cmd += extra + ["-m", "toolkit.runtime.worker", str(spec_path)]
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[2]),
-                                                        os.environ.get("PYTHONPATH")])))
+# ---- 7. results ---------------------------------------------------------------------------------------------
+def collect(tmp: Path, world_size: int, returncode: int, bar=None) -> RankResults:
+    """Every rank's result, or LaunchError naming the first rank that failed (with its traceback)."""
     log_path = tmp / "launch.log"
-    title = f"{lesson} x{world_size} ({backend})"
-    bar = _Progress(title, progress) if progress != "none" else None
-    start = time.monotonic()
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        try:
-            while proc.poll() is None:
-                if time.monotonic() - start > timeout_s:
-                    stacks = _read_stacks(tmp, world_size)
-                    kill_tree(proc.pid)
-                    if bar:
-                        bar.close("timed out")
-                    raise LaunchTimeout(
-                        f"launch of {lesson!r} on {world_size} ranks timed out after {timeout_s:.0f}s "
-                        f"(ranks without a result: {_unfinished(tmp, world_size)}); all processes killed.\n"
-                        + stacks, rank=None, traceback=stacks, log=_tail(log_path))
-                if bar:
-                    _show_progress(bar, tmp)
-                time.sleep(0.05)
-        except BaseException:
-            kill_tree(proc.pid)
-            raise
-    wall = time.monotonic() - start
     errors = sorted((json.loads(p.read_text()) for p in tmp.glob("rank*.error.json")), key=lambda e: e["time"])
     missing = _unfinished(tmp, world_size)
-    if errors or missing or proc.returncode != 0:
+    if errors or missing or returncode != 0:
         if bar:
             bar.close("failed")
         if errors:
@@ -242,28 +343,14 @@ def launch(lesson: str, world_size: int, cfg: dict | None = None, *, backend: st
                 + (f"\n(ranks {others} failed after it)" if others else "")
                 + f"\n--- traceback of rank {first['rank']} ---\n{first['traceback']}",
                 rank=first["rank"], traceback=first["traceback"], log=_tail(log_path))
-        raise LaunchError(f"launch exited with code {proc.returncode}; ranks without a result: {missing}.\n"
+        raise LaunchError(f"launch exited with code {returncode}; ranks without a result: {missing}.\n"
                           f"--- launcher log (tail) ---\n{_tail(log_path)}", rank=missing[0] if missing else None,
                           log=_tail(log_path))
     results = RankResults(json.loads((tmp / f"rank{r}.json").read_text()) for r in range(world_size))
-    results.wall_s, results.log = wall, log_path.read_text()
+    results.log = log_path.read_text()
     if bar:
         bar.close("done")
-    if keep_files or out_dir:
-        results.out_dir = tmp
-    else:
-        shutil.rmtree(tmp, ignore_errors=True)
     return results
-
-
-def _show_progress(bar: _Progress, tmp: Path) -> None:
-    path = tmp / "progress.rank0.json"
-    if path.exists():
-        try:
-            p = json.loads(path.read_text())
-        except (json.JSONDecodeError, OSError):
-            return
-        bar.update(p["done"], p["total"], p["message"])
 
 
 def _unfinished(tmp: Path, world_size: int) -> list[int]:
@@ -288,3 +375,98 @@ def _tail(path: Path, n: int = 60) -> str:
         return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
     except OSError:
         return ""
+
+
+# ---- the progress bar ---------------------------------------------------------------------------------------
+def _in_notebook() -> bool:
+    """A kernel that a person is looking at: JupyterLab / Notebook (their server names the session), not a
+    kernel papermill or nbclient runs headless (those get plain lines, kept in the executed notebook)."""
+    try:
+        from IPython import get_ipython
+        shell = get_ipython()
+    except ImportError:
+        return False
+    return shell is not None and shell.__class__.__name__ == "ZMQInteractiveShell" and \
+        bool(os.environ.get("JPY_SESSION_NAME"))
+
+
+class Progress:
+    """One bar per launch: a widget in JupyterLab, plain lines under papermill, CI and scripts.
+
+    The total is the sum of the phase weights, fixed before any rank starts (without phases: one phase
+    of weight 1). Rank 0 reports ``{"phase": i, "done", "total", "message"}``; the bar stands at
+    ``(weights of the phases before i + weight_i * done / total) / sum of weights`` and never moves back.
+    """
+
+    WIDTH = 1000  # widget resolution
+
+    def __init__(self, title: str, mode: str, phases: list | None = None, out=None):
+        self.title, self.start, self.last_line, self.last_key = title, time.monotonic(), -1e9, None
+        self.phases = [list(p) for p in phases] if phases else [["run", 1.0]]
+        self.declared = bool(phases)
+        self.weight = sum(w for _, w in self.phases)
+        self.fraction, self.state, self.out = 0.0, None, out or sys.stdout
+        if mode == "auto":
+            plain = os.environ.get("TOOLKIT_PLAIN_PROGRESS") or os.environ.get("CI") or not _in_notebook()
+            mode = "plain" if plain else "widget"
+        self.mode, self.bar = mode, None
+        if mode == "widget":
+            try:
+                import ipywidgets as w
+                from IPython.display import display
+                self.bar = w.IntProgress(value=0, min=0, max=self.WIDTH, description="starting",
+                                         layout=w.Layout(width="40%"))
+                self.label = w.Label(title)
+                display(w.HBox([self.bar, self.label]))
+            except ImportError:
+                self.mode = "plain"
+        if self.mode == "plain":
+            names = ", ".join(f"{n} ({w:g})" for n, w in self.phases) if phases else "one phase"
+            self._print(f"starting; phases: {names}")
+
+    def poll(self, tmp: Path) -> None:
+        """Read rank 0's progress file, if a new one is there."""
+        path = tmp / "progress.rank0.json"
+        try:
+            state = json.loads(path.read_text())
+        except (FileNotFoundError, json.JSONDecodeError, OSError):
+            return
+        if state != self.state:
+            self.update(state)
+
+    def update(self, state: dict) -> None:
+        self.state = state
+        i = min(max(int(state.get("phase", 0)), 0), len(self.phases) - 1)
+        done, total = state.get("done", 0), state.get("total", 0)
+        inside = min(max(done / total, 0.0), 1.0) if total else 0.0
+        before = sum(w for _, w in self.phases[:i])
+        self.fraction = max(self.fraction, (before + self.phases[i][1] * inside) / self.weight)
+        elapsed = time.monotonic() - self.start
+        name = self.phases[i][0]
+        where = " ".join(filter(None, [f"{name} ({i + 1}/{len(self.phases)})" if self.declared else "",
+                                       f"{done}/{total}" if total else "", state.get("message", "")]))
+        if self.mode == "widget" and self.bar is not None:
+            self.bar.value = int(round(self.fraction * self.WIDTH))
+            self.bar.description = f"{100 * self.fraction:.0f}%"
+            self.label.value = f"{self.title} · {where} · {elapsed:.1f}s"
+        elif self.mode == "plain":
+            key = (i, int(10 * self.fraction))
+            if key[0] != (self.last_key or (None,))[0] or (key != self.last_key and
+                                                           time.monotonic() - self.last_line > 2.0):
+                self._print(f"{100 * self.fraction:3.0f}% {where} ({elapsed:.1f}s)")
+                self.last_key = key
+
+    def close(self, status: str) -> None:
+        elapsed = time.monotonic() - self.start
+        if self.mode == "widget" and self.bar is not None:
+            self.bar.bar_style = "success" if status == "done" else "danger"
+            if status == "done":
+                self.bar.value = self.WIDTH
+            self.bar.description = status
+            self.label.value = f"{self.title} · {status} in {elapsed:.1f}s"
+        elif self.mode == "plain":
+            self._print(f"{status} in {elapsed:.1f}s")
+
+    def _print(self, text: str) -> None:
+        print(f"[launch] {self.title}: {text}", file=self.out, flush=True)
+        self.last_line = time.monotonic()

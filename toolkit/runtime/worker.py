@@ -1,10 +1,12 @@
 """Entry point of every rank: ``python -m toolkit.runtime.worker SPEC_JSON``.
 
-Reads the launch spec written by :func:`toolkit.runtime.launch.launch`, builds the
-rank's :class:`~toolkit.runtime.context.Context`, runs the lesson and writes
-``rank{r}.json`` (the result) or ``rank{r}.error.json`` (the traceback) into the
-spec's ``out_dir``. A watchdog dumps every thread's stack to ``rank{r}.stack.txt``
-shortly before the launcher's deadline, so a hung rank still tells where it hung.
+Reads the launch spec written by :func:`toolkit.runtime.launch.launch`, takes the caller's working
+directory and ``sys.path``, loads the target (an imported function or shipped source, see
+``toolkit.runtime.target``), builds the rank's :class:`~toolkit.runtime.context.Context`, runs the
+function and writes ``rank{r}.json`` (the result) or ``rank{r}.error.json`` (the traceback) into the
+spec's ``out_dir`` — each written to a temporary name and renamed, so the launcher never reads half a
+file. A watchdog dumps every thread's stack to ``rank{r}.stack.txt`` shortly before the launcher's
+deadline, so a hung rank still tells where it hung.
 """
 from __future__ import annotations
 
@@ -37,17 +39,20 @@ def to_jsonable(obj):
     return obj
 
 
-def resolve_lesson(ref: str):
-    """``"pkg.mod"`` -> ``pkg.mod.run``; ``"pkg.mod:fn"`` -> ``pkg.mod.fn``; short names look in toolkit.lessons."""
-    import importlib
-    module_name, _, fn_name = ref.partition(":")
-    if "." not in module_name:
-        module_name = f"toolkit.lessons.{module_name}"
-    module = importlib.import_module(module_name)
-    fn = getattr(module, fn_name or "run", None)
-    if fn is None:
-        raise ValueError(f"lesson {ref!r}: module {module_name} has no function {fn_name or 'run'!r}")
-    return module, fn
+def write_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file and a rename (readers see all or nothing)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def adopt_caller(spec: dict) -> None:
+    """The caller's working directory and ``sys.path`` (its entries first), so its modules import here too."""
+    cwd = spec.get("cwd")
+    if cwd and os.path.isdir(cwd):
+        os.chdir(cwd)
+    caller = [p for p in spec.get("sys_path", []) if p]
+    sys.path[:] = caller + [p for p in sys.path if p not in caller]
 
 
 def main(spec_path: str) -> int:
@@ -58,14 +63,14 @@ def main(spec_path: str) -> int:
     # dump every thread's stack 2 s before the launcher's deadline (absolute: a rank may start late on a busy host)
     faulthandler.dump_traceback_later(max(spec["deadline"] - time.time() - 2.0, 0.5), exit=False, file=stack_file)
     try:
+        adopt_caller(spec)
         from toolkit.runtime.context import init_context
-        _, fn = resolve_lesson(spec["lesson"])
+        from toolkit.runtime.target import load
+        fn = load(spec["target"])
         ctx = init_context(spec["backend"], timeout_s=spec["collective_timeout_s"], seed=spec["seed"],
-                           out_dir=out, threads=spec["threads"])
+                           out_dir=out, threads=spec["threads"], phases=spec.get("phases"))
         result = fn(ctx, spec["cfg"])
-        payload = json.dumps(to_jsonable(result if result is not None else {}))
-        (out / f"rank{rank}.json.tmp").write_text(payload)
-        (out / f"rank{rank}.json.tmp").replace(out / f"rank{rank}.json")
+        write_atomic(out / f"rank{rank}.json", json.dumps(to_jsonable(result if result is not None else {})))
         import gc
 
         import torch.distributed as dist
@@ -76,7 +81,7 @@ def main(spec_path: str) -> int:
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the notebook
         err = {"rank": rank, "time": time.time(), "type": type(exc).__name__, "message": str(exc),
                "traceback": traceback.format_exc()}
-        (out / f"rank{rank}.error.json").write_text(json.dumps(err))
+        write_atomic(out / f"rank{rank}.error.json", json.dumps(err))
         print(err["traceback"], file=sys.stderr, flush=True)
         return 1
     finally:

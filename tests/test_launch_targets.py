@@ -1,0 +1,159 @@
+"""What ``launch`` accepts: lesson names, "module:function" from the caller's directory, function objects (shipped
+as source from a notebook or script), and the clear errors for what the ranks could not run."""
+from __future__ import annotations
+
+import linecache
+import runpy
+import sys
+import textwrap
+import types
+
+import pytest
+
+from toolkit import LaunchError, launch
+from toolkit.runtime import target as targets
+
+SCRIPT = '''
+import math
+import torch
+from toolkit.runtime.config import Param as P
+
+N = 3
+SIZES = {"a": [1, 2], "b": (3.5, None)}
+
+def helper(x):
+    return x * N + len(SIZES)
+
+class Scale(torch.nn.Module):
+    def __init__(self, k: float = N):
+        super().__init__()
+        self.k = k
+    def forward(self, x):
+        return x * self.k * math.sqrt(4.0)
+
+def experiment(ctx, cfg):
+    layer = Scale()
+    out = [helper(v) for v in layer(torch.ones(2)).tolist()]
+    return {"out": out, "param": P.__name__, "rank": ctx.rank}
+'''
+
+
+def _script(tmp_path, text: str, name: str = "script.py") -> dict:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text))
+    return runpy.run_path(str(path), run_name="__main__")  # what `python script.py` defines
+
+
+def _run_shipped(spec: dict, ctx=None, cfg=None):
+    fn = targets.load(spec)
+    return fn(ctx or types.SimpleNamespace(rank=0), cfg or {})
+
+
+def test_a_script_function_is_shipped_with_what_it_uses(tmp_path):
+    scope = _script(tmp_path, SCRIPT)
+    target = targets.resolve(scope["experiment"])
+    assert target.spec["kind"] == "source" and target.label == "function experiment"
+    assert sorted(target.shipped) == ["Scale", "helper"]
+    assert "import torch" in target.spec["source"] and "N = 3" in target.spec["source"]
+    assert "from toolkit.runtime.config import Param as P" in target.spec["source"]
+    assert _run_shipped(target.spec) == scope["experiment"](types.SimpleNamespace(rank=0), {})
+
+
+def test_a_class_from_a_notebook_cell_is_found_in_the_cell_source():
+    """Python < 3.13 has no source for a class defined in a notebook cell; its methods point at the cell."""
+    cell = "class Twice:\n    def __call__(self, x):\n        return 2 * x\n\ndef exp(ctx, cfg):\n    return Twice()(21)\n"
+    filename = "/tmp/ipykernel_0/123456789.py"  # IPython registers every cell in linecache like this
+    linecache.cache[filename] = (len(cell), None, cell.splitlines(True), filename)
+    scope = {"__name__": "__main__"}
+    exec(compile(cell, filename, "exec"), scope)
+    target = targets.resolve(scope["exp"])
+    assert target.shipped == ["Twice"] and _run_shipped(target.spec) == 42
+
+
+@pytest.mark.parametrize("text, match", [
+    ("model = __import__('torch').nn.Linear(2, 2)\ndef experiment(ctx, cfg):\n    return model.weight.sum()\n",
+     "uses 'model', a Linear defined in the notebook or script"),
+    ("def experiment(ctx, cfg):\n    return helper()\nhelper = lambda: 1\n", "uses 'helper', a lambda"),
+    ("def outer():\n    y = 1\n    def experiment(ctx, cfg):\n        return y\n    return experiment\n"
+     "experiment = outer()\n", "closes over \\['y'\\]"),
+    ("def experiment(ctx):\n    return 1\n", "must take \\(ctx, cfg\\)"),
+    ("experiment = lambda ctx, cfg: 1\n", "is a lambda"),
+])
+def test_what_cannot_be_shipped_is_named(tmp_path, text, match):
+    scope = _script(tmp_path, text)
+    with pytest.raises(ValueError, match=match):
+        launch(scope["experiment"], 2)
+
+
+def test_module_functions_are_imported_by_name_on_the_ranks():
+    from toolkit.lessons import selftest
+    target = targets.resolve(selftest.fail)
+    assert target.spec == {"kind": "import", "module": "toolkit.lessons.selftest", "function": "fail"}
+    assert targets.resolve("selftest:fail").spec == target.spec  # a short name is looked up in toolkit.lessons
+
+
+def test_module_names_resolve_from_the_working_directory_first(tmp_path, monkeypatch):
+    (tmp_path / "my_selftest_mod.py").write_text("def run(ctx, cfg):\n    return {}\n\ndef two(ctx):\n    pass\n")
+    (tmp_path / "broken_mod.py").write_text("raise RuntimeError('needs a GPU')\n")
+    monkeypatch.chdir(tmp_path)
+    assert targets.resolve("my_selftest_mod").spec["module"] == "my_selftest_mod"
+    with pytest.raises(ValueError, match="my_selftest_mod:two must take \\(ctx, cfg\\)"):
+        targets.resolve("my_selftest_mod:two")
+    with pytest.raises(ValueError, match="module 'broken_mod' failed to import: RuntimeError: needs a GPU"):
+        launch("broken_mod:run", 2)
+    with pytest.raises(ValueError, match="no module 'nowhere_mod'.*lessons that exist"):
+        launch("nowhere_mod:run", 2)
+    assert str(tmp_path) not in sys.path  # the lookup leaves the caller's sys.path as it was
+
+
+def test_a_module_that_fails_only_on_the_ranks_reports_the_rank_traceback(tmp_path, monkeypatch):
+    (tmp_path / "rank_only_mod.py").write_text(
+        "import os\nif os.environ.get('RANK') == '1':\n    raise ImportError('rank 1 cannot import this')\n\n"
+        "def run(ctx, cfg):\n    return {'rank': ctx.rank}\n")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(LaunchError) as info:
+        launch("rank_only_mod", 2, progress="none", timeout_s=120)
+    assert info.value.rank == 1 and "rank 1 cannot import this" in str(info.value)
+    assert "rank_only_mod.py" in info.value.traceback
+
+
+def test_phases_give_one_bar_with_a_stable_total(capsys):
+    """A real run with declared phases: the plain lines climb to 100 % through the phases in order."""
+    res = launch("toolkit.lessons.selftest:phased", 2, {"steps": 3}, progress="plain", timeout_s=120,
+                 phases=[("warm", 1), ("work", 3)])
+    assert [r["rank"] for r in res] == [0, 1]
+    assert "phase 'undeclared' is not declared; PHASES declares ['warm', 'work']" == res[0]["undeclared"]
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("[launch]")]
+    assert "phases: warm (1), work (3)" in lines[0] and lines[-1].endswith("s") and "done in" in lines[-1]
+    percents = [int(ln.split(": ", 1)[1].split("%")[0]) for ln in lines[1:-1]]
+    assert percents == sorted(percents) and any("work (2/2)" in ln for ln in lines)
+
+
+def test_the_bar_total_is_the_sum_of_the_weights_and_never_moves_back():
+    import io
+
+    from toolkit.runtime.launch import Progress
+    out = io.StringIO()
+    bar = Progress("demo", "plain", [["setup", 1], ["train", 3]], out=out)
+    bar.update({"phase": 1, "done": 1, "total": 3, "message": "step 1"})
+    assert bar.fraction == pytest.approx(0.5)  # (1 + 3 * 1/3) / 4
+    bar.update({"phase": 0, "done": 0, "total": 0, "message": ""})  # a late or out-of-order report
+    assert bar.fraction == pytest.approx(0.5)
+    bar.update({"phase": 1, "done": 3, "total": 3, "message": "step 3"})
+    assert bar.fraction == pytest.approx(1.0)
+    text = out.getvalue()
+    assert "phases: setup (1), train (3)" in text and " 50% train (2/2) 1/3 step 1" in text
+    one = Progress("demo", "plain", None, out=io.StringIO())  # no PHASES: the run is one phase
+    one.update({"phase": 0, "done": 2, "total": 8, "message": "x"})
+    assert one.fraction == pytest.approx(0.25)
+
+
+def test_the_widget_bar_has_a_fixed_maximum():
+    from toolkit.runtime.launch import Progress
+    bar = Progress("demo", "widget", [["setup", 1], ["train", 3]])
+    assert bar.mode == "widget" and bar.bar.max == Progress.WIDTH
+    bar.update({"phase": 1, "done": 2, "total": 3, "message": "step 2"})
+    assert bar.bar.max == Progress.WIDTH and bar.bar.value == 750 and bar.bar.description == "75%"
+    assert "train (2/2) 2/3 step 2" in bar.label.value
+    bar.close("done")
+    assert bar.bar.value == Progress.WIDTH and bar.bar.bar_style == "success"
