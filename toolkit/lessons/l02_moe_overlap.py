@@ -4,7 +4,7 @@
     data       one step's batch of real text, split into two micro-batches A and B
     check      one step each way on identical copies: serial (A forward+backward, then B) and overlapped (forwards
                interleaved at every all-to-all, one backward): losses and every gradient compared bit for bit;
-               the ledger's all-to-all bytes of both; activation memory at the peak (MemoryTracker)
+               the ledger's all-to-all bytes of both; the activation bytes autograd holds at once
     timing     bench.compare of the two steps; exposed communication = seconds the rank is blocked in the
                all-to-alls (issue + wait, forward and backward) and in the plan's count exchange, per step
     traced     one step each way with every span on the timeline (the Gantt charts)
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import statistics
+import time
 
 import torch
 
@@ -24,7 +25,6 @@ from toolkit.moe import expert_parallel
 from toolkit.moe.overlap import SCHEDULES, Tracer, activation_bytes, ratio_sweep, simulate, step
 from toolkit.runtime.bench import compare
 from toolkit.runtime.config import Param, common, require_divisible, resolve
-from toolkit.runtime.memory import MemoryTracker
 
 PARAMS = {
     **common("model", "n_layer", "seq_len", "micro_batch", "warmup", "bench_steps", "rounds", "seed"),
@@ -75,10 +75,12 @@ def check(ctx, cfg: dict, mbs) -> dict:
     """One step each way on identical models: losses and gradients bitwise, bytes, activation memory."""
     base = build(cfg)
     models = {s: copy.deepcopy(base) for s in SCHEDULES}
-    losses = {}
+    losses, memory = {}, {}
     for s in SCHEDULES:
+        saved = {}
         with ctx.ledger.tag(f"check/{s}"):
-            losses[s] = step(models[s], mbs, s)
+            losses[s] = step(models[s], mbs, s, saved=saved)
+        memory[s] = {"saved_bytes": saved["bytes"]}
     grads = {s: dict((n, p.grad) for n, p in models[s].named_parameters()) for s in SCHEDULES}
     names = list(grads["serial"])
     missing = [n for n in names if grads["serial"][n] is None or grads["overlapped"][n] is None]
@@ -88,13 +90,6 @@ def check(ctx, cfg: dict, mbs) -> dict:
     a2a = {s: ctx.ledger.total("sent_bytes", tag=f"check/{s}", op="all_to_all_single") for s in SCHEDULES}
     calls = {s: sum(1 for r in ctx.ledger.records if r.tag == f"check/{s}" and r.op == "all_to_all_single")
              for s in SCHEDULES}
-    memory = {}
-    for s in SCHEDULES:  # one more step under the tracker: activation bytes at the peak
-        model = models[s]
-        model.zero_grad(set_to_none=True)
-        with MemoryTracker(model) as mem:
-            step(model, mbs, s)
-        memory[s] = {"peak_act": mem.peak["act"], "max_act": mem.max_by_category["act"]}
     return {"losses": losses, "losses_bitwise": losses["serial"] == losses["overlapped"], "grads_bitwise": bitwise,
             "grads_max_abs_diff": max_diff, "params_without_grad": missing, "a2a_sent_bytes": a2a, "a2a_calls": calls,
             "memory": memory}
@@ -149,17 +144,23 @@ def durations(spans: list[dict], schedule: str) -> dict:
 
 
 def run(ctx, cfg: dict) -> dict:
+    clock = [time.perf_counter()]
+    lap = lambda: clock.append(time.perf_counter()) or clock[-1] - clock[-2]
     mbs = micro_batches(ctx, cfg)
     ctx.phase("check")
     out = {"rank": ctx.rank, "world_size": ctx.world_size, "config": cfg,
            "tokens_per_mb": cfg["micro_batch"] * cfg["seq_len"], "check": check(ctx, cfg, mbs)}
+    phase_s = {"check": lap()}
     ctx.phase("timing")
     t = timing(ctx, cfg, mbs)
     models = t.pop("models")
     out["timing"] = t
+    phase_s["timing"] = lap()
     ctx.phase("traced")
     ctx.timeline.spans.clear()
     out["traced"] = traced(ctx, cfg, mbs, models)
+    phase_s["traced"] = lap()
+    out["phase_s"] = phase_s
     out["spans"] = ctx.timeline.to_json()
     d = durations(out["spans"], "serial")
     mc = models["serial"].cfg

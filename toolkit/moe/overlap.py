@@ -217,24 +217,33 @@ def run_interleaved(forwards: list[Generator]) -> list[torch.Tensor]:
 
 
 def step(model: nn.Module, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], schedule: str,
-         tracer: Tracer | None = None) -> list[float]:
+         tracer: Tracer | None = None, saved: dict | None = None) -> list[float]:
     """One training step (forward and backward, gradients accumulated, no optimizer) over the micro-batches,
     ``schedule`` "serial" (each micro-batch's forward and backward in turn) or "overlapped" (forwards
-    interleaved, one backward over both). Returns each micro-batch's loss (mean over micro-batches = the loss)."""
+    interleaved, one backward over both). Returns each micro-batch's loss (mean over micro-batches = the loss).
+
+    ``saved`` (a dict) receives ``"bytes"``: the most activation bytes autograd holds at once, i.e. at the end of
+    a forward (serial: one micro-batch's; overlapped: both), parameters excluded."""
+    from toolkit.memory.checkpointing import saved_activation_bytes
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule={schedule!r} is not allowed; allowed: {SCHEDULES}")
     tracer = tracer or Tracer(schedule)
-    m = len(micro_batches)
+    m, params = len(micro_batches), list(model.parameters())
     fwd = [micro_batch_forward(model, x, y, i, tracer, 1.0 / m) for i, (x, y) in enumerate(micro_batches)]
+    held = []
     if schedule == "serial":
         losses = []
         for f in fwd:
-            (loss,) = run_serial([f])
+            nbytes, (loss,) = saved_activation_bytes(lambda: run_serial([f]), params)
             loss.backward()
             losses.append(loss)
+            held.append(nbytes)
     else:
-        losses = run_interleaved(fwd)
+        nbytes, losses = saved_activation_bytes(lambda: run_interleaved(fwd), params)
         torch.stack(losses).sum().backward()
+        held.append(nbytes)
+    if saved is not None:
+        saved["bytes"] = max(held)
     return [float(loss) * m for loss in losses]
 
 
