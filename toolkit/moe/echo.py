@@ -16,13 +16,14 @@ part of their tokens there. Per MoE layer, per step, on every rank of the ep gro
       slots               one expert per spare slot: a rank keeps its largest overlaps; clones beyond
                           ``max_clones`` or below ``min_tokens`` are reclaimed (their tokens stay home)
                                                                  │
-    copy the weights      home rank ─► all_to_all of flat expert parameters ─► clone slot (autograd: the
-                          backward sends each clone's gradient home, where it is summed into the expert's)
+    copy the weights      home rank ─► all_to_all of flat expert parameters ─► clone slot (a leaf: the clone's
+                          gradient collects there; ``Echo.reduce_grads`` after the backward sends it home with one
+                          more all_to_all and adds it to the expert's ``.grad``)
     place the tokens      the tokens of expert e, numbered globally in (source rank, token, k) order:
                           [0, keep_e) go home, the next a_1 to clone 1, the next a_2 to clone 2, ...
     dispatch / experts / combine      the ordinary ``TokenDispatcher`` with the clone slots filled
 
-Cost model (labelled as such wherever shown): step ≈ A · max_rank_tokens + B · clones + C — the busiest
+Cost model (labelled as such wherever shown): step ≈ A · max_rank_tokens + B · clones — the busiest
 rank's expert work against the weight copies (3·h·h_ff·b per clone for a SwiGLU expert; 2·h·h_ff + h_ff + h
 parameters for the tiny GPT's GELU MLP) that buy it down.
 """
@@ -250,17 +251,143 @@ def assign_slots(ids: torch.Tensor, plan: ClonePlan, rank: int) -> torch.Tensor:
 
 # ---- cost model ----------------------------------------------------------------------------------------------------
 def fit_cost_model(max_rank_tokens: list[float], clones: list[float], seconds: list[float]) -> dict:
-    """Least squares of step seconds ≈ A · max_rank_tokens + B · clones + C (a cost model, not a measurement);
-    returns A, B, C and the model's prediction for each input."""
-    if not len(max_rank_tokens) == len(clones) == len(seconds) or len(seconds) < 3:
-        raise ValueError("need at least 3 points, the same number of each")
-    X = torch.tensor([[m, c, 1.0] for m, c in zip(max_rank_tokens, clones)], dtype=torch.float64)
+    """Least squares of step seconds ≈ A · max_rank_tokens + B · clones (a cost model, not a measurement): A the
+    seconds per (token, expert) pair on the busiest rank, B the seconds each clone costs (weights out, gradients
+    back). Returns A, B and the model's prediction for each input."""
+    if not len(max_rank_tokens) == len(clones) == len(seconds) or len(seconds) < 2:
+        raise ValueError("need at least 2 points, the same number of each")
+    X = torch.tensor([[m, c] for m, c in zip(max_rank_tokens, clones)], dtype=torch.float64)
     y = torch.tensor(seconds, dtype=torch.float64)[:, None]
     coef = torch.linalg.lstsq(X, y).solution[:, 0]
-    A, B, C = (float(v) for v in coef)
-    return {"A": A, "B": B, "C": C, "predicted": (X @ coef).tolist()}
+    A, B = (float(v) for v in coef)
+    return {"A": A, "B": B, "predicted": (X @ coef).tolist()}
 
 
 def expert_param_count(hidden: int, ffn: int, gated: bool = False, bias: bool = True) -> int:
     """Parameters of one expert: gated (SwiGLU, 3·h·h_ff) or the tiny GPT's GELU MLP (2·h·h_ff + h_ff + h)."""
     return 3 * hidden * ffn if gated else 2 * hidden * ffn + (ffn + hidden if bias else 0)
+
+
+# ---- the runtime: clones in the spare slots of an ExpertParallelMoE ---------------------------------------------------
+class ClonedExpert(nn.Module):
+    """A copy of a home expert whose parameters are views of one received row: the forward is the home expert's
+    module called with these parameters (``torch.func.functional_call``), so the gradients land in the row."""
+
+    def __init__(self, template: nn.Module, flat: torch.Tensor, expert: int):
+        super().__init__()
+        object.__setattr__(self, "template", template)  # not a submodule: its own parameters are not the clone's
+        self.expert = expert
+        names = [n for n, _ in template.named_parameters()]
+        shapes = [p.shape for _, p in template.named_parameters()]
+        self.params = dict(zip(names, (v.view(s) for v, s in zip(flat.split([s.numel() for s in shapes]), shapes))))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.func.functional_call(self.template, self.params, (x,))
+
+
+def flat_params(module: nn.Module) -> torch.Tensor:
+    """A module's parameters as one flat vector (a copy)."""
+    return torch.cat([p.detach().reshape(-1) for p in module.parameters()])
+
+
+class Echo:
+    """ECHO for one :class:`~toolkit.moe.layer.ExpertParallelMoE` (built with ``spare_slots >= 1``): installs itself
+    as the layer's ``place`` hook, so every forward plans clones, copies the weights and places the tokens; after
+    the backward, :meth:`reduce_grads` sends each clone's gradient home and adds it to the expert's ``.grad``::
+
+        forward   counts ─► all_gather ─► plan_clones ─► all_to_all(home weights ─► clone slots) ─► slot ids
+        backward  (autograd) clone gradients collect in ``received.grad``, one row per clone
+        reduce    all_to_all(clone gradients ─► home ranks) ─► expert.grad += Σ its clones' gradients
+
+    Collective: every rank of the layer's group runs the forward and ``reduce_grads``. ``enabled=False`` keeps every
+    token at home (the same count exchange, no clones). After each forward: ``last_plan`` (:class:`ClonePlan`),
+    ``received`` (the clones' weights here, a leaf); after ``reduce_grads``: ``clone_grads`` (the gradients of
+    this rank's experts' clones, one row per clone, in ``sent_to`` order)."""
+
+    def __init__(self, layer: nn.Module, max_clones: int | None = None, min_tokens: int = 1, enabled: bool = True):
+        spare = layer.slots_per_rank - layer.local
+        if spare < 1:
+            raise ValueError("ECHO needs spare expert slots: build the layer with ExpertParallelMoE(..., spare_slots=1) "
+                             "or more")
+        self.layer, self.spare, self.max_clones, self.min_tokens, self.enabled = layer, spare, max_clones, min_tokens, enabled
+        self.group = layer.dispatcher.group
+        self.ep, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        self.phase = lambda name: contextlib.nullcontext()
+        """``phase(name)`` wraps the count exchange ("echo_counts"), the weight copy ("echo_weights") and the
+        gradient return ("echo_grads"), e.g. ``lambda name: ctx.ledger.tag(name)``."""
+        self.last_plan: ClonePlan | None = None
+        self.sent_to: list[Clone] = []
+        self._into: list[Clone] = []
+        self.received: torch.Tensor | None = None
+        self.clone_grads: torch.Tensor | None = None
+        layer.place = self
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        layer, E = self.layer, self.layer.n_expert
+        flat = ids.reshape(-1)
+        bad = bool(((flat < 0) | (flat >= E)).any())
+        mine = torch.cat([torch.bincount(flat.clamp(0, E - 1), minlength=E), torch.tensor([int(bad)], device=ids.device)])
+        every = torch.empty(self.ep * (E + 1), dtype=mine.dtype, device=ids.device)
+        with self.phase("echo_counts"):
+            dist.all_gather_single(every, mine, group=self.group)  # torch >= 2.10 name of all_gather_into_tensor
+        every = every.view(self.ep, E + 1)
+        if int(every[:, E].sum()):  # an id out of range somewhere: the dispatcher's plan raises it on every rank
+            self.last_plan = None
+            self._fill([])
+            return layer.home_slots(ids)
+        plan = plan_clones(every[:, :E], layer.local, self.spare, self.max_clones if self.enabled else 0,
+                           self.min_tokens)
+        self.last_plan = plan
+        self._fill(plan.clones)
+        return assign_slots(ids, plan, self.rank)
+
+    def _splits(self) -> tuple[list[int], list[int]]:
+        local = self.layer.local
+        return ([sum(c.rank == r for c in self.sent_to) for r in range(self.ep)],
+                [sum(c.expert // local == r for c in self._into) for r in range(self.ep)])
+
+    def _fill(self, clones: list[Clone]) -> None:
+        """Copy each cloned expert's weights from its home rank into its slot (one all-to-all of flat rows)."""
+        from .dispatcher import all_to_all
+        layer, local = self.layer, self.layer.local
+        for s in range(local, layer.slots_per_rank):
+            layer.set_slot(s, None)
+        self.received = self.clone_grads = None
+        self.sent_to = [c for c in clones if c.expert // local == self.rank]  # sorted by (destination rank, slot)
+        self._into = sorted((c for c in clones if c.rank == self.rank), key=lambda c: (c.expert // local, c.slot))
+        if not clones:
+            return
+        template = layer.experts[0]
+        P = sum(p.numel() for p in template.parameters())
+        rows = (torch.stack([flat_params(layer.experts[c.expert % local]) for c in self.sent_to]) if self.sent_to
+                else torch.zeros(0, P, device=next(template.parameters()).device))
+        with self.phase("echo_weights"):
+            got = all_to_all(rows, *self._splits(), self.group)
+        self.received = got.requires_grad_()
+        for c, row in zip(self._into, self.received):
+            layer.set_slot(c.slot, ClonedExpert(template, row, c.expert))
+
+    def reduce_grads(self) -> None:
+        """After the backward: each clone's gradient goes home and is added to its expert's ``.grad``
+        (collective; nothing to do when the plan made no clones)."""
+        from .dispatcher import all_to_all
+        if self.received is None:
+            return
+        local = self.layer.local
+        grads = self.received.grad if self.received.grad is not None else torch.zeros_like(self.received)
+        in_splits, out_splits = self._splits()
+        with self.phase("echo_grads"):
+            back = all_to_all(grads, out_splits, in_splits, self.group)  # rows in ``sent_to`` order
+        for c, g in zip(self.sent_to, back):
+            offset = 0
+            for p in self.layer.experts[c.expert % local].parameters():
+                piece = g[offset:offset + p.numel()].view_as(p)
+                p.grad = piece.clone() if p.grad is None else p.grad.add_(piece)
+                offset += p.numel()
+        self.clone_grads = back
+
+
+def enable_echo(model: nn.Module, **kwargs) -> list[Echo]:
+    """:class:`Echo` on every ExpertParallelMoE of ``model`` (built by ``expert_parallel(model, spare_slots=...)``)."""
+    from .layer import ExpertParallelMoE
+    return [Echo(m, **kwargs) for m in model.modules() if isinstance(m, ExpertParallelMoE)]
