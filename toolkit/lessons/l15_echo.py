@@ -76,7 +76,8 @@ class ZipfRouter(torch.nn.Module):
         self.gate, self.ids = gate, ids
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        w = self.gate.gate(x).softmax(-1).gather(1, self.ids)
+        probs = self.gate.gate(x).softmax(-1)
+        w = probs.gather(1, self.ids.clamp(0, probs.shape[1] - 1))  # an id out of range is the dispatcher's to reject
         return w / w.sum(-1, keepdim=True), self.ids
 
 
