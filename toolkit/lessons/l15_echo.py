@@ -43,7 +43,7 @@ PRESETS = {
     "smoke": dict(model="smoke", n_layer=2, batch=2, steps=4, lr=3e-3, warmup=1, bench_steps=2, rounds=3, seed=0,
                   n_expert=8, top_k=2, d_ff=0, spare_slots=1, zipf_s=1.2, tokens=256, budgets=[0, 1, 2, 3],
                   min_tokens=1),
-    "default": dict(model="smoke", n_layer=2, batch=4, steps=12, lr=3e-3, warmup=1, bench_steps=2, rounds=3, seed=0,
+    "default": dict(model="smoke", n_layer=2, batch=2, steps=10, lr=3e-3, warmup=1, bench_steps=2, rounds=3, seed=0,
                     n_expert=8, top_k=2, d_ff=512, spare_slots=1, zipf_s=1.2, tokens=512, budgets=[0, 1, 2, 3],
                     min_tokens=1),
     "full": dict(model="default", n_layer=4, batch=8, steps=200, lr=1e-3, warmup=2, bench_steps=5, rounds=5, seed=0,
@@ -257,15 +257,14 @@ def learned_section(ctx, cfg: dict) -> dict:
 
 
 def run(ctx, cfg: dict) -> dict:
-    out = {"rank": ctx.rank, "world_size": ctx.world_size, "config": cfg}
-    with ctx.phase("plan"):
-        out["zipf"] = plan_section(ctx, cfg)
-    with ctx.phase("layer"):
-        out["layer"] = layer_section(ctx, cfg)
-    with ctx.phase("timing"):
-        out["timing"] = timing_section(ctx, cfg)
-    with ctx.phase("learned"):
-        out["learned"] = learned_section(ctx, cfg)
+    import time
+    out = {"rank": ctx.rank, "world_size": ctx.world_size, "config": cfg, "phase_s": {}}
+    for name, section in (("plan", plan_section), ("layer", layer_section), ("timing", timing_section),
+                          ("learned", learned_section)):
+        t0 = time.perf_counter()
+        with ctx.phase(name):
+            out["zipf" if name == "plan" else name] = section(ctx, cfg)
+        out["phase_s"][name] = time.perf_counter() - t0
     mc = model_config(cfg)
     out["model"] = {"d_model": mc.d_model, "d_ff": mc.d_ff, "n_layer": mc.n_layer, "n_expert": mc.n_expert,
                     "top_k": mc.top_k}
