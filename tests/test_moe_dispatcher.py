@@ -81,7 +81,39 @@ def equivalence(ctx, cfg) -> dict:
     res["empty_rank"] = empty_rank(ctx)
     res["gradcheck"] = gradcheck(ctx)
     res["whole_gpt"] = whole_gpt(ctx)
+    res["clone_slot"] = clone_slot(ctx)
     return res
+
+
+def clone_slot(ctx, cfg=None) -> dict:
+    """The placement hook and a spare slot: the last rank hosts a copy of expert 0 and every other token routed to
+    expert 0 goes there. Outputs equal the layer without the clone; home grad + clone grad = the grad without it."""
+    x = _tokens(ctx.rank)
+    up = torch.randn(x.shape, generator=torch.Generator().manual_seed(9 + ctx.rank))
+    plain = ExpertParallelMoE(_moe())
+    y0 = plain(x[None])[0]
+    (y0 * up).sum().backward()
+    layer = ExpertParallelMoE(_moe(), spare_slots=1)
+    clone = copy.deepcopy(_moe().experts[0])
+    R, S = ctx.world_size, layer.slots_per_rank
+    if ctx.rank == R - 1:
+        layer.set_slot(layer.local, clone)
+
+    def place(ids):
+        slots = layer.home_slots(ids)
+        token = torch.arange(ids.shape[0])[:, None].expand_as(ids)
+        return torch.where((ids == 0) & (token % 2 == 1), (R - 1) * S + layer.local, slots)
+    layer.place = place
+    y1 = layer(x[None])[0]
+    (y1 * up).sum().backward()
+    grads = lambda m: torch.cat([p.grad.reshape(-1) for p in m.parameters()])
+    clone_grad = grads(clone) if ctx.rank == R - 1 else torch.zeros_like(grads(plain.experts[0]))
+    dist.all_reduce(clone_grad)  # the clone's gradient goes back to the home rank of expert 0 (rank 0)
+    out = {"outputs_close": _close(y1, y0),
+           "clone_received": sum(layer.last_plan.recv_counts[layer.local:]) if ctx.rank == R - 1 else None}
+    if ctx.rank == 0:
+        out["home_plus_clone_grad"] = _close(grads(layer.experts[0]) + clone_grad, grads(plain.experts[0]))
+    return out
 
 
 def whole_gpt(ctx, cfg=None) -> dict:
@@ -300,6 +332,8 @@ def test_deterministic_receive_order_and_async(results):
         assert res["empty_rank"]
         assert res["gradcheck"] == {"plain": True, "dedup": True}
         assert res["whole_gpt"]["loss_close"] and res["whole_gpt"]["grads_close"], res["whole_gpt"]
+        assert res["clone_slot"]["outputs_close"], res["clone_slot"]
+    assert results[0]["clone_slot"]["home_plus_clone_grad"] and results[-1]["clone_slot"]["clone_received"] > 0
 
 
 def test_capacity_drops_are_counted_never_silent(results):

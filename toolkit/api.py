@@ -33,7 +33,7 @@ class Entry:
 
 
 AREAS = ["Launch and measure", "Data and tensor parallelism", "Pipeline parallelism", "Quantization and compressed "
-         "communication", "Optimizers and memory", "Models and data"]
+         "communication", "Optimizers and memory", "Models and data", "Context parallelism", "Expert parallelism"]
 
 ENTRIES: list[Entry] = [
     # ---- launch and measure ---------------------------------------------------------------------------------
@@ -266,6 +266,79 @@ ENTRIES: list[Entry] = [
           "each rank takes its own slice of every global batch (rank=, world=)",
           'for x, y in batches(8, 64, steps=10, rank=ctx.rank, world=ctx.world_size):\n    loss = model(x, y)\n'
           '    loss.backward()'),
+    # ---- context parallelism -----------------------------------------------------------------------------------
+    Entry("ring_attention", "toolkit.context.ring_attention:ring_attention", AREAS[6],
+          "Causal attention of packed sequences sharded over a CP group: K/V round the ring (isend/irecv overlapped "
+          "with the block compute), online softmax; the backward runs the ring again (dK/dV travel home).",
+          "q, k, v [heads, T_local, head_dim] in CPLayout local order -> [heads, T_local, head_dim]",
+          "every rank of the CP group calls it with the same layout (p2p inside the group)",
+          'layout = CPLayout([512, 128], cp=2)\nidx = layout.coords(rank_in_group)[2]       # my tokens of the pack\n'
+          'out = ring_attention(q[:, idx], k[:, idx], v[:, idx], layout, group)'),
+    Entry("CPLayout", "toolkit.context.ring_attention:CPLayout", AREAS[6],
+          "Where packed sequences' tokens live in a CP group: rank j holds chunks j and 2cp-1-j of each sequence.",
+          "lengths (each a multiple of 2*cp when cp > 1), cp -> coords(j): (sequence id, position, packed index)",
+          "local (no collectives)",
+          'layout = CPLayout([16, 8], cp=2)\nseq, pos, idx = layout.coords(0)\nprint(idx.tolist())'),
+    Entry("schedule_dynamic", "toolkit.context.dynamic_cp:schedule_dynamic", AREAS[6],
+          "Dynamic CP (Megatron's DefaultDynamicCPScheduler, plus refill and merge steps): per micro-batch, a CP "
+          "size per sequence and aligned power-of-two CP groups of equal work L^2/cp.",
+          "lengths [n], n_ranks (DP x CP, a power of two), cap tokens per rank -> Plan (micro-batches of groups)",
+          "local and deterministic: every rank computes the same plan from the all-gathered lengths",
+          'plan = schedule_dynamic([900, 300, 120, 40], n_ranks=4, cap=512)\nplan.check()\n'
+          'print(plan.balance(), plan.cp_sizes())'),
+    Entry("schedule_static", "toolkit.context.dynamic_cp:schedule_static", AREAS[6],
+          "Static CP: one CP size, sequences packed in data order up to cp*cap tokens per DP replica.",
+          "lengths [n], n_ranks, cp, cap -> Plan", "local and deterministic",
+          'plan = schedule_static([900, 300, 120, 40], n_ranks=4, cp=2, cap=512)\nprint(plan.balance())'),
+    Entry("reroute", "toolkit.context.dynamic_cp:reroute", AREAS[6],
+          "Send every rank the CP shards of the sequences its groups hold, all micro-batches, one all_to_all_single.",
+          "plan, owner[s] (loading rank), my samples {s: [L_s, C]} -> per micro-batch {rows, positions, layout, key}",
+          "collective over the DP x CP ranks: every rank calls it with the same plan",
+          'groups = prebuilt_groups(world)               # once, collective\nshards = reroute(plan, owner, mine, rank)\n'
+          'mb = shards[0]; group = groups.get(mb["key"])'),
+    # ---- expert parallelism ------------------------------------------------------------------------------------
+    Entry("TokenDispatcher", "toolkit.moe.dispatcher:TokenDispatcher", AREAS[7],
+          "MoE tokens to the ranks owning their experts and back (all_to_all_single with split sizes), autograd "
+          "through both, payload codec none/bf16/int8/int4/fp8, optional dedup, capacity, async handles.",
+          "plan(slot ids [T,K], weights [T,K], x) -> Plan; dispatch(x [T,H], plan) -> expert input [P,H] slot-major "
+          "(split by plan.recv_counts); combine([P,H], plan) -> [T,H]",
+          "plan, dispatch and combine are collective over the ep group (plan all-gathers the per-expert counts and "
+          "raises the same ValueError on every rank)",
+          'disp = TokenDispatcher(n_slots=8, top_k=2, codec="int8", combine_codec="bf16")\n'
+          'plan = disp.plan(ids, weights, x)\n'
+          'y = disp.combine(run_experts(experts, disp.dispatch(x, plan), plan.recv_counts), plan)'),
+    Entry("ExpertParallelMoE", "toolkit.moe.layer:ExpertParallelMoE", AREAS[7],
+          "The tiny GPT's MoE layer with its experts spread over an ep group; a placement hook and spare slots "
+          "(e.g. for clones of hot experts).",
+          "x [B,T,D] -> [B,T,D]; rank r keeps experts [r*E/ep, (r+1)*E/ep)", "every rank of the ep group calls it",
+          'layer = ExpertParallelMoE(model.blocks[0].mlp, group=None, codec="bf16")\ny = layer(x)\n'
+          'print(layer.last_plan.tokens_per_expert)'),
+    Entry("expert_parallel", "toolkit.moe.layer:expert_parallel", AREAS[7],
+          "Make every MoE layer of a GPT expert parallel in place; returns (replicated params, this rank's experts).",
+          "model -> (list of params to average over ranks, list of expert params)",
+          "every rank calls it on an identically initialised model",
+          'torch.manual_seed(0)\nmodel = GPT(preset("smoke", n_expert=4))\n'
+          'replicated, experts = expert_parallel(model, codec="int8")'),
+    Entry("dispatch_layout", "toolkit.moe.dispatcher:dispatch_layout", AREAS[7],
+          "DeepEP's get_dispatch_layout: tokens per rank / node / expert and the token-in-rank mask.",
+          "ids [T,K], n_slots, n_ranks, ranks_per_node -> Layout", "local (no collectives)",
+          'lay = dispatch_layout(ids, n_slots=16, n_ranks=4, ranks_per_node=2)\n'
+          'print(lay.tokens_per_rank, lay.tokens_per_node)'),
+    Entry("TwoHop", "toolkit.moe.deepep:TwoHop", AREAS[7],
+          "DeepEP-style internode dispatch: once per remote node over the rdma group, then fan-out inside the node "
+          "(nvl group); the combine reverses it.",
+          "dispatch(x [T,H], slot ids [T,K], weights [T,K]) -> (expert input [P,H], handle); combine([P,H], handle) "
+          "-> [T,H]",
+          "the constructor creates the process groups (collective); dispatch and combine are collective",
+          'hop = TwoHop(n_slots=16, ranks_per_node=2, codec="fp8")\nh, handle = hop.dispatch(x, ids, weights)\n'
+          'y = hop.combine(h, handle)'),
+    Entry("LowLatency", "toolkit.moe.deepep:LowLatency", AREAS[7],
+          "DeepEP-style low-latency dispatch/combine: fixed receive buffers [local experts, max_tokens*R, H] with "
+          "counts, and a receive hook that completes a transfer issued earlier.",
+          "dispatch(x [T<=max_tokens,H], ids, weights, return_recv_hook) -> (recv_x, recv_count, handle, hook)",
+          "dispatch and combine are collective over the group",
+          'll = LowLatency(n_slots=16, max_tokens=64, codec="fp8", combine_codec="bf16")\n'
+          '_, _, handle, hook = ll.dispatch(x, ids, weights, return_recv_hook=True)\nrecv_x, count = hook()'),
 ]
 BY_NAME = {e.name: e for e in ENTRIES}
 
