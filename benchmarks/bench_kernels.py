@@ -35,27 +35,42 @@ def peak_bandwidth_gbs(device: int = 0) -> float | None:
     return 2 * clock_khz * 1e3 * bus_bits / 8 / 1e9 if clock_khz and bus_bits else None
 
 
-def check(n: int = 1 << 20) -> None:
-    """Compiled kernels == torch reference, bit for bit (raises AssertionError otherwise)."""
+def check_rows(n: int = 1 << 20) -> list[tuple[str, bool, str]]:
+    """Compiled kernels vs the torch reference, one (case, bit-equal, detail) per case."""
     from toolkit import quant as Q
     g = torch.Generator().manual_seed(0)
     x = torch.randn(n + 77, generator=g) * torch.logspace(-3, 2, n + 77)  # ragged tail, many scales
     x[:4096] = 0.0  # all-zero blocks
+    rows = []
+
+    def case(name: str, pairs) -> None:
+        diffs = [what for what, a, b in pairs if not torch.equal(a, b.cpu())]
+        rows.append((name, not diffs, "bit-equal" if not diffs else "differs: " + ", ".join(diffs)))
+
     for bits, block, sr in ((8, 128, False), (4, 128, False), (8, 128, True), (4, 32, True), (8, 100, False)):
         a = Q.quantize_blockwise(x, bits, block, stochastic=sr, seed=9, impl="torch")
         b = Q.quantize_blockwise(x.cuda(), bits, block, stochastic=sr, seed=9, impl="triton")
-        assert torch.equal(a.payload, b.payload.cpu()), f"int{bits} block {block} sr={sr}: payload differs"
-        assert torch.equal(a.scales, b.scales.cpu()), f"int{bits} block {block}: scales differ"
-        assert torch.equal(Q.dequantize_blockwise(a, impl="torch"), Q.dequantize_blockwise(b, impl="triton").cpu())
+        case(f"int{bits} block {block}{' SR' if sr else ''}",
+             [("payload", a.payload, b.payload), ("scales", a.scales, b.scales),
+              ("dequantized", Q.dequantize_blockwise(a, impl="torch"), Q.dequantize_blockwise(b, impl="triton"))])
     for block in (128, 32):
         a, b = Q.quantize_fp8_blockwise(x, block, impl="torch"), Q.quantize_fp8_blockwise(x.cuda(), block, impl="triton")
-        assert torch.equal(a.payload, b.payload.cpu()) and torch.equal(a.scales, b.scales.cpu()), f"fp8 block {block}"
-        assert torch.equal(Q.dequantize_blockwise(a, impl="torch"), Q.dequantize_blockwise(b, impl="triton").cpu())
+        case(f"fp8 block {block}", [("payload", a.payload, b.payload), ("scales", a.scales, b.scales),
+                                    ("dequantized", Q.dequantize_blockwise(a, impl="torch"),
+                                     Q.dequantize_blockwise(b, impl="triton"))])
     h = x[: n // 32 * 32]
     for dtype in (torch.float32, torch.bfloat16):
         for inverse in (False, True):
-            assert torch.equal(Q.hadamard32(h.to(dtype), inverse, impl="torch"),
-                               Q.hadamard32(h.to(dtype).cuda(), inverse, impl="triton").cpu()), f"H32 {dtype}"
+            case(f"hadamard32 {str(dtype).removeprefix('torch.')}{' inverse' if inverse else ''}",
+                 [("output", Q.hadamard32(h.to(dtype), inverse, impl="torch"),
+                   Q.hadamard32(h.to(dtype).cuda(), inverse, impl="triton"))])
+    return rows
+
+
+def check(n: int = 1 << 20) -> None:
+    """Compiled kernels == torch reference, bit for bit (raises AssertionError otherwise)."""
+    bad = [f"{name}: {detail}" for name, ok, detail in check_rows(n) if not ok]
+    assert not bad, "; ".join(bad)
     print(f"check: Triton kernels on {torch.cuda.get_device_name()} == torch reference, bit for bit")
 
 

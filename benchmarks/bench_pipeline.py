@@ -3,59 +3,41 @@
     python benchmarks/bench_pipeline.py [--world-size 2] [--preset default] [--rounds 7] [--steps 3]
 
 For every schedule torch also has (GPipe, 1F1B, Interleaved1F1B, ZBVZeroBubble, DualPipeV) each rank
-builds the same tiny GPT, cuts it the same way, and alternates rounds of ours and torch's (the order
-flips every round, so both see the same machine load). Reported: median round time per step of each and
-the ratio ours / torch (target <= 1.2). ZBVZeroBubble has no generator of ours: our executor runs torch's
-own order (``from_torch("zbv")``), so that row compares the runtimes alone.
+builds the same tiny GPT (``toolkit.pipeline.harness.PipelineSetup``), cuts it the same way, checks one step of
+each against the single-process reference, and times ours and torch's side by side with
+``toolkit.runtime.bench.compare`` (rounds, the order rotating, so both see the same machine load). Reported:
+median over rounds of the slowest rank's mean step time, for each, and the ratio ours / torch (target <= 1.2).
+ZBVZeroBubble has no generator of ours: our executor runs torch's own order (``from_torch("zbv")``), so that
+row compares the runtimes alone.
 """
 from __future__ import annotations
 
 import argparse
-import copy
 import statistics
 import sys
-import time
 from pathlib import Path
-
-import torch
 
 NAMES = ("gpipe", "1f1b", "interleaved", "zbv", "dualpipev")
 
 
 def rank_main(ctx, cfg: dict) -> dict:
     """Per rank: {schedule: {"ours_s": [...], "torch_s": [...]}} (seconds per step, one value per round)."""
-    from toolkit.models import GPT, lm_loss, preset
-    from toolkit.pipeline import PipelineExecutor, from_torch, make_schedule
-    from toolkit.pipeline.executor import gpt_micro_batches, gpt_stages
-    from toolkit.pipeline.torch_compare import TorchPipeline
+    from toolkit.pipeline.harness import Job, PipelineSetup, measure_schedules
+    from toolkit.pipeline.schedule import from_torch, make_schedule
 
-    p, m = ctx.world_size, cfg["m"]
-    model_cfg = preset(cfg["preset"], n_layer=cfg["n_layer"])
-    inputs, targets = gpt_micro_batches(m, cfg["micro_batch"], model_cfg.seq_len)
-    torch.manual_seed(0)
-    base = GPT(model_cfg)
+    p = ctx.world_size
+    setup = PipelineSetup.build(cfg["preset"], n_layer=cfg["n_layer"], m=cfg["m"], micro_batch=cfg["micro_batch"],
+                                device=ctx.device)
     out = {}
     for i, name in enumerate(cfg["schedules"]):
         ctx.progress(i, len(cfg["schedules"]), name)
-        schedule = from_torch(name, p, m) if name == "zbv" else make_schedule(name, p, m)
-        ours_model, torch_model = copy.deepcopy(base), copy.deepcopy(base)
-        ours = PipelineExecutor(schedule, ctx.rank, gpt_stages(ours_model, schedule, ctx.rank), lm_loss,
-                                (cfg["micro_batch"], model_cfg.seq_len, model_cfg.d_model))
-        theirs = TorchPipeline(name, gpt_stages(torch_model, schedule, ctx.rank), schedule.n_stages, m, lm_loss)
-        runners = {"ours": (ours_model, ours), "torch": (torch_model, theirs)}
-        times = {"ours": [], "torch": []}
-        for rnd in range(cfg["warmup_rounds"] + cfg["rounds"]):
-            for impl in (("ours", "torch") if rnd % 2 == 0 else ("torch", "ours")):
-                model, runner = runners[impl]
-                ctx.barrier()
-                start = time.perf_counter()
-                for _ in range(cfg["steps"]):
-                    model.zero_grad(set_to_none=True)
-                    runner.step(inputs, targets)
-                ctx.barrier()
-                if rnd >= cfg["warmup_rounds"]:
-                    times[impl].append((time.perf_counter() - start) / cfg["steps"])
-        out[name] = {"ours_s": times["ours"], "torch_s": times["torch"]}
+        schedule = from_torch(name, p, cfg["m"]) if name == "zbv" else make_schedule(name, p, cfg["m"])
+        torch_schedule = make_schedule(name, p, cfg["m"]) if name != "zbv" else schedule
+        records, _ = measure_schedules(ctx, setup, [Job(schedule), Job(torch_schedule, impl="torch")],
+                                       warmup=cfg["warmup"], steps=cfg["steps"], rounds=cfg["rounds"])
+        ours, theirs = records
+        out[name] = {"ours_s": ours["bench"]["round_means_s"], "torch_s": theirs["bench"]["round_means_s"],
+                     "grad_diff": max(ours["grad_diff"], theirs["grad_diff"])}
     ctx.progress(len(cfg["schedules"]), len(cfg["schedules"]), "done")
     return out
 
@@ -70,7 +52,7 @@ def main() -> None:
     ap.add_argument("--m", type=int, default=8)
     ap.add_argument("--micro-batch", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=7)
-    ap.add_argument("--warmup-rounds", type=int, default=1)
+    ap.add_argument("--warmup", type=int, default=1, help="untimed steps of each before timing")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--schedules", nargs="*", default=list(NAMES), choices=NAMES)
     args = ap.parse_args()
@@ -78,16 +60,17 @@ def main() -> None:
     if args.m < 2 * p or args.m % p:
         raise SystemExit(f"--m={args.m} must be >= 2 * world size and a multiple of it (DualPipeV, interleaved)")
     cfg = {"preset": args.preset, "n_layer": 4 * p if args.preset != "full" else 12, "m": args.m,
-           "micro_batch": args.micro_batch, "rounds": args.rounds, "warmup_rounds": args.warmup_rounds,
+           "micro_batch": args.micro_batch, "rounds": args.rounds, "warmup": args.warmup,
            "steps": args.steps, "schedules": args.schedules}
     results = launch("benchmarks.bench_pipeline:rank_main", p, cfg, timeout_s=1800)
     print(f"\n{p} ranks, model preset {args.preset} with {cfg['n_layer']} layers, m = {args.m}, "
           f"micro-batch {args.micro_batch}; median over {args.rounds} rounds of {args.steps} steps")
-    print(f"{'schedule':12s} {'ours (ms)':>10s} {'torch (ms)':>11s} {'ours/torch':>11s}")
+    print(f"{'schedule':12s} {'ours (ms)':>10s} {'torch (ms)':>11s} {'ours/torch':>11s} {'max grad diff':>14s}")
     for name in args.schedules:
         ours = statistics.median(max(r[name]["ours_s"][i] for r in results) for i in range(args.rounds))
         theirs = statistics.median(max(r[name]["torch_s"][i] for r in results) for i in range(args.rounds))
-        print(f"{name:12s} {ours * 1e3:10.2f} {theirs * 1e3:11.2f} {ours / theirs:11.3f}")
+        diff = max(r[name]["grad_diff"] for r in results)
+        print(f"{name:12s} {ours * 1e3:10.2f} {theirs * 1e3:11.2f} {ours / theirs:11.3f} {diff:14.1e}")
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ def rank_main(ctx, cfg):
 
     from toolkit.data import batches
     from toolkit.models import GPT, preset
-    from toolkit.parallel.demos import DPVariant, count_single_collectives
+    from toolkit.lessons.parallel_demos import DPVariant, count_single_collectives
     from toolkit.runtime.bench import measure
     count_single_collectives(ctx.ledger)
     torch.manual_seed(0)

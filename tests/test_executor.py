@@ -9,9 +9,9 @@ import torch
 
 from toolkit import launch
 from toolkit.models import GPT, lm_loss, preset
-from toolkit.pipeline import PipelineExecutor, dualpipev, make_schedule, one_f_one_b, zb_h1
-from toolkit.pipeline.executor import ActivationMeter, WeightGradStore, gpt_micro_batches, gpt_stages, reference_step, \
-    split_weight_grads
+from toolkit.pipeline import Action, PipelineExecutor, dualpipev, make_schedule, one_f_one_b, zb_h1
+from toolkit.pipeline.executor import ActivationMeter, WeightGradStore, split_weight_grads
+from toolkit.pipeline.harness import PipelineSetup, gpt_micro_batches, gpt_stages
 
 OURS = ["gpipe", "1f1b", "interleaved", "zb-h1", "dualpipev", "1f1b-recompute-inline", "1f1b-recompute-bubble"]
 TORCH_ORDERS = ["torch:zbv", "torch:dualpipev"]  # torch's orders run by our executor
@@ -21,7 +21,7 @@ TOL = 1e-5
 
 @pytest.fixture(scope="module")
 def two_ranks():
-    return launch("toolkit.pipeline.executor:selfcheck", 2, {"schedules": OURS + TORCH_ORDERS + TORCH_IMPL, "m": 4},
+    return launch("pipeline_selfcheck", 2, {"schedules": OURS + TORCH_ORDERS + TORCH_IMPL, "m": 4},
                   timeout_s=300, progress="none")
 
 
@@ -29,7 +29,7 @@ def two_ranks():
 def three_ranks():
     with warnings.catch_warnings():  # 3 ranks on a 2-core machine share cores; results are unaffected
         warnings.simplefilter("ignore", UserWarning)
-        return launch("toolkit.pipeline.executor:selfcheck", 3,
+        return launch("pipeline_selfcheck", 3,
                       {"schedules": ["1f1b", "interleaved", "zb-h1", "dualpipev", "1f1b-recompute-bubble"], "m": 6},
                       timeout_s=300, progress="none")
 
@@ -59,12 +59,9 @@ def test_recompute_holds_fewer_activation_bytes(two_ranks):
 
 def test_single_rank_schedules_run_without_processes():
     """p = 1: every stage is local, so the executor runs in this process (handoffs only)."""
-    cfg = preset("smoke", n_layer=4)
-    inputs, targets = gpt_micro_batches(2, 2, cfg.seq_len)
-    torch.manual_seed(0)
-    base = GPT(cfg)
-    reference = copy.deepcopy(base)
-    ref_loss = reference_step(reference, inputs, targets)
+    setup = PipelineSetup.build("smoke", n_layer=4, m=2, micro_batch=2, seed=0)
+    inputs, targets, base, reference, ref_loss = setup.inputs, setup.targets, setup.base, setup.reference, setup.ref_loss
+    cfg = setup.model_cfg
     for schedule in (dualpipev(1, 2), zb_h1(1, 2), one_f_one_b(1, 2, "bubble", keep=1)):
         model = copy.deepcopy(base)
         executor = PipelineExecutor(schedule, 0, gpt_stages(model, schedule, 0), lm_loss, (2, cfg.seq_len, cfg.d_model))
@@ -80,16 +77,15 @@ def test_weight_grad_store_defers_exactly_the_linear_weights():
     x = torch.randn(3, 4, requires_grad=True)
     plain(x).square().sum().backward()
     x2 = x.detach().requires_grad_()
-    WeightGradStore.clear()
-    WeightGradStore.split_forward = True  # this forward's backward will be an I
-    y = split(x2)
-    WeightGradStore.split_forward, WeightGradStore.enabled = False, True
-    y.square().sum().backward()
-    WeightGradStore.enabled = False
-    WeightGradStore.flush((0, 0, 0))
+    store = WeightGradStore()  # one per executor
+    with store.splitting():  # this forward's backward will be an I
+        y = split(x2)
+    with store.deferring():
+        y.square().sum().backward()
+    store.flush((0, 0, 0))
     assert split[0].weight.grad is None and split[1].weight.grad is not None  # LayerNorm's grad is not deferred
     assert torch.allclose(x2.grad, x.grad)
-    WeightGradStore.pop((0, 0, 0))
+    store.pop((0, 0, 0))
     for p, q in zip(split.parameters(), plain.parameters()):
         assert torch.allclose(p.grad, q.grad, atol=1e-6) and p.grad.grad_fn is None
 
@@ -116,13 +112,127 @@ def test_lesson_03_bad_input_names_the_parameter():
     from toolkit.lessons import l03_dualpipev as l03
     with pytest.raises(ValueError, match="m=3 micro-batches is too few: DualPipeV needs m >= 2 \\* world_size = 4"):
         l03.validate({"preset": "smoke", "m": 3}, 2)
-    with pytest.raises(ValueError, match="n_layer=6 must be divisible by 2 \\* world_size = 4"):
+    with pytest.raises(ValueError, match="n_layer=6 must be divisible by 2 \\* world_size=4"):
         l03.validate({"preset": "smoke", "n_layer": 6}, 2)
-    with pytest.raises(ValueError, match="m=5 must be a multiple of world_size=2"):
+    with pytest.raises(ValueError, match="m=5 must be divisible by world_size=2"):
         l03.validate({"preset": "smoke", "m": 5}, 2)
-    with pytest.raises(ValueError, match="schedules has unknown entries \\['zb-h2'\\]"):
+    with pytest.raises(ValueError, match="every item of schedules='zb-h2' is not allowed"):
         l03.validate({"preset": "smoke", "schedules": ["zb-h2"]}, 2)
     with pytest.raises(ValueError, match="preset='tiny'"):
         l03.validate({"preset": "tiny"}, 2)
-    with pytest.raises(ValueError, match="micro_batch must be a positive int"):
+    with pytest.raises(ValueError, match="micro_batch must be >= 1"):
         l03.validate({"preset": "smoke", "micro_batch": 0}, 2)
+
+
+def test_hooks_run_for_every_op_including_i_w_r_and_both_halves_of_an_fb():
+    """One hook interface: a subclass overriding the hooks sees every op; no op can be skipped silently."""
+    import contextlib
+
+    from toolkit.pipeline import Action, Schedule, linear_layout
+
+    class Spy(PipelineExecutor):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.seen = []
+
+        def forward_context(self, a):
+            self.seen.append(("forward_context", str(a)))
+            return contextlib.nullcontext()
+
+        def before_backward(self, a):
+            self.seen.append(("before_backward", str(a)))
+
+        def after_backward(self, a):
+            self.seen.append(("after_backward", str(a)))
+
+        def after_op(self, a):
+            self.seen.append(("after_op", str(a)))
+
+        def after_action(self, action):
+            self.seen.append(("after_action", str(action)))
+
+    cfg = preset("smoke", n_layer=2)
+    inputs, targets = gpt_micro_batches(2, 1, cfg.seq_len)
+    with_r = Schedule("gpipe-r", [[Action("F", 0, 0), Action("F", 0, 1), Action("R", 0, 0), Action("B", 0, 0),
+                                   Action("B", 0, 1)]], linear_layout(1), 2, checkpointed=frozenset({(0, 0, 0)})).check()
+    for schedule in (dualpipev(1, 2), with_r):
+        torch.manual_seed(0)
+        model = GPT(cfg)
+        spy = Spy(schedule, 0, gpt_stages(model, schedule, 0), lm_loss, (1, cfg.seq_len, cfg.d_model))
+        spy.step(inputs, targets)
+        parts = [p for a in schedule.ranks[0] for p in a.parts]
+        assert {op for op in "FBIWR" if any(p.op == op for p in parts)} == (
+            {"F", "B", "I", "W"} if schedule.name == "dualpipev" else {"F", "B", "R"})
+        for p in parts:
+            assert ("after_op", str(p)) in spy.seen, p
+            if p.op in ("F", "R"):
+                assert ("forward_context", str(p)) in spy.seen, p
+            if p.op in ("B", "I"):
+                i = spy.seen.index(("before_backward", str(p)))
+                assert spy.seen[i + 1] == ("after_backward", str(p))
+        assert [x for x in spy.seen if x[0] == "after_action"] == [("after_action", str(a)) for a in schedule.ranks[0]]
+        assert any(a.op == "FB" for a in schedule.ranks[0]) == (schedule.name == "dualpipev")
+    unknown = Schedule("custom", [[Action("F", 0, 0), Action("X", 0, 0), Action("B", 0, 0)]], linear_layout(1), 1)
+    with pytest.raises(ValueError, match="no method for ops \\['X'\\]"):
+        PipelineExecutor(unknown, 0, {0: torch.nn.Identity()}, lm_loss, (1, 1, 1))
+
+
+# -- DualPipeV's F&B: overlapped for real ---------------------------------------------------------------
+FB_M = 6
+
+
+def fb_modes(ctx, cfg):
+    """Rank program: DualPipeV with its F&B overlapped, with the halves back to back, and unpaired (traced)."""
+    from toolkit.pipeline.harness import grads_bitwise_equal
+    setup = PipelineSetup.build("smoke", n_layer=4, m=cfg["m"], micro_batch=1, device=ctx.device)
+    p, out, models = ctx.world_size, {}, {}
+    for name, schedule, overlap in (("overlapped", dualpipev(p, cfg["m"]), True),
+                                    ("sequential", dualpipev(p, cfg["m"]), False),
+                                    ("unpaired", dualpipev(p, cfg["m"], pair=False), True)):
+        model, ex = setup.executor(schedule, ctx.rank, fb_overlap=overlap, trace=True)
+        ex.step(setup.inputs, setup.targets)
+        models[name] = model
+        out[name] = {"trace": ex.trace, "grad_diff": setup.grad_diff(model, schedule, ctx.rank)}
+    mine = setup.stages(models["overlapped"], dualpipev(p, cfg["m"]), ctx.rank).values()
+    out["bitwise_equal_to_overlapped"] = {name: grads_bitwise_equal(models["overlapped"], models[name], mine)
+                                          for name in ("sequential", "unpaired")}
+    return out
+
+
+@pytest.fixture(scope="module")
+def fb_runs():
+    return launch("tests.test_executor:fb_modes", 2, {"m": FB_M}, timeout_s=300, progress="none")
+
+
+def test_fb_overlap_keeps_gradients_bitwise_those_of_one_process(fb_runs):
+    for r in fb_runs:
+        assert all(r[name]["grad_diff"] == 0.0 for name in ("overlapped", "sequential", "unpaired")), r
+        assert r["bitwise_equal_to_overlapped"] == {"sequential": True, "unpaired": True}
+
+
+def test_fb_overlap_mechanism(fb_runs):
+    """In an overlapped F&B the B half's gradient is in flight while the F half computes (posted before F,
+    waited for only after F), and F's output leaves before B computes; back to back, both inputs are awaited
+    before F. Checked on the order of posts, waits, ops and sends, not on time."""
+    schedule, checked = dualpipev(2, FB_M), 0
+    for rank, r in enumerate(fb_runs):
+        for mode in ("overlapped", "sequential"):
+            trace = r[mode]["trace"]
+            pos = {tuple(entry): i for i, entry in enumerate(trace)}  # (what, message or op)
+            for a in schedule.ranks[rank]:
+                if a.op != "FB":
+                    continue
+                f, b = a.sub
+                (f_in,), (b_in,) = schedule.recvs(f) or [None], schedule.recvs(b) or [None]
+                if f_in is None or b_in is None:
+                    continue  # a pair with a local input has nothing to overlap on that side
+                assert pos[("post", str(b_in))] < pos[("op", str(f))]  # B's gradient is in flight during F
+                if mode == "overlapped":
+                    assert pos[("op", str(f))] < pos[("wait", str(b_in))] < pos[("op", str(b))]
+                    if schedule.sends(f):  # F's activation leaves before B computes
+                        out_msg = Action("RECV_F", f.stage + 1, f.mb, f.chunk)
+                        assert pos[("send", str(out_msg))] < pos[("op", str(b))]
+                else:
+                    assert pos[("wait", str(b_in))] < pos[("op", str(f))]
+                checked += 1
+    assert checked >= 4  # both ranks have pairs with two remote inputs

@@ -199,9 +199,9 @@ def test_bad_inputs_raise_clear_errors():
 def test_validate_names_the_bad_parameter():
     with pytest.raises(ValueError, match="preset='huge'"):
         l07_param_reuse.validate({"preset": "huge"}, 2)
-    with pytest.raises(ValueError, match="steps must be a positive int"):
+    with pytest.raises(ValueError, match="steps must be >= 1"):
         l07_param_reuse.validate({"preset": "smoke", "steps": 0}, 2)
-    with pytest.raises(ValueError, match="unknown cfg keys"):
+    with pytest.raises(ValueError, match="unknown cfg key 'stpes'"):
         l07_param_reuse.validate({"preset": "smoke", "stpes": 3}, 2)
     with pytest.raises(ValueError, match="chunk_numel"):
         l07_param_reuse.validate({"preset": "smoke", "chunk_numel": 100}, 2)

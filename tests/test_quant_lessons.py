@@ -15,7 +15,7 @@ from toolkit.lessons import l09_int8_vs_fp8 as l09
 # ---- lesson 09 ----------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def l09_results():
-    return launch("l09_int8_vs_fp8", 2, {"preset": "smoke", "train_steps": 4, "blocks": [32, 128, 0]},
+    return launch("l09_int8_vs_fp8", 2, {"preset": "smoke", "steps": 4, "blocks": [32, 128, 0]},
                   timeout_s=300, progress="none")
 
 

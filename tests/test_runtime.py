@@ -248,3 +248,9 @@ def test_keyboard_interrupt_kills_every_rank(tmp_path):
     assert "KeyboardInterrupt" in err
     time.sleep(0.5)
     assert not _workers_alive(str(tmp_path))
+
+
+def test_one_rank_runs_without_torchrun():
+    """accelerate refuses --multi_gpu for one process; the worker then sets up a one-rank group itself."""
+    (res,) = launch(LESSON, 1, {}, progress="none", timeout_s=60)
+    assert res["world_size"] == 1 and res["sum"] == 1.0

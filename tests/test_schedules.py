@@ -113,6 +113,21 @@ def test_torch_1f1b_ir_numbers_the_last_rank_from_1(p):
     assert result["diffs"] == [(p - 1, 0, f"{p - 1}F0", f"{p - 1}F1")]
 
 
+def test_from_torch_returns_a_checked_schedule():
+    assert from_torch("dualpipev", 2, 4).to_strings() == dualpipev(2, 4).to_strings()
+    with pytest.raises(ValueError, match="torch-1F1B: stage 1 micro-batch 0 chunk 0 has 0 F"):
+        from_torch("1f1b", 2, 4)  # torch 2.13's display IR of 1F1B is incomplete (see compare_orders)
+
+
+def test_unpaired_dualpipev_is_the_same_order_without_fb_actions():
+    paired, unpaired = dualpipev(4, 9), dualpipev(4, 9, pair=False)
+    assert unpaired.name == "dualpipev-unpaired" and not any(a.op == "FB" for acts in unpaired.ranks for a in acts)
+    assert [[x for a in acts for x in a.parts] for acts in paired.ranks] == unpaired.ranks
+    # a pair starts when both halves' inputs are there: without an overlap gain that only costs time
+    assert simulate(unpaired, Costs(1, 2, 1)).makespan < simulate(paired, Costs(1, 2, 1)).makespan
+    assert simulate(paired, Costs(1, 2, 1, FB=2.5)).makespan < simulate(unpaired, Costs(1, 2, 1, FB=2.5)).makespan
+
+
 def test_torch_zbv_order_runs_in_the_simulator():
     s = from_torch("zbv", 4, 8).check()
     assert simulate(s, Costs(1, 2, 1)).bubble < simulate(one_f_one_b(4, 8), Costs(1, 2, 1)).bubble
@@ -148,6 +163,13 @@ def test_recompute_nothing_when_the_cap_is_not_binding():
 def test_bad_input_names_the_parameter():
     with pytest.raises(ValueError, match="schedule='zb-h2'"):
         make_schedule("zb-h2", 2, 4)
+    with pytest.raises(ValueError, match="schedule '1f1b' takes no option v; its options: none"):
+        make_schedule("1f1b", 4, 8, v=2)
+    with pytest.raises(ValueError, match="takes no option keep; its options: \\['v'\\]"):
+        make_schedule("interleaved", 4, 8, keep=2)
+    assert make_schedule("interleaved", 4, 8, v=4).meta["v"] == 4
+    with pytest.raises(ValueError, match="pair must be True or False"):
+        dualpipev(2, 4, pair="no")
     with pytest.raises(ValueError, match="m must be an int >= 4.*DualPipeV"):
         dualpipev(2, 3)
     with pytest.raises(ValueError, match="m must be an int >= 4.*1F1B"):

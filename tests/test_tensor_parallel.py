@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from toolkit import launch
 from toolkit.models import GPT, GPTConfig, preset
-from toolkit.parallel.demos import validate_tensor_parallel
+from toolkit.lessons.parallel_demos import validate_tensor_parallel
 from toolkit.parallel.tensor import check_tp, qkv_rows, tensor_parallel_attention, tensor_parallel_mlp
 from toolkit.parallel.zero import ZeroDataParallel
 
@@ -22,7 +22,7 @@ SINGLE_TOL, TORCH_TOL = 1e-5, 1e-6
 
 def demo_and_errors(ctx, cfg):
     """Rank program: the TP demo, then the ValueErrors the constructors raise inside a real tp group."""
-    from toolkit.parallel.demos import run_tensor_parallel
+    from toolkit.lessons.parallel_demos import run_tensor_parallel
     out = {"demo": run_tensor_parallel(ctx, {"preset": "smoke"}), "errors": {}}
     group = dist.group.WORLD
     cases = {"n_head": lambda: tensor_parallel_attention(GPT(GPTConfig(d_model=33, n_head=3)).blocks[0].attn, group),

@@ -13,7 +13,7 @@ import torch.nn as nn
 
 from toolkit import launch
 from toolkit.models import GPT, preset
-from toolkit.parallel.demos import validate_dp_zero_fsdp
+from toolkit.lessons.parallel_demos import validate_dp_zero_fsdp
 from toolkit.parallel.zero import ZeroDataParallel, check_stage, default_units
 
 N = 2
@@ -23,7 +23,7 @@ ODD = {"d_model": 33, "n_head": 3}  # unit sizes not divisible by 2: exercises t
 
 def both_models(ctx, cfg):
     """Rank program: the demo on the smoke GPT, then on a GPT with odd sizes (padding), ledger reset between."""
-    from toolkit.parallel.demos import run_dp_zero_fsdp
+    from toolkit.lessons.parallel_demos import run_dp_zero_fsdp
     smoke = run_dp_zero_fsdp(ctx, {"preset": "smoke", "steps": STEPS, "timing": False})
     ctx.ledger.reset()
     odd = run_dp_zero_fsdp(ctx, {"preset": "smoke", "overrides": ODD, "steps": 2, "timing": False,

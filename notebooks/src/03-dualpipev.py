@@ -55,6 +55,7 @@ from toolkit import launch, viz
 from toolkit.models import GPT, GPTConfig
 from toolkit.pipeline import Costs, closed_form_bubble, dualpipev, make_schedule, simulate
 from toolkit.pipeline import executor as pipeline_executor
+from toolkit.pipeline.harness import find, wait_spans
 from toolkit.pipeline.simulate import MeasuredCosts, timeline_bubble
 from toolkit.pipeline.torch_compare import compare_orders
 from toolkit.viz.pipeline import explorer, memory_steps, schedule_gantt
@@ -115,18 +116,28 @@ for r in rows:
 # (F = B − W) and W ≤ F. With F = 1, B = 2, W = 0.5 the simulated bubble at p = 4 is 9.5, not 10.5.
 
 # %% [markdown]
-# ## 3 · The run: four schedules for real, and torch's DualPipeV beside them
+# ## 3 · The run: four schedules for real, DualPipeV three ways, and torch's DualPipeV beside them
 #
-# `l03_dualpipev` builds the tiny GPT on every rank, cuts it into p stages (1F1B, ZB-H1) or 2p chunks
+# `l03_dualpipev` builds the tiny GPT on every rank (`toolkit.pipeline.harness.PipelineSetup`: one model,
+# one set of micro-batches, one single-process reference), cuts it into p stages (1F1B, ZB-H1) or 2p chunks
 # (interleaved, DualPipeV), and runs each schedule with `PipelineExecutor`: real `isend`/`irecv` between
 # ranks, every message tagged by (kind, stage, micro-batch), the receives of the next action posted
-# before the current one computes. One step is checked against the single-process model; then timed
-# steps record a timeline. The same stages then run under `torch.distributed.pipelining.ScheduleDualPipeV`.
+# before the current one computes. DualPipeV runs three ways (section 6): F&B overlapped, F&B halves back
+# to back, and unpaired. One step of each is checked against the single-process model; then all are timed
+# side by side (`bench.compare`) and record a timeline. The same stages then run under
+# `torch.distributed.pipelining.ScheduleDualPipeV`.
 
 # %%
 results = launch("l03_dualpipev", world_size, {"preset": preset}, backend=backend, timeout_s=timeout_s)
 r0 = results[0]
-runs = {k: [r["runs"][k] for r in results] for k in r0["runs"]}
+
+
+def ours(name: str, fb_overlap: bool = True) -> list[dict]:
+    """The run of schedule ``name`` by our executor: one record per rank."""
+    return [find(r["runs"], schedule=name, impl="ours", fb_overlap=fb_overlap) for r in results]
+
+
+torch_dpv = [find(r["runs"], schedule="dualpipev", impl="torch") for r in results]
 print(f"{world_size} ranks, m = {r0['m']} micro-batches, model {r0['model']['n_layer']} layers × "
       f"d={r0['model']['d_model']}, T={r0['model']['seq_len']}; wall {results.wall_s:.1f} s")
 
@@ -135,28 +146,32 @@ print(f"{world_size} ranks, m = {r0['m']} micro-batches, model {r0['model']['n_l
 # over all parameters ≤ 1e-5 in fp32; most are bitwise equal), and so does torch's DualPipeV.
 
 # %%
-for key, per_rank in runs.items():
+for i, job in enumerate(r0["runs"]):  # every rank ran the same jobs, in the same order
+    per_rank = [r["runs"][i] for r in results]
     loss = [x["loss"] for x in per_rank if x["loss"] is not None]
-    assert len(loss) == 1 and abs(loss[0] - r0["ref_loss"]) <= 1e-5, (key, loss, r0["ref_loss"])
-    assert max(x["grad_diff"] for x in per_rank) <= 1e-5, key
+    assert len(loss) == 1 and abs(loss[0] - r0["ref_loss"]) <= 1e-5, (job["schedule"], loss, r0["ref_loss"])
+    assert max(x["grad_diff"] for x in per_rank) <= 1e-5, job["schedule"]
 assert r0["torch_order_identical"]
 
 # %%
 # NBVAL_CHECK_OUTPUT
-for key, per_rank in runs.items():
+for i, job in enumerate(r0["runs"]):
+    per_rank = [r["runs"][i] for r in results]
     loss = [x["loss"] for x in per_rank if x["loss"] is not None][0]
-    print(f"{key:18s} loss matches: {abs(loss - r0['ref_loss']) <= 1e-5}   max |grad - reference| <= 1e-5: "
+    key = f"{job['schedule']} ({job['impl']}" + (", F&B back to back)" if job["fb_overlap"] is False else ")")
+    print(f"{key:34s} loss matches: {abs(loss - r0['ref_loss']) <= 1e-5}   max |grad - reference| <= 1e-5: "
           f"{max(x['grad_diff'] for x in per_rank) <= 1e-5}")
 
 # %% [markdown]
 # ## 4 · The real timelines
 #
-# The last timed step of each schedule, as recorded by the executor (compute only; gaps are waits).
+# The last timed step of each schedule, as recorded by the executor (compute only; gaps are waits). In
+# DualPipeV the two halves of an F&B are drawn as their own F and B (or I) bars, one after the other.
 
 # %%
-for key in ("1f1b/ours", "dualpipev/ours"):
-    spans = [s for x in runs[key] for s in x["spans"]]
-    display(schedule_gantt(spans, title=f"{key.split('/')[0]}: measured step on {world_size} ranks"))
+for name in ("1f1b", "dualpipev"):
+    spans = [s for x in ours(name) for s in x["spans"]]
+    display(schedule_gantt(spans, title=f"{name}: measured step on {world_size} ranks"))
 
 # %% [markdown]
 # ## 5 · Simulated with the measured op times, against the real step
@@ -169,39 +184,124 @@ for key in ("1f1b/ours", "dualpipev/ours"):
 p = world_size
 table, measured = [], {}
 for name in ("1f1b", "zb-h1", "interleaved", "dualpipev"):
-    ops = {k: v for x in runs[f"{name}/ours"] for k, v in x["op_seconds"].items()}
-    measured[name] = MeasuredCosts(ops)
+    measured[name] = MeasuredCosts([o for x in ours(name) for o in x["op_seconds"]])  # [{op, stage, seconds}]
     sim = simulate(make_schedule(name, p, r0["m"]), measured[name])
-    real = timeline_bubble([s for x in runs[f"{name}/ours"] for s in x["spans"]], p)
+    real = timeline_bubble([s for x in ours(name) for s in x["spans"]], p)
     table.append({"schedule": name, "simulated step (ms)": sim.makespan * 1e3, "real step (ms)": real["makespan"] * 1e3,
                   "simulated bubble %": 100 * sim.bubble_fraction, "real bubble %": 100 * real["bubble_fraction"],
-                  "bench step (ms)": runs[f"{name}/ours"][0]["bench"]["mean_s"] * 1e3})
-table.append({"schedule": "torch DualPipeV", "bench step (ms)": runs["dualpipev/torch"][0]["bench"]["mean_s"] * 1e3})
+                  "bench step (ms)": ours(name)[0]["bench"]["mean_s"] * 1e3})
+table.append({"schedule": "torch DualPipeV", "bench step (ms)": torch_dpv[0]["bench"]["mean_s"] * 1e3})
 display(viz.table(table, title="Step and bubble: simulated from measured op times vs real",
                   formats={k: ".2f" for k in table[0] if k != "schedule"}))
 display(viz.bars([r for r in table], x="schedule", y="bench step (ms)",
                  title="Step time (trimmed mean over rounds), this machine", text_format=".1f"))
 
 # %% [markdown]
-# ## 6 · F&B on a CPU: no overlap, so no overlap gain
+# ## 6 · F&B: the overlap, for real
 #
-# On a GPU, F&B runs the forward of one micro-batch on the compute stream while the other's backward
-# communicates (DeepSeek hides all-to-all this way). Here both halves run one after the other on one
-# core, so F&B costs F + B. The measured ratio says so; the simulator shows what overlap would buy.
+# The two halves of an F&B are independent: different micro-batches, different stages. So while one half
+# computes, the other half's communication can be in flight. `PipelineExecutor` runs a pair that way: each
+# half waits for its own input only when it starts, and the first half's output leaves (`isend`) before the
+# second half computes. torch's `ScheduleDualPipeV` runs `OVERLAP_F_B` as its forward, then its backward,
+# after both inputs have arrived; our executor does the same with `fb_overlap=False`:
+#
+# ```
+#  overlapped     wait(x_F) ─ F ─ isend(out_F) ─ wait(g_B) ─ B ─ isend(dx_B)
+#                               └── g_B arriving ──┘└── out_F leaving ──┘
+#  back to back   wait(x_F) wait(g_B) ─ F ─ isend(out_F) ─ B ─ isend(dx_B)
+# ```
+#
+# On gloo, `isend`/`irecv` run on gloo's own threads, so the transfer really proceeds while this rank's
+# Python computes the other half. The mechanism (and bitwise-equal gradients) is pinned by
+# `tests/test_executor.py`; here we measure it. A third variant writes the same order with no pairs at all
+# (`make_schedule("dualpipev", p, m, pair=False)`), to see what the pairing itself changes. For each, per
+# rank and step: the time the rank *blocked* on receives (the executor records every wait: the exposed
+# p2p time), and the ledger's count of p2p messages and bytes (the same traffic in all three).
+
+# %%
+variants = {"F&B overlapped": ours("dualpipev"), "F&B back to back": ours("dualpipev", fb_overlap=False),
+            "no pairing": ours("dualpipev-unpaired")}
+paired = make_schedule("dualpipev", world_size, r0["m"])
+pair_inputs = [{(m.op, m.stage, m.mb) for a in acts if a.op == "FB" for half in a.sub for m in paired.recvs(half)}
+               for acts in paired.ranks]  # per rank: the messages an F&B half waits for (same ops unpaired)
+
+
+def blocked(x: dict, rank: int, pairs_only: bool) -> float:
+    """ms per step this rank blocked on receives (median per message over the timed steps), summed."""
+    return 1e3 * sum(w["seconds"] for w in x["recv_waits"]
+                     if not pairs_only or (w["msg"], w["stage"], w["mb"]) in pair_inputs[rank])
+
+
+fb_rows = [{"variant": label, "rank": f"rank {r}", "blocked, F&B inputs (ms/step)": blocked(x, r, True),
+            "blocked, all receives (ms/step)": blocked(x, r, False),
+            "receives open (ms/step)": x["p2p"]["recv_open_s"] * 1e3, "p2p messages/step": x["p2p"]["calls"],
+            "p2p bytes sent/step": x["p2p"]["sent_bytes"], "step (ms)": x["bench"]["mean_s"] * 1e3}
+           for label, per_rank in variants.items() for r, x in enumerate(per_rank)]
+display(viz.table(fb_rows, title="DualPipeV's F&B three ways, measured on this machine",
+                  formats={k: ".3f" for k in fb_rows[0] if k.startswith(("blocked", "receives"))}
+                  | {"step (ms)": ".2f", "p2p bytes sent/step": ",.0f"}))
+display(viz.bars(fb_rows, x="variant", y="blocked, F&B inputs (ms/step)", color="rank", text_format=".2f",
+                 title="Time blocked on the inputs of the F&B halves, per step (medians over timed steps)"))
+spans = [s for r, x in enumerate(variants["F&B overlapped"]) for s in x["spans"] + wait_spans(x["waits"], r)]
+display(schedule_gantt(spans, title="DualPipeV, F&B overlapped: ops and the receive waits between them"))
+
+# %% [markdown]
+# **Checks.** The three variants move exactly the same messages (the ledger counts calls and bytes from
+# tensor sizes), and their gradients equal the single-process model (section 3).
+
+# %%
+for per_rank in zip(*variants.values()):
+    assert len({(x["p2p"]["calls"], x["p2p"]["sent_bytes"], x["p2p"]["recv_bytes"]) for x in per_rank}) == 1
+for per_rank in variants.values():
+    assert max(x["grad_diff"] for x in per_rank) <= 1e-5
+
+# %%
+# NBVAL_CHECK_OUTPUT
+pairs = [sum(a.op == "FB" for a in acts) for acts in make_schedule("dualpipev", world_size, r0["m"]).ranks]
+print(f"F&B pairs per rank: {pairs}")
+for r, x in enumerate(variants["F&B overlapped"]):
+    print(f"rank {r}: {x['p2p']['calls']:g} p2p messages and {x['p2p']['sent_bytes']:,.0f} bytes sent per step "
+          f"in all three variants: {all(v[r]['p2p']['sent_bytes'] == x['p2p']['sent_bytes'] for v in variants.values())}")
+
+# %%
+exposed = {label: sum(blocked(x, r, True) for r, x in enumerate(per_rank)) for label, per_rank in variants.items()}
+exposed_all = {label: sum(blocked(x, r, False) for r, x in enumerate(per_rank)) for label, per_rank in variants.items()}
+steps_ms = {label: per_rank[0]["bench"]["mean_s"] * 1e3 for label, per_rank in variants.items()}
+display(Markdown(
+    f"**Measured here** ({world_size} ranks, preset `{preset}`, summed over ranks, per step): blocked on the inputs "
+    f"of the F&B halves {exposed['F&B overlapped']:.2f} ms with F&B overlapped, {exposed['F&B back to back']:.2f} ms "
+    f"with the halves back to back (torch's way), {exposed['no pairing']:.2f} ms for the same ops unpaired; on all "
+    f"receives {exposed_all['F&B overlapped']:.2f}, {exposed_all['F&B back to back']:.2f} and "
+    f"{exposed_all['no pairing']:.2f} ms; step times {steps_ms['F&B overlapped']:.1f}, "
+    f"{steps_ms['F&B back to back']:.1f} and {steps_ms['no pairing']:.1f} ms. Overlapping the pair "
+    f"{'shortened' if exposed['F&B overlapped'] < exposed['F&B back to back'] else 'did not shorten'} the time "
+    f"blocked at the pairs against running their halves back to back. With one core per rank the two halves' "
+    f"*compute* cannot overlap each other, so what the pair can hide here is communication only. The unpaired "
+    f"order is run with the same just-in-time waits (each op waits for its own input), so the pairing itself "
+    f"changes little here beyond posting the next pair's receives one op earlier; compare the first and last "
+    f"numbers."))
+
+# %% [markdown]
+# **On GPUs, the same code.** With nccl, `isend`/`irecv` run on NCCL's own CUDA streams, and `wait()` does not
+# block the host: it makes the compute stream wait for the transfer. So in an overlapped pair the F half's
+# kernels are queued and run while B's gradient is still arriving, and B's kernels start when it has
+# arrived; F's output leaves on NCCL's stream while B computes. The host-side waits recorded above are then
+# close to zero, and the exposed time has to be read from CUDA events (not measured here: this machine has
+# no GPU). What DeepSeek gains from F&B on GPUs is larger than p2p: inside a pair, one micro-batch's
+# attention and MLP compute hides the other's expert-parallel all-to-all, which this tiny dense model does
+# not have. The simulator shows what such an overlap would buy, as F&B costing less than F + B:
 
 # %%
 chunk_costs = measured["dualpipev"].mean()
-ratio = chunk_costs.fb / (chunk_costs.F + chunk_costs.B)
-print(f"measured per chunk: F {chunk_costs.F*1e3:.3f} ms, B {chunk_costs.B*1e3:.3f} ms, W {chunk_costs.W*1e3:.3f} ms, "
-      f"F&B {chunk_costs.fb*1e3:.3f} ms -> F&B / (F + B) = {ratio:.2f}")
 sweep = {name: [] for name in ("1f1b", "zb-h1", "dualpipev")}
 alphas = [1.0, 0.9, 0.8, 0.7, 0.6, 0.5]
 for a in alphas:
     c = Costs(chunk_costs.F, chunk_costs.B, chunk_costs.W, FB=a * (chunk_costs.F + chunk_costs.B))
     for name in sweep:
         sweep[name].append(simulate(make_schedule(name, 4, 16), c.scaled(2) if name != "dualpipev" else c).makespan * 1e3)
-display(viz.lines(sweep, x=alphas, title="Simulated step, p = 4, m = 16, measured chunk costs",
-                  xaxis_title="F&B / (F + B)   (1 = no overlap, as on this CPU)", yaxis_title="step (ms)"))
+display(viz.lines(sweep, x=alphas, title="Simulated step, p = 4, m = 16, measured chunk costs (simulator)",
+                  xaxis_title="F&B / (F + B)   (1 = the halves' compute does not overlap, as on this CPU)",
+                  yaxis_title="step (ms)"))
 
 # %% [markdown]
 # ## 7 · Memory: what each schedule holds
@@ -214,7 +314,7 @@ display(viz.lines(sweep, x=alphas, title="Simulated step, p = 4, m = 16, measure
 rows = []
 for name in ("1f1b", "zb-h1", "interleaved", "dualpipev"):
     sim = simulate(make_schedule(name, p, r0["m"]), Costs())
-    for r, x in enumerate(runs[f"{name}/ours"]):
+    for r, x in enumerate(ours(name)):
         rows.append({"schedule": name, "rank": f"rank {r}", "peak saved activations (KiB)": x["peak_act_bytes"] / 1024,
                      "simulated peak (micro-batches)": sim.peak_mb[r]})
 display(viz.bars(rows, x="schedule", y="peak saved activations (KiB)", color="rank",
@@ -278,22 +378,25 @@ display(memory_steps(static, title="Activation chunks held"))
 
 # %%
 row = {r["schedule"]: r for r in table}
-dpv = measured["dualpipev"].table
-split = [dpv[f"I@{s}"] + dpv[f"W@{s}"] - dpv[f"B@{s}"] for s in range(2 * p) if f"I@{s}" in dpv and f"B@{s}" in dpv]
+dpv = measured["dualpipev"]
+split = [dpv.seconds("I", s) + dpv.seconds("W", s) - dpv.seconds("B", s) for s in range(2 * p)
+         if dpv.has("I", s) and dpv.has("B", s)]
 print("bubble, real timeline:  " + ", ".join(f"{n} {row[n]['real bubble %']:.1f}%" for n in measured))
 print("bubble, simulated:      " + ", ".join(f"{n} {row[n]['simulated bubble %']:.1f}%" for n in measured))
 print("step (trimmed mean):    " + ", ".join(f"{n} {row[n]['bench step (ms)']:.1f} ms" for n in row))
-print(f"F&B / (F + B) = {ratio:.2f};  I + W - B per chunk = "
-      f"{sum(split) / max(len(split), 1) * 1e3:.3f} ms (the cost of splitting a backward)")
+print("blocked on F&B inputs per step, summed over ranks: " + ", ".join(f"{k} {v:.2f} ms" for k, v in exposed.items()))
+print(f"I + W - B per chunk = {sum(split) / max(len(split), 1) * 1e3:.3f} ms (the cost of splitting a backward)")
 
 # %% [markdown]
 #
 # - The order is DeepSeek's: our generator and torch's `ScheduleDualPipeV` give identical per-rank lists.
 # - Loss and gradients equal the single-process model for every schedule (DualPipeV, ZB-H1, interleaved,
 #   1F1B), and torch's DualPipeV agrees too.
-# - On this CPU, F&B = F + B (the ratio printed above is about 1; the rest is timing noise): the overlap
-#   half of DualPipeV's gain does not exist here, and torch's `ScheduleDualPipeV` also runs F&B as F then
-#   B. The zero-bubble half does: at the default preset (ops of tens of milliseconds) the real and
+# - F&B: our executor overlaps each half's communication with the other half's compute (section 6, where
+#   the exposed receive time of the three variants is measured and printed); torch's `ScheduleDualPipeV`
+#   runs F&B as F then B after both inputs arrived. The two halves' *compute* cannot overlap on one core per
+#   rank, so the larger part of DualPipe's F&B gain (compute hiding MoE all-to-all on GPU streams) does not
+#   exist here. The zero-bubble half does: at the default preset (ops of tens of milliseconds) the real and
 #   simulated bubbles of ZB-H1 and DualPipeV are about half of 1F1B's. It does not turn into a shorter
 #   step at p = 2: the bubble 1F1B loses there is small, and DualPipeV pays for it with twice as many
 #   (smaller) ops, extra messages and the split backward, so the step times are within a few percent of

@@ -239,8 +239,9 @@ print(f"resident optimizer state saved: {t['amp']['end']['optim'] - t['reuse']['
 # %% [markdown]
 # ## 5 · What it costs
 #
-# Mean step time (trimmed mean of rounds, `toolkit.runtime.bench.measure`) of the optimizer step alone and
-# of a whole training step (forward, backward, all-reduce, optimizer, all-gather), on this machine:
+# Mean step time (trimmed mean of round means; `toolkit.runtime.bench.compare` times `amp` and `reuse` side by
+# side, round by round, so both see the same machine load) of the optimizer step alone and of a whole
+# training step (forward, backward, all-reduce, optimizer, all-gather), on this machine:
 
 # %%
 bench = r0["bench"]

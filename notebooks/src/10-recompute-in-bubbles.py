@@ -137,7 +137,7 @@ for mode in ("none", "inline", "bubble"):
                      "simulated peak (micro-batches)": sim.peak_mb[r]})
 display(viz.bars(rows, x="variant", y="peak saved activations (KiB)", color="rank",
                  title="Peak saved activations per rank (measured)", text_format=".0f"))
-display(viz.lines({mode: [b / 1024 for _, b in runs[mode][0]["act_bytes"]] for mode in runs},
+display(viz.lines({mode: [x["bytes"] / 1024 for x in runs[mode][0]["act_bytes"]] for mode in runs},
                   title="Rank 0: saved activations after each action", xaxis_title="action",
                   yaxis_title="KiB"))
 
@@ -154,7 +154,6 @@ for mode in ("none", "inline", "bubble"):
 p = world_size
 table = []
 for mode in ("none", "inline", "bubble"):
-    ops = {k: v for x in runs[mode] for k, v in x["op_seconds"].items()}
     real = timeline_bubble([s for x in runs[mode] for s in x["spans"]], p)
     table.append({"variant": mode, "bench step (ms)": runs[mode][0]["bench"]["mean_s"] * 1e3,
                   "timeline step (ms)": real["makespan"] * 1e3, "bubble %": 100 * real["bubble_fraction"]})
@@ -170,8 +169,8 @@ display(schedule_gantt(spans, title="Recompute in the bubble: measured step (R =
 # never waits, and there is no bubble left to hide the recompute in: in-bubble and inline then cost the same.
 
 # %%
-ops = {mode: {k: v for x in runs[mode] for k, v in x["op_seconds"].items()} for mode in runs}
-costs = MeasuredCosts({**ops["none"], **{k: v for k, v in ops["bubble"].items() if k.startswith("R@")}})
+ops = {mode: [o for x in runs[mode] for o in x["op_seconds"]] for mode in runs}  # [{op, stage, seconds}], all ranks
+costs = MeasuredCosts(ops["none"] + [o for o in ops["bubble"] if o["op"] == "R"])
 for mode in ("none", "inline", "bubble"):
     sim = simulate(one_f_one_b(p, r0["m"], mode, r0["keep"]), costs)
     print(f"{mode:7s} simulated step {sim.makespan * 1e3:8.2f} ms   idle per rank (ms) "
@@ -183,7 +182,7 @@ for mode in ("none", "inline", "bubble"):
 
 # %%
 mean = MeasuredCosts(ops["none"]).mean()
-r_ms = [v for k, v in ops["bubble"].items() if k.startswith("R@")]
+r_ms = [o["seconds"] for o in ops["bubble"] if o["op"] == "R"]
 series = {mode: [] for mode in ("none", "inline", "bubble")}
 comms = [0.0, 0.05, 0.1, 0.2, 0.4]
 for comm in comms:

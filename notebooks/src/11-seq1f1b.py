@@ -112,7 +112,7 @@ print(s1.seq1f1b(p, p, k).table())
 # cached K/V and the filed dK/dV.
 
 # %%
-print(inspect.getsource(s1.Seq1F1BExecutor._stage_fn))
+print(inspect.getsource(s1.Seq1F1BExecutor.stage_fn))
 results = launch("l11_seq1f1b", world_size, cfg, backend=backend, timeout_s=timeout_s)
 runs = list(results[0]["runs"])
 print(f"wall {results.wall_s:.1f} s; runs: {runs}")

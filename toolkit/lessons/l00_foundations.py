@@ -24,7 +24,7 @@ from toolkit.comm.bandwidth import environment_report, probe
 from toolkit.data import batches
 from toolkit.memory.checkpointing import POLICIES, apply_checkpointing, saved_activation_bytes
 from toolkit.models import GPT, preset
-from toolkit.parallel.demos import (run_dp_zero_fsdp, run_tensor_parallel, validate_dp_zero_fsdp,
+from toolkit.lessons.parallel_demos import (run_dp_zero_fsdp, run_tensor_parallel, validate_dp_zero_fsdp,
                                     validate_tensor_parallel)
 from toolkit.precision import MODES, train
 from toolkit.runtime.bench import comm_efficiency_ratio, measure, memory_volatility
@@ -103,28 +103,24 @@ def run(ctx, cfg: dict) -> dict:
 
 def pipeline(ctx, cfg, model_cfg) -> dict:
     """GPipe and 1F1B, one stage per rank, on ``pp_microbatches`` micro-batches of real tokens."""
-    from toolkit.pipeline.executor import gpt_micro_batches, measure_schedules, reference_step
+    from toolkit.pipeline.harness import Job, PipelineSetup, measure_schedules
     from toolkit.pipeline.schedule import make_schedule
     from toolkit.pipeline.simulate import timeline_bubble
 
     p, m = ctx.world_size, cfg["pp_microbatches"]
     n_layer = -(-model_cfg.n_layer // p) * p  # a whole number of blocks per stage
-    mc = preset(cfg["model"], n_layer=n_layer)
-    inputs, targets = gpt_micro_batches(m, max(cfg["batch_size"] // 2, 1), mc.seq_len, seed=7)
-    torch.manual_seed(0)
-    base = GPT(mc).to(ctx.device)
-    reference = copy.deepcopy(base)
-    reference_step(reference, inputs, targets)
+    setup = PipelineSetup.build(cfg["model"], n_layer=n_layer, m=m, micro_batch=max(cfg["batch_size"] // 2, 1),
+                                device=ctx.device)
     out = {"p": p, "m": m, "n_layer": n_layer}
-    jobs = {name: (make_schedule(name, p, m), "ours") for name in ("gpipe", "1f1b")}
-    measured, _ = measure_schedules(ctx, jobs, base, inputs, targets, reference, warmup=1, steps=2, rounds=3)
-    for name, got in measured.items():
+    jobs = [Job(make_schedule(name, p, m)) for name in ("gpipe", "1f1b")]
+    records, _ = measure_schedules(ctx, setup, jobs, warmup=1, steps=2, rounds=3)
+    for got in records:
         spans = [None] * p
         dist.all_gather_object(spans, got["spans"])  # every rank's spans of the last timed step
         merged = [s for rank_spans in spans for s in rank_spans]
-        out[name] = {"loss": got["loss"], "grad_diff": got["grad_diff"], "peak_act_bytes": got["peak_act_bytes"],
-                     "step_s": got["bench"]["mean_s"], "spans": merged,
-                     "measured_bubble_fraction": timeline_bubble(merged, p)["bubble_fraction"]}
+        out[got["schedule"]] = {"loss": got["loss"], "grad_diff": got["grad_diff"],
+                                "peak_act_bytes": got["peak_act_bytes"], "step_s": got["bench"]["mean_s"],
+                                "spans": merged, "measured_bubble_fraction": timeline_bubble(merged, p)["bubble_fraction"]}
     return out
 
 

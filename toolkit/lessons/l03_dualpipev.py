@@ -1,70 +1,65 @@
 """Lesson 03, per rank: DualPipeV against 1F1B, ZB-H1 and interleaved 1F1B, and against torch's DualPipeV.
 
-    for each schedule (ours, toolkit.pipeline.executor):       torch.distributed.pipelining.ScheduleDualPipeV
-        fresh copy of the same tiny GPT, same micro-batches      on the same stages and data
-        1 checked step: loss, grads vs single process,           1 checked step
-                        saved-activation bytes over the step
-    then all of them timed round-robin (each round runs every schedule in turn, so they share the load),
-    ours with per-action spans
-    -> step times, op times (F, B, I, W, F&B per stage), the last step's timeline, bytes; the notebook
-       simulates every schedule with the measured op times and compares with the real steps.
+    jobs (toolkit.pipeline.harness, one PipelineSetup: same tiny GPT, same micro-batches, same reference)
+        1f1b, zb-h1, interleaved          ours
+        dualpipev                         ours, F&B overlapped: each half waits for its own input, the first
+                                          half's output leaves while the second computes
+        dualpipev, fb_overlap=False       ours, both inputs of a pair awaited first, halves back to back
+                                          (how torch runs OVERLAP_F_B)
+        dualpipev-unpaired                ours, the same order with every F&B as a separate F and B
+        dualpipev                         torch.distributed.pipelining.ScheduleDualPipeV
+    per job: 1 checked step (loss, grads vs single process, saved-activation bytes over the step), then all
+    timed side by side (bench.compare), ours with per-op spans, receive waits and the ledger's p2p counts
+    -> step times, op times (F, B, I, W, F&B per stage), the last step's timeline, exposed receive time;
+       the notebook simulates every schedule with the measured op times and compares with the real steps.
 
 1F1B and ZB-H1 cut the model into p stages; interleaved (v = 2) and DualPipeV into 2p, so n_layer must be
 a multiple of 2p.
 """
 from __future__ import annotations
 
-import copy
-
-import torch
-
-from toolkit.models import GPT, preset
-from toolkit.pipeline.executor import gpt_micro_batches, measure_schedules, reference_step
+from toolkit.pipeline.harness import Job, PipelineSetup, measure_schedules
 from toolkit.pipeline.schedule import make_schedule
 from toolkit.pipeline.torch_compare import compare_orders
-from toolkit.runtime.config import require_positive_ints, resolve_preset
+from toolkit.runtime.config import Param, common, require_divisible, resolve
 
-PRESETS = {
-    "smoke": {"model": "smoke", "n_layer": 4, "m": 4, "micro_batch": 2, "warmup": 1, "steps": 2, "rounds": 3},
-    "default": {"model": "default", "n_layer": 4, "m": 8, "micro_batch": 4, "warmup": 2, "steps": 3, "rounds": 5},
-    "full": {"model": "full", "n_layer": 12, "m": 16, "micro_batch": 2, "warmup": 3, "steps": 5, "rounds": 5},
-}
 SCHEDULES = ("1f1b", "zb-h1", "interleaved", "dualpipev")
+PARAMS = {**common("model", "n_layer", "m", "micro_batch", "warmup", "bench_steps", "rounds"),
+          "schedules": Param(list, "schedules run beside DualPipeV's variants", of=str, choices=SCHEDULES)}
+PRESETS = {
+    "smoke": {"model": "smoke", "n_layer": 4, "m": 4, "micro_batch": 2, "warmup": 1, "bench_steps": 1, "rounds": 3,
+              "schedules": list(SCHEDULES)},
+    "default": {"model": "default", "n_layer": 4, "m": 8, "micro_batch": 4, "warmup": 1, "bench_steps": 2,
+                "rounds": 5, "schedules": list(SCHEDULES)},
+    "full": {"model": "full", "n_layer": 12, "m": 16, "micro_batch": 2, "warmup": 3, "bench_steps": 5, "rounds": 5,
+             "schedules": list(SCHEDULES)},
+}
 
 
 def validate(cfg: dict, world_size: int) -> dict:
-    out = resolve_preset(cfg, PRESETS)
-    require_positive_ints(out, "n_layer", "m", "micro_batch", "steps", "rounds")
+    cfg = resolve(cfg, PRESETS, PARAMS)
     p = world_size
-    if out["m"] < 2 * p:
-        raise ValueError(f"m={out['m']} micro-batches is too few: DualPipeV needs m >= 2 * world_size = {2 * p}")
-    if out["m"] % p:
-        raise ValueError(f"m={out['m']} must be a multiple of world_size={p} (interleaved 1F1B)")
-    if out["n_layer"] % (2 * p):
-        raise ValueError(f"n_layer={out['n_layer']} must be divisible by 2 * world_size = {2 * p} "
-                         "(DualPipeV and interleaved cut the model into 2p stages)")
-    unknown = [s for s in out.get("schedules", SCHEDULES) if s not in SCHEDULES]
-    if unknown:
-        raise ValueError(f"schedules has unknown entries {unknown}; allowed: {SCHEDULES}")
-    out["schedules"] = list(out.get("schedules", SCHEDULES))
-    preset(out["model"], n_layer=out["n_layer"])  # raises on a bad model preset
-    return out
+    if cfg["m"] < 2 * p:
+        raise ValueError(f"m={cfg['m']} micro-batches is too few: DualPipeV needs m >= 2 * world_size = {2 * p}")
+    require_divisible("m", cfg["m"], p, "world_size", "interleaved 1F1B")
+    require_divisible("n_layer", cfg["n_layer"], 2 * p, "2 * world_size",
+                      "DualPipeV and interleaved cut the model into 2p stages")
+    return cfg
 
 
 def run(ctx, cfg: dict) -> dict:
     p, m = ctx.world_size, cfg["m"]
-    model_cfg = preset(cfg["model"], n_layer=cfg["n_layer"])
-    inputs, targets = gpt_micro_batches(m, cfg["micro_batch"], model_cfg.seq_len, seed=1)
-    torch.manual_seed(0)
-    base = GPT(model_cfg)
-    reference = copy.deepcopy(base)
-    ref_loss = reference_step(reference, inputs, targets)
-    jobs = {f"{name}/ours": (make_schedule(name, p, m), "ours") for name in cfg["schedules"]}
-    jobs["dualpipev/torch"] = (make_schedule("dualpipev", p, m), "torch")
-    runs, _ = measure_schedules(ctx, jobs, base, inputs, targets, reference,
-                                **{k: cfg[k] for k in ("warmup", "steps", "rounds")})
+    setup = PipelineSetup.build(cfg["model"], n_layer=cfg["n_layer"], m=m, micro_batch=cfg["micro_batch"],
+                                device=ctx.device)
     dpv = make_schedule("dualpipev", p, m)
-    return {"rank": ctx.rank, "p": p, "m": m, "model": vars(model_cfg), "ref_loss": ref_loss, "runs": runs,
-            "orders": {name: make_schedule(name, p, m).to_strings() for name in cfg["schedules"]},
+    jobs = [Job(make_schedule(name, p, m)) for name in cfg["schedules"] if name != "dualpipev"]
+    jobs += [Job(dpv),                                              # F&B overlapped (ours)
+             Job(dpv, fb_overlap=False),                            # F&B halves back to back (torch's way)
+             Job(make_schedule("dualpipev", p, m, pair=False)),     # the same order, no pairs
+             Job(dpv, impl="torch")]                                # torch's ScheduleDualPipeV
+    runs, _ = measure_schedules(ctx, setup, jobs, warmup=cfg["warmup"], steps=cfg["bench_steps"],
+                                rounds=cfg["rounds"])
+    return {"rank": ctx.rank, "p": p, "m": m, "model": vars(setup.model_cfg), "ref_loss": setup.ref_loss,
+            "runs": runs, "orders": {name: make_schedule(name, p, m).to_strings() for name in cfg["schedules"]},
             "torch_order_identical": compare_orders(dpv, "dualpipev")["identical"],
-            "attention_modules": [name for name, _ in base.blocks[0].attn.named_children()]}
+            "attention_modules": [name for name, _ in setup.base.blocks[0].attn.named_children()]}

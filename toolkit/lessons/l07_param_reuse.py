@@ -16,7 +16,6 @@ differs from ``master.bfloat16()`` on exactly the ties. Measured: bytes per para
 from __future__ import annotations
 
 import copy
-import statistics
 
 import torch
 import torch.distributed as dist
@@ -25,38 +24,29 @@ import torch.nn as nn
 from toolkit.data import batches
 from toolkit.memory.param_reuse import MasterAdamW, ReuseAdamW, bytes_by_category, count_ties, flatten_params_
 from toolkit.models import GPT, count_params, preset
-from toolkit.runtime.bench import measure
+from toolkit.runtime.bench import compare
+from toolkit.runtime.config import Param, common, require_divisible, resolve
 from toolkit.runtime.memory import MemoryTracker
 
+PARAMS = {**common("model", "seq_len", "batch", "steps", "lr", "warmup", "bench_steps", "rounds"),
+          "chunk_numel": Param(int, "elements the reuse optimizer updates at a time (a multiple of 64)", ge=64)}
 PRESETS = {
-    "smoke": {"model": "smoke", "batch_size": 4, "steps": 20, "lr": 1e-2, "bench_steps": 2, "bench_rounds": 3},
-    "default": {"model": "default", "batch_size": 4, "seq_len": 64, "steps": 100, "lr": 3e-3, "bench_steps": 3,
-                "bench_rounds": 5},
-    "full": {"model": "full", "batch_size": 8, "steps": 1000, "lr": 3e-4, "bench_steps": 10, "bench_rounds": 5},
+    "smoke": {"model": "smoke", "seq_len": 32, "batch": 4, "steps": 20, "lr": 1e-2, "chunk_numel": 1 << 16,
+              "warmup": 1, "bench_steps": 2, "rounds": 3},
+    "default": {"model": "default", "seq_len": 64, "batch": 4, "steps": 100, "lr": 3e-3, "chunk_numel": 1 << 16,
+                "warmup": 1, "bench_steps": 3, "rounds": 5},
+    "full": {"model": "full", "seq_len": 1024, "batch": 8, "steps": 1000, "lr": 3e-4, "chunk_numel": 1 << 16,
+             "warmup": 2, "bench_steps": 10, "rounds": 5},
 }
-KNOBS = {"steps": int, "batch_size": int, "seq_len": int, "lr": float, "chunk_numel": int, "bench_steps": int,
-         "bench_rounds": int}
 
 
 def validate(cfg: dict, world_size: int) -> dict:
-    name = cfg.get("preset", "smoke")
-    if name not in PRESETS:
-        raise ValueError(f"preset={name!r} is not known; allowed: {sorted(PRESETS)}")
-    unknown = set(cfg) - set(KNOBS) - {"preset", "model"}
-    if unknown:
-        raise ValueError(f"unknown cfg keys {sorted(unknown)}; allowed: {sorted(KNOBS) + ['preset']}")
-    out = {"preset": name, "chunk_numel": 1 << 16, **PRESETS[name], **cfg}
-    out.setdefault("seq_len", preset(out["model"]).seq_len)
-    for key, kind in KNOBS.items():
-        value = out[key]
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0 or (
-                kind is int and int(value) != value):
-            raise ValueError(f"{key} must be a positive {kind.__name__}, got {value!r}")
-    if out["seq_len"] > preset(out["model"]).seq_len:
-        raise ValueError(f"seq_len={out['seq_len']} exceeds the {out['model']} model's {preset(out['model']).seq_len}")
-    if out["chunk_numel"] % 64:
-        raise ValueError(f"chunk_numel must be a multiple of 64, got {out['chunk_numel']}")
-    return out
+    cfg = resolve(cfg, PRESETS, PARAMS)
+    longest = preset(cfg["model"]).seq_len
+    if cfg["seq_len"] > longest:
+        raise ValueError(f"seq_len={cfg['seq_len']} exceeds the {cfg['model']} model's {longest}")
+    require_divisible("chunk_numel", cfg["chunk_numel"], 64, "64", "the optimizer's chunks are 64-aligned")
+    return cfg
 
 
 class Replica:
@@ -115,7 +105,7 @@ def run(ctx, cfg: dict) -> dict:
     reps = {name: Replica(copy.deepcopy(base), make, rank, dp) for name, make in makers.items()}
 
     # ---- training: reuse == same at every step; amp drifts once a tie rounds the other way -----------
-    data = list(batches(cfg["batch_size"], cfg["seq_len"], cfg["steps"] + 1, seed=1, rank=rank, world=dp))
+    data = list(batches(cfg["batch"], cfg["seq_len"], cfg["steps"] + 1, seed=1, rank=rank, world=dp))
     losses = {name: [] for name in reps}
     bitexact_steps, tie_rows, drift = 0, [], []
     first_drift = None
@@ -162,20 +152,18 @@ def run(ctx, cfg: dict) -> dict:
         tracked[name] = {"peak": mem.peak, "peak_label": mem.peak_label, "max": mem.max_by_category,
                          "end": mem.samples[-1], "samples": mem.samples}
 
-    # ---- step time: plain mixed precision vs reuse, interleaved round by round (the machine's load drifts) ----
-    times = {name: {"optimizer_step_s": [], "train_step_s": []} for name in ("amp", "reuse")}
+    # ---- step time: plain mixed precision vs reuse, side by side (bench.compare: rounds, the order rotating) ----
+    timing = {"warmup": cfg["warmup"], "steps": cfg["bench_steps"], "rounds": cfg["rounds"], "sync": ctx.barrier}
     grad = (torch.randn(reps["amp"].shard.shape) * 1e-3).bfloat16()
-    for r in range(cfg["bench_rounds"]):
-        for name in ("amp", "reuse"):
-            rep, warm = reps[name], 1 if r == 0 else 0
-            rep.shard.grad = grad
-            times[name]["optimizer_step_s"].append(measure(rep.opt.step, warmup=warm, steps=cfg["bench_steps"],
-                                                           rounds=1).mean_s)
-            rep.shard.grad = None
-            times[name]["train_step_s"].append(measure(lambda: rep.step(x, y), warmup=warm,
-                                                       steps=cfg["bench_steps"], rounds=1).mean_s)
-        ctx.progress(cfg["steps"], cfg["steps"], f"timing round {r + 1}/{cfg['bench_rounds']}")
-    bench = {name: {key: statistics.median(v) for key, v in t.items()} for name, t in times.items()}
+    for name in ("amp", "reuse"):
+        reps[name].shard.grad = grad
+    opt_times = compare({name: reps[name].opt.step for name in ("amp", "reuse")}, **timing)
+    for name in ("amp", "reuse"):
+        reps[name].shard.grad = None
+    ctx.progress(cfg["steps"], cfg["steps"], "timing the training step")
+    train_times = compare({name: (lambda rep=reps[name]: rep.step(x, y)) for name in ("amp", "reuse")}, **timing)
+    bench = {name: {"optimizer_step_s": opt_times[name].mean_s, "train_step_s": train_times[name].mean_s}
+             for name in ("amp", "reuse")}
 
     return {
         "dp": dp, "n_params": n_params, "numel_padded": reps["reuse"].flat.numel(), "shard_numel": shard_numel,

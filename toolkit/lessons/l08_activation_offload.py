@@ -22,7 +22,8 @@ import torch
 
 from toolkit.memory.offload import ALL_KINDS, POLICIES, ActivationOffloader, resolve_policy
 from toolkit.models import GPT, lm_loss, preset
-from toolkit.pipeline.executor import PipelineExecutor, gpt_micro_batches, gpt_stages
+from toolkit.pipeline.executor import PipelineExecutor, key_of
+from toolkit.pipeline.harness import gpt_micro_batches, gpt_stages
 from toolkit.pipeline.schedule import one_f_one_b
 from toolkit.runtime.bench import measure
 from toolkit.runtime.memory import MemoryTracker
@@ -66,40 +67,35 @@ def validate(cfg: dict, world_size: int) -> dict:
 
 
 class OffloadingExecutor(PipelineExecutor):
-    """The pipeline executor with an offloader's hooks around every forward and backward.
+    """The pipeline executor with an offloader's hooks around every forward and backward (B and I alike).
 
-    ``forward_context(key)`` wraps each forward instead when there is no offloader (e.g. ``save_on_cpu``);
-    ``on_action(action)`` runs after each action (sampling).
+    ``forward_context(key)`` (a function) wraps each forward instead when there is no offloader (e.g.
+    ``save_on_cpu``); ``on_action(action)`` runs after each action (sampling).
     """
 
     def __init__(self, *args, offloader: ActivationOffloader | None = None, forward_context=None, on_action=None,
                  **kwargs):
         super().__init__(*args, **kwargs)
-        self.offloader, self.forward_context, self.on_action = offloader, forward_context, on_action
+        self.offloader, self.context_fn, self.on_action = offloader, forward_context, on_action
 
-    def _forward(self, a) -> None:
-        key = (a.stage, a.mb, a.chunk)
+    def forward_context(self, a):
+        if a.op != "F":  # an R rebuilds activations right before their backward: nothing to send away
+            return contextlib.nullcontext()
         if self.offloader:
-            block = self.offloader.forward(key)
-        else:
-            block = self.forward_context(key) if self.forward_context else contextlib.nullcontext()
-        with block:
-            PipelineExecutor._forward(self, a)
+            return self.offloader.forward(key_of(a))
+        return self.context_fn(key_of(a)) if self.context_fn else contextlib.nullcontext()
 
-    def _backward(self, a) -> None:
-        key = (a.stage, a.mb, a.chunk)
+    def before_backward(self, a) -> None:
         if self.offloader:
-            self.offloader.backward_begin(key)
-        PipelineExecutor._backward(self, a)
+            self.offloader.backward_begin(key_of(a))
+
+    def after_backward(self, a) -> None:
         if self.offloader:
-            self.offloader.backward_end(key)
+            self.offloader.backward_end(key_of(a))
 
-    handlers = {**PipelineExecutor.handlers, "F": _forward, "B": _backward}
-
-    def run_action(self, a) -> None:
-        super().run_action(a)
+    def after_action(self, action) -> None:
         if self.on_action:
-            self.on_action(a)
+            self.on_action(action)
 
 
 def rank_order(schedule, rank: int) -> list[tuple[str, tuple[int, int, int]]]:

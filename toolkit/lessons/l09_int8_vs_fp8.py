@@ -24,21 +24,34 @@ import torch.distributed as dist
 from toolkit import quant as Q
 from toolkit.data import batches
 from toolkit.models.gpt import GPT, preset
-from toolkit.runtime.config import require_positive_ints
+from toolkit.runtime.config import Param, common, require_divisible, resolve
 
-PRESETS = {  # sizes only; "model" names a toolkit.models preset, n_layer / seq_len override it
+PARAMS = {**common("model", "n_layer", "seq_len", "batch", "steps", "lr", "seed"),
+          "rows": Param(int, "rows of the synthetic tensors", ge=1),
+          "channels": Param(int, "channels (the last dimension) of the synthetic tensors", ge=2),
+          "outliers": Param(int, "outlier channels of the outlier_channels data", ge=1),
+          "outlier_scale": Param(float, "how many times larger the outlier channels are", gt=0),
+          "gemm": Param(list, "shape [M, K, N] of the GEMM-error cases", of=int, ge=1),
+          "capture_steps": Param(int, "fp32 training steps before the real tensors are captured", ge=1),
+          "kappa_blocks": Param(int, "blocks in the QSNR-vs-kappa scatter", ge=1),
+          "train_block": Param(int, "block size of the fake-quantized training runs (even)", ge=2),
+          "fmts": Param(list, "formats of the QSNR and GEMM sweeps", of=str, choices=tuple(Q.GEMM_FORMATS)),
+          "blocks": Param(list, "block sizes of the sweeps (0 = one scale per tensor)", of=int, ge=0),
+          "train_fmts": Param(list, "training runs: a format, optionally with '@<seed offset>' (e.g. 'bf16@1')",
+                              of=str)}
+_SWEEPS = dict(fmts=["int8", "fp8_e4m3"], blocks=[32, 64, 128, 256, 0],
+               train_fmts=["bf16", "bf16@1", "int8", "fp8_e4m3", "int4"], seed=0)
+PRESETS = {  # "model" names a toolkit.models preset, n_layer / seq_len override it
     "smoke": dict(model="smoke", n_layer=2, seq_len=32, rows=8, channels=4096, outliers=8, outlier_scale=50.0,
-                  gemm=(64, 1024, 256), capture_steps=5, kappa_blocks=512, train_steps=20, batch=8, lr=3e-3,
-                  train_block=32),
+                  gemm=[64, 1024, 256], capture_steps=5, kappa_blocks=512, steps=20, batch=8, lr=3e-3,
+                  train_block=32, **_SWEEPS),
     "default": dict(model="default", n_layer=2, seq_len=64, rows=128, channels=4096, outliers=8,
-                    outlier_scale=50.0, gemm=(256, 4096, 1024), capture_steps=60, kappa_blocks=4096,
-                    train_steps=150, batch=16, lr=2e-3, train_block=128),
+                    outlier_scale=50.0, gemm=[256, 4096, 1024], capture_steps=60, kappa_blocks=4096,
+                    steps=150, batch=16, lr=2e-3, train_block=128, **_SWEEPS),
     "full": dict(model="default", n_layer=4, seq_len=128, rows=1024, channels=4096, outliers=8, outlier_scale=50.0,
-                 gemm=(256, 4096, 4096), capture_steps=300, kappa_blocks=32768, train_steps=1000, batch=32, lr=1e-3,
-                 train_block=128),
+                 gemm=[256, 4096, 4096], capture_steps=300, kappa_blocks=32768, steps=1000, batch=32, lr=1e-3,
+                 train_block=128, **_SWEEPS),
 }
-DEFAULTS = dict(fmts=["int8", "fp8_e4m3"], blocks=[32, 64, 128, 256, 0],
-                train_fmts=["bf16", "bf16@1", "int8", "fp8_e4m3", "int4"], seed=0)
 DATASETS = ("gaussian", "student_t3", "outlier_channels", "gpt_weights", "gpt_activations", "gpt_act_grads",
             "gpt_weight_grads")
 GEMM_CASES = ("gaussian", "outlier_channels", "gpt_fc1")
@@ -47,27 +60,20 @@ ARTICLE_INT8_DB, E4M3_THEORY_DB = 46.9, 31.5  # the lines the issue asks for (TE
 
 
 def validate(cfg: dict, world_size: int) -> dict:
-    name = cfg.get("preset", "default")
-    if name not in PRESETS:
-        raise ValueError(f"preset={name!r} is not known; allowed: {sorted(PRESETS)}")
-    out = {**PRESETS[name], **DEFAULTS, **cfg, "preset": name}
-    for key in ("fmts", "train_fmts"):
-        bad = [f for f in out[key] if not _is_run(f, key == "train_fmts")]
-        if bad or not out[key]:
-            raise ValueError(f"{key}={out[key]!r}: allowed formats are {Q.GEMM_FORMATS}"
-                             + (' (a training run may add "@<seed offset>", e.g. "bf16@1")' if key == "train_fmts"
-                                else ""))
-    if not out["blocks"] or any(not isinstance(b, int) or isinstance(b, bool) or b < 0 for b in out["blocks"]):
-        raise ValueError(f"blocks={out['blocks']!r} must be a non-empty list of ints >= 1 (0 = per-tensor)")
-    if out["train_block"] < 1 or out["train_block"] % 2:
-        raise ValueError(f"train_block={out['train_block']} must be an even int >= 2 (int4 packs two codes a byte)")
-    require_positive_ints(out, "rows", "channels", "capture_steps", "kappa_blocks", "train_steps", "batch", "n_layer",
-                          "seq_len")
-    if not 0 < out["outliers"] < out["channels"]:
-        raise ValueError(f"outliers={out['outliers']} must be in 1..channels-1={out['channels'] - 1}")
-    if world_size < 1:
-        raise ValueError(f"world_size={world_size} must be >= 1")
-    return out
+    cfg = resolve(cfg, PRESETS, PARAMS)
+    bad = [f for f in cfg["train_fmts"] if not _is_run(f, seeded=True)]
+    if bad:
+        raise ValueError(f"train_fmts has {bad}: allowed are the formats {list(Q.GEMM_FORMATS)}, each optionally "
+                         'with "@<seed offset>" (e.g. "bf16@1")')
+    if len(cfg["gemm"]) != 3:
+        raise ValueError(f"gemm={cfg['gemm']!r} must be three sizes [M, K, N]")
+    require_divisible("train_block", cfg["train_block"], 2, "2", "int4 packs two codes a byte")
+    if not cfg["outliers"] < cfg["channels"]:
+        raise ValueError(f"outliers={cfg['outliers']} must be in 1..channels-1={cfg['channels'] - 1}")
+    longest = preset(cfg["model"]).seq_len
+    if cfg["seq_len"] > longest:
+        raise ValueError(f"seq_len={cfg['seq_len']} exceeds the {cfg['model']} model's {longest}")
+    return cfg
 
 
 def _is_run(name: str, seeded: bool) -> bool:
@@ -218,7 +224,7 @@ def train_run(cfg: dict, run: str, progress=None) -> dict:
     replaced = Q.quantize_gemms(model, fmt, cfg["train_block"])
     opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"])
     losses = []
-    for step, (x, y) in enumerate(batches(cfg["batch"], model.cfg.seq_len, cfg["train_steps"], seed=seed + 2)):
+    for step, (x, y) in enumerate(batches(cfg["batch"], model.cfg.seq_len, cfg["steps"], seed=seed + 2)):
         opt.zero_grad(set_to_none=True)
         loss = model(x, y)
         loss.backward()
@@ -252,13 +258,13 @@ def run(ctx, cfg: dict) -> dict:
                                      torch.randn(n, k, generator=gen)),
                 "gpt_fc1": (captured["gpt_activations"][fc1], captured["gpt_weights"][fc1])}
     kappa_gen = torch.Generator().manual_seed(cfg["seed"] + 3)
-    total = sum(cfg["train_steps"] if t[0] == "train" else 1 for t in mine)
+    total = sum(cfg["steps"] if t[0] == "train" else 1 for t in mine)
     done = 0
     rows, curves, kappa, exact = [], [], None, {}
     for task in mine:
         if task[0] == "train":
             curves.append(train_run(cfg, task[1], lambda s, d=done: ctx.progress(d + s, total, f"train {task[1]}")))
-            done += cfg["train_steps"]
+            done += cfg["steps"]
         elif task[0] == "qsnr":
             _, name, fmt, block = task
             rows.append({"kind": "tensor", "data": name, "fmt": fmt, "block": block,
@@ -286,4 +292,4 @@ def run(ctx, cfg: dict) -> dict:
             "theory": {"int8_db_at_kappa_1": INT8_THEORY_DB, "article_int8_db_at_kappa_1": ARTICLE_INT8_DB,
                        "e4m3_db": E4M3_THEORY_DB},
             "config": {k: cfg[k] for k in ("preset", "model", "n_layer", "seq_len", "rows", "channels", "gemm", "train_block",
-                                          "train_steps", "blocks", "fmts", "train_fmts")}}
+                                          "steps", "blocks", "fmts", "train_fmts")}}

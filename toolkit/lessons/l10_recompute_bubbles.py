@@ -12,13 +12,10 @@ recompute restores the RNG state, so masks (and gradients) repeat; recomputing w
 """
 from __future__ import annotations
 
-import copy
-
 import torch
 import torch.nn as nn
 
-from toolkit.models import GPT, preset
-from toolkit.pipeline.executor import gpt_micro_batches, gpt_stages, measure_schedules, reference_step
+from toolkit.pipeline.harness import Job, PipelineSetup, grads_bitwise_equal, measure_schedules
 from toolkit.pipeline.recompute import RecomputeQueue
 from toolkit.pipeline.schedule import one_f_one_b
 from toolkit.runtime.config import Param, common, require_divisible, resolve
@@ -46,26 +43,19 @@ def validate(cfg: dict, world_size: int) -> dict:
 
 def run(ctx, cfg: dict) -> dict:
     p, m = ctx.world_size, cfg["m"]
-    model_cfg = preset(cfg["model"], n_layer=cfg["n_layer"])
-    inputs, targets = gpt_micro_batches(m, cfg["micro_batch"], model_cfg.seq_len, seed=2)
-    torch.manual_seed(0)
-    base = GPT(model_cfg)
-    reference = copy.deepcopy(base)
-    ref_loss = reference_step(reference, inputs, targets)
-    jobs = {mode: (one_f_one_b(p, m, mode, cfg["keep"]), "ours") for mode in MODES}
-    runs, models = measure_schedules(ctx, jobs, base, inputs, targets, reference,
-                                     warmup=cfg["warmup"], steps=cfg["bench_steps"], rounds=cfg["rounds"])
-    for mode, (schedule, _) in jobs.items():
-        runs[mode]["checkpointed"] = sorted(mb for s, mb, _ in schedule.checkpointed if s == ctx.rank)
-    mine = [prm for module in gpt_stages(models["none"], one_f_one_b(p, m), ctx.rank).values()
-            for prm in module.parameters()]
-    names = {id(prm): n for n, prm in models["none"].named_parameters()}
-    bitwise = {}
-    for mode in ("inline", "bubble"):
-        other = dict(models[mode].named_parameters())
-        bitwise[mode] = all(torch.equal(prm.grad, other[names[id(prm)]].grad) for prm in mine)
-    return {"rank": ctx.rank, "p": p, "m": m, "keep": cfg["keep"], "model": vars(model_cfg), "ref_loss": ref_loss,
-            "runs": runs, "bitwise_equal_to_none": bitwise, "dropout": dropout_check() if ctx.rank == 0 else None}
+    setup = PipelineSetup.build(cfg["model"], n_layer=cfg["n_layer"], m=m, micro_batch=cfg["micro_batch"],
+                                device=ctx.device)
+    jobs = [Job(one_f_one_b(p, m, mode, cfg["keep"])) for mode in MODES]
+    records, models = measure_schedules(ctx, setup, jobs, warmup=cfg["warmup"], steps=cfg["bench_steps"],
+                                        rounds=cfg["rounds"])
+    runs = dict(zip(MODES, records))
+    for mode, job in zip(MODES, jobs):
+        runs[mode]["checkpointed"] = sorted(mb for s, mb, _ in job.schedule.checkpointed if s == ctx.rank)
+    mine = setup.stages(models[0], jobs[0].schedule, ctx.rank).values()  # this rank's stages, no recompute
+    bitwise = {mode: grads_bitwise_equal(models[0], model, mine) for mode, model in zip(MODES[1:], models[1:])}
+    return {"rank": ctx.rank, "p": p, "m": m, "keep": cfg["keep"], "model": vars(setup.model_cfg),
+            "ref_loss": setup.ref_loss, "runs": runs, "bitwise_equal_to_none": bitwise,
+            "dropout": dropout_check() if ctx.rank == 0 else None}
 
 
 def dropout_check(seed: int = 0) -> dict:

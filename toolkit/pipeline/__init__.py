@@ -6,6 +6,7 @@
                   from_torch) ─┬─► simulate.py    op costs -> timelines, bubble, step time, memory
                                ├─► executor.py    real p2p run on p processes -> loss, grads, timeline, bytes
                                └─► torch_compare  torch.distributed.pipelining on the same stages
+    harness.py    the tiny GPT as a pipeline, set up once (PipelineSetup), checked and timed runs of schedules
     recompute.py  checkpointed forward + recompute queue (recompute in the bubble)
     seq1f1b.py, vocab_parallel.py   Seq1F1B and vocabulary parallelism, built on the same model
 
@@ -19,10 +20,12 @@ Quick look, no processes needed::
 from .executor import ActivationMeter, PipelineExecutor, WeightGradStore, split_weight_grads
 from .recompute import RecomputeQueue
 from .schedule import (SCHEDULES, TORCH_NAMES, Action, Schedule, dualpipev, fb, from_torch, gpipe, interleaved_1f1b,
-                       interleaved_layout, linear_layout, make_schedule, one_f_one_b, v_layout, zb_h1)
+                       interleaved_layout, linear_layout, make_schedule, one_f_one_b, schedule_options, torch_order,
+                       v_layout, zb_h1)
 from .simulate import Costs, SimResult, closed_form_bubble, simulate
 
 __all__ = ["Action", "Schedule", "SCHEDULES", "TORCH_NAMES", "make_schedule", "fb", "gpipe",
-           "one_f_one_b", "interleaved_1f1b", "zb_h1", "dualpipev", "from_torch", "linear_layout",
+           "one_f_one_b", "interleaved_1f1b", "zb_h1", "dualpipev", "from_torch", "torch_order", "schedule_options",
+           "linear_layout",
            "interleaved_layout", "v_layout", "Costs", "SimResult", "simulate", "closed_form_bubble",
            "PipelineExecutor", "WeightGradStore", "ActivationMeter", "split_weight_grads", "RecomputeQueue"]

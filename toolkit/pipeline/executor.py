@@ -5,33 +5,74 @@ are posted as ``irecv``; outputs leave by ``isend`` right after they are compute
 the following compute. Every message has its own tag, derived from (kind, stage, micro-batch, chunk),
 so the order in which ranks post them cannot mismatch them::
 
-    rank r, action a = F(s, mb)                           rank r, action a = B(s, mb)  (or I)
+    rank r, op a = F(s, mb)                               rank r, op a = B(s, mb)  (or I)
     ──────────────────────────                            ───────────────────────────
     x  = tokens[mb]            if s == 0                  g  = wait irecv(grad of s)    if s < last
        = wait irecv(act of s)  if stage s-1 elsewhere        = 1 (d loss)               if s == last
        = local handoff         if stage s-1 here          backward(out, g)  ──► x.grad
     out = stage_s(x)   (+ loss / m on the last stage)     isend(x.grad) to stage s-1's rank (or hand off)
-    isend(out) to stage s+1's rank (or hand off)          I: weight grads queued in WeightGradStore
+    isend(out) to stage s+1's rank (or hand off)          I: weight grads queued in the WeightGradStore
     keep (x, out) for the backward                        W: pop and run them (zero-bubble split)
-
-    FB = F of one micro-batch, then B of another (DualPipe's F&B; on one CPU stream they cannot overlap)
     R  = rebuild a checkpointed forward's activations (``recompute.RecomputeQueue``)
 
+F&B (an ``FB`` action: DualPipe's F of one micro-batch with the B of another) is overlapped: each half
+waits for its own input only when it starts, and the first half's output leaves (``isend``) before the
+second half computes. So while one half computes, the other half's communication is in flight — on gloo
+the transfers run on gloo's own threads; with nccl they run on NCCL's streams and ``wait()`` only orders
+the compute stream after them, without blocking the host. ``fb_overlap=False`` runs a pair the way torch's
+``OVERLAP_F_B`` does (both inputs awaited before the pair, then the halves back to back)::
+
+    fb_overlap=True    wait(x_F) ─ F ─ isend(out_F) ─ wait(g_B) ─ B ─ isend(dx_B)
+                                   └── g_B arriving ──┘└── out_F leaving ──┘
+    fb_overlap=False   wait(x_F) wait(g_B) ─ F ─ isend(out_F) ─ B ─ isend(dx_B)
+
+Extending it: one hook interface
+--------------------------------
+A subclass overrides methods, never a table of functions. Ops are dispatched by *method name*
+(``OPS``: F -> ``forward``, B and I -> ``backward``, W -> ``weight``, R -> ``recompute``), so an override
+of ``backward`` runs for every B and every I, also as the half of an F&B. A new op is one more entry in
+``OPS`` naming a method; an op with no entry raises instead of being skipped. Around the ops, these hooks
+(all no-ops here) run for every op, whatever its action::
+
+    step()
+     └ for each action of this rank (F, B, I, W, R, or FB = its two halves in order):
+         post irecvs of this action and the next
+         run_action(action)
+          ├ for each single op a (each half of an FB):
+          │    wait for a's inputs                                   (before the pair if fb_overlap=False)
+          │    forward(a)     F  ─ with forward_context(a): stage_fn(a)(x)   ─ isend / hand off the output
+          │    recompute(a)   R  ─ with forward_context(a): rebuild the graph of a checkpointed forward
+          │    backward(a)    B, I ─ before_backward(a) ─ autograd backward ─ after_backward(a)
+          │                        ─ isend / hand off the input gradient
+          │    weight(a)      W  ─ run the dW queued by a's I
+          │    after_op(a)                                           every single op, F&B halves too
+          └ after_action(action)                                     once per scheduled action
+     └ wait for the sends still in flight; check nothing is left over
+
+    other override points: recv_shape(msg) (messages of other shapes), stage_fn(a) (what a forward computes,
+    including the loss on the last stage), hold(key, tensors) (count tensors as a key's activations).
+
 Deferred weight gradients (``WeightGradStore``, as in DeepSeek's DualPipe): ``split_weight_grads``
-swaps each ``nn.Linear`` for one whose backward computes dX at once and, while the store is enabled,
-queues a closure for dW = g^T x (and db) instead of computing it. LayerNorm and embedding gradients are
-computed in the I itself. The store is keyed by (stage, mb, chunk), so a W runs exactly its own I's work.
+swaps each ``nn.Linear`` for a ``SplitLinear``. A forward whose backward will be an I runs inside
+``store.splitting()`` (the executor sets it per op), so its Linears build a node whose backward computes dX
+at once and, while the store is ``deferring()``, queues a closure for dW = g^T x (and db) in *that* store
+instead of computing it. Each executor owns its store; LayerNorm and embedding gradients are computed in
+the I itself. The store is keyed by (stage, mb, chunk), so a W runs exactly its own I's work.
 
 ``ActivationMeter`` counts what the activations really cost: every tensor autograd saves during a
 forward (``saved_tensors_hooks``), parameters excluded, each storage once (views share one), released
 when the backward (or the W) that needs it is done.
+
+The set-up the lessons share (the tiny GPT as a pipeline, micro-batches, the single-process reference,
+checked and timed runs of several schedules) is in ``harness.py``.
 """
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import time
 from collections import defaultdict
-from typing import Callable, Iterable
+from typing import Callable, ContextManager, Iterable
 
 import torch
 import torch.distributed as dist
@@ -45,54 +86,83 @@ from .schedule import Action, Schedule
 Key = tuple[int, int, int]  # (stage, micro-batch, sequence chunk)
 
 
+def key_of(a: Action) -> Key:
+    """(stage, micro-batch, chunk) of a single op."""
+    return (a.stage, a.mb, a.chunk)
+
+
 # ------------------------------------------------------------------------------------------------
 # Deferred weight gradients
 # ------------------------------------------------------------------------------------------------
-class WeightGradStore:
-    """dW closures queued by ``SplitLinear`` backwards while ``enabled`` (one store per process).
+_SPLITTING: contextvars.ContextVar["WeightGradStore | None"] = contextvars.ContextVar("splitting", default=None)
 
-    ``split_forward`` is set around the forwards whose backward will be an I: only those build the custom
-    autograd node; every other forward runs the plain ``F.linear`` (no Python in its backward).
+
+class WeightGradStore:
+    """dW closures queued by ``SplitLinear`` backwards, one store per executor.
+
+    ``splitting()`` is entered around the forwards whose backward will be an I: only those build the custom
+    autograd node (bound to this store); every other forward runs the plain ``F.linear`` (no Python in its
+    backward). ``deferring()`` is entered around an I's backward: the nodes of this store then queue their dW
+    instead of computing it; ``flush(key)`` files what was queued under the I's key and ``pop(key)`` (the W)
+    runs it.
     """
 
-    enabled = False
-    split_forward = False
-    _cache: list[tuple[Callable[[], None], tuple[torch.Tensor, ...]]] = []
-    _queue: dict[Key, list[tuple[Callable[[], None], tuple[torch.Tensor, ...]]]] = {}
+    def __init__(self):
+        self.enabled = False  # backwards queue their dW (inside ``deferring()``)
+        self._cache: list[tuple[Callable[[], None], tuple[torch.Tensor, ...]]] = []
+        self._queue: dict[Key, list[tuple[Callable[[], None], tuple[torch.Tensor, ...]]]] = {}
 
-    @classmethod
-    def put(cls, fn: Callable[[], None], tensors: tuple[torch.Tensor, ...]) -> None:
-        cls._cache.append((fn, tensors))
+    @contextlib.contextmanager
+    def splitting(self):
+        """Forwards inside build split nodes bound to this store (their backward can defer dW)."""
+        token = _SPLITTING.set(self)
+        try:
+            yield self
+        finally:
+            _SPLITTING.reset(token)
 
-    @classmethod
-    def flush(cls, key: Key) -> None:
+    @contextlib.contextmanager
+    def deferring(self):
+        """Backwards of this store's split nodes inside queue their dW instead of computing it."""
+        self.enabled = True
+        try:
+            yield self
+        finally:
+            self.enabled = False
+
+    def put(self, fn: Callable[[], None], tensors: tuple[torch.Tensor, ...]) -> None:
+        self._cache.append((fn, tensors))
+
+    def flush(self, key: Key) -> None:
         """File the closures queued since the last flush under ``key`` (call after an I)."""
-        cls._queue[key], cls._cache = cls._cache, []
+        self._queue[key], self._cache = self._cache, []
 
-    @classmethod
-    def held(cls, key: Key) -> list[torch.Tensor]:
+    def held(self, key: Key) -> list[torch.Tensor]:
         """The tensors the deferred dW of ``key`` keeps alive (inputs and output gradients of Linears)."""
-        return [t for _, tensors in cls._queue.get(key, []) for t in tensors]
+        return [t for _, tensors in self._queue.get(key, []) for t in tensors]
 
-    @classmethod
-    def pop(cls, key: Key) -> None:
+    def pop(self, key: Key) -> None:
         """Run the deferred dW of ``key`` (a W action)."""
-        for fn, _ in cls._queue.pop(key):
+        for fn, _ in self._queue.pop(key):
             fn()
 
-    @classmethod
-    def clear(cls) -> None:
-        cls.enabled, cls.split_forward, cls._cache, cls._queue = False, False, [], {}
+    @property
+    def pending(self) -> int:
+        """How many I have a W still to run."""
+        return len(self._queue)
+
+    def clear(self) -> None:
+        self.enabled, self._cache, self._queue = False, [], {}
 
 
 class _SplitLinearFn(torch.autograd.Function):
     """y = x W^T + b whose backward returns dX only; dW and db go to the parameters' ``.grad`` now, or
-    later from ``WeightGradStore`` while it is enabled (DualPipe's ``LinearFunc``)."""
+    later from its ``WeightGradStore`` while that store is deferring (DualPipe's ``LinearFunc``)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias):  # x [..., in] -> [..., out]
+    def forward(ctx, x, weight, bias, store):  # x [..., in] -> [..., out]
         ctx.save_for_backward(x)
-        ctx.weight, ctx.bias = weight, bias  # the parameters themselves (saved tensors may come back as aliases)
+        ctx.weight, ctx.bias, ctx.store = weight, bias, store  # the parameters themselves (saved tensors may alias)
         return F.linear(x, weight, bias)
 
     @staticmethod
@@ -106,19 +176,20 @@ class _SplitLinearFn(torch.autograd.Function):
                 if g is not None:
                     param.grad = g if param.grad is None else param.grad.add_(g)
 
-        if WeightGradStore.enabled:
-            WeightGradStore.put(weight_grad, (grad, x))
+        if ctx.store.enabled:
+            ctx.store.put(weight_grad, (grad, x))
         else:
             weight_grad()
-        return grad @ weight, None, None  # dX [..., in]
+        return grad @ weight, None, None, None  # dX [..., in]
 
 
 class SplitLinear(nn.Linear):
     """``nn.Linear`` whose weight gradient can be deferred to a W action (see ``WeightGradStore``)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if WeightGradStore.split_forward:
-            return _SplitLinearFn.apply(x, self.weight, self.bias)
+        store = _SPLITTING.get()
+        if store is not None:
+            return _SplitLinearFn.apply(x, self.weight, self.bias, store)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -188,33 +259,64 @@ class PipelineExecutor:
             by m, so the gradients are those of the mean loss over the batch.
         act_shape, dtype: shape and dtype of the activation between stages (one micro-batch).
         peers: global rank of each pipeline rank (default: pipeline rank = global rank).
-        timeline: a ``toolkit.runtime.Timeline``; each action becomes a span (kind = op, "F&B" for FB).
+        timeline: a ``toolkit.runtime.Timeline``; each single op becomes a span (kind = op; the halves of
+            an F&B carry ``pair="F&B"`` in their meta).
         meter: count saved-activation bytes (``ActivationMeter``) and sample them after every action into
             ``memory`` as (seconds since the step started, live bytes).
+        fb_overlap: overlap the halves of an F&B with each other's communication (module docstring).
+        trace: keep ``trace``, the order of this rank's posts, waits, ops and sends in the last step
+            (``[("post" | "wait" | "op" | "send", "3F1"), ...]``; messages are named by their receive).
 
-    Extending it (``seq1f1b.Seq1F1BExecutor`` does): override ``recv_shape(msg)`` for messages of other
-    shapes, ``_stage_fn(action)`` for what a forward computes (it includes the loss on the last stage), and
-    ``handlers`` (op -> method) to add or wrap ops; ``_forward``, ``_backward`` and ``_hold`` are the
-    pieces to wrap. These names are kept stable.
+    After a step, ``waits`` lists the receives this rank waited for (``{"msg", "stage", "mb", "chunk",
+    "seconds", "pair"}``: seconds blocked, ``pair`` whether the receive feeds a half of an F&B; plus ``"start"``
+    on the timeline's clock when there is a timeline): the exposed communication. Subclass through the hooks described in the module docstring.
     """
+
+    OPS: dict[str, str] = {"F": "forward", "B": "backward", "I": "backward", "W": "weight", "R": "recompute"}
+    """op -> name of the method that runs it (a subclass adds ops here, by method *name*)."""
 
     def __init__(self, schedule: Schedule, rank: int, modules: dict[int, nn.Module], loss_fn: Callable,
                  act_shape: tuple[int, ...], dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                 peers: list[int] | None = None, group=None, timeline=None, meter: bool = False):
+                 peers: list[int] | None = None, group=None, timeline=None, meter: bool = False,
+                 fb_overlap: bool = True, trace: bool = False):
         if sorted(modules) != schedule.stages_of(rank):
             raise ValueError(f"rank {rank} got stages {sorted(modules)}, schedule puts {schedule.stages_of(rank)} here")
+        unknown = sorted({part.op for a in schedule.ranks[rank] for part in a.parts} - set(self.OPS))
+        if unknown:
+            raise ValueError(f"{type(self).__name__} has no method for ops {unknown} of schedule "
+                             f"{schedule.name!r}; it runs {sorted(self.OPS)} (add them to OPS)")
         self.schedule, self.rank, self.modules, self.loss_fn = schedule, rank, modules, loss_fn
         self.act_shape, self.dtype, self.device = tuple(act_shape), dtype, torch.device(device)
         self.peers = peers or list(range(schedule.p))
-        self.group, self.timeline = group, timeline
+        self.group, self.timeline, self.fb_overlap = group, timeline, fb_overlap
         self.last = schedule.n_stages - 1
-        self._split = {(x.stage, x.mb, x.chunk) for a in schedule.ranks[rank] for x in a.parts if x.op == "I"}
+        self.weight_grads = WeightGradStore()
+        self._split = {key_of(x) for a in schedule.ranks[rank] for x in a.parts if x.op == "I"}
         if self._split:
             for module in modules.values():
                 split_weight_grads(module)
         params = [p for module in modules.values() for p in module.parameters()]
         self.meter = ActivationMeter(params) if meter else None
         self.memory: list[tuple[float, int]] = []
+        self.waits: list[dict] = []
+        self.trace: list[tuple[str, str]] | None = [] if trace else None
+
+    # -- hooks: override in a subclass (they run for every op; see the module docstring) ---------------
+    def forward_context(self, a: Action) -> ContextManager:
+        """Entered around the compute of every F and R (``a.op`` tells which); e.g. saved-tensor hooks."""
+        return contextlib.nullcontext()
+
+    def before_backward(self, a: Action) -> None:
+        """Called before the autograd backward of every B and I."""
+
+    def after_backward(self, a: Action) -> None:
+        """Called after the autograd backward of every B and I (before its input gradient is sent)."""
+
+    def after_op(self, a: Action) -> None:
+        """Called after every single op: F, B, I, W, R, and each half of an F&B."""
+
+    def after_action(self, action: Action) -> None:
+        """Called after every scheduled action (once for an F&B, after both halves)."""
 
     # -- messages ---------------------------------------------------------------------------------
     # A message is named by its receive (``Schedule.recvs``): RECV_F(s, mb, c) is stage s's input activation,
@@ -230,20 +332,33 @@ class PipelineExecutor:
     def _source(self, msg: Action) -> int:
         return self.schedule.stage_rank[msg.stage - 1 if msg.op == "RECV_F" else msg.stage + 1]
 
-    def _post_recvs(self, a: Action) -> None:
-        for msg in (m for part in a.parts for m in self.schedule.recvs(part)):
+    def _log(self, what: str, x: Action) -> None:
+        if self.trace is not None:
+            self.trace.append((what, str(x)))
+
+    def _post_recvs(self, action: Action) -> None:
+        for msg in (m for part in action.parts for m in self.schedule.recvs(part)):
             if msg not in self._inbox:
                 buf = torch.empty(self.recv_shape(msg), dtype=self.dtype, device=self.device)
                 work = dist.irecv(buf, self.peers[self._source(msg)], group=self.group, tag=self._tag(msg))
                 self._inbox[msg] = (work, buf)
+                self._log("post", msg)
 
     def _wait_recvs(self, a: Action) -> None:
-        """Block until the remote inputs of ``a`` have arrived (so the action's span is compute only)."""
-        for msg in (m for part in a.parts for m in self.schedule.recvs(part)):
+        """Block until the remote inputs of single op ``a`` have arrived (so its span is compute only)."""
+        for msg in self.schedule.recvs(a):
             work, buf = self._inbox[msg]
             if work is not None:
+                start = time.perf_counter()
                 work.wait()
+                end = time.perf_counter()
                 self._inbox[msg] = (None, buf)
+                self._log("wait", msg)
+                wait = {"msg": msg.op, "stage": msg.stage, "mb": msg.mb, "chunk": msg.chunk, "seconds": end - start,
+                        "pair": self._pair is not None}
+                if self.timeline is not None:
+                    wait["start"] = start - self.timeline.origin
+                self.waits.append(wait)
 
     def _take(self, msg: Action) -> torch.Tensor:
         """The tensor named ``msg``, handed off locally or received."""
@@ -263,78 +378,105 @@ class PipelineExecutor:
             tensor = tensor.contiguous()
             work = dist.isend(tensor, self.peers[dst], group=self.group, tag=self._tag(msg))
             self._outbox.append((work, tensor))
+            self._log("send", msg)
 
-    # -- compute ----------------------------------------------------------------------------------
-    def _stage_fn(self, a: Action) -> Callable[[torch.Tensor], torch.Tensor]:
+    # -- the ops ----------------------------------------------------------------------------------
+    def stage_fn(self, a: Action) -> Callable[[torch.Tensor], torch.Tensor]:
+        """What the forward of ``a`` computes: the stage module, plus loss / m on the last stage."""
         module = self.modules[a.stage]
         if a.stage != self.last:
             return module
         target, m = self._targets[a.mb], self.schedule.m
         return lambda x: self.loss_fn(module(x), target) / m
 
-    def _forward(self, a: Action) -> None:
-        key = (a.stage, a.mb, a.chunk)
+    def hold(self, key: Key, tensors: list[torch.Tensor]) -> None:
+        """Count ``tensors`` as activations held by ``key`` (when the meter is on)."""
+        if self.meter:
+            self.meter.hold(key, tensors)
+
+    def _recording(self, key: Key) -> ContextManager:
+        return self.meter.recording(key) if self.meter else contextlib.nullcontext()
+
+    def forward(self, a: Action) -> None:
+        """F: the stage's forward on its input; the output goes to the next stage (or the loss is kept)."""
+        key = key_of(a)
         x = self._inputs[a.mb] if a.stage == 0 else self._take(Action("RECV_F", *key)).requires_grad_()
-        fn = self._stage_fn(a)
-        if key in self.schedule.recomputed:  # activations rebuilt later by an R action
-            out = self._recompute.forward(key, fn, x)
-            self._hold(key, [self._recompute.input_of(key)])
-        elif key in self.schedule.checkpointed:  # recomputed inside the backward
-            out = checkpoint(fn, x, use_reentrant=False)
-            self._saved[key] = (x, out)
-            self._hold(key, [x])
-        else:
-            with self.meter.recording(key) if self.meter else contextlib.nullcontext():
-                out = fn(x)
-            self._saved[key] = (x, out)
+        fn = self.stage_fn(a)
+        with self.forward_context(a):
+            if key in self.schedule.recomputed:  # activations rebuilt later by an R action
+                out = self._recompute.forward(key, fn, x)
+                self.hold(key, [self._recompute.input_of(key)])
+            elif key in self.schedule.checkpointed:  # recomputed inside the backward
+                out = checkpoint(fn, x, use_reentrant=False)
+                self._saved[key] = (x, out)
+                self.hold(key, [x])
+            else:
+                with self._recording(key):
+                    out = fn(x)
+                self._saved[key] = (x, out)
         if a.stage == self.last:
             self._losses.append(out.detach())
         else:
             self._give(Action("RECV_F", a.stage + 1, a.mb, a.chunk), out.detach())
 
-    def _recompute_action(self, a: Action) -> None:
-        key = (a.stage, a.mb, a.chunk)
-        with self.meter.recording(key) if self.meter else contextlib.nullcontext():
+    def recompute(self, a: Action) -> None:
+        """R: rebuild the activations of a checkpointed forward (no gradient needed yet)."""
+        key = key_of(a)
+        with self.forward_context(a), self._recording(key):
             self._saved[key] = self._recompute.recompute(key)
 
-    def _backward(self, a: Action) -> None:
-        key = (a.stage, a.mb, a.chunk)
+    def backward(self, a: Action) -> None:
+        """B (dX and dW) or I (dX now, dW queued for its W); the input gradient goes to the previous stage."""
+        key = key_of(a)
         x, out = self._saved.pop(key)
         grad = None if a.stage == self.last else self._take(Action("RECV_B", *key))
-        WeightGradStore.enabled = a.op == "I"
-        try:
+        self.before_backward(a)
+        with self.weight_grads.deferring() if a.op == "I" else contextlib.nullcontext():
             torch.autograd.backward(out, grad)
-        finally:
-            WeightGradStore.enabled = False
+        self.after_backward(a)
         if self.meter:
             self.meter.release(key)
         if a.op == "I":
-            WeightGradStore.flush(key)
-            self._hold(key, WeightGradStore.held(key))
+            self.weight_grads.flush(key)
+            self.hold(key, self.weight_grads.held(key))
         if a.stage > 0:
             self._give(Action("RECV_B", a.stage - 1, a.mb, a.chunk), x.grad)
 
-    def _weight(self, a: Action) -> None:
-        key = (a.stage, a.mb, a.chunk)
-        WeightGradStore.pop(key)
+    def weight(self, a: Action) -> None:
+        """W: the weight gradients an earlier I deferred."""
+        key = key_of(a)
+        self.weight_grads.pop(key)
         if self.meter:
             self.meter.release(key)
 
-    def _hold(self, key: Key, tensors: list[torch.Tensor]) -> None:
-        if self.meter:
-            self.meter.hold(key, tensors)
+    # -- running actions --------------------------------------------------------------------------
+    def run_op(self, a: Action) -> None:
+        """Run single op ``a`` (its inputs have arrived) and record its span."""
+        start = time.perf_counter()
+        with self.weight_grads.splitting() if key_of(a) in self._split else contextlib.nullcontext():
+            getattr(self, self.OPS[a.op])(a)
+        self._log("op", a)
+        if self.timeline is not None:
+            if self.device.type == "cuda":  # spans measure the kernels, not their launch; the compute stream
+                torch.cuda.current_stream(self.device).synchronize()  # only: NCCL's transfers stay in flight
+            meta = {"stage": a.stage, "mb": a.mb, "chunk": a.chunk}
+            if self._pair is not None:
+                meta["pair"] = "F&B"
+                meta["with"] = str(self._pair)
+            self.timeline.add(a.op, start - self.timeline.origin, self.timeline.now(), label=str(a), **meta)
 
-    def run_action(self, a: Action) -> None:
-        """Run one action (both halves of an FB). Subclasses add ops by extending ``handlers``."""
-        for part in a.parts:
-            WeightGradStore.split_forward = (part.stage, part.mb, part.chunk) in self._split
-            try:
-                self.handlers[part.op](self, part)
-            finally:
-                WeightGradStore.split_forward = False
-
-    handlers: dict[str, Callable] = {"F": _forward, "B": _backward, "I": _backward, "W": _weight,
-                                     "R": _recompute_action}
+    def run_action(self, action: Action) -> None:
+        """Run one scheduled action: a single op, or both halves of an F&B (module docstring)."""
+        self._pair = action if action.sub else None
+        if not self.fb_overlap:
+            for a in action.parts:
+                self._wait_recvs(a)
+        for a in action.parts:
+            self._wait_recvs(a)  # F&B, overlapped: the second half's input arrived while the first computed
+            self.run_op(a)
+            self.after_op(a)
+        self._pair = None
+        self.after_action(action)
 
     # -- the step ---------------------------------------------------------------------------------
     def step(self, inputs: list[torch.Tensor], targets: list[torch.Tensor]) -> float | None:
@@ -348,33 +490,27 @@ class PipelineExecutor:
         self._outbox: list[tuple] = []
         self._losses: list[torch.Tensor] = []
         self._recompute = RecomputeQueue()
-        self.memory = []
-        WeightGradStore.clear()
+        self._pair: Action | None = None
+        self.memory, self.waits = [], []
+        if self.trace is not None:
+            self.trace = []
+        self.weight_grads.clear()
         acts = self.schedule.ranks[self.rank]
         step_start = time.perf_counter()
-        for i, a in enumerate(acts):
-            self._post_recvs(a)
+        for i, action in enumerate(acts):
+            self._post_recvs(action)
             if i + 1 < len(acts):
                 self._post_recvs(acts[i + 1])  # prefetch: the next action's inputs arrive while this one runs
-            self._wait_recvs(a)
-            start = time.perf_counter()
-            self.run_action(a)
-            if self.device.type == "cuda" and self.timeline is not None:
-                torch.cuda.synchronize(self.device)  # spans measure the kernels, not their launch
-            if self.timeline is not None:
-                t0 = start - self.timeline.origin
-                meta = {"stage": a.stage, "mb": a.mb, "chunk": a.chunk} if not a.sub else \
-                    {"stage": f"{a.sub[0].stage}|{a.sub[1].stage}", "mb": f"{a.sub[0].mb}|{a.sub[1].mb}"}
-                self.timeline.add("F&B" if a.op == "FB" else a.op, t0, self.timeline.now(), label=str(a), **meta)
+            self.run_action(action)
             if self.meter:
                 self.memory.append((time.perf_counter() - step_start, self.meter.live))
             self._outbox = [(w, t) for w, t in self._outbox if not _finished(w)]
         for work, _ in self._outbox:
             work.wait()
         leftovers = len(self._saved) + len(self._inbox) + len(self._local) + len(self._recompute)
-        if leftovers or WeightGradStore._queue:
+        if leftovers or self.weight_grads.pending:
             raise RuntimeError(f"rank {self.rank}: step ended with {leftovers} unconsumed tensors and "
-                               f"{len(WeightGradStore._queue)} pending W: the schedule is inconsistent")
+                               f"{self.weight_grads.pending} pending W: the schedule is inconsistent")
         return float(sum(self._losses)) if self._losses else None
 
 
@@ -385,170 +521,3 @@ def _finished(work) -> bool:
         return True
     return False
 
-
-# ------------------------------------------------------------------------------------------------
-# The tiny GPT as a pipeline (used by the lessons, tests and benchmark)
-# ------------------------------------------------------------------------------------------------
-def gpt_micro_batches(m: int, micro_batch: int, seq_len: int, seed: int = 0
-                      ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """m micro-batches of real tokens (``toolkit.data``): inputs and next-token targets, each [b, T]."""
-    from toolkit.data import batches
-    x, y = next(batches(m * micro_batch, seq_len, 1, seed=seed))
-    return list(x.split(micro_batch)), list(y.split(micro_batch))
-
-
-def gpt_stages(model: nn.Module, schedule: Schedule, rank: int) -> dict[int, nn.Module]:
-    """Cut ``model`` into ``schedule.n_stages`` stages and return this rank's (sharing parameters)."""
-    from toolkit.models import split_stages
-    stages = split_stages(model, schedule.n_stages)
-    return {s: stages[s] for s in schedule.stages_of(rank)}
-
-
-def reference_step(model: nn.Module, inputs: list[torch.Tensor], targets: list[torch.Tensor]) -> float:
-    """The single-process reference: micro-batches in order, mean loss, gradients accumulated."""
-    from toolkit.models import lm_loss
-    total = 0.0
-    for x, y in zip(inputs, targets):
-        loss = lm_loss(model(x), y) / len(inputs)
-        loss.backward()
-        total += loss.item()
-    return total
-
-
-def grad_diff(model: nn.Module, reference: nn.Module, modules: Iterable[nn.Module]) -> float:
-    """Largest |grad - reference grad| over the parameters of ``modules`` (one rank's stages)."""
-    mine = {id(p) for module in modules for p in module.parameters()}
-    ref = dict(reference.named_parameters())
-    worst = 0.0
-    for name, p in model.named_parameters():
-        if id(p) in mine:
-            if p.grad is None:
-                raise RuntimeError(f"{name} has no gradient after the pipeline step")
-            worst = max(worst, (p.grad.cpu() - ref[name].grad.cpu()).abs().max().item())
-    return worst
-
-
-def selfcheck(ctx, cfg: dict) -> dict:
-    """Per rank: run each schedule of ``cfg["schedules"]`` (names of ``make_schedule``, or ``"torch:NAME"``
-    for torch's order run by this executor, or ``"torch-impl:NAME"`` for torch's own implementation) once on
-    the tiny GPT and compare with the single-process reference.
-
-    ``launch("toolkit.pipeline.executor:selfcheck", 2, {"schedules": ["1f1b", "dualpipev"], "m": 4})``
-    returns per rank ``{name: {"loss", "ref_loss", "grad_diff", "peak_act_bytes"}}``.
-    """
-    import copy
-
-    from toolkit.models import GPT, lm_loss, preset
-
-    from .schedule import from_torch, make_schedule
-    from .torch_compare import TorchPipeline
-
-    p, m, b = ctx.world_size, cfg.get("m", 2 * ctx.world_size), cfg.get("micro_batch", 2)
-    model_cfg = preset(cfg.get("model", "smoke"), n_layer=cfg.get("n_layer", 2 * p))
-    inputs, targets = gpt_micro_batches(m, b, model_cfg.seq_len, seed=cfg.get("seed", 0))
-    torch.manual_seed(cfg.get("seed", 0))
-    base = GPT(model_cfg)
-    reference = copy.deepcopy(base)
-    ref_loss = reference_step(reference, inputs, targets)
-    out = {}
-    for name in cfg["schedules"]:
-        kind, _, plain = name.rpartition(":")
-        schedule = from_torch(plain, p, m) if kind else make_schedule(plain, p, m)
-        model = copy.deepcopy(base)
-        modules = gpt_stages(model, schedule, ctx.rank)
-        peak = None
-        if kind == "torch-impl":
-            loss = TorchPipeline(plain, modules, schedule.n_stages, m, lm_loss).step(inputs, targets)
-        else:
-            executor = PipelineExecutor(schedule, ctx.rank, modules, lm_loss, (b, model_cfg.seq_len, model_cfg.d_model),
-                                        timeline=ctx.timeline, meter=True)
-            loss = executor.step(inputs, targets)
-            peak = executor.meter.peak
-        out[name] = {"loss": loss, "ref_loss": ref_loss, "grad_diff": grad_diff(model, reference, modules.values()),
-                     "peak_act_bytes": peak}
-    return out
-
-
-def measure_schedules(ctx, jobs: dict[str, tuple[Schedule, str]], base: nn.Module, inputs: list[torch.Tensor],
-                      targets: list[torch.Tensor], reference: nn.Module, *, warmup: int = 1, steps: int = 3,
-                      rounds: int = 3, trim: int = 1) -> tuple[dict[str, dict], dict[str, nn.Module]]:
-    """Run and time several schedules on fresh copies of ``base`` (on every rank, collectively).
-
-    ``jobs`` maps a name to (schedule, impl); impl ``"ours"`` is ``PipelineExecutor``, ``"torch"`` torch's own
-    implementation of the schedule (``TorchPipeline``; no spans, no bytes). For each job, one checked step:
-    loss, largest gradient difference from ``reference`` (already stepped on the same micro-batches) and the
-    saved-activation bytes over the step. Then the timing, *round-robin*: every round runs ``steps`` steps of
-    each job in turn (the order rotating), so all jobs see the same machine load; ``warmup`` untimed steps
-    first. Returns (numbers per job, the checked model per job).
-
-    Numbers: ``loss``, ``grad_diff``, ``peak_act_bytes``, ``act_bytes`` ([seconds into the step, live bytes]
-    per action), ``bench`` (``toolkit.runtime.bench.BenchResult`` fields: trimmed mean of round means...),
-    ``spans`` (the last timed step, absolute times aligned across ranks) and ``op_seconds`` ({"F@3": median
-    seconds over the timed steps, ...}; F&B keys are "F&B@sf|sb").
-    """
-    import copy
-    import statistics
-
-    from toolkit.models import lm_loss
-    from toolkit.runtime.bench import BenchResult
-    from toolkit.runtime.timeline import Timeline
-
-    from .torch_compare import TorchPipeline
-
-    inputs, targets = [x.to(ctx.device) for x in inputs], [y.to(ctx.device) for y in targets]
-
-    def fresh(schedule: Schedule, impl: str) -> tuple[nn.Module, Callable[[], object], PipelineExecutor | None]:
-        model = copy.deepcopy(base).to(ctx.device)
-        modules = gpt_stages(model, schedule, ctx.rank)
-        if impl == "torch":
-            runner = TorchPipeline(schedule.name, modules, schedule.n_stages, schedule.m, lm_loss, ctx.device)
-            return model, lambda: runner.step(inputs, targets), None
-        executor = PipelineExecutor(schedule, ctx.rank, modules, lm_loss, (*inputs[0].shape, base.cfg.d_model),
-                                    device=ctx.device)
-        return model, lambda: executor.step(inputs, targets), executor
-
-    out, checked, timed = {}, {}, {}
-    for name, (schedule, impl) in jobs.items():
-        model, run_step, executor = fresh(schedule, impl)
-        if executor is not None:
-            executor.meter = ActivationMeter(model.parameters())
-        loss = run_step()
-        out[name] = {"name": schedule.name, "impl": impl, "loss": loss,
-                     "grad_diff": grad_diff(model, reference, gpt_stages(model, schedule, ctx.rank).values()),
-                     "peak_act_bytes": executor.meter.peak if executor else None,
-                     "act_bytes": [list(x) for x in executor.memory] if executor else []}
-        checked[name] = model
-        model, run_step, executor = fresh(schedule, impl)
-        if executor is not None:
-            executor.timeline = Timeline(ctx.rank)
-            executor.timeline.origin = ctx.timeline.origin  # aligned across ranks by the launch barrier
-        timed[name] = (model, run_step, executor, [], [])  # ..., step times, step start marks
-
-    names = list(jobs)
-    for rnd in range(-1, rounds):  # round -1: the warm-up
-        ctx.progress(rnd + 1, rounds, "timing " + ", ".join(names))
-        for name in names[rnd % len(names):] + names[:rnd % len(names)]:
-            model, run_step, _, times, marks = timed[name]
-            ctx.barrier()
-            for _ in range(warmup if rnd < 0 else steps):
-                model.zero_grad(set_to_none=True)
-                marks.append(ctx.timeline.now())
-                start = time.perf_counter()
-                run_step()
-                if rnd >= 0:
-                    times.append(time.perf_counter() - start)
-    ctx.barrier()
-    for name, (_, _, executor, times, marks) in timed.items():
-        means = [statistics.fmean(times[i * steps:(i + 1) * steps]) for i in range(rounds)]
-        kept = sorted(means)[trim:rounds - trim] if rounds > 2 * trim else means
-        std = statistics.pstdev(times)
-        out[name]["bench"] = BenchResult(statistics.fmean(kept), statistics.median(times), std,
-                                         std / statistics.fmean(times), means, times).to_dict()
-        if executor is not None:
-            spans = executor.timeline.to_json()
-            by_key: dict[str, list[float]] = defaultdict(list)
-            for s in spans[warmup * len(executor.schedule.ranks[ctx.rank]):]:  # the timed steps
-                by_key[f"{s['kind']}@{s['meta']['stage']}"].append(s["end"] - s["start"])
-            out[name]["op_seconds"] = {k: statistics.median(v) for k, v in by_key.items()}
-            out[name]["spans"] = [s for s in spans if s["start"] >= marks[-1]]
-    return out, checked

@@ -52,6 +52,7 @@ name through ``make_schedule``.
 """
 from __future__ import annotations
 
+import inspect
 from collections import defaultdict
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -387,7 +388,7 @@ def zb_h1(p: int, m: int) -> Schedule:
     return Schedule("zb-h1", ranks, linear_layout(p), m).check()
 
 
-def dualpipev(p: int, m: int) -> Schedule:
+def dualpipev(p: int, m: int, pair: bool = True) -> Schedule:
     """DualPipeV (DeepSeek's ``dualpipev.py``): 2p stages in a V, the eight steps per rank r.
 
     Stage r is rank r's phase 0, stage 2p-1-r its phase 1 ("F0" = forward of phase 0 ...). I is a
@@ -404,9 +405,14 @@ def dualpipev(p: int, m: int) -> Schedule:
         8. (r+1) x W
 
     Needs m >= 2p. Bubble (p-1)(F&B + B - 3W) per chunk costs; the same order as torch's ScheduleDualPipeV.
+    ``pair=False`` gives the same order with every F&B written as its F, then its B, as two actions
+    (named ``dualpipev-unpaired``: what the pairing itself changes can be measured against it).
     """
+    if not isinstance(pair, bool):
+        raise ValueError(f"pair must be True or False, got {pair!r}")
     _need("p", p, 1)
     _need("m", m, 2 * p, f" (DualPipeV needs m >= 2p = {2 * p})")
+    together = fb if pair else (lambda f, b: [f, b])
     ranks = []
     for r in range(p):
         s0, s1 = r, 2 * p - 1 - r
@@ -442,11 +448,11 @@ def dualpipev(p: int, m: int) -> Schedule:
             if i == 0 and r == p - 1:
                 acts += [f(s0), b(s1)]
             else:
-                acts.append(fb(f(s0), b(s1)))
-            acts.append(fb(f(s1), b(s0)))
+                acts += _listed(together(f(s0), b(s1)))
+            acts += _listed(together(f(s1), b(s0)))
         for _ in range(p - r - 1):                                            # 5
             acts.append(b(s1))
-            acts.append(fb(f(s1), b(s0)))
+            acts += _listed(together(f(s1), b(s0)))
         split = False                                                         # 6
         for i in range(r + 1):
             if i == (r + 1) // 2 and r % 2 == 1:
@@ -461,7 +467,11 @@ def dualpipev(p: int, m: int) -> Schedule:
         for _ in range(r + 1):                                                # 8
             w()
         ranks.append(acts)
-    return Schedule("dualpipev", ranks, v_layout(p), m).check()
+    return Schedule("dualpipev" if pair else "dualpipev-unpaired", ranks, v_layout(p), m, meta={"pair": pair}).check()
+
+
+def _listed(x) -> list[Action]:
+    return x if isinstance(x, list) else [x]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -471,9 +481,9 @@ TORCH_NAMES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "Interleaved1F1B
                "dualpipev": "DualPipeV"}
 
 
-def from_torch(name: str, p: int, m: int) -> Schedule:
-    """The compute order torch.distributed.pipelining defines for ``name`` (a key or value of
-    ``TORCH_NAMES``), converted to this model (no processes needed).
+def torch_order(name: str, p: int, m: int) -> Schedule:
+    """torch.distributed.pipelining's compute order for ``name`` (a key or value of ``TORCH_NAMES``) as a
+    ``Schedule``, *not* checked (``from_torch`` is the checked one; ``compare_orders`` uses this).
 
     torch's ``FULL_BACKWARD`` is B, ``BACKWARD_INPUT`` I, ``OVERLAP_F_B`` FB; communication and
     ``REDUCE_GRAD`` entries are dropped. Multi-stage schedules get 2 stages per rank.
@@ -499,25 +509,54 @@ def from_torch(name: str, p: int, m: int) -> Schedule:
     ranks = [[c for c in map(convert, row) if c is not None] for row in ops]
     layout = linear_layout(p) if single else (v_layout(p) if torch_name in ("ZBVZeroBubble", "DualPipeV")
                                               else interleaved_layout(p, 2))
-    return Schedule(f"torch-{torch_name}", ranks, layout, m)
+    key = next(k for k, v in TORCH_NAMES.items() if v == torch_name)
+    return Schedule(f"torch-{torch_name}", ranks, layout, m, meta={"torch_name": key})
+
+
+def from_torch(name: str, p: int, m: int) -> Schedule:
+    """The compute order torch.distributed.pipelining defines for ``name`` (a key or value of
+    ``TORCH_NAMES``), converted to this model (no processes needed) and checked like every generator's.
+
+    torch's ``FULL_BACKWARD`` is B, ``BACKWARD_INPUT`` I, ``OVERLAP_F_B`` FB; communication and
+    ``REDUCE_GRAD`` entries are dropped. Multi-stage schedules get 2 stages per rank. Raises ValueError when
+    torch's order is not a complete schedule (torch 2.13's 1F1B display order numbers the last rank's
+    micro-batches from 1: ``torch_order`` gives it unchecked, for comparisons).
+    """
+    return torch_order(name, p, m).check()
 
 
 # ------------------------------------------------------------------------------------------------
 # By name
 # ------------------------------------------------------------------------------------------------
 SCHEDULES = {
-    "gpipe": lambda p, m, **kw: gpipe(p, m),
-    "1f1b": lambda p, m, **kw: one_f_one_b(p, m),
-    "interleaved": lambda p, m, v=2, **kw: interleaved_1f1b(p, m, v),
-    "zb-h1": lambda p, m, **kw: zb_h1(p, m),
-    "dualpipev": lambda p, m, **kw: dualpipev(p, m),
-    "1f1b-recompute-inline": lambda p, m, keep=None, **kw: one_f_one_b(p, m, "inline", keep),
-    "1f1b-recompute-bubble": lambda p, m, keep=None, **kw: one_f_one_b(p, m, "bubble", keep),
+    "gpipe": lambda p, m: gpipe(p, m),
+    "1f1b": lambda p, m: one_f_one_b(p, m),
+    "interleaved": lambda p, m, v=2: interleaved_1f1b(p, m, v),
+    "zb-h1": lambda p, m: zb_h1(p, m),
+    "dualpipev": lambda p, m, pair=True: dualpipev(p, m, pair),
+    "1f1b-recompute-inline": lambda p, m, keep=None: one_f_one_b(p, m, "inline", keep),
+    "1f1b-recompute-bubble": lambda p, m, keep=None: one_f_one_b(p, m, "bubble", keep),
 }
+"""name -> builder(p, m, **options); a builder's keyword parameters are the options the name accepts."""
+
+
+def schedule_options(name: str) -> tuple[str, ...]:
+    """The options ``make_schedule(name, p, m, ...)`` accepts (read off the builder's signature)."""
+    if name not in SCHEDULES:
+        raise ValueError(f"schedule={name!r} is not known; allowed: {sorted(SCHEDULES)}")
+    return tuple(inspect.signature(SCHEDULES[name]).parameters)[2:]
 
 
 def make_schedule(name: str, p: int, m: int, **options) -> Schedule:
-    """``make_schedule("dualpipev", p=2, m=8)``; options: ``v`` (interleaved), ``keep`` (recompute)."""
-    if name not in SCHEDULES:
-        raise ValueError(f"schedule={name!r} is not known; allowed: {sorted(SCHEDULES)}")
+    """``make_schedule("dualpipev", p=2, m=8)``: the named schedule, checked.
+
+    Options by name (``schedule_options``): ``v`` (interleaved: stages per rank), ``keep`` (1f1b-recompute-*:
+    micro-batches a rank may hold), ``pair`` (dualpipev: False runs each F&B as a separate F and B). An option
+    the schedule does not take is a ValueError naming the ones it does.
+    """
+    allowed = schedule_options(name)
+    unknown = sorted(set(options) - set(allowed))
+    if unknown:
+        raise ValueError(f"schedule {name!r} takes no option {', '.join(unknown)}; its options: "
+                         f"{list(allowed) if allowed else 'none'}")
     return SCHEDULES[name](p, m, **options)

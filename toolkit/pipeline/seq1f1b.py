@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from toolkit.models.gpt import Block, GPTConfig, Stage
-from toolkit.pipeline.executor import PipelineExecutor
+from toolkit.pipeline.executor import PipelineExecutor, key_of
 from toolkit.pipeline.schedule import Action, Schedule, linear_layout
 
 PARTITIONS = ("equal_tokens", "equal_compute")
@@ -340,7 +340,7 @@ class Seq1F1BExecutor(PipelineExecutor):
         s, e = self.bounds[msg.chunk]
         return (self.act_shape[0], e - s, self.act_shape[2])
 
-    def _stage_fn(self, a: Action):
+    def stage_fn(self, a: Action):
         s, e = self.bounds[a.chunk]
         scale = 1.0 / (self.act_shape[0] * self.seq_len)  # the executor divides by m
 
@@ -352,20 +352,17 @@ class Seq1F1BExecutor(PipelineExecutor):
 
         return fn
 
-    def _forward(self, a: Action) -> None:
-        super()._forward(a)
+    def forward(self, a: Action) -> None:
+        super().forward(a)
         self.held_chunks += 1
         self.peak_chunks = max(self.peak_chunks, self.held_chunks)
-        self._hold((a.stage, a.mb, a.chunk), self.chunked.held(a.mb, a.chunk))
+        self.hold(key_of(a), self.chunked.held(a.mb, a.chunk))
 
-    def _backward(self, a: Action) -> None:
-        super()._backward(a)
+    def after_backward(self, a: Action) -> None:  # every B (and I): free the chunk's cache
         self.chunked.done(a.mb, a.chunk)
         self.held_chunks -= 1
         for c in range(a.chunk):  # dK/dV this backward filed for earlier chunks
-            self._hold((a.stage, a.mb, c), self.chunked.held(a.mb, c))
-
-    handlers = {**PipelineExecutor.handlers, "F": _forward, "B": _backward}
+            self.hold((a.stage, a.mb, c), self.chunked.held(a.mb, c))
 
 
 def _chunk_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

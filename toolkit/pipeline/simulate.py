@@ -238,38 +238,46 @@ def timeline_bubble(spans: list[dict], p: int) -> dict:
 
 
 class MeasuredCosts:
-    """Op durations measured per stage (``{"F@3": seconds, "B@3": ..., "F&B@0|3": ...}``, as the executor's
-    ``measure_schedule`` reports them, merged over ranks), usable as ``simulate``'s ``costs``.
+    """Op durations measured per stage, as ``harness.measure_schedules`` reports them (records
+    ``{"op": "F", "stage": 3, "seconds": ...}``; an F&B pair has ``"stage": [forward stage, backward stage]``),
+    merged over ranks, usable as ``simulate``'s ``costs``.
 
     Missing entries are derived: B = I + W (ZB runs never run a full B), I = B - W, F&B = F + B of its halves.
     """
 
-    def __init__(self, op_seconds: dict[str, float], comm: float = 0.0):
-        self.table, self.comm = dict(op_seconds), comm
+    def __init__(self, op_seconds: list[dict], comm: float = 0.0):
+        self.table: dict[tuple[str, object], float] = {
+            (r["op"], tuple(r["stage"]) if isinstance(r["stage"], (list, tuple)) else r["stage"]): r["seconds"]
+            for r in op_seconds}
+        self.comm = comm
 
-    def _get(self, op: str, stage) -> float:
+    def has(self, op: str, stage) -> bool:
+        return (op, stage) in self.table
+
+    def seconds(self, op: str, stage) -> float:
+        """The measured (or derived) duration of ``op`` on ``stage``."""
         t = self.table
-        if f"{op}@{stage}" in t:
-            return t[f"{op}@{stage}"]
-        if op == "B" and f"I@{stage}" in t and f"W@{stage}" in t:
-            return t[f"I@{stage}"] + t[f"W@{stage}"]
-        if op == "I" and f"B@{stage}" in t and f"W@{stage}" in t:
-            return t[f"B@{stage}"] - t[f"W@{stage}"]
+        if (op, stage) in t:
+            return t[(op, stage)]
+        if op == "B" and ("I", stage) in t and ("W", stage) in t:
+            return t[("I", stage)] + t[("W", stage)]
+        if op == "I" and ("B", stage) in t and ("W", stage) in t:
+            return t[("B", stage)] - t[("W", stage)]
         if op == "R":
-            return self._get("F", stage)
-        raise ValueError(f"no measurement for {op} on stage {stage}; have {sorted(t)}")
+            return self.seconds("F", stage)
+        raise ValueError(f"no measurement for {op} on stage {stage}; have {sorted(t, key=str)}")
 
     def __call__(self, a: Action) -> float:
         if a.op == "FB":
             f, b = a.sub
-            key = f"F&B@{f.stage}|{b.stage}"
-            return self.table[key] if key in self.table else self._get("F", f.stage) + self._get(b.op, b.stage)
-        return self._get(a.op, a.stage)
+            key = ("F&B", (f.stage, b.stage))
+            return self.table[key] if key in self.table else self.seconds("F", f.stage) + self.seconds(b.op, b.stage)
+        return self.seconds(a.op, a.stage)
 
     def mean(self) -> Costs:
         """One ``Costs`` from the averages over stages (for closed forms and what-if sweeps)."""
         def avg(op: str) -> float | None:
-            vals = [v for k, v in self.table.items() if k.split("@")[0] == op]
+            vals = [v for (kind, _), v in self.table.items() if kind == op]
             return sum(vals) / len(vals) if vals else None
         w = avg("W")
         b = avg("B") or (avg("I") + w)

@@ -136,6 +136,13 @@ class _Phase:
             self.ctx._report(1, 1, "", force=True)
 
 
+def _free_port() -> int:
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def init_context(backend: str = "auto", timeout_s: float = 60.0, seed: int = 0,
                  out_dir: Path | None = None, threads: int = 1, phases: list | None = None) -> Context:
     """Initialise torch.distributed from the launcher's env vars (RANK, WORLD_SIZE, ...).
@@ -153,6 +160,9 @@ def init_context(backend: str = "auto", timeout_s: float = 60.0, seed: int = 0,
         device = torch.device("cuda", local_rank)
     else:
         device = torch.device("cpu")
+    if not dist.is_initialized() and "MASTER_ADDR" not in os.environ:  # one rank, started without torchrun
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1",
+                          LOCAL_RANK="0")
     if not dist.is_initialized():
         kwargs = {"device_id": device} if backend == "nccl" else {}
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)

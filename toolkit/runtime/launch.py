@@ -257,7 +257,9 @@ def command(spec_path: Path, world_size: int, accelerate_args=None) -> list[str]
     extra = list(accelerate_args or [])
     cmd = [sys.executable, "-m", "accelerate.commands.launch"]
     if "--config_file" not in extra:
-        cmd += ["--multi_gpu", "--num_processes", str(world_size), "--mixed_precision", "no",
+        # one rank: accelerate refuses --multi_gpu and runs the worker as a plain process (init_context then
+        # sets up a one-rank process group itself)
+        cmd += (["--multi_gpu"] if world_size > 1 else []) + ["--num_processes", str(world_size), "--mixed_precision", "no",
                 "--dynamo_backend", "no", "--monitor_interval", "0.1"]
         if "--num_machines" not in extra:
             cmd += ["--num_machines", "1"]

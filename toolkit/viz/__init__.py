@@ -49,11 +49,12 @@ def theme(fig: go.Figure, title: str | None = None, height: int | None = None) -
 
 
 def gantt(spans: Iterable[dict], color_by: str = "kind", title: str = "", label: str | None = "mb",
-          time_unit: str = "ms") -> go.Figure:
+          time_unit: str = "ms", lane: str | None = None) -> go.Figure:
     """Per-rank timeline: one row per rank, one bar per span, coloured by ``span[color_by]`` (or ``meta``).
 
     ``spans`` are ``Timeline.to_json()`` dicts (rank, kind, start, end, meta) from any number of ranks;
-    ``label`` names a meta field written inside each bar (micro-batch by default).
+    ``label`` names a meta field written inside each bar (micro-batch by default); ``lane`` names a meta
+    field that splits each rank's row in several (e.g. "compute" and "comm").
     """
     scale = {"s": 1.0, "ms": 1e3, "us": 1e6}[time_unit]
     spans = list(spans)
@@ -67,17 +68,24 @@ def gantt(spans: Iterable[dict], color_by: str = "kind", title: str = "", label:
     for i, (key, items) in enumerate(groups.items()):
         fig.add_trace(go.Bar(
             base=[s["start"] * scale for s in items], x=[(s["end"] - s["start"]) * scale for s in items],
-            y=[f"rank {s['rank']}" for s in items], orientation="h", name=key, marker_color=color_of(key, i),
+            y=[_row(s, lane) for s in items], orientation="h", name=key, marker_color=color_of(key, i),
             marker_line=dict(color="white", width=0.5),
             text=[str(s.get("meta", {}).get(label, "")) if label else "" for s in items], textposition="inside",
             insidetextanchor="middle",
             customdata=[[s["kind"], str(s.get("meta", {}))] for s in items],
             hovertemplate="%{customdata[0]} %{customdata[1]}<br>%{base:.3f} + %{x:.3f} " + time_unit
                           + "<extra></extra>"))
-    ranks = sorted({s["rank"] for items in groups.values() for s in items})
+    rows = sorted({(s["rank"], str(s.get("meta", {}).get(lane, "") or "")) for s in spans}) if lane else \
+        sorted({(s["rank"], "") for s in spans})
+    labels = [_row({"rank": r, "meta": {lane: x}}, lane) for r, x in rows]
     fig.update_layout(barmode="overlay", bargap=0.25, xaxis_title=f"time ({time_unit})",
-                      yaxis=dict(categoryorder="array", categoryarray=[f"rank {r}" for r in reversed(ranks)]))
-    return theme(fig, title, height=140 + 45 * max(len(ranks), 1))
+                      yaxis=dict(categoryorder="array", categoryarray=list(reversed(labels))))
+    return theme(fig, title, height=140 + 45 * max(len(labels), 1))
+
+
+def _row(span: dict, lane: str | None) -> str:
+    value = span.get("meta", {}).get(lane, "") if lane else ""
+    return f"rank {span['rank']}" + (f" · {value}" if value not in ("", None) else "")
 
 
 def memory_over_time(samples: Sequence[dict], title: str = "", categories: Sequence[str] | None = None,

@@ -1,9 +1,10 @@
-"""Per-rank programs that run the parallel techniques beside their references and return plain numbers.
+"""Per-rank programs that run the parallel techniques (``toolkit.parallel``) beside their references and
+return plain numbers: experiments, not techniques, so they live with the lesson programs.
 
-A lesson calls them inside ``run(ctx, cfg)``; tests launch them directly::
+Lesson 00 calls them inside ``run(ctx, cfg)``; tests launch them directly::
 
-    launch("toolkit.parallel.demos:run_dp_zero_fsdp", 2, {"preset": "smoke", "steps": 3})
-    launch("toolkit.parallel.demos:run_tensor_parallel", 2, {"preset": "smoke"})
+    launch("parallel_demos:run_dp_zero_fsdp", 2, {"preset": "smoke", "steps": 3})
+    launch("parallel_demos:run_tensor_parallel", 2, {"preset": "smoke"})
 
 Bytes come from ``ctx.ledger`` (sent bytes per rank, the ledger's ring convention), memory from the
 storages the tensors live in, step times from ``toolkit.runtime.bench.measure``.
@@ -24,8 +25,8 @@ from toolkit.models import GPT, GPTConfig, preset
 from toolkit.runtime.bench import measure
 from toolkit.runtime.memory import MemoryTracker
 
-from .tensor import check_tp, qkv_rows, tensor_parallel_block
-from .zero import ZeroDataParallel, adamw, default_units, memory_per_rank, optimizer_state, storage_bytes
+from toolkit.parallel.tensor import check_tp, qkv_rows, tensor_parallel_block
+from toolkit.parallel.zero import ZeroDataParallel, adamw, default_units, memory_per_rank, optimizer_state, storage_bytes
 
 def _per_step(ledger, tag: str, steps: int, field: str = "sent_bytes") -> dict[str, float]:
     out: dict[str, float] = defaultdict(int)

@@ -1,0 +1,287 @@
+# %% [markdown]
+# # 16 · CUDA graphs with DualPipeV, and the data-parallel all-reduce kept outside them
+#
+# **The question.** A training step of a small or finely split model launches tens of thousands of small
+# kernels; each costs the host Python, dispatcher and launch time, and when the host is slower than the
+# GPU the GPU waits. A CUDA graph records a region's kernels once and replays them with one launch. The
+# source article combines it with DualPipeV and "data-parallel separation", and says the DualPipeV version
+# is still in progress (1F1B + CUDA graphs + DP separation works). What does a graph remove, what does it
+# forbid, and why must the data-parallel gradient all-reduce stay outside the captured region?
+#
+# ## The idea
+#
+# ```
+#  eager     host │py·dispatch·launch│py·dispatch·launch│ ... N_ops times per chunk
+#            GPU        └─ k1 ─┘            └─ k2 ─┘           idle while the host is behind
+#  graphed   host │replay│
+#            GPU     └k1┘└k2┘└k3┘└k4┘ ...                     the same kernels, back to back
+#
+#  model per chunk:   eager ≈ max(T_device, N_ops · t_op)        graphed ≈ max(T_device, t_replay)
+# ```
+#
+# A graph replays *exactly* what it recorded: the same shapes, the same buffers (inputs are copied into
+# its static buffers), no value read back by the host in between, and any collective on the communicator
+# it was captured with. Megatron therefore captures per layer and per in-flight micro-batch, keeps the MoE
+# dispatch (data-dependent shapes) eager, silences DDP's gradient-ready hooks during capture, and issues
+# the data-parallel reduce itself after the replays — the "separation". In a pipeline the stage's
+# gradients are final after its *last* backward of the step, so the reduce of one stage can run while the
+# schedule still computes the others:
+#
+# ```
+#  DualPipeV rank r holds stages r and 2p−1−r:
+#  compute  ... B(2p−1−r, last) ... B(r, last)  W ...            (graphs: one per chunk and pass)
+#  DP comm                     └─ all-reduce(stage 2p−1−r) ──┘└─ all-reduce(stage r) ─┘   (eager, async)
+# ```
+#
+# This machine has no GPU, so nothing is captured here. We measure what a graph would remove (ATen ops
+# per chunk and the host's real cost per op), find what would break a capture, and run DualPipeV on
+# dp × pp processes with the DP all-reduce separated, against the plain one after the step.
+# `benchmarks/gpu/cuda_graphs.py` does the capture on a GPU.
+
+# %% tags=["parameters"]
+import os
+
+world_size: int = 4
+pp: int = 2  # pipeline ranks (the data-parallel size is world_size // pp)
+n_layer: int = 0  # 0 keeps the preset's; DualPipeV needs a multiple of 2·pp
+preset: str = os.environ.get("TOOLKIT_PRESET", "default")  # smoke | default | full
+backend: str = "auto"  # auto | gloo | nccl
+timeout_s: int = 600
+
+# %%
+import inspect
+
+from IPython.display import Markdown, display
+
+from toolkit import launch, viz
+from toolkit.graphs import cuda_graphs, replay_model
+from toolkit.lessons import l16_cuda_graphs as lesson
+from toolkit.pipeline import dp_separate
+
+# %% [markdown]
+# ## 1 · The code that matters
+#
+# Counting ops: a `TorchDispatchMode` sees every ATen op of the forward and, run around `backward()`, every op
+# autograd runs for it — the ops a graph would replay without the host.
+
+# %%
+print(inspect.getsource(cuda_graphs.OpCounter))
+
+# %% [markdown]
+# Separating the DP all-reduce: the pipeline executor's `after_op` hook fires after every single op; when it
+# is the last B, I or W of a stage on this rank, that stage's gradients are final and their all-reduce leaves
+# (`async_op=True`). The step waits for all of them at its end. "Plain" issues the same all-reduces, on the
+# same buffers, after the step.
+
+# %%
+print(inspect.getsource(dp_separate.DataParallelPipelineExecutor.after_op))
+print(inspect.getsource(dp_separate.last_grad_ops))
+
+# %% [markdown]
+# ## 2 · The run
+#
+# `l16_cuda_graphs` on `world_size` processes: a grid of dp × pp (default 2 × 2), DualPipeV over the pp
+# ranks of each replica, each replica on its own micro-batches of real text.
+
+# %%
+run_cfg = {"preset": preset, "pp": pp, "dp": max(1, world_size // pp), **({"n_layer": n_layer} if n_layer else {})}
+cfg = lesson.validate(run_cfg, world_size)  # a bad combination stops here, before any process starts
+results = launch("l16_cuda_graphs", world_size, run_cfg, backend=backend, timeout_s=timeout_s)
+r0 = results[0]
+print(f"dp = {r0['dp']} × pp = {r0['pp']}, m = {r0['m']} micro-batches per replica, {r0['model']['n_layer']} layers, "
+      f"d_model {r0['model']['d_model']}; wall {results.wall_s:.1f} s")
+
+# %% [markdown]
+# **Checks.**
+# - Separated and plain DP communication give *bitwise* the same gradients and loss (the same all-reduces
+#   of the same buffers; only their timing differs).
+# - Both equal one process that runs all dp·m micro-batches (max |gradient difference| ≤ 1e-5), and the
+#   mean of the replicas' losses equals its loss (≤ 1e-5).
+# - Both send the same bytes: per rank, the DP all-reduce of its two stages' gradients and the same p2p.
+
+# %%
+last = [r for r in results if r["runs"]["plain"]["loss"] is not None]  # the ranks computing the loss
+for r in results:
+    assert r["grads_bitwise_plain_vs_separated"] and r["losses_equal"], r["rank"]
+    for name in lesson.VARIANTS:
+        assert r["runs"][name]["grad_max_diff"] <= 1e-5, (r["rank"], name)
+    assert r["runs"]["plain"]["dp_bytes"] == r["runs"]["separated"]["dp_bytes"] > (0 if r["dp"] > 1 else -1)
+    assert r["runs"]["plain"]["p2p_bytes"] == r["runs"]["separated"]["p2p_bytes"]
+mean_loss = sum(r["runs"]["separated"]["loss"] for r in last) / len(last)
+assert len(last) == r0["dp"] and abs(mean_loss - r0["ref_loss"]) <= 1e-5
+
+# %%
+# NBVAL_CHECK_OUTPUT
+print("gradients bitwise equal, separated vs plain:", [r["grads_bitwise_plain_vs_separated"] for r in results])
+for r in results:
+    print(f"rank {r['rank']} (pp {r['pp_rank']}, dp {r['dp_rank']}) stages {r['stages']}: DP all-reduce "
+          f"{r['runs']['separated']['dp_bytes']:,} B sent, p2p {r['runs']['separated']['p2p_bytes']:,} B, "
+          f"reduces per stage {[(x['stage'], x['bytes']) for x in r['runs']['separated']['reduces']]}")
+
+# %% [markdown]
+# ## 3 · Where the all-reduce runs: one traced step
+#
+# Per rank, the pipeline's ops (F, B, I, W; F&B pairs are drawn as their two halves) and, on the `dp` row,
+# each stage's all-reduce from its issue to the first action boundary at which it was seen complete (an
+# upper bound of its end).
+
+# %%
+for name in ("plain", "separated"):
+    spans = [s for r in results for s in r["traced"][name]["spans"]]
+    display(viz.gantt(spans, title=f"DualPipeV, DP all-reduce {name}", lane="lane", label="mb"))
+
+# %%
+rows = []
+for r in results:
+    for name in lesson.VARIANTS:
+        t = r["traced"][name]
+        rows.append({"rank": r["rank"], "variant": name, "traced step (ms)": t["step_s"] * 1e3,
+                     "waited for DP at the end (ms)": t["waits_s"] * 1e3,
+                     "issued before the end (ms), per stage": ", ".join(
+                         f"{x['stage']}: {x['before_end_s'] * 1e3:.1f}" for x in t["reduces"]),
+                     "bench step (ms)": r["bench"][name]["mean_s"] * 1e3})
+display(viz.table(rows, title="Step time and the exposed DP wait (measured; 4 ranks share 2 cores, timings are noisy)",
+                  formats={k: ".2f" for k in rows[0] if k.endswith("(ms)")}))
+
+# %% [markdown]
+# How much of the schedule is left to hide a stage's all-reduce behind? The position of each stage's last
+# gradient op in its rank's op list (rank 0 of DualPipeV, from the schedule alone), for a few pipeline sizes:
+
+# %%
+# NBVAL_CHECK_OUTPUT
+from toolkit.pipeline import make_schedule
+
+for p in (2, 4, 8):
+    s = make_schedule("dualpipev", p, 2 * p)
+    last, n = dp_separate.last_grad_ops(s, 0), sum(len(a.parts) for a in s.ranks[0])
+    print(f"p = {p}, m = {2 * p}: rank 0 has {n} ops; " + ", ".join(
+        f"stage {st} done after op {i + 1} ({n - i - 1} ops left)" for st, i in sorted(last.items(), key=lambda x: x[1])))
+
+# %% [markdown]
+# ## 4 · What a graph would remove: ops and host cost per chunk
+#
+# For each stage a rank holds: ATen ops of one micro-batch's forward and backward, the chunk's time at the
+# run's shape, and at one token, where the kernels do almost nothing: that time divided by the op count is
+# the host's real cost per op on this machine (Python, dispatcher, autograd, allocator) — the part a graph
+# replay removes (on a GPU the kernel launch itself adds to it).
+
+# %%
+chunks, op_rows = [], []
+for r in results:
+    if r["dp_rank"]:
+        continue  # replicas run the same stages
+    for s, c in r["chunks"].items():
+        for pass_ in ("forward", "backward"):
+            n, n_tiny = c["ops"][pass_], c["tiny_ops"][pass_]
+            t_op = c["tiny_time_s"][f"{pass_}_s"] / n_tiny
+            chunks.append({"stage": int(s), "pass": pass_, "ATen ops": n, "host µs per op": t_op * 1e6,
+                           "host cost (ms)": n * t_op * 1e3, "chunk time (ms)": c["time_s"][f"{pass_}_s"] * 1e3,
+                           "host share": min(1.0, n * t_op / c["time_s"][f"{pass_}_s"])})
+chunks.sort(key=lambda x: (x["stage"], x["pass"]))
+display(viz.table(chunks, title="Per chunk (one micro-batch), measured on this CPU",
+                  formats={"host µs per op": ".1f", "host cost (ms)": ".3f", "chunk time (ms)": ".3f",
+                           "host share": ".2f"}))
+display(viz.bars([{"stage": f"stage {x['stage']}", "pass": x["pass"], "ops": x["ATen ops"]} for x in chunks],
+                 x="stage", y="ops", color="pass", title="ATen ops per micro-batch and chunk", text_format="d"))
+
+# %%
+# NBVAL_CHECK_OUTPUT
+per_mb = sum(x["ATen ops"] for x in chunks)
+print("ATen ops per micro-batch, forward + backward, by stage:",
+      {x["stage"]: sum(y["ATen ops"] for y in chunks if y["stage"] == x["stage"]) for x in chunks})
+print(f"whole pipeline, one micro-batch: {per_mb} ops; one step of {r0['m']} micro-batches × dp {r0['dp']}: "
+      f"{per_mb * r0['m'] * r0['dp']} op launches, each a graph replay would save")
+
+# %% [markdown]
+# **The replay model** (a model, not a measurement: no graph runs here). With the measured op counts and host
+# cost per op, and a replay costing what one eager op costs on this host (an assumption), the speed-up of a
+# chunk as a function of its device time: launch-bound chunks (left) gain up to N_ops×, compute-bound ones
+# (right of N_ops · t_op) nothing.
+
+# %%
+import math
+
+series, xs = {}, [10 ** (k / 4) for k in range(-8, 17)]  # device time per chunk, µs
+for x in chunks:
+    if x["stage"] in (0, 1):
+        t_op = x["host µs per op"] * 1e-6
+        series[f"stage {x['stage']} {x['pass']} ({x['ATen ops']} ops)"] = [
+            replay_model(x["ATen ops"], t_op, t_dev * 1e-6, t_op)["speedup"] for t_dev in xs]
+display(viz.lines(series, x=xs, title="Modelled speed-up of replaying a chunk as a graph (model)",
+                  xaxis_title="device time of the chunk (µs)", yaxis_title="eager / graphed", log_x=True, log_y=True))
+host = {x["stage"]: 0.0 for x in chunks}
+for x in chunks:
+    host[x["stage"]] += x["host cost (ms)"]
+step_ms = r0["bench"]["separated"]["mean_s"] * 1e3
+rank0_host = sum(host[s] for s in r0["stages"]) * r0["m"]
+display(Markdown(
+    f"On this CPU the host cost per op measured {min(x['host µs per op'] for x in chunks):.1f}–"
+    f"{max(x['host µs per op'] for x in chunks):.1f} µs; rank 0's two stages spend about {rank0_host:.1f} ms of "
+    f"host time per step on them ({r0['m']} micro-batches), against a measured step of {step_ms:.1f} ms: the "
+    f"most a replay could remove here (model). The crossover of the model — where the device time equals "
+    f"N_ops · t_op — is {min(x['host cost (ms)'] for x in chunks) * 1e3:.0f}–"
+    f"{max(x['host cost (ms)'] for x in chunks) * 1e3:.0f} µs per chunk: a chunk whose kernels take less device "
+    f"time than that is launch-bound, and only such chunks gain from a graph."))
+
+# %% [markdown]
+# ## 5 · What capture requires, checked
+#
+# Each candidate region run under `toolkit.graphs.audit`, a dispatch mode that flags the ops a capture
+# cannot hold.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+for region, found in r0["audit"].items():
+    print(f"{region:38s} {'capturable' if not found else ''}")
+    for op, why in found.items():
+        print(f"    {op:28s} {why}")
+
+# %%
+assert r0["audit"]["dense stage: forward + backward"] == {}
+assert "aten.nonzero" in r0["audit"]["MoE block: forward + backward"]
+assert "c10d.allreduce_" in r0["audit"]["DP gradient all-reduce"]
+assert "aten._local_scalar_dense" in r0["audit"]["the loss read on the host (.item())"]
+
+# %% [markdown]
+# ## 6 · What we found, and where it disagrees with the source
+
+# %%
+sep = [r["traced"]["separated"]["waits_s"] * 1e3 for r in results]
+plain = [r["traced"]["plain"]["waits_s"] * 1e3 for r in results]
+bench = {n: max(r["bench"][n]["mean_s"] for r in results) * 1e3 for n in lesson.VARIANTS}
+display(Markdown(f"""
+- **Exactness.** Separating the DP all-reduce changes no bit: same loss, same gradients, same bytes.
+- **Overlap.** In the traced step the ranks waited at the end for the DP all-reduce
+  {', '.join(f'{x:.1f}' for x in sep)} ms when it was separated, {', '.join(f'{x:.1f}' for x in plain)} ms when
+  it was issued after the step. Trimmed-mean step (slowest rank): plain {bench['plain']:.1f} ms, separated
+  {bench['separated']:.1f} ms. On rank 0 the stages' last gradient ops are ops
+  {', '.join(str(i + 1) for i in sorted(r0['last_grad_op'].values()))} of {r0['n_ops']}: at pp = {r0['pp']} little of
+  the schedule is left to hide the reduces behind (the schedule table above shows how that grows with p).
+  {world_size} processes share 2 cores here, so these timings are noisy.
+- **Graphs.** The host cost measured above is what a replay removes; the cost model turns it into a gain
+  that is large only when chunks are launch-bound. The audit shows the three things Megatron keeps out of
+  its graphs: the MoE dispatch (`nonzero`), the DP collective, and any host read of a value.
+- **Against the source.** The article reports 1F1B + CUDA graphs + DP separation working, and DualPipeV's
+  version as work in progress; it gives no numbers, so we have none to compare with. One reason DualPipeV is
+  harder, visible in this schedule: its zero-bubble W ops run a chunk's weight gradients *later* than its
+  input gradients, so a whole-backward graph (what `make_graphed_callables` captures) cannot be used as
+  is: the I and the W need graphs of their own.
+"""))
+
+# %% [markdown]
+# ## What runs where
+#
+# | | CPU (this notebook) | CUDA (`benchmarks/gpu/cuda_graphs.py`) |
+# |---|---|---|
+# | op counts, host cost per op | `TorchDispatchMode`, timed chunks | — |
+# | capture | not possible | `torch.cuda.make_graphed_callables` per stage: replay vs eager step time, same loss and grads |
+# | DP separation | DualPipeV on gloo, all-reduce `async_op=True` per stage | the same on NCCL |
+#
+# **Try:** `pp = 4, n_layer = 8` with `world_size = 4` (dp = 1): more pipeline ranks, earlier phase-1 chunks;
+# `world_size = 8` on a GPU node (dp = 4); a larger `micro_batch` in the cfg, and the share of host time in
+# section 4 falls.
+#
+# **Sources.** NVIDIA, *CUDA Graphs* (CUDA programming guide); PyTorch `torch.cuda.graphs`,
+# `make_graphed_callables`, and `torch.compile(mode="reduce-overhead")`; Megatron-LM `--cuda-graph-impl`,
+# `--cuda-graph-modules` and its per-layer `_CudaGraphRunner`; DeepSeek-V3 technical report §3.2 and
+# `deepseek-ai/DualPipe` (DualPipeV); Qi et al., *Zero Bubble Pipeline Parallelism* (ICLR 2024).

@@ -1,0 +1,124 @@
+"""Lesson 16 on real processes (dp × pp = 2 × 2 and 2 × 1): the DP all-reduce separated from DualPipeV's
+compute equals the plain one bitwise and one process within float tolerance; op counting, capture audit
+and the replay model; bad input."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from toolkit import launch
+from toolkit.graphs import OpCounter, audit, count_ops, replay_model
+from toolkit.lessons import l16_cuda_graphs as l16
+from toolkit.pipeline import make_schedule
+from toolkit.pipeline.dp_separate import last_grad_ops
+
+FAST = {"warmup": 0, "bench_steps": 1, "rounds": 1}
+
+
+@pytest.fixture(scope="module")
+def grid2x2():
+    return launch("l16_cuda_graphs", 4, {"preset": "smoke"}, timeout_s=400, progress="none")
+
+
+@pytest.fixture(scope="module")
+def dp2():
+    return launch("l16_cuda_graphs", 2, {"preset": "smoke", "pp": 1, "dp": 2, "n_layer": 2, **FAST},
+                  timeout_s=400, progress="none")
+
+
+@pytest.fixture(params=["grid2x2", "dp2"])
+def results(request):
+    return request.getfixturevalue(request.param)
+
+
+def test_separated_dp_communication_is_bitwise_the_plain_one(results):
+    for r in results:
+        assert r["grads_bitwise_plain_vs_separated"] and r["losses_equal"]
+        assert r["runs"]["plain"]["dp_bytes"] == r["runs"]["separated"]["dp_bytes"]
+
+
+def test_both_equal_one_process_over_all_micro_batches(results):
+    losses = [r["runs"]["separated"]["loss"] for r in results if r["runs"]["separated"]["loss"] is not None]
+    assert len(losses) == results[0]["dp"]
+    assert abs(sum(losses) / len(losses) - results[0]["ref_loss"]) <= 1e-5
+    for r in results:
+        for name in l16.VARIANTS:
+            assert r["runs"][name]["grad_max_diff"] <= 1e-5, (r["rank"], name)
+
+
+def test_one_all_reduce_per_stage_of_the_stage_gradients(results):
+    for r in results:
+        reduces = r["runs"]["separated"]["reduces"]
+        assert sorted(x["stage"] for x in reduces) == sorted(r["stages"])
+        dp = r["dp"]
+        assert r["runs"]["separated"]["dp_bytes"] == sum(2 * (dp - 1) * x["bytes"] // dp for x in reduces)
+        # the phase-1 chunk (the later stage on this rank) is done first and leaves first
+        assert reduces[0]["stage"] == max(r["stages"])
+
+
+def test_separated_reduce_leaves_before_the_last_op_plain_after_it(grid2x2):
+    for r in grid2x2:
+        for name in l16.VARIANTS:
+            t = r["traced"][name]
+            ops = [s for s in t["spans"] if s["meta"].get("lane") != "dp"]
+            first_issue = min(x["issued"] for x in t["reduces"])
+            if name == "separated":
+                assert first_issue <= max(s["start"] for s in ops)  # in flight while the schedule still runs
+            else:
+                assert first_issue >= max(s["end"] for s in ops)
+            assert {s["kind"] for s in t["spans"]} >= {"F", "W", "DP all-reduce"}
+
+
+def test_op_counts_host_cost_and_audit(grid2x2):
+    r0 = grid2x2[0]
+    for c in r0["chunks"].values():
+        assert c["ops"]["forward"] > 10 and c["ops"]["backward"] > c["ops"]["forward"]
+        assert abs(c["tiny_ops"]["forward"] - c["ops"]["forward"]) <= 2  # the op count does not depend on shape
+        assert c["tiny_time_s"]["forward_s"] > 0
+    a = r0["audit"]
+    assert a["dense stage: forward + backward"] == {}
+    assert "aten.nonzero" in a["MoE block: forward + backward"]
+    assert "c10d.allreduce_" in a["DP gradient all-reduce"]
+    assert "aten._local_scalar_dense" in a["the loss read on the host (.item())"]
+
+
+def test_last_grad_ops_from_the_schedule():
+    s = make_schedule("dualpipev", 2, 4)
+    last = last_grad_ops(s, 0)
+    flat = [p for a in s.ranks[0] for p in a.parts]
+    assert set(last) == {0, 3}
+    for stage, i in last.items():
+        assert flat[i].stage == stage and flat[i].op in ("B", "I", "W")
+        assert not any(p.stage == stage and p.op in ("B", "I", "W") for p in flat[i + 1:])
+    assert last[3] < last[0] == len(flat) - 1
+
+
+def test_op_counter_and_audit_on_small_functions():
+    lin = nn.Linear(4, 3)
+    x = torch.randn(2, 4, requires_grad=True)
+    ops = count_ops(lambda: lin(x).sum())
+    assert ops["forward"].get("aten.addmm") == 1 and ops["backward"].get("aten.mm", 0) >= 1
+    with OpCounter() as c:
+        torch.ones(3).add_(1)
+    assert c.total == 2
+    assert audit(lambda: lin(x)) == {}
+    assert set(audit(lambda: torch.tensor([0, 1, 2]).nonzero())) == {"aten.nonzero"}
+    assert set(audit(lambda: torch.ones(1).item())) == {"aten._local_scalar_dense"}
+
+
+def test_replay_model():
+    launch_bound = replay_model(n_ops=100, t_op=10e-6, t_device=100e-6, t_replay=10e-6)
+    assert launch_bound["eager_s"] == pytest.approx(1e-3) and launch_bound["speedup"] == pytest.approx(10.0)
+    assert replay_model(100, 10e-6, 5e-3, 10e-6)["speedup"] == 1.0  # compute-bound: nothing to gain
+
+
+def test_bad_input_names_the_parameter():
+    with pytest.raises(ValueError, match=r"dp=2 × pp=2 = 4 must equal world_size=2"):
+        l16.validate({"preset": "smoke"}, 2)
+    with pytest.raises(ValueError, match="m=2 micro-batches is too few"):
+        l16.validate({"preset": "smoke", "m": 2}, 4)
+    with pytest.raises(ValueError, match="n_layer=6 must be divisible by 2·pp=4"):
+        l16.validate({"preset": "smoke", "n_layer": 6}, 4)
+    with pytest.raises(ValueError, match="dp must be >= 1"):
+        l16.validate({"preset": "smoke", "dp": 0}, 4)

@@ -1,0 +1,113 @@
+"""TP communication/compute overlap (lesson 01) on real processes at tp = 2 and 4: the ring ops equal the
+collectives, every variant equals one process, kept vs re-gathered input (gradients bitwise, memory and
+bytes exactly the closed forms); bad input."""
+from __future__ import annotations
+
+import pytest
+
+from toolkit import launch
+from toolkit.lessons import l01_tp_overlap as l01
+from toolkit.parallel import tp_overlap
+
+FAST = {"warmup": 0, "bench_steps": 1, "rounds": 1, "op_steps": 1}
+
+
+@pytest.fixture(scope="module")
+def tp2():
+    return launch("l01_tp_overlap", 2, {"preset": "smoke"}, timeout_s=300, progress="none")
+
+
+@pytest.fixture(scope="module")
+def tp4():
+    return launch("l01_tp_overlap", 4, {"preset": "smoke", "n_head": 4, **FAST}, timeout_s=300, progress="none")
+
+
+@pytest.fixture(params=["tp2", "tp4"])
+def results(request):
+    return request.getfixturevalue(request.param)
+
+
+def test_every_variant_equals_one_process(results):
+    for r in results:
+        assert set(r["variants"]) == set(l01.VARIANTS)
+        for name, v in r["variants"].items():
+            assert abs(v["loss"] - v["loss_ref"]) <= 1e-5, name
+            assert v["dx_max_diff"] <= 1e-5 and v["grad_max_diff"] <= 1e-5, (name, v)
+
+
+def test_kept_gathered_input_gives_bitwise_the_same_gradients(results):
+    for r in results:
+        assert r["grads_bitwise_keep_vs_regather"] == {"bulk": True, "ring": True}
+
+
+def test_memory_delta_of_keeping_is_the_gathered_tensor_minus_own_tokens(results):
+    for r in results:
+        tp, M, D = r["tp"], r["tokens"], r["model"]["d_model"]
+        expected = r["n_layer"] * 2 * (M - M // tp) * D * 4  # qkv and fc1 inputs, float32
+        assert r["kept_bytes_closed_form"] == expected
+        for mode in ("bulk", "ring"):
+            v = r["variants"]
+            assert v[f"{mode}+keep"]["saved_act_bytes"] - v[mode]["saved_act_bytes"] == expected
+
+
+def test_bytes_on_the_wire_are_the_closed_form_and_keeping_saves_two_all_gathers_per_layer(results):
+    for r in results:
+        for name, v in r["variants"].items():
+            assert v["sent_bytes"] == r["bytes_closed_form"]["keep" if v["keep_gathered"] else "regather"], name
+        calls = {n: v["calls"] for n, v in r["variants"].items()}
+        L = r["n_layer"]
+        assert calls["bulk"]["forward"] == {"all_gather_into_tensor": 2 * L, "reduce_scatter_tensor": 2 * L}
+        assert calls["bulk"]["backward"] == {"all_gather_into_tensor": 4 * L, "reduce_scatter_tensor": 2 * L}
+        assert calls["bulk+keep"]["backward"] == {"all_gather_into_tensor": 2 * L, "reduce_scatter_tensor": 2 * L}
+        hops = 4 * L * (r["tp"] - 1)  # four ring ops per layer and pass, tp-1 messages each way
+        assert calls["ring"]["forward"] == {"irecv": hops, "isend": hops}
+        assert calls["ring+keep"]["backward"] == {"irecv": hops, "isend": hops}
+        assert calls["ring"]["backward"] == {"all_gather_into_tensor": 2 * L, "irecv": hops, "isend": hops}
+
+
+def test_ring_ops_equal_the_collectives(tp2, tp4):
+    for results in (tp2, tp4):
+        for r in results:
+            inv = r["ops"]["invariants"]
+            assert inv["ag_gathered_bitwise"] and inv["ag_allclose"] and inv["rs_allclose"], inv
+            assert inv["ag_max_diff"] <= 1e-5 and inv["rs_max_diff"] <= 1e-5
+    # with four ranks the ring adds the four partials in another order than gloo's reduce-scatter
+    assert not all(r["ops"]["invariants"]["rs_bitwise"] for r in tp4)
+
+
+def test_traced_step_has_gemm_wait_and_flight_spans_on_every_rank(tp2):
+    for r in tp2:
+        for name in l01.VARIANTS:
+            kinds = {(s["kind"], s["meta"]["lane"]) for s in r["spans"][name]}
+            assert {("gemm", "compute"), ("wait", "compute"), ("comm", "comm"), ("step", "step")} <= kinds, name
+            e = r["exposure"][name]
+            assert 0 < e["gemm_s"] < e["step_s"] and 0 < e["exposed_comm_s"] < e["step_s"]
+        ring_ops = {s["meta"]["op"] for s in r["spans"]["ring"] if s["kind"] == "gemm"}
+        assert ring_ops == {"AG+GEMM", "GEMM+RS"}
+        for op in ("AG+GEMM", "GEMM+RS"):
+            assert set(r["ops"][op]["mean_s"]) == {"comm", "gemm", "bulk", "ring", "ring comm"}
+
+
+def test_overlap_fraction():
+    assert l01.overlap_fraction(2.0, 3.0, 3.0) == 1.0  # the whole comm hidden
+    assert l01.overlap_fraction(2.0, 3.0, 5.0) == 0.0  # none
+    assert l01.overlap_fraction(2.0, 3.0, 6.0) == -0.5  # worse than bulk
+
+
+def test_closed_forms():
+    assert tp_overlap.bytes_per_layer(8, 4, 2, keep_gathered=False) == {"forward": 4 * 64, "backward": 6 * 64}
+    assert tp_overlap.bytes_per_layer(8, 4, 4, keep_gathered=True) == {"forward": 4 * 96, "backward": 4 * 96}
+    assert tp_overlap.kept_bytes_per_layer(8, 4, 4) == 2 * 6 * 4 * 4
+
+
+def test_bad_input_names_the_parameter():
+    with pytest.raises(ValueError, match="n_head=2 is not divisible by tp=4"):
+        l01.validate({"preset": "smoke"}, 4)
+    with pytest.raises(ValueError, match="tokens must be divisible by tp=3"):
+        l01.validate({"preset": "smoke", "n_head": 3, "d_model": 48, "micro_batch": 1}, 3)
+    with pytest.raises(ValueError, match="n_head/d_model"):
+        l01.validate({"preset": "smoke", "n_head": 3}, 1)  # 32 not divisible by 3
+    with pytest.raises(ValueError, match="n_layer must be >= 1"):
+        l01.validate({"preset": "smoke", "n_layer": 0}, 2)
+    with pytest.raises(ValueError, match="mode='fused' is not allowed"):
+        tp_overlap._check_mode("fused")

@@ -1,0 +1,154 @@
+"""CUDA graphs: what a graph removes from a pipeline stage, what it requires, and a cost model for the gain.
+
+Eager, every op of a stage's forward and backward goes through Python (the module's ``forward``), the
+dispatcher (argument checks, autograd bookkeeping, the allocator) and a kernel launch. A CUDA graph records
+the kernels of one call once and replays them with a single launch::
+
+    eager    host │py·disp·launch│py·disp·launch│py·disp·launch│ ... N_ops times
+             GPU       └─k1─┘          └─k2─┘          └─k3─┘       idle while the host is behind
+    graphed  host │replay│
+             GPU    └k1┘└k2┘└k3┘ ...                                kernels back to back
+
+    model (per chunk):  eager ≈ max(T_device, N_ops · t_op)      graphed ≈ max(T_device, t_replay)
+
+``t_op`` is what the host spends per op; a graph saves it when the host, not the GPU, is the bottleneck —
+small micro-batches, small models, many small kernels (norms, activations, views).
+
+What capture requires (``audit`` finds the violations by running a callable under a ``TorchDispatchMode``):
+
+    static shapes      the replay reuses the recorded launch configs   -> no data-dependent shapes
+                                                                          (nonzero, masked_select, unique)
+    static addresses   inputs copied into the graph's own buffers, outputs read from its buffers
+    no host sync       capture cannot wait for a result on the host     -> no .item(), no bool(tensor)
+    no changing comm   a collective inside the graph replays on the group it was captured with, and
+                       DDP's gradient-ready hooks fire once per capture, not per replay -> DP gradient
+                       communication stays outside the graphs (Megatron silences the hooks during capture
+                       and issues the reduce after replay: "data-parallel separation")
+
+On a CPU nothing can be captured: ``OpCounter`` counts the ATen ops of a chunk and ``dispatch_cost``
+measures ``t_op`` for real (the chunk at a tiny shape, where the kernels do almost nothing, divided by its
+op count); ``replay_model`` turns them into the modelled gain. ``graph_stages`` is the CUDA path
+(``torch.cuda.make_graphed_callables``), checked by ``benchmarks/gpu/cuda_graphs.py``.
+"""
+from __future__ import annotations
+
+import time
+from collections import Counter
+from typing import Callable
+
+import torch
+import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+# ops whose output shape depends on the data, or which make the host wait for the device
+DATA_DEPENDENT = {"aten.nonzero", "aten.masked_select", "aten.unique", "aten._unique2", "aten.unique_consecutive",
+                  "aten.unique_dim", "aten.bincount"}
+HOST_SYNC = {"aten._local_scalar_dense", "aten.is_nonzero", "aten.item", "aten.equal"}
+COLLECTIVE_NAMESPACES = ("c10d.", "_c10d_functional.", "c10d_functional.")
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the ATen ops dispatched inside the block (forward and, when run inside it, backward)::
+
+        with OpCounter() as ops:
+            loss = stage(x).sum(); loss.backward()
+        ops.total, ops.counts.most_common(5)
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.counts: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[str(func.overloadpacket)] += 1
+        return func(*args, **(kwargs or {}))
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+
+def count_ops(forward: Callable[[], torch.Tensor]) -> dict[str, dict]:
+    """ATen ops of one forward and of its backward: ``{"forward": {op: n}, "backward": {op: n}}``.
+
+    ``forward()`` must return a tensor that needs a gradient (a loss, or a stage output: then the backward is
+    seeded with ones)."""
+    with OpCounter() as fwd:
+        out = forward()
+    grad = None if out.numel() == 1 else torch.ones_like(out)
+    with OpCounter() as bwd:
+        out.backward(grad)
+    return {"forward": dict(fwd.counts), "backward": dict(bwd.counts)}
+
+
+def dispatch_cost(forward: Callable[[], torch.Tensor], repeats: int = 20) -> dict[str, float]:
+    """Seconds per call of ``forward()`` and of its backward, median of ``repeats`` (after 3 untimed calls).
+
+    Called on a stage at a tiny shape (one token), this is the host's cost of the chunk: Python, dispatcher,
+    autograd and allocator, with kernels that do almost nothing. Divided by the op count it is ``t_op``."""
+    fwd, bwd = [], []
+    for i in range(repeats + 3):
+        t0 = time.perf_counter()
+        out = forward()
+        t1 = time.perf_counter()
+        out.backward(None if out.numel() == 1 else torch.ones_like(out))
+        t2 = time.perf_counter()
+        if i >= 3:
+            fwd.append(t1 - t0)
+            bwd.append(t2 - t1)
+    return {"forward_s": sorted(fwd)[len(fwd) // 2], "backward_s": sorted(bwd)[len(bwd) // 2]}
+
+
+def replay_model(n_ops: int, t_op: float, t_device: float, t_replay: float) -> dict[str, float]:
+    """The modelled chunk time eager and graphed (a GPU runs kernels while the host launches the next ones):
+
+    eager = max(t_device, n_ops · t_op), graphed = max(t_device, t_replay), speed-up = eager / graphed."""
+    eager, graphed = max(t_device, n_ops * t_op), max(t_device, t_replay)
+    return {"eager_s": eager, "graphed_s": graphed, "speedup": eager / graphed if graphed > 0 else float("inf")}
+
+
+class _Audit(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.found: dict[str, str] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func.overloadpacket)
+        if name in DATA_DEPENDENT:
+            self.found[name] = "output shape depends on the data (a graph replays fixed shapes)"
+        elif name in HOST_SYNC:
+            self.found[name] = "the host waits for a device value (not allowed during capture)"
+        elif name.startswith(COLLECTIVE_NAMESPACES):
+            self.found[name] = "collective: replays on its captured group; DP hooks fire once per capture"
+        return func(*args, **(kwargs or {}))
+
+
+def audit(fn: Callable[[], object]) -> dict[str, str]:
+    """Run ``fn()`` and return ``{op: why it breaks CUDA-graph capture}`` for the ops that would (empty = capturable
+    as far as ops tell; shapes and addresses must also stay the same from call to call)."""
+    with _Audit() as mode:
+        fn()
+    return dict(sorted(mode.found.items()))
+
+
+# ------------------------------------------------------------------------------------------------
+# CUDA
+# ------------------------------------------------------------------------------------------------
+def graph_stages(modules: list[nn.Module], samples: list[tuple[torch.Tensor, ...]], warmup: int = 3) -> list[nn.Module]:
+    """``torch.cuda.make_graphed_callables`` on pipeline stages: each gets a forward graph and a backward graph,
+    captured in order so they share one memory pool. ``samples[i]`` are example inputs of stage i with the
+    shapes, dtypes and ``requires_grad`` of every later call (inputs are copied into static buffers on
+    each call). Needs CUDA, no host syncs inside the stages, and no hooks on the modules.
+
+    Gradient accumulation over micro-batches: the backward graph returns its *static* gradient buffers, and
+    autograd may adopt such a buffer as a parameter's ``.grad`` when ``.grad`` is None — the next replay then
+    overwrites it (pytorch/pytorch#181723). So every ``.grad`` is allocated here, and the caller must zero
+    them with ``zero_grad(set_to_none=False)``: accumulation is then in place, into buffers of its own."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("graph_stages needs CUDA")
+    graphed = list(torch.cuda.make_graphed_callables(tuple(modules), tuple(samples), num_warmup_iters=warmup))
+    for module in modules:
+        for p in module.parameters():
+            if p.requires_grad and p.grad is None:
+                p.grad = torch.zeros_like(p)
+    return graphed

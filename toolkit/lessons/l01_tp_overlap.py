@@ -1,0 +1,248 @@
+"""Lesson 01, per rank: tensor-parallel communication hidden behind the GEMMs (flux-style rings).
+
+    the same n_layer blocks + head of the tiny GPT, one micro-batch of real text, tp = world size
+    ├─ single process: mean next-token loss, backward                          (the reference)
+    └─ sequence-parallel TP, four variants:  bulk / ring  ×  re-gather / keep the gathered input
+         1 checked step each: loss, input gradient, every gradient vs the reference (sliced like the
+         weights), saved-activation bytes after the forward, bytes and calls on the wire per pass
+         1 traced step each: per-rank spans (gemm, wait = exposed comm, message in flight)
+         then the four timed side by side (``bench.compare``)
+    micro-benchmarks at the MLP's shapes: AG+GEMM (fc1) and GEMM+RS (fc2), each as comm alone, GEMM alone,
+         bulk and ring, timed side by side -> overlap = (T_comm + T_gemm - T_fused) / T_comm
+"""
+from __future__ import annotations
+
+import copy
+from contextlib import nullcontext
+from dataclasses import asdict
+
+import torch
+import torch.distributed as dist
+
+from toolkit.data import batches
+from toolkit.models import GPT, lm_loss, preset
+from toolkit.parallel.tensor import check_tp
+from toolkit.parallel.tp_overlap import (SequenceParallelStack, all_gather_matmul, allreduce_sequence_parallel_grads,
+                                         bytes_per_layer, kept_bytes_per_layer, matmul_reduce_scatter, shard_tokens)
+from toolkit.pipeline.executor import ActivationMeter
+from toolkit.runtime.bench import compare
+from toolkit.runtime.config import Param, common, resolve
+
+PARAMS = {**common("model", "n_layer", "micro_batch", "seed", "warmup", "bench_steps", "rounds"),
+          "n_head": Param(int, "attention heads (None: the model preset's); tp must divide it", ge=1, nullable=True),
+          "d_model": Param(int, "hidden size (None: the model preset's; d_ff = 4·d_model); tp must divide it", ge=1,
+                           nullable=True),
+          "op_steps": Param(int, "timed calls per round in the AG+GEMM / GEMM+RS micro-benchmarks", ge=1)}
+PRESETS = {
+    "smoke": {"model": "smoke", "n_layer": 1, "micro_batch": 4, "seed": 0, "n_head": None, "d_model": None,
+              "warmup": 1, "bench_steps": 2, "rounds": 3, "op_steps": 5},
+    "default": {"model": "default", "n_layer": 2, "micro_batch": 8, "seed": 0, "n_head": None, "d_model": None,
+                "warmup": 1, "bench_steps": 2, "rounds": 3, "op_steps": 8},
+    "full": {"model": "full", "n_layer": 4, "micro_batch": 4, "seed": 0, "n_head": None, "d_model": None,
+             "warmup": 3, "bench_steps": 5, "rounds": 5, "op_steps": 20},
+}
+VARIANTS = {"bulk": ("bulk", False), "bulk+keep": ("bulk", True), "ring": ("ring", False), "ring+keep": ("ring", True)}
+
+
+def model_config(cfg: dict):
+    """The GPT size of ``cfg`` (the preset with ``n_layer``, ``n_head`` and ``d_model`` overridden)."""
+    over = {"n_layer": cfg["n_layer"]}
+    if cfg["n_head"] is not None:
+        over["n_head"] = cfg["n_head"]
+    if cfg["d_model"] is not None:
+        over.update(d_model=cfg["d_model"], d_ff=4 * cfg["d_model"])
+    try:
+        return preset(cfg["model"], **over)
+    except ValueError as err:  # d_model not divisible by n_head
+        raise ValueError(f"n_head/d_model: {err}") from None
+
+
+def validate(cfg: dict, world_size: int) -> dict:
+    cfg = resolve(cfg, PRESETS, PARAMS)
+    mc = model_config(cfg)
+    check_tp(world_size, n_head=mc.n_head, d_model=mc.d_model, d_ff=mc.d_ff)  # "n_head=2 is not divisible by tp=4"
+    tokens = cfg["micro_batch"] * mc.seq_len
+    if tokens % world_size:
+        raise ValueError(f"micro_batch={cfg['micro_batch']} × seq_len={mc.seq_len} = {tokens} tokens must be "
+                         f"divisible by tp={world_size} (sequence parallelism splits the tokens)")
+    return cfg
+
+
+def run(ctx, cfg: dict) -> dict:
+    mc, tp = model_config(cfg), ctx.world_size
+    group = ctx.make_grid(tp=tp).group("tp")
+    B, T, D, n_layer = cfg["micro_batch"], mc.seq_len, mc.d_model, mc.n_layer
+    M = B * T
+    torch.manual_seed(cfg["seed"])
+    model = GPT(mc).to(ctx.device)
+    idx, tgt = next(batches(B, T, 1, seed=cfg["seed"], device=ctx.device))
+    with torch.no_grad():
+        x = model.embed(idx)  # [B,T,D]: the blocks' input, real text
+
+    # -- the single-process reference, and its gradients sliced exactly like the weights ----------------
+    ref = copy.deepcopy(model)
+    xr = x.clone().requires_grad_()
+    h = xr
+    for block in ref.blocks:
+        h = block(h)
+    loss_ref = lm_loss(ref.head(h), tgt)
+    loss_ref.backward()
+    as_params = copy.deepcopy(ref)  # a model whose "weights" are the reference gradients, sharded like ours
+    with torch.no_grad():
+        for p, q in zip(as_params.parameters(), ref.parameters()):
+            if q.grad is not None:  # the embedding is not part of the stack
+                p.copy_(q.grad)
+    ref_grads = dict(SequenceParallelStack.from_model(as_params, group).named_parameters())
+
+    x_r, t_r, dx_ref = shard_tokens(x, group), shard_tokens(tgt[..., None], group)[:, 0], shard_tokens(xr.grad, group)
+    stacks = {name: SequenceParallelStack.from_model(copy.deepcopy(model), group, mode, keep)
+              for name, (mode, keep) in VARIANTS.items()}
+
+    def step(stack: SequenceParallelStack, meter: ActivationMeter | None = None, name: str = "step"):
+        xi = x_r.clone().requires_grad_()
+        with ctx.ledger.tag(f"{name}/forward"), meter.recording((0, 0, 0)) if meter else nullcontext():
+            local = stack(xi, t_r, M)
+        saved = meter.live if meter else None
+        with ctx.ledger.tag(f"{name}/backward"):
+            local.backward()
+        with ctx.ledger.tag("sp-grads"):
+            allreduce_sequence_parallel_grads(stack, group)
+        return local, xi.grad, saved
+
+    # -- one checked step per variant ----------------------------------------------------------------------
+    variants, grads = {}, {}
+    for i, (name, stack) in enumerate(stacks.items()):
+        local, dx, saved = step(stack, ActivationMeter(stack.parameters()), name)
+        loss = local.detach().clone()
+        with ctx.ledger.tag("metrics"):
+            dist.all_reduce(loss, group=group)
+        grads[name] = {n: p.grad.clone() for n, p in stack.named_parameters()}
+        variants[name] = {
+            "mode": VARIANTS[name][0], "keep_gathered": VARIANTS[name][1], "loss": loss.item(),
+            "loss_ref": loss_ref.item(), "dx_max_diff": _diff(dx, dx_ref),
+            "grad_max_diff": max(_diff(g, ref_grads[n]) for n, g in grads[name].items()),
+            "saved_act_bytes": saved,
+            "sent_bytes": {p: ctx.ledger.total("sent_bytes", tag=f"{name}/{p}") for p in ("forward", "backward")},
+            "calls": {p: _calls(ctx.ledger, f"{name}/{p}") for p in ("forward", "backward")}}
+        ctx.progress(i + 1, 8, "checked " + name)
+    bitwise = {mode: all(torch.equal(g, grads[f"{mode}+keep"][n]) for n, g in grads[mode].items())
+               for mode in ("bulk", "ring")}
+
+    # -- one traced step per variant: spans for the timeline, exposed vs hidden communication ----------------
+    spans, exposure = {}, {}
+    for name, stack in stacks.items():
+        stack.zero_grad(set_to_none=True)
+        stack.configure(timeline=ctx.timeline)
+        ctx.barrier()
+        mark = len(ctx.timeline.spans)
+        with ctx.timeline.span("step", lane="step", variant=name):
+            step(stack, name="traced")
+        stack.configure(timeline=None)
+        spans[name] = [asdict(s) for s in ctx.timeline.spans[mark:]]
+        total = lambda kind: sum(s["end"] - s["start"] for s in spans[name] if s["kind"] == kind)  # noqa: E731
+        exposure[name] = {"step_s": total("step"), "gemm_s": total("gemm"), "exposed_comm_s": total("wait"),
+                          "comm_in_flight_s": total("comm")}
+    ctx.progress(5, 8, "timing the four variants")
+
+    # -- the four variants, timed side by side ---------------------------------------------------------------
+    def timed(stack):
+        def one():
+            stack.zero_grad(set_to_none=True)
+            step(stack, name="bench")
+        return one
+
+    bench = compare({name: timed(s) for name, s in stacks.items()}, warmup=cfg["warmup"], steps=cfg["bench_steps"],
+                    rounds=cfg["rounds"], sync=ctx.barrier)
+    ctx.progress(6, 8, "micro-benchmarks")
+    ops = op_benchmarks(ctx, group, stacks["ring"].blocks[0], M, cfg)
+    ctx.progress(8, 8, "done")
+    return {"rank": ctx.rank, "tp": tp, "model": vars(mc), "tokens": M, "local_tokens": M // tp, "n_layer": n_layer,
+            "variants": variants, "grads_bitwise_keep_vs_regather": bitwise,
+            "bytes_closed_form": {k: {p: n_layer * v for p, v in bytes_per_layer(M, D, tp, keep).items()}
+                                  for k, keep in (("regather", False), ("keep", True))},
+            "kept_bytes_closed_form": n_layer * kept_bytes_per_layer(M, D, tp),
+            "sp_grad_bytes": _sp_grad_bytes(ctx.ledger),
+            "exposure": exposure, "spans": spans, "bench": {n: b.to_dict() for n, b in bench.items()}, "ops": ops}
+
+
+def run_ops(ctx, cfg: dict) -> dict:
+    """Only the micro-benchmarks of ``run`` (``benchmarks/bench_tp_overlap.py`` launches this)."""
+    mc, tp = model_config(cfg), ctx.world_size
+    group = ctx.make_grid(tp=tp).group("tp")
+    torch.manual_seed(cfg["seed"])
+    stack = SequenceParallelStack.from_model(GPT(mc).to(ctx.device), group)
+    return {"rank": ctx.rank, "tp": tp, "model": vars(mc),
+            "ops": op_benchmarks(ctx, group, stack.blocks[0], cfg["micro_batch"] * mc.seq_len, cfg)}
+
+
+def op_benchmarks(ctx, group, block, tokens: int, cfg: dict) -> dict:
+    """AG+GEMM at fc1's shapes and GEMM+RS at fc2's (``tokens`` in the micro-batch): the collective alone, the
+    GEMM alone, bulk, ring, and the ring's messages alone (the same ring with GEMMs of width 0), timed side by
+    side; and the invariants: ring == bulk (allclose; the gathered input bitwise).
+
+    ``overlap`` takes T_comm of the collective (the issue's definition); ``overlap_own_messages`` takes the
+    ring's own messages, which gloo may move faster or slower than its collective."""
+    tp = dist.get_world_size(group)
+    w1 = block.fc1.weight.detach().t().contiguous()  # [D, d_ff/tp]
+    m, D, device = tokens // tp, w1.shape[0], w1.device
+    torch.manual_seed(cfg["seed"] + 1 + ctx.rank)
+    x = torch.randn(m, D, device=device)  # fc1's input: my tokens
+    h = torch.randn(tp * m, w1.shape[1], device=device)  # fc2's input: all tokens, my features
+    w2 = block.fc2.weight.detach().t().contiguous()  # [d_ff/tp, D]
+    gathered, partial = x.new_empty(tp * m, D), h @ w2
+    scattered = partial.new_empty(m, D)
+
+    ring_y, ring_x = all_gather_matmul(x, w1, group, mode="ring", keep_gathered=True)
+    dist.all_gather_into_tensor(gathered, x, group=group)
+    ref_y = gathered @ w1  # the definition: all_gather, then matmul
+    ring_rs = matmul_reduce_scatter(h, w2, group, mode="ring")
+    dist.reduce_scatter_tensor(scattered, partial, group=group)
+    out = {"invariants": {
+        "ag_gathered_bitwise": torch.equal(ring_x, gathered), "ag_max_diff": _diff(ring_y, ref_y),
+        "ag_allclose": torch.allclose(ring_y, ref_y, rtol=1e-5, atol=1e-6), "ag_bitwise": torch.equal(ring_y, ref_y),
+        "rs_max_diff": _diff(ring_rs, scattered), "rs_allclose": torch.allclose(ring_rs, scattered, rtol=1e-5, atol=1e-6),
+        "rs_bitwise": torch.equal(ring_rs, scattered)}}
+    candidates = {
+        "AG+GEMM": ({"x": list(x.shape), "w": list(w1.shape)},
+                    {"comm": lambda: dist.all_gather_into_tensor(gathered, x, group=group),
+                     "gemm": lambda: torch.mm(gathered, w1),
+                     "bulk": lambda: all_gather_matmul(x, w1, group, mode="bulk"),
+                     "ring": lambda: all_gather_matmul(x, w1, group, mode="ring"),
+                     "ring comm": lambda: all_gather_matmul(x, w1[:, :0], group, mode="ring")}),  # GEMMs of width 0
+        "GEMM+RS": ({"h": list(h.shape), "w": list(w2.shape)},
+                    {"comm": lambda: dist.reduce_scatter_tensor(scattered, partial, group=group),
+                     "gemm": lambda: torch.mm(h, w2),
+                     "bulk": lambda: matmul_reduce_scatter(h, w2, group, mode="bulk"),
+                     "ring": lambda: matmul_reduce_scatter(h, w2, group, mode="ring"),
+                     "ring comm": lambda: matmul_reduce_scatter(h[:, :0], w2[:0], group, mode="ring")})}
+    for op, (shapes, cands) in candidates.items():
+        with ctx.ledger.tag(f"ops/{op}"):
+            res = compare(cands, warmup=cfg["warmup"], steps=cfg["op_steps"], rounds=cfg["rounds"], sync=ctx.barrier)
+        t = {n: r.mean_s for n, r in res.items()}
+        out[op] = {"shapes": shapes, "mean_s": t, "median_s": {n: r.median_s for n, r in res.items()},
+                   "overlap": {v: overlap_fraction(t["comm"], t["gemm"], t[v]) for v in ("bulk", "ring")},
+                   "overlap_own_messages": overlap_fraction(t["ring comm"], t["gemm"], t["ring"])}
+    return out
+
+
+def overlap_fraction(t_comm: float, t_gemm: float, t_fused: float) -> float:
+    """(T_comm + T_gemm - T_fused) / T_comm: 1 = the communication is fully hidden, 0 = not at all."""
+    return (t_comm + t_gemm - t_fused) / t_comm if t_comm > 0 else float("nan")
+
+
+def _diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.detach().float() - b.detach().float()).abs().max().item()
+
+
+def _calls(ledger, tag: str) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for r in ledger.records:
+        if r.tag == tag:
+            out[r.op] = out.get(r.op, 0) + 1
+    return dict(sorted(out.items()))
+
+
+def _sp_grad_bytes(ledger) -> int:
+    """Bytes of one all-reduce of the sequence-parallel gradients (LayerNorms, row biases, head)."""
+    first = next((r for r in ledger.records if r.tag == "sp-grads"), None)
+    return first.sent_bytes if first else 0

@@ -1,0 +1,173 @@
+"""Lesson 16, per rank: what CUDA graphs would remove from DualPipeV's chunks, and the DP all-reduce kept
+outside them (issued per stage, overlapped with the rest of the schedule).
+
+    grid dp × pp (tp = 1); every pipeline rank holds two stages of the V (DualPipeV, 2·pp stages)
+    ├─ DualPipeV on real ranks, DP gradient all-reduce two ways (toolkit.pipeline.dp_separate):
+    │     plain      after the pipeline step            separated  per stage, right after its last B/W
+    │     1 checked step each: loss, gradients (bitwise plain vs separated; vs one process over all
+    │     dp·m micro-batches), bytes; 1 traced step each (op spans + all-reduce in flight); timed side by side
+    └─ per stage of this rank: ATen ops of one micro-batch's forward and backward (TorchDispatchMode), the
+          chunk's time at the run's shape and at one token (host cost per op: what a graph replay removes),
+          and the capture audit of a dense stage, an MoE block, the DP all-reduce and the loss's .item()
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+import torch.distributed as dist
+
+from toolkit.graphs import audit, count_ops, dispatch_cost
+from toolkit.models import GPT, lm_loss
+from toolkit.pipeline.dp_separate import DataParallelPipelineExecutor, last_grad_ops
+from toolkit.pipeline.harness import PipelineSetup, grads_bitwise_equal
+from toolkit.pipeline.schedule import make_schedule
+from toolkit.runtime.bench import compare
+from toolkit.runtime.config import Param, common, require_divisible, resolve
+from toolkit.runtime.timeline import Timeline
+
+WORLD_SIZE = 4  # the generated bad-input tests validate at this size (dp = pp = 2)
+PARAMS = {**common("model", "n_layer", "m", "micro_batch", "seed", "warmup", "bench_steps", "rounds"),
+          "pp": Param(int, "pipeline ranks (DualPipeV: 2·pp stages)", ge=1),
+          "dp": Param(int, "data-parallel replicas of each pipeline rank (dp·pp = world size)", ge=1)}
+PRESETS = {  # small models on purpose: the host's cost per op is what a graph removes, and it dominates there
+    "smoke": {"model": "smoke", "n_layer": 4, "m": 4, "micro_batch": 2, "seed": 0, "pp": 2, "dp": 2,
+              "warmup": 1, "bench_steps": 2, "rounds": 2},
+    "default": {"model": "smoke", "n_layer": 4, "m": 8, "micro_batch": 2, "seed": 0, "pp": 2, "dp": 2,
+                "warmup": 1, "bench_steps": 2, "rounds": 3},
+    "full": {"model": "default", "n_layer": 8, "m": 16, "micro_batch": 4, "seed": 0, "pp": 2, "dp": 2,
+             "warmup": 2, "bench_steps": 5, "rounds": 5},
+}
+VARIANTS = ("plain", "separated")
+
+
+def validate(cfg: dict, world_size: int) -> dict:
+    cfg = resolve(cfg, PRESETS, PARAMS)
+    if cfg["dp"] * cfg["pp"] != world_size:
+        raise ValueError(f"dp={cfg['dp']} × pp={cfg['pp']} = {cfg['dp'] * cfg['pp']} must equal "
+                         f"world_size={world_size} (one rank per (dp, pp) pair)")
+    if cfg["m"] < 2 * cfg["pp"]:
+        raise ValueError(f"m={cfg['m']} micro-batches is too few: DualPipeV needs m >= 2·pp = {2 * cfg['pp']}")
+    require_divisible("n_layer", cfg["n_layer"], 2 * cfg["pp"], "2·pp", "DualPipeV cuts the model into 2·pp stages")
+    return cfg
+
+
+def run(ctx, cfg: dict) -> dict:
+    dp, pp, m = cfg["dp"], cfg["pp"], cfg["m"]
+    grid = ctx.make_grid(dp=dp, pp=pp)
+    r, d = grid.rank_in("pp"), grid.rank_in("dp")
+    schedule = make_schedule("dualpipev", pp, m)
+    # all dp·m micro-batches and the one-process reference over them; this replica runs its own m
+    setup = PipelineSetup.build(cfg["model"], m=dp * m, micro_batch=cfg["micro_batch"], n_layer=cfg["n_layer"],
+                                seed=cfg["seed"], device=ctx.device)
+    mc, base = setup.model_cfg, setup.base
+    inputs, targets = setup.inputs[d * m:(d + 1) * m], setup.targets[d * m:(d + 1) * m]
+
+    def executor(separate: bool, timeline=None):
+        model = setup.fresh()
+        ex = DataParallelPipelineExecutor(schedule, r, setup.stages(model, schedule, r), lm_loss, setup.act_shape,
+                                          device=ctx.device, peers=grid.ranks("pp"), group=grid.group("pp"),
+                                          timeline=timeline, dp_group=grid.group("dp"), separate=separate)
+        return model, ex
+
+    # -- one checked step per variant ------------------------------------------------------------------
+    runs, models = {}, {}
+    for name in VARIANTS:
+        model, ex = executor(name == "separated")
+        with ctx.ledger.tag(name):
+            loss = ex.step(inputs, targets)
+        runs[name] = {"loss": loss, "grad_max_diff": setup.grad_diff(model, schedule, r),
+                      "dp_bytes": ctx.ledger.total("sent_bytes", tag=name, op="all_reduce"),
+                      "p2p_bytes": ctx.ledger.total("sent_bytes", tag=name, op="isend"),
+                      "reduces": [{k: v for k, v in x.items() if k in ("stage", "bytes")} for x in ex.reduces]}
+        models[name] = model
+    bitwise = grads_bitwise_equal(models["plain"], models["separated"],
+                                  setup.stages(models["plain"], schedule, r).values())
+    losses = [runs[n]["loss"] for n in VARIANTS]
+    ctx.progress(1, 5, "checked")
+
+    # -- one traced step per variant (aligned clocks), then both timed side by side ------------------------
+    traced = {}
+    for name in VARIANTS:
+        tl = Timeline(ctx.rank)
+        tl.origin = ctx.timeline.origin
+        model, ex = executor(name == "separated", tl)
+        ctx.barrier()
+        start = tl.now()
+        ex.step(inputs, targets)
+        end = tl.now()
+        spans = tl.to_json()
+        for x in ex.reduces:
+            spans.append({"rank": ctx.rank, "kind": "DP all-reduce", "start": x["issued"], "end": x["done_by"],
+                          "meta": {"stage": x["stage"], "lane": "dp"}})
+        reduces = [{**x, "before_end_s": end - x["issued"]} for x in ex.reduces]
+        traced[name] = {"spans": spans, "step_s": end - start, "waits_s": sum(x["waited_s"] for x in ex.reduces),
+                        "reduces": reduces}
+    ctx.progress(2, 5, "timing")
+    timed = {name: executor(name == "separated") for name in VARIANTS}
+
+    def stepper(name):
+        model, ex = timed[name]
+
+        def one():
+            model.zero_grad(set_to_none=True)
+            ex.step(inputs, targets)
+        return one
+
+    with ctx.ledger.tag("bench"):
+        bench = compare({n: stepper(n) for n in VARIANTS}, warmup=cfg["warmup"], steps=cfg["bench_steps"],
+                        rounds=cfg["rounds"], sync=ctx.barrier)
+    exposed = {}
+    for name in VARIANTS:  # the DP wait at the end of the last timed step
+        exposed[name] = sum(x["waited_s"] for x in timed[name][1].reduces)
+
+    # -- what a graph would remove: ops and host cost per chunk of this rank's stages ------------------------
+    ctx.progress(3, 5, "op counts")
+    chunks = {}
+    stages = setup.stages(setup.fresh(), schedule, r)
+    last = schedule.n_stages - 1
+    for s, module in stages.items():
+        x = inputs[0] if s == 0 else torch.randn(cfg["micro_batch"], mc.seq_len, mc.d_model, device=ctx.device,
+                                                   requires_grad=True)
+        tiny = inputs[0][:1, :1] if s == 0 else torch.randn(1, 1, mc.d_model, device=ctx.device, requires_grad=True)
+        chunk = _chunk(module, x, targets[0] if s == last else None)
+        tiny_chunk = _chunk(module, tiny, targets[0][:1, :1] if s == last else None)
+        ops = count_ops(chunk)
+        tiny_ops = count_ops(tiny_chunk)
+        module.zero_grad(set_to_none=True)
+        chunks[s] = {"ops": {k: sum(v.values()) for k, v in ops.items()}, "op_types": ops,
+                     "tiny_ops": {k: sum(v.values()) for k, v in tiny_ops.items()},
+                     "time_s": dispatch_cost(chunk, repeats=5),
+                     "tiny_time_s": dispatch_cost(tiny_chunk, repeats=10),
+                     "has_loss": s == last, "embeds": s == 0}
+        module.zero_grad(set_to_none=True)
+    ctx.progress(4, 5, "capture audit")
+    audits = capture_audit(ctx, grid, mc, inputs[0], targets[0])
+    ctx.progress(5, 5, "done")
+    return {"rank": ctx.rank, "pp_rank": r, "dp_rank": d, "dp": dp, "pp": pp, "m": m, "model": vars(mc),
+            "stages": schedule.stages_of(r), "order": [str(a) for a in schedule.ranks[r]], "ref_loss": setup.ref_loss,
+            "last_grad_op": last_grad_ops(schedule, r), "n_ops": sum(len(a.parts) for a in schedule.ranks[r]),
+            "runs": runs, "losses_equal": losses[0] == losses[1], "grads_bitwise_plain_vs_separated": bitwise,
+            "traced": traced, "bench": {n: b.to_dict() for n, b in bench.items()}, "exposed_dp_wait_s": exposed,
+            "chunks": {str(s): c for s, c in chunks.items()}, "audit": audits}
+
+
+def capture_audit(ctx, grid, mc, idx: torch.Tensor, tgt: torch.Tensor) -> dict[str, dict[str, str]]:
+    """What would break a CUDA-graph capture, found by running each candidate region under ``audit``."""
+    torch.manual_seed(1)
+    dense = GPT(mc).to(ctx.device)
+    moe = GPT(replace(mc, n_layer=1, n_expert=4)).to(ctx.device)
+    grad = torch.ones(1, device=ctx.device)
+    out = {"dense stage: forward + backward": audit(lambda: dense(idx, tgt).backward()),
+           "MoE block: forward + backward": audit(lambda: moe(idx, tgt).backward())}
+    with ctx.ledger.tag("audit"):
+        out["DP gradient all-reduce"] = audit(lambda: dist.all_reduce(grad, group=grid.group("dp")))
+    out["the loss read on the host (.item())"] = audit(lambda: dense(idx, tgt).item())
+    return out
+
+
+def _chunk(module, x: torch.Tensor, target: torch.Tensor | None):
+    """One micro-batch through ``module`` (and the loss, on the last stage), as a callable."""
+    if target is None:
+        return lambda: module(x)
+    return lambda: lm_loss(module(x), target)
