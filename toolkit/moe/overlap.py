@@ -44,9 +44,6 @@ from toolkit.models.gpt import lm_loss
 
 from .dispatcher import Pending, run_experts
 
-A2A_EVENTS = ("issue", "wait", "grad_issue", "grad_wait")
-
-
 # ---- spans and exposed communication ---------------------------------------------------------------------------
 class _Mark(torch.autograd.Function):
     """Identity whose backward calls ``note()``: the moment autograd reaches this point of the graph."""
@@ -68,9 +65,9 @@ class Tracer:
     issue and wait (through ``TokenDispatcher.trace``), forward and backward.
 
     ``exposed`` sums the seconds the rank spent blocked in communication calls, by kind ("a2a": issue and wait
-    of dispatch/combine, also split into "issue" and "wait"; "plan": the count all-gather). With ``timeline`` set (``ctx.timeline``), every span
-    is also recorded there (kind, start, end; meta: schedule, dir "F"/"B", mb, layer, op), plus "a2a" spans
-    from issue to the transfer's completion (the handle's future)."""
+    of dispatch/combine, also split into "issue" and "wait"; "plan": the count all-gather). With ``timeline``
+    set (``ctx.timeline``), every span is also recorded there (kind, start, end; meta: schedule, dir "F"/"B",
+    mb, layer, op), plus "a2a" spans from issue to the transfer's completion (the handle's future)."""
 
     schedule: str = ""
     timeline: object | None = None
@@ -154,7 +151,8 @@ def moe_layers(model: nn.Module) -> list[tuple[nn.Module, nn.Module]]:
 
 def micro_batch_forward(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor, mb: int, tracer: Tracer,
                         scale: float = 1.0) -> Generator[Pending, torch.Tensor, torch.Tensor]:
-    """The loss of one micro-batch (times ``scale``), yielding each all-to-all it issues::
+    """The loss of one micro-batch (times ``scale``), yielding each all-to-all it issues (its dispatchers'
+    ``trace`` hook is set to ``tracer`` for each transfer; :func:`step` puts the previous hooks back)::
 
         embed ─► per block: attention (+ ln2, router) ─► plan ─► yield dispatch ─► experts ─► yield combine ─► residual
               ─► head, loss
@@ -169,7 +167,6 @@ def micro_batch_forward(model: nn.Module, idx: torch.Tensor, targets: torch.Tens
             flat = block.ln2(h).reshape(-1, h.shape[-1])
             weights, ids = moe.router(flat)
             h, flat, weights = seg.leave(h, flat, weights)
-        d.phase = tracer.phase
         plan = moe.last_plan = d.plan(moe.place(ids), weights, flat)  # collective: the counts of every rank
         d.trace = tracer.a2a("dispatch", mb, layer)
         expert_in = yield d.dispatch(flat, plan, async_op=True)
@@ -224,10 +221,28 @@ def step(model: nn.Module, micro_batches: list[tuple[torch.Tensor, torch.Tensor]
 
     ``saved`` (a dict) receives ``"bytes"``: the most activation bytes autograd holds at once, i.e. at the end of
     a forward (serial: one micro-batch's; overlapped: both), parameters excluded."""
-    from toolkit.memory.checkpointing import saved_activation_bytes
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule={schedule!r} is not allowed; allowed: {SCHEDULES}")
     tracer = tracer or Tracer(schedule)
+    dispatchers = [moe.dispatcher for _, moe in moe_layers(model)]
+    hooks = [(d.phase, d.trace) for d in dispatchers]
+    for d, (phase, _) in zip(dispatchers, hooks):  # the tracer times the count exchange, inside the caller's phase
+        d.phase = lambda name, phase=phase: _both(phase(name), tracer.phase(name))
+    try:
+        return _step(model, micro_batches, schedule, tracer, saved)
+    finally:
+        for d, (phase, trace) in zip(dispatchers, hooks):
+            d.phase, d.trace = phase, trace
+
+
+@contextlib.contextmanager
+def _both(a, b):
+    with a, b:
+        yield
+
+
+def _step(model, micro_batches, schedule: str, tracer: Tracer, saved: dict | None) -> list[float]:
+    from toolkit.memory.checkpointing import saved_activation_bytes
     m, params = len(micro_batches), list(model.parameters())
     fwd = [micro_batch_forward(model, x, y, i, tracer, 1.0 / m) for i, (x, y) in enumerate(micro_batches)]
     held = []
