@@ -215,7 +215,8 @@ display(Markdown(
 # %% [markdown]
 # ## (d) The routing the tiny MoE actually learns
 #
-# The tiny MoE GPT (no load-balancing loss), expert parallel with ECHO on every MoE layer, trained on real text.
+# The tiny MoE GPT (no load-balancing loss), expert parallel with ECHO on every MoE layer, trained on real text
+# (plain SGD).
 # Every step, every layer, the planner sees the loads its router produced.
 
 # %%

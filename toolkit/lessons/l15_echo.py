@@ -8,8 +8,8 @@
                   equal to the home expert's, weight and gradient bytes (ledger) against the closed form
     (c) timing    the layer's training step (forward, backward, clone gradients home) for each clone budget,
                   side by side (bench.compare); the cost model A·max_rank_tokens + B·clones + C fitted to them
-    (d) learned   the tiny MoE GPT trained with ECHO on real text: the loads its own router produces, before and
-                  after cloning, step by step
+    (d) learned   the tiny MoE GPT trained (plain SGD) with ECHO on real text: the loads its own router produces,
+                  before and after cloning, step by step
 """
 from __future__ import annotations
 
@@ -40,13 +40,13 @@ PARAMS = {
     "min_tokens": Param(int, "clones taking fewer pairs are reclaimed", ge=1),
 }
 PRESETS = {
-    "smoke": dict(model="smoke", n_layer=2, batch=2, steps=4, lr=3e-3, warmup=1, bench_steps=2, rounds=3, seed=0,
+    "smoke": dict(model="smoke", n_layer=2, batch=2, steps=4, lr=0.2, warmup=1, bench_steps=2, rounds=3, seed=0,
                   n_expert=8, top_k=2, d_ff=0, spare_slots=1, zipf_s=1.2, tokens=256, budgets=[0, 1, 2, 3],
                   min_tokens=1),
-    "default": dict(model="smoke", n_layer=2, batch=2, steps=10, lr=3e-3, warmup=1, bench_steps=2, rounds=3, seed=0,
+    "default": dict(model="smoke", n_layer=2, batch=2, steps=10, lr=0.2, warmup=1, bench_steps=2, rounds=2, seed=0,
                     n_expert=8, top_k=2, d_ff=512, spare_slots=1, zipf_s=1.2, tokens=512, budgets=[0, 1, 2, 3],
                     min_tokens=1),
-    "full": dict(model="default", n_layer=4, batch=8, steps=200, lr=1e-3, warmup=2, bench_steps=5, rounds=5, seed=0,
+    "full": dict(model="default", n_layer=4, batch=8, steps=200, lr=0.1, warmup=2, bench_steps=5, rounds=5, seed=0,
                  n_expert=16, top_k=2, d_ff=0, spare_slots=2, zipf_s=1.2, tokens=4096, budgets=[0, 1, 2, 4, 8],
                  min_tokens=1),
 }
@@ -233,18 +233,21 @@ def learned_section(ctx, cfg: dict) -> dict:
     model = GPT(model_config(cfg))
     replicated, experts = expert_parallel(model, spare_slots=cfg["spare_slots"])
     echos = enable_echo(model, min_tokens=cfg["min_tokens"])
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"])
+    params = list(model.parameters())  # plain SGD by hand: a torch.optim optimizer imports torch._dynamo (seconds)
     history = []
     data = batches(cfg["batch"], model.cfg.seq_len, cfg["steps"], seed=cfg["seed"] + 1, rank=ctx.rank,
                    world=ctx.world_size, device=ctx.device)
     for step, (x, y) in enumerate(data):
-        opt.zero_grad(set_to_none=True)
+        model.zero_grad(set_to_none=True)
         loss = model(x, y)
         loss.backward()
         for e in echos:
             e.reduce_grads()
         average_gradients(replicated, experts, ctx.world_size)
-        opt.step()
+        with torch.no_grad():
+            for p in params:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-cfg["lr"])
         mean = loss.detach().clone()
         dist.all_reduce(mean)
         history.append({"step": step, "loss": mean.item() / ctx.world_size,
