@@ -1,6 +1,7 @@
 # Two commands do all the set-up on a fresh machine:
 #   make run    execute every lesson notebook (papermill, CPU default preset) into out/, with an HTML page each + index
-#   make test   unit tests, multi-process tests, every notebook at the smoke preset (papermill + nbval)
+#   make test   unit tests, multi-process tests, every notebook at the smoke preset (papermill + nbval),
+#               and the browser test (JupyterLab and the HTML book in headless Chromium; skips without one)
 # Both create .venv first when it is missing.
 
 PY      ?= $(shell command -v python3.11 || command -v python3)
@@ -10,7 +11,7 @@ PRESET  ?= default
 JOBS    ?= 2
 TORCH   ?= torch==2.13.0
 
-.PHONY: run test env notebooks refresh lab bench clean
+.PHONY: run test test-browser book env notebooks refresh lab bench clean
 
 $(BIN)/activate:
 	$(PY) -m venv $(VENV)
@@ -29,6 +30,12 @@ run: env
 
 test: env
 	$(BIN)/python -m pytest -n $(JOBS) --dist loadfile --nbval-lax --timeout 900 tests notebooks
+
+test-browser: env      ## JupyterLab and the HTML book in headless Chromium (apt-get install -y chromium)
+	$(BIN)/python -m pytest -m browser -p no:cacheprovider --timeout 900 tests/test_browser.py
+
+book: env               ## rewrite the HTML book from out/notebooks without re-running them
+	$(BIN)/python tools/book.py out
 
 notebooks: env          ## rebuild notebooks/*.ipynb from notebooks/src/*.py
 	$(BIN)/python tools/nb.py build

@@ -244,6 +244,46 @@ ENTRIES: list[Entry] = [
           'off = ActivationOffloader({0: model}, [("F", (0, 0, 0)), ("B", (0, 0, 0))], policy="all")\n'
           'with off.forward((0, 0, 0)):\n    loss = model(x).sum()\n'
           'off.backward_begin((0, 0, 0)); loss.backward(); off.backward_end((0, 0, 0))'),
+    Entry("OffloadAdamW", "toolkit.memory.optim_offload:OffloadAdamW", AREAS[4],
+          "AdamW with its state in (pinned) host memory: 'cpu' = master+m+v on the host, host update "
+          "(ZeRO-Offload); 'stream' = m, v streamed to the device per shard on a side stream.",
+          "any parameters (e.g. ZeroDataParallel's shards); host_bytes(), moved_per_step [{'h2d', 'd2h'}]",
+          "local to each rank (use it as ZeroDataParallel's optimizer)",
+          'zdp = ZeroDataParallel(model, lambda ps: OffloadAdamW(ps, mode="cpu"), stage=3)\n'
+          'zdp(x, y).backward()\nzdp.step()                              # no optimizer bytes on the device'),
+    Entry("DiskAdamW", "toolkit.memory.nvme:DiskAdamW", AREAS[4],
+          "AdamW with m, v (and ZeRO-3 shards, with DiskParams) in one pre-allocated, unlinked file per rank, "
+          "streamed through buffer_count buffers of buffer_size elements (NVMe offload).",
+          "any parameters; buffer_size a multiple of 1024; stats[-1]: bytes read/written, exposed I/O, AdamW time",
+          "local to each rank (each rank has its own file)",
+          'opt = lambda ps: DiskAdamW(ps, "/nvme", buffer_count=4, buffer_size=1 << 20)\n'
+          'zdp = ZeroDataParallel(model, opt, stage=3)\nzdp(x, y).backward(); zdp.step()'),
+    Entry("DiskParams", "toolkit.memory.nvme:DiskParams", AREAS[4],
+          "ZeRO-3 parameter shards kept in a DiskAdamW's file: read before each all-gather, the next unit read ahead.",
+          "a ZeroDataParallel(stage=3) whose optimizer is DiskAdamW(offload_params=True)",
+          "local to each rank; the all-gathers stay collective",
+          'zdp = ZeroDataParallel(model, lambda ps: DiskAdamW(ps, d, 2, 4096, offload_params=True), stage=3)\n'
+          'DiskParams(zdp, zdp.optimizer)\nzdp(x, y).backward(); zdp.step()'),
+    Entry("DiskSpill", "toolkit.memory.spill:DiskSpill", AREAS[4],
+          "Saved activations (e.g. checkpointed segments' inputs) to a pre-allocated file-backed mapping, one "
+          "region per saved storage, read back in backward.",
+          "capacity in bytes (count with saved_activation_bytes); bytes_written, regions, verify()",
+          "local",
+          'spill = DiskSpill("/nvme", capacity)\nwith spill.hooks(list(model.parameters())):\n'
+          '    loss = model(x, y)\nloss.backward(); spill.reset()'),
+    Entry("SideChannel", "toolkit.comm.side_channel:SideChannel", AREAS[3],
+          "Per-step values (top-k, metrics) to one rank on a gloo group of their own, non-blocking, waited later.",
+          "post(t, label) any shape/device; collect(leave=n) -> {label: [tensor of each rank]} on dst",
+          "collective construction (new_group); every rank posts the same shapes in the same order",
+          'ch = SideChannel(dst=0)\nch.post(logits.topk(5, dim=-1).indices, label=step)\n'
+          'got = ch.collect(leave=1)               # all but the newest post, long arrived'),
+    Entry("LinkEmulator", "toolkit.comm.bucketing:LinkEmulator", AREAS[3],
+          "A DDP comm hook: the real all-reduce, completed no earlier than a link of latency alpha and bandwidth "
+          "beta would (bucket-size experiments on a CPU machine); spans per bucket.",
+          "alpha_s seconds per call, beta bytes/s; spans [{'bucket', 'ready', 'start', 'end', 'bytes'}]",
+          "every rank registers it on its DDP model",
+          'emu = LinkEmulator(alpha_s=1e-3, beta=1e8)\nddp = DDP(model, bucket_cap_mb=1)\n'
+          'ddp.register_comm_hook(None, emu.hook)'),
     Entry("shard_rows", "toolkit.pipeline.vocab_parallel:shard_rows", AREAS[4],
           "Vocabulary parallelism: the [lo, hi) rows of the output layer / embedding each of p ranks holds.",
           "V divisible by p -> (lo, hi)", "pure arithmetic, the same on every rank",

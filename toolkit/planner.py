@@ -20,6 +20,27 @@ micro-batch b, m micro-batches per step, on N = dp·tp·pp GPUs (bytes, bf16 com
 
 ``validate_memory_model`` checks the parameter/gradient/optimizer formulas against the bytes
 measured by the ZeRO run of lesson 00 (fp32 weights there: 4+4+8 bytes per parameter).
+
+Offload (lesson 00b). ``memory_per_gpu(..., offload_optimizer=, offload_params=)`` moves bytes off the
+device; ``offload_per_gpu`` says where they go (the optimizer's fp32 master, if any, is
+``bytes_optim - 8``; m and v are 8)::
+
+    offload_optimizer   device optimizer         host                                disk
+    none                bytes_optim·Ψ'           -                                   -
+    cpu                 0                        (bytes_optim - 8 or 4)·Ψ' master    -
+                                                 + 8Ψ' m,v + 4Ψ' fp32 grad buffer
+    stream              (bytes_optim - 8)·Ψ'     8Ψ' m,v (2 units' m,v on the        -
+                        (+ 2 units x 8 bytes                 device during the step)
+                         during the step)
+    nvme                0                        staging: count x size x 16 bytes    (bytes_optim - 8)·Ψ' + 8Ψ'
+    offload_params=nvme (ZeRO-3): device weights 0, disk + bytes_weight·Ψ', host + count x largest unit shard
+
+    Ψ' = Ψ/(tp·pp·dp): the optimizer's shard (ZeRO >= 1).
+
+``offload_memory`` is the same model unit by unit, exact for this toolkit's ``ZeroDataParallel`` with
+``toolkit.memory.optim_offload.OffloadAdamW`` / ``toolkit.memory.nvme.DiskAdamW`` (fp32: 4-byte weights
+and grads, each unit padded to a multiple of the ranks, each disk region to 4 KiB blocks);
+``validate_offload_model`` compares it with the bytes lesson 00b measures, device and host.
 """
 from __future__ import annotations
 
@@ -60,18 +81,108 @@ class Cluster:
     """Fraction of the DP all-reduce hidden behind backward."""
 
 
-def memory_per_gpu(w: Workload, dp: int, tp: int, pp: int, zero: int, bytes_weight: int = 2, bytes_grad: int = 2,
-                   bytes_optim: int = 12) -> dict[str, float]:
-    """Bytes per GPU by category (see the module docstring)."""
+OFFLOAD_OPTIMIZER = ("none", "cpu", "stream", "nvme")
+OFFLOAD_PARAMS = ("none", "nvme")
+
+
+def _check_offload(zero: int, offload_optimizer: str, offload_params: str) -> None:
     if zero not in (0, 1, 2, 3):
         raise ValueError(f"zero={zero} is not allowed; allowed: 0, 1, 2, 3")
+    if offload_optimizer not in OFFLOAD_OPTIMIZER:
+        raise ValueError(f"offload_optimizer={offload_optimizer!r} is not allowed; allowed: {OFFLOAD_OPTIMIZER}")
+    if offload_params not in OFFLOAD_PARAMS:
+        raise ValueError(f"offload_params={offload_params!r} is not allowed; allowed: {OFFLOAD_PARAMS}")
+    if offload_params != "none" and zero != 3:
+        raise ValueError(f"offload_params={offload_params!r} needs zero=3 (sharded parameters), got zero={zero}")
+
+
+def memory_per_gpu(w: Workload, dp: int, tp: int, pp: int, zero: int, bytes_weight: int = 2, bytes_grad: int = 2,
+                   bytes_optim: int = 12, offload_optimizer: str = "none",
+                   offload_params: str = "none") -> dict[str, float]:
+    """Device bytes per GPU by category (see the module docstring); offloaded bytes are in ``offload_per_gpu``."""
+    _check_offload(zero, offload_optimizer, offload_params)
     shard = w.params / (tp * pp)
     act_layer = (2 * w.seq_len * w.micro_batch * w.hidden if w.recompute else
                  w.seq_len * w.micro_batch * w.hidden * (34 + 5 * w.heads * w.seq_len / w.hidden) / tp)
-    return {"weights": bytes_weight * shard / (dp if zero >= 3 else 1),
+    optim = {"none": bytes_optim, "cpu": 0, "stream": bytes_optim - 8, "nvme": 0}[offload_optimizer]
+    return {"weights": 0.0 if offload_params == "nvme" else bytes_weight * shard / (dp if zero >= 3 else 1),
             "grads": bytes_grad * shard / (dp if zero >= 2 else 1),
-            "optimizer": bytes_optim * shard / (dp if zero >= 1 else 1),
+            "optimizer": optim * shard / (dp if zero >= 1 else 1),
             "activations": act_layer * (w.layers / pp) * pp}
+
+
+def offload_per_gpu(w: Workload, dp: int, tp: int, pp: int, zero: int, bytes_weight: int = 2,
+                    bytes_optim: int = 12, offload_optimizer: str = "none", offload_params: str = "none",
+                    buffer_count: int = 5, buffer_size: int = 10**8) -> dict[str, float]:
+    """Host and disk bytes per GPU that the offload options add (see the module docstring).
+
+    Keys: ``host`` (pinned host memory), ``disk`` (NVMe), ``device_step`` (extra device bytes while the
+    optimizer step runs: ``stream`` mode's two units of moments, taken as one layer's parameters each).
+    """
+    _check_offload(zero, offload_optimizer, offload_params)
+    opt_shard = w.params / (tp * pp) / (dp if zero >= 1 else 1)
+    unit = 12 * w.hidden ** 2 / tp / (dp if zero >= 1 else 1)  # one transformer layer's parameters, sharded
+    master = max(bytes_optim - 8, 4 if offload_optimizer == "cpu" else 0)
+    host = {"none": 0.0, "cpu": (master + 8 + 4) * opt_shard, "stream": 8 * opt_shard,
+            "nvme": buffer_count * buffer_size * 16.0}[offload_optimizer]
+    disk = (bytes_optim * opt_shard) if offload_optimizer == "nvme" else 0.0
+    if offload_params == "nvme":
+        disk += bytes_weight * w.params / (tp * pp * dp)
+        host += buffer_count * unit * bytes_weight
+    return {"host": host, "disk": disk, "device_step": 2 * 8 * unit if offload_optimizer == "stream" else 0.0}
+
+
+def offload_memory(unit_numels: list[int], dp: int, stage: int, offload_optimizer: str = "none",
+                   offload_params: str = "none", buffer_count: int = 2, buffer_size: int = 1 << 16) -> dict:
+    """Bytes one rank of this toolkit's fp32 ZeRO holds right after backward, by place and category.
+
+    ``unit_numels``: parameters of each ZeRO unit (embedding, each block, head), unsharded. Returns
+    ``{"device": {"params", "grads", "optim"}, "host": {...}, "disk": {...}, "device_step_optim": int}``
+    where ``host`` has ``optim`` (m, v), ``master`` and ``grads`` (``cpu``), or ``staging`` (``nvme``), and
+    ``device_step_optim`` is what the device holds for the optimizer while the step runs (stream's slots).
+    """
+    _check_offload(stage, offload_optimizer, offload_params)
+    shards = [u if stage == 0 else -(-u // dp) for u in unit_numels]
+    padded = [u if stage == 0 else s * dp for u, s in zip(unit_numels, shards)]
+    s, full = 4 * sum(shards), 4 * sum(padded)
+    device = {"params": 0 if offload_params == "nvme" else (s if stage == 3 else full),
+              "grads": s if stage >= 2 else full,
+              "optim": 2 * s if offload_optimizer == "none" else 0}
+    host, disk, step = {}, {}, 0
+    if offload_optimizer == "cpu":
+        host = {"optim": 2 * s, "master": s, "grads": s}
+    elif offload_optimizer == "stream":
+        host, step = {"optim": 2 * s}, 2 * 2 * 4 * max(shards)
+    elif offload_optimizer == "nvme":
+        block = 1024
+        regions = sum(-(-n // block) * block for n in shards) * 4
+        host = {"staging": buffer_count * buffer_size * 16
+                + (buffer_count * 4 * max(shards) if offload_params == "nvme" else 0)}
+        disk = {"file": regions * (3 if offload_params == "nvme" else 2)}
+    return {"device": device, "host": host, "disk": disk, "device_step_optim": step}
+
+
+def validate_offload_model(unit_numels: list[int], dp: int, stage: int, measured: dict[str, dict],
+                           buffer_count: int, buffer_size: int) -> list[dict]:
+    """One row per (variant, place, category): the model's bytes, the measured ones, their ratio.
+
+    ``measured`` maps a variant (``zero``, ``cpu``, ``stream``, ``nvme``, ``nvme_params``) to the bytes
+    lesson 00b measured after backward: ``{"device": {...}, "host": {...}, "disk": {...}}``.
+    """
+    modes = {"zero": ("none", "none"), "cpu": ("cpu", "none"), "stream": ("stream", "none"),
+             "nvme": ("nvme", "none"), "nvme_params": ("nvme", "nvme")}
+    rows = []
+    for variant, got in measured.items():
+        if variant not in modes:
+            continue
+        want = offload_memory(unit_numels, dp, stage, *modes[variant], buffer_count=buffer_count,
+                              buffer_size=buffer_size)
+        for place in ("device", "host", "disk"):
+            for cat in sorted(set(want[place]) | set(got.get(place, {}))):
+                m, g = want[place].get(cat, 0), got.get(place, {}).get(cat, 0)
+                rows.append({"variant": variant, "place": place, "category": cat, "model_bytes": m,
+                             "measured_bytes": g, "ratio": g / m if m else (1.0 if g == 0 else None)})
+    return rows
 
 
 def step_time(w: Workload, c: Cluster, dp: int, tp: int, pp: int, zero: int) -> dict[str, float]:
@@ -104,7 +215,7 @@ def plan(w: Workload, c: Cluster) -> list[dict]:
             if w.global_batch % (dp * w.micro_batch):
                 continue
             for zero in (0, 1, 2, 3):
-                mem = memory_per_gpu(w, dp, tp, pp, zero)
+                mem = memory_per_gpu(w, dp, tp, pp, zero)  # offload options: see offload_per_gpu
                 t = step_time(w, c, dp, tp, pp, zero)
                 total_gb = sum(mem.values()) / 1e9
                 rows.append({"dp": dp, "tp": tp, "pp": pp, "zero": zero, "memory_gb": total_gb,

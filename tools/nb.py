@@ -13,6 +13,7 @@ Names are notebook stems like ``00-foundations``; no names = all.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -56,6 +57,11 @@ def parse(source: str) -> nbformat.NotebookNode:
         elif kind is not None:
             lines.append(line)
     flush()
+    seen: dict[str, int] = {}
+    for cell in cells:  # ids from the content, not random: rebuilding the same source gives the same file
+        digest = hashlib.sha1(f"{cell.cell_type}:{cell.source}".encode()).hexdigest()[:8]
+        seen[digest] = seen.get(digest, 0) + 1
+        cell.id = digest if seen[digest] == 1 else f"{digest}-{seen[digest]}"
     nb = nbformat.v4.new_notebook(cells=cells)
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     nb.metadata["language_info"] = {"name": "python"}

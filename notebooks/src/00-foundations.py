@@ -12,17 +12,18 @@
 #
 # ```
 #  notebook ──launch("l00_foundations", world_size, cfg)──► accelerate launch ──► rank 0 … rank N-1
-#     ▲                                                                            │ real collectives
-#     └──────────── per-rank results (bytes, memory, losses, timings) ◄────────────┘ ledger · memory · timeline
+#     ▲                                                                            │ real collectives,
+#     └──────── per-rank results (bytes, memory, losses, timings) ◄────────────────┘ ledger, memory,
+#                                                                                    timeline
 # ```
 
 # %% tags=["parameters"]
 import os
 
-world_size = 2
-preset = os.environ.get("TOOLKIT_PRESET", "default")  # smoke | default | full
-backend = "auto"  # auto | gloo | nccl
-timeout_s = 600
+world_size: int = 2
+preset: str = os.environ.get("TOOLKIT_PRESET", "default")  # smoke | default | full
+backend: str = "auto"  # auto | gloo | nccl
+timeout_s: int = 600
 
 # %%
 import inspect
@@ -48,13 +49,14 @@ print(f"{world_size} ranks, backend {r0['bandwidth']['backend']}, model {r0['mod
 # n ranks; fp32 weights and AdamW here, so 4 + 4 + 8 bytes per parameter before sharding):
 #
 # ```
-#             keeps per rank                         per step
-#   DDP       W Ψ · G Ψ · opt 2Ψ                      all-reduce(G)                         2(n-1)/n · 4Ψ bytes
-#   ZeRO-1    W Ψ · G Ψ · opt 2Ψ/n                    reduce-scatter(G) + all-gather(W)     same bytes as DDP
-#   ZeRO-2    W Ψ · G Ψ/n · opt 2Ψ/n                  reduce-scatter(G) + all-gather(W)     same bytes as DDP
-#   ZeRO-3    W Ψ/n · G Ψ/n · opt 2Ψ/n                all-gather(W) fwd, again in bwd,      ~1.5 × DDP
-#                                                     reduce-scatter(G)
-#   FSDP2     = ZeRO-3 (torch's fully_shard); reshard_after_forward=False keeps W after forward: 1.0 × DDP bytes
+#           keeps per rank             per step                             bytes sent per rank
+#   DDP     W Ψ · G Ψ · opt 2Ψ         all-reduce(G)                        2(n-1)/n · 4Ψ
+#   ZeRO-1  W Ψ · G Ψ · opt 2Ψ/n       reduce-scatter(G) + all-gather(W)    same as DDP
+#   ZeRO-2  W Ψ · G Ψ/n · opt 2Ψ/n     reduce-scatter(G) + all-gather(W)    same as DDP
+#   ZeRO-3  W Ψ/n · G Ψ/n · opt 2Ψ/n   all-gather(W) fwd, again in bwd,     ~1.5 × DDP
+#                                      reduce-scatter(G)
+#   FSDP2   = ZeRO-3 (torch's fully_shard); reshard_after_forward=False keeps W after forward:
+#           1.0 × DDP bytes
 # ```
 #
 # The toolkit's own ZeRO (`toolkit/parallel/zero.py`, flat padded buffer per unit) runs next to torch's DDP
@@ -399,21 +401,19 @@ viz.table([{k: v for k, v in row.items() if k in ("dp", "tp", "pp", "zero", "mem
           formats={"memory_gb": ".1f", "step_s": ".2f"}).show()
 
 # %%
-try:
-    import ipywidgets as widgets
+def _plan_table(params_b: float, gpus: int, memory_gb: int, inter_gbps: float, seq_len: int):
+    rows = plan(Workload(params=params_b * 1e9, seq_len=seq_len), Cluster(gpus=gpus, memory_gb=memory_gb,
+                                                                         inter_gbps=inter_gbps))[:8]
+    keep = ("dp", "tp", "pp", "zero", "memory_gb", "fits", "step_s")
+    return viz.table([{k: v for k, v in row.items() if k in keep} for row in rows],
+                     formats={"memory_gb": ".1f", "step_s": ".2f"},
+                     title=f"{params_b:g}B on {gpus} GPUs, {memory_gb} GB, {inter_gbps:g} GB/s (cost model)")
 
-    def _explore(params_b=7.0, gpus=64, memory_gb=80, inter_gbps=50.0, seq_len=4096):
-        rows = plan(Workload(params=params_b * 1e9, seq_len=seq_len), Cluster(gpus=gpus, memory_gb=memory_gb,
-                                                                                 inter_gbps=inter_gbps))[:8]
-        viz.table([{k: v for k, v in row.items() if k in ("dp", "tp", "pp", "zero", "memory_gb", "fits", "step_s")}
-                   for row in rows], formats={"memory_gb": ".1f", "step_s": ".2f"},
-                  title=f"{params_b:g}B on {gpus} GPUs (cost model)").show(renderer="plotly_mimetype")
-        # (inside a widget's output area the HTML renderer makes papermill wait for the cell timeout)
 
-    widgets.interact(_explore, params_b=(1.0, 175.0, 1.0), gpus=[8, 16, 32, 64, 128, 256], memory_gb=[40, 80, 141],
-                     inter_gbps=(5.0, 100.0, 5.0), seq_len=[2048, 4096, 8192, 32768])
-except ImportError:
-    pass
+viz.explore(_plan_table, {"params_b": [1.0, 3.0, 7.0, 13.0, 34.0, 70.0, 175.0], "gpus": [8, 16, 32, 64, 128, 256],
+                          "memory_gb": [40, 80, 141], "inter_gbps": [5.0, 12.5, 25.0, 50.0, 100.0],
+                          "seq_len": [2048, 4096, 8192, 32768]},
+            defaults={"params_b": 7.0, "gpus": 64, "memory_gb": 80, "inter_gbps": 50.0, "seq_len": 4096})
 
 # %% [markdown]
 # ## Try this

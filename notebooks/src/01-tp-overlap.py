@@ -237,9 +237,11 @@ display(Markdown(f"""
 #
 # | | CPU (this notebook) | CUDA (`benchmarks/gpu/tp_overlap.py`) |
 # |---|---|---|
-# | bulk | gloo `all_gather_into_tensor` / `reduce_scatter_tensor`, then / after `torch.mm` | the same on NCCL |
-# | ring | `batch_isend_irecv` on gloo threads, `torch.mm` on the rank's thread | NCCL p2p on its own stream, GEMMs on the compute stream |
-# | production | — | `torch.ops.symm_mem.fused_all_gather_matmul` / `fused_matmul_reduce_scatter` (symmetric memory, copy engines), when available |
+# | bulk | gloo all-gather / reduce-scatter, then / after `torch.mm` | the same on NCCL |
+# | ring | `batch_isend_irecv` (gloo threads), GEMMs on the rank | NCCL p2p on its own stream |
+# | production | — | `symm_mem.fused_all_gather_matmul` / `fused_matmul_reduce_scatter` |
+#
+# (The production ops are `torch.ops.symm_mem`'s: symmetric memory and copy engines, where available.)
 #
 # **Try:** `world_size = 4` (with `n_head` a multiple of 4 in the cfg: the ring then takes three hops and
 # the reduce-scatter is no longer bitwise); a larger `d_model` (more GEMM per byte); `micro_batch = 1`

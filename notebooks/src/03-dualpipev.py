@@ -32,7 +32,8 @@
 # ```
 #  1. 2(p−r−1) × F0          4. (m−2p+r+1) × [F0&B1, F1&B0]     7. (p−r−1) × [W, B0]
 #  2. (r+1)    × [F0, F1]    5. (p−r−1)    × [B1, F1&B0]        8. (r+1)   × W
-#  3. (p−r−1)  × [I1, W, F1] 6. (r+1)      × [B1, B0]   (W split switched on halfway, by the parity of r)
+#  3. (p−r−1)  × [I1, W, F1] 6. (r+1)      × [B1, B0]
+#  (W split switched on halfway, by the parity of r)
 # ```
 #
 # The DualPipe README gives its bubble as (PP/2−1)(F&B+B−3W) with PP = 2p stages, against (PP−1)(F+B)
@@ -41,10 +42,10 @@
 # %% tags=["parameters"]
 import os
 
-world_size = 2
-preset = os.environ.get("TOOLKIT_PRESET", "default")  # smoke | default | full
-backend = "auto"  # auto | gloo | nccl
-timeout_s = 600
+world_size: int = 2
+preset: str = os.environ.get("TOOLKIT_PRESET", "default")  # smoke | default | full
+backend: str = "auto"  # auto | gloo | nccl
+timeout_s: int = 600
 
 # %%
 import inspect
@@ -358,9 +359,10 @@ print(GPT(GPTConfig(**r0["model"])).blocks[0].attn)  # the run's model
 # %% [markdown]
 # ## 9 · Explore
 #
-# Pick a schedule, p, m and op costs; the Gantt chart, memory and bubble redraw from the simulator
-# (needs a live kernel). Below it, the same view as a static figure for p = 4, m = 8 with this run's
-# measured chunk costs and F&B at 80 % of F + B.
+# Pick a schedule, p, m and op costs; the Gantt chart, memory and bubble redraw from the simulator.
+# The live explorer needs a kernel and combines every setting; the precomputed one under it moves one
+# setting at a time and works anywhere (the HTML book too). Then the same view as a static figure for
+# p = 4, m = 8 with this run's measured chunk costs and F&B at 80 % of F + B.
 
 # %%
 explorer("dualpipev", p=4, m=8, costs=Costs(1, 2, 1))

@@ -17,9 +17,9 @@
 # ## The idea
 #
 # ```
-#  rank r                                                                 rank j (owns expert e)
+#  rank r                                                               rank j (owns expert e)
 #  tokens x [T,H] ─ router ─► rows sorted by destination
-#     per token, per 128 channels:  s = amax / 127,  q = round(x / s)            q * s ─► expert e ─► y
+#     per token, per 128 channels:  s = amax / 127,  q = round(x / s)    q * s ─► expert e ─► y
 #     wire row = [ q : H bytes (int8) | H/2 bytes (int4) ][ s : 4·H/128 bytes ]        │
 #     ───────────────────────── all_to_all_single (dispatch) ───────────────────────►  │
 #     ◄──────────────────────── all_to_all_single (combine, fp32) ────────────────────┘
@@ -35,11 +35,12 @@
 
 # %% tags=["parameters"]
 import os
+from typing import Optional
 
-world_size: int = 0  # 0: 2 ranks at smoke, 4 otherwise (n_expert / world_size experts per rank)
+world_size: Optional[int] = None  # None: 2 ranks at smoke, 4 otherwise (n_expert / world_size experts per rank)
 preset: str = os.environ.get("TOOLKIT_PRESET", "default")  # smoke | default | full
 backend: str = "auto"  # auto | gloo | nccl
-train_modes: list = None  # None: bf16, int8, int4 (+ "bf16@1", bf16 with another seed, above smoke)
+train_modes: Optional[list] = None  # None: bf16, int8, int4 (+ "bf16@1", bf16 with another seed, above smoke)
 block: int = 128  # channels per fp32 scale
 timeout_s: int = 900
 

@@ -14,13 +14,15 @@
 # ```
 #   rank i:  x = g + e                        (e: the error this rank kept from the last step)
 #            P = x Q            [n,r]  ──all-reduce (sum)──►  P = orthogonalize(P)
-#            Q = xᵀ P           [m,r]  ──all-reduce (mean)─►  x̂ = P Qᵀ = P Pᵀ mean(x)   (same on every rank)
+#            Q = xᵀ P           [m,r]  ──all-reduce (mean)─►  x̂ = P Qᵀ = P Pᵀ mean(x)
+#                                                              (the same on every rank)
 #            e = x − x̂                 (kept locally)
 #   bytes:   4·r·(n+m) instead of 4·n·m per matrix (vectors and tiny matrices are sent whole)
 #
-#   EDGC control (every `window` steps after `warmup`; rank 0 decides, a broadcast makes it everyone's):
+#   EDGC control (every `window` steps after `warmup`;
+#                 rank 0 decides, a broadcast makes it everyone's):
 #     sampled steps ──► histogram entropy h of β·N sampled elements ──► mean over the window
-#     r_stage = r_init · (ref_bits + h − h_ref) / ref_bits      (h_ref: entropy at the end of the warm-up)
+#     r_stage = r_init · (ref_bits + h − h_ref) / ref_bits   (h_ref: entropy at the end of warm-up)
 # ```
 #
 # "Pipeline stages" are emulated by parameter groups: stage 0 = embedding + first half of the blocks,
@@ -29,11 +31,11 @@
 # %% tags=["parameters"]
 import os
 
-world_size = 2
-preset = os.environ.get("TOOLKIT_PRESET", "default")  # smoke | default | full
-backend = "auto"  # auto | gloo | nccl
-timeout_s = 1200
-loss_tolerance = 0.02  # EDGC's held-out loss may exceed the baseline's by at most this fraction
+world_size: int = 2
+preset: str = os.environ.get("TOOLKIT_PRESET", "default")  # smoke | default | full
+backend: str = "auto"  # auto | gloo | nccl
+timeout_s: int = 1200
+loss_tolerance: float = 0.02  # EDGC's held-out loss may exceed the baseline's by at most this fraction
 
 # %%
 import inspect

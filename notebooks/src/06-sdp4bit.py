@@ -21,10 +21,10 @@
 #   2 nodes × 2 ranks; g [N] on every rank, viewed as 4 shards (shard j owned by rank j)
 #
 #   node 0: rank 0, rank 1           node 1: rank 2, rank 3
-#   ── H32, 8-bit SR ──► all-to-all inside each node: rank (a,l) gets, from its node peer, the two shards
-#                        {(0,l), (1,l)} and sums them                     N/2 elements, 8 bits
-#   ── 4-bit SR ──────► all-to-all across nodes between ranks with the same l: rank (a,l) gets shard (a,l)
-#                        from the other node and sums                     N/4 elements, 4 bits
+#   ── H32, 8-bit SR ──► all-to-all inside each node: rank (a,l) gets, from its node peer,
+#                        the two shards {(0,l), (1,l)} and sums them       N/2 elements, 8 bits
+#   ── 4-bit SR ──────► all-to-all across nodes between ranks with the same l: rank (a,l)
+#                        gets shard (a,l) from the other node and sums     N/4 elements, 4 bits
 #   ── H32/32, ÷W ────► the mean gradient of its own shard
 #   AdamW on the fp32 master shard; qWD: all-gather every shard's 4-bit Δ ─► W = bf16(W + deq Δ)
 # ```
@@ -35,11 +35,11 @@
 # %% tags=["parameters"]
 import os
 
-world_size = 4  # 2 nodes x 2 ranks (world_size = 2 runs 2 nodes x 1)
-preset = os.environ.get("TOOLKIT_PRESET", "default")  # smoke | default | full
-backend = "auto"  # auto | gloo | nccl
-timeout_s = 1800
-loss_tolerance = 0.02  # SDP4Bit's held-out loss may exceed the baseline's by at most this fraction
+world_size: int = 4  # 2 nodes x 2 ranks (2 ranks: 2 nodes x 1)
+preset: str = os.environ.get("TOOLKIT_PRESET", "default")  # smoke | default | full
+backend: str = "auto"  # auto | gloo | nccl
+timeout_s: int = 1800
+loss_tolerance: float = 0.02  # SDP4Bit's held-out loss may exceed the baseline's by at most this fraction
 
 # %%
 import inspect

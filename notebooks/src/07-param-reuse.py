@@ -19,14 +19,16 @@
 # ## The idea
 #
 # ```
-#  fp32 master, viewed as int32 i                       j = i + 0x8000   (integer add: exact, undone by j - 0x8000)
+#  fp32 master, viewed as int32 i                       j = i + 0x8000
+#                                                       (integer add: exact, undone by j - 0x8000)
 #  ┌──────────── hi16 ────────────┬──── lo16 ────┐      ┌────── j >> 16 ───────┬──── j & 0xFFFF ────┐
 #  │ sign │ exponent │ mantissa.. │ ..mantissa   │  ──► │ bf16 compute weight  │ int16 residual     │
 #  └──────────────────────────────┴──────────────┘      └──────────────────────┴────────────────────┘
 #
 #  plain mixed precision  : bf16 weight 2 B + fp32 master 4 B              = 6 B per parameter
 #  parameter copy reuse   : bf16 weight 2 B + residual 2 B                 = 4 B per parameter
-#  sharded optimizer (DP) : 2 + 4/DP  ->  2 + 2/DP  B per parameter on each rank (the bf16 weight stays whole)
+#  sharded optimizer (DP) : 2 + 4/DP  ->  2 + 2/DP  B per parameter on each rank
+#                           (the bf16 weight stays whole)
 # ```
 #
 # Adding half a bf16 ulp (0x8000 in the units of the low half) before cutting makes the high half the fp32
@@ -44,11 +46,11 @@
 # %% tags=["parameters"]
 import os
 
-world_size = 2
-preset = os.environ.get("TOOLKIT_PRESET", "default")  # smoke | default | full
-backend = "auto"  # auto | gloo | nccl
-steps = 0  # 0: the preset decides (smoke 20, default 100, full 1000)
-timeout_s = 900
+world_size: int = 2
+preset: str = os.environ.get("TOOLKIT_PRESET", "default")  # smoke | default | full
+backend: str = "auto"  # auto | gloo | nccl
+steps: int = 0  # 0: the preset decides (smoke 20, default 100, full 1000)
+timeout_s: int = 900
 
 # %% [markdown]
 # ## The code that matters
@@ -112,7 +114,7 @@ print("ties / split differs from torch's cast:", param_reuse.count_ties(bits))
 # |---|---|---|---|
 # | `reuse` | `ReuseAdamW` | bf16 shard + int16 residual | ties away (split) |
 # | `same` | `MasterAdamW(rounding="away")` | separate fp32 | ties away: the bit-exact reference |
-# | `amp` | `MasterAdamW(rounding="nearest_even")` | separate fp32 | torch's round-half-even: plain mixed precision |
+# | `amp` | `MasterAdamW(rounding="nearest_even")` | separate fp32 | round-half-even (torch's AMP) |
 
 # %%
 from IPython.display import Markdown, display

@@ -26,12 +26,13 @@
 #  1F1B, p = 2, m = 4               rank 0:  F0  F1  B0  F2  B1  F3  B2  B3
 #                                   rank 1:  F0 B0  F1 B1  F2 B2  F3 B3
 #
-#  rank 0, F1:  ln1 ─► qkv ─► core ─► ... ─► fc2        every group leaves (D2H) as soon as its module returns
-#                │      │      │              │          (B0, not B1, is the next backward on this rank)
-#                ▼      ▼      ▼              ▼
+#  rank 0, F1:  ln1 ─► qkv ─► core ─► ... ─► fc2   every group leaves (D2H) as soon as its
+#                │      │      │              │     module returns (B0, not B1, is the next
+#                ▼      ▼      ▼              ▼     backward on this rank)
 #              host   host   host           host
 #
-#  rank 0, B0:  other ◄─ fc2 ◄─ ... ◄─ core ◄─ qkv ◄─ ln1     unpacking group g reloads group g−1 (H2D)
+#  rank 0, B0:  other ◄─ fc2 ◄─ ... ◄─ core ◄─ qkv ◄─ ln1   unpacking group g reloads
+#                                                          group g−1 (H2D)
 #               ▲ kept: F0's last group stayed, B0 was the next backward after F0
 #  end of B0:   reload F... B1's last group: B1 is the next backward (the schedule says so)
 # ```
@@ -46,11 +47,11 @@
 # %% tags=["parameters"]
 import os
 
-world_size = 2
-preset = os.environ.get("TOOLKIT_PRESET", "default")  # smoke | default | full
-backend = "auto"  # auto | gloo | nccl
-policies = ["all", "attention", "mlp", "norms", "qkv", "core", "proj", "ln1", "ln2", "fc1", "act", "fc2"]
-timeout_s = 900
+world_size: int = 2
+preset: str = os.environ.get("TOOLKIT_PRESET", "default")  # smoke | default | full
+backend: str = "auto"  # auto | gloo | nccl
+policies: list = ["all", "attention", "mlp", "norms", "qkv", "core", "proj", "ln1", "ln2", "fc1", "act", "fc2"]
+timeout_s: int = 900
 
 # %% [markdown]
 # ## The code that matters

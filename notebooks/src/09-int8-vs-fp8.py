@@ -18,8 +18,8 @@
 #
 # ```
 #  x (flattened, blocks of B along the GEMM's reduction dim)   one fp32 scale per block
-#  ┌──────── B ────────┬──────── B ────────┬ ...                s_i = amax(block_i) / 127      (INT8)
-#  │ x_0 ... x_{B-1}   │ x_B ... x_{2B-1}  │                    s_i = amax(block_i) / 448      (FP8-E4M3)
+#  ┌──────── B ────────┬──────── B ────────┬ ...                s_i = amax(block_i) / 127  (INT8)
+#  │ x_0 ... x_{B-1}   │ x_B ... x_{2B-1}  │                    s_i = amax(block_i) / 448  (E4M3)
 #  └───────────────────┴───────────────────┘
 #  INT8 : q = clamp(round(x / s), -127, 127)     levels 0, ±s, ±2s, ...            (uniform)
 #  E4M3 : q = round_to_E4M3(x / s)               levels ±2^e·(1 + m/8), e ∈ [-6, 8] (log-uniform)
@@ -42,12 +42,12 @@
 # %% tags=["parameters"]
 import os
 
-world_size = 2
-preset = os.environ.get("TOOLKIT_PRESET", "default")  # smoke | default | full
-backend = "auto"  # auto | gloo | nccl
-blocks = [32, 64, 128, 256, 0]  # 0 = one scale per tensor
-train_fmts = ["bf16", "bf16@1", "int8", "fp8_e4m3", "int4"]  # "bf16@1": bf16, another seed
-timeout_s = 900
+world_size: int = 2
+preset: str = os.environ.get("TOOLKIT_PRESET", "default")  # smoke | default | full
+backend: str = "auto"  # auto | gloo | nccl
+blocks: list = [32, 64, 128, 256, 0]  # block sizes to compare; 0: one scale per tensor
+train_fmts: list = ["bf16", "bf16@1", "int8", "fp8_e4m3", "int4"]  # "bf16@1": bf16, another seed
+timeout_s: int = 900
 
 # %% [markdown]
 # ## The code that matters

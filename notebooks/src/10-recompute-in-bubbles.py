@@ -11,7 +11,7 @@
 #  rank 0, cool-down of 1F1B (gradient of micro-batch j arrives from rank 1 at ▼)
 #
 #  no recompute      ... B(j-1) ·······▼ B(j)          activations of j kept since F(j)
-#  inline (torch)    ... B(j-1) ·······▼ R(j) B(j)     recompute after the gradient: on the critical path
+#  inline (torch)    ... B(j-1) ·······▼ R(j) B(j)     recompute after the gradient: critical path
 #  in the bubble     ... B(j-1) R(j) ··▼ B(j)          recompute while waiting: hidden
 # ```
 #
@@ -22,10 +22,10 @@
 # %% tags=["parameters"]
 import os
 
-world_size = 2
-preset = os.environ.get("TOOLKIT_PRESET", "default")  # smoke | default | full
-backend = "auto"  # auto | gloo | nccl
-timeout_s = 600
+world_size: int = 2
+preset: str = os.environ.get("TOOLKIT_PRESET", "default")  # smoke | default | full
+backend: str = "auto"  # auto | gloo | nccl
+timeout_s: int = 600
 
 # %%
 import inspect

@@ -12,12 +12,13 @@
 # complete once every later chunk that attended to them has run its backward.
 #
 # ```
-#  one layer, chunk j of a micro-batch (k = 4, j = 2)        backward, chunks in reverse
+#  one layer, chunk j of a micro-batch (k = 4, j = 2)   backward, chunks in reverse
 #
-#   keys:   [ chunk 0 | chunk 1 | chunk 2 ]                    B(3): dK, dV for chunks 0..3 ─► file 0..2's share
-#                cache     cache     own                       B(2): own dK + what 3 filed ─► file 0..1's share
-#   queries of chunk 2 ──────────────►  ◣ bottom-right          B(1): own dK + what 2, 3 filed ─► file 0's share
-#                                         causal mask           B(0): own dK + what 1..3 filed   (complete)
+#   keys:   [ chunk 0 | chunk 1 | chunk 2 ]          B(3): dK, dV for chunks 0..3 ─► file 0..2's share
+#                cache     cache     own             B(2): own dK + what 3 filed ─► file 0..1's share
+#   queries of chunk 2 ──────────────►  ◣ bottom-   B(1): own dK + what 2, 3 filed ─► file 0's share
+#                                    right causal   B(0): own dK + what 1..3 filed   (complete)
+#                                           mask
 # ```
 #
 # This notebook runs 1F1B and Seq1F1B for real on p processes over the same tiny GPT, checks that the loss and
@@ -27,11 +28,11 @@
 # %% tags=["parameters"]
 import os
 
-world_size = 4  # pipeline stages, one process each
-preset = os.environ.get("TOOLKIT_PRESET", "default")  # smoke | default | full
-backend = "auto"  # auto | gloo | nccl
-seq_chunks = 4  # k
-timeout_s = 600
+world_size: int = 4  # pipeline stages, one process each
+preset: str = os.environ.get("TOOLKIT_PRESET", "default")  # smoke | default | full
+backend: str = "auto"  # auto | gloo | nccl
+seq_chunks: int = 4  # k
+timeout_s: int = 600
 
 # %%
 import inspect

@@ -10,13 +10,15 @@
 # and how much faster is a step? The source article reports 1.48× on a GitHub dataset and 1.25× on CommonCrawl.
 #
 # ```
-#  static CP 2 on 4 ranks (2 DP replicas × CP 2), packs of ≤ 2 × 512 tokens: every sequence is cut in two
+#  static CP 2 on 4 ranks (2 DP replicas × CP 2), packs of ≤ 2 × 512 tokens:
+#  every sequence is cut in two
 #    ranks 0-1 │ 620 ─────────── │ 300 ───── │ 100 │         work Σ L²/2 = 242 k per rank
 #    ranks 2-3 │ 440 ──────── │ 420 ──────── │ 80 │ 60 │     190 k per rank, then waits for ranks 0-1
 #  dynamic CP on the same ranks, cap 512 tokens per rank
 #    ranks 0-1 │ 620 ─────────── │   cp 2 (620 > 512)         192 k per rank
 #    rank 2    │ 440 ──────── │      cp 1, no ring            194 k
-#    rank 3    │ 420 ──────── │ 80 │ cp 1, no ring            183 k      (300, 100, 60: next micro-batch)
+#    rank 3    │ 420 ──────── │ 80 │ cp 1, no ring            183 k
+#    (300, 100, 60: the next micro-batch)
 # ```
 
 # %% tags=["parameters"]

@@ -22,16 +22,17 @@
 #                     (Algorithm 2 also) G_i = softmax_i-local · W_i, H_i = W_i[target] or 0
 #   C0                m = max m_i;  s = Σ s_i e^(m_i − m);  z = Σ z_i;  loss = log s + m − z
 #                     (Algorithm 2) dX = Σ (α_i G_i − H_i) with α_i = s_i e^(m_i − m) / s
-#   T pass (rank i)   dY_i = α_i P_i − onehot;  dW_i = dY_iᵀ X;  (Algorithm 1) dX_i = dY_i W_i, C1: dX = Σ dX_i
+#   T pass (rank i)   dY_i = α_i P_i − onehot;  dW_i = dY_iᵀ X;
+#                     (Algorithm 1) dX_i = dY_i W_i, C1: dX = Σ dX_i
 # ```
 
 # %% tags=["parameters"]
 import os
 
-world_size = 4  # pipeline stages, one process each
-preset = os.environ.get("TOOLKIT_PRESET", "default")  # smoke | default | full
-backend = "auto"  # auto | gloo | nccl
-timeout_s = 600
+world_size: int = 4  # pipeline stages, one process each
+preset: str = os.environ.get("TOOLKIT_PRESET", "default")  # smoke | default | full
+backend: str = "auto"  # auto | gloo | nccl
+timeout_s: int = 600
 
 # %%
 import inspect

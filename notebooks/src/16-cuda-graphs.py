@@ -30,7 +30,8 @@
 # ```
 #  DualPipeV rank r holds stages r and 2p−1−r:
 #  compute  ... B(2p−1−r, last) ... B(r, last)  W ...            (graphs: one per chunk and pass)
-#  DP comm                     └─ all-reduce(stage 2p−1−r) ──┘└─ all-reduce(stage r) ─┘   (eager, async)
+#  DP comm                     └─ all-reduce(stage 2p−1−r) ──┘└─ all-reduce(stage r) ─┘
+#                                                                      (eager, async)
 # ```
 #
 # This machine has no GPU, so nothing is captured here. We measure what a graph would remove (ATen ops
@@ -274,7 +275,7 @@ display(Markdown(f"""
 # | | CPU (this notebook) | CUDA (`benchmarks/gpu/cuda_graphs.py`) |
 # |---|---|---|
 # | op counts, host cost per op | `TorchDispatchMode`, timed chunks | — |
-# | capture | not possible | `torch.cuda.make_graphed_callables` per stage: replay vs eager step time, same loss and grads |
+# | capture | not possible | `make_graphed_callables` per stage: replay vs eager, same loss/grads |
 # | DP separation | DualPipeV on gloo, all-reduce `async_op=True` per stage | the same on NCCL |
 #
 # **Try:** `pp = 4, n_layer = 8` with `world_size = 4` (dp = 1): more pipeline ranks, earlier phase-1 chunks;

@@ -11,7 +11,8 @@
 #  ─────────────                      ─────────────────────────────────
 #  class MyModel ...      ─┐
 #  def experiment(ctx, cfg) ├─ launch ─► experiment(ctx, cfg): build the model, wrap it in DDP, train,
-#                          ─┘            record spans (ctx.timeline), bytes (ctx.ledger), memory (MemoryTracker)
+#                          ─┘            record spans (ctx.timeline), bytes (ctx.ledger),
+#                                        memory (MemoryTracker)
 #  results[rank]  ◄───────────────────── return a dict of plain numbers
 #  figures and checks
 # ```

@@ -167,6 +167,9 @@ class _FlatUnit:
         self._full_ptr = 0  # stage 3: storage of the gathered buffer of the forward now running
         self._regathered: torch.Tensor | None = None  # stage 3: gathered again for backward
         self._saved_hooks = None
+        # stage 3: where the shard's values come from when it is not resident (NVMe offload sets this,
+        # toolkit.memory.nvme.DiskParams); None: from ``self.shard``
+        self.shard_source: Callable[[], torch.Tensor] | None = None
         for sub, attr, _ in self.slots:
             del sub._parameters[attr]
         self._set_views(None if stage == 3 else flat)
@@ -203,7 +206,8 @@ class _FlatUnit:
 
     def _all_gather(self) -> torch.Tensor:
         full = torch.empty(self.padded, dtype=self.shard.dtype, device=self.shard.device)
-        dist.all_gather_into_tensor(full, self.shard.detach(), group=self.group)
+        shard = self.shard.detach() if self.shard_source is None else self.shard_source()
+        dist.all_gather_into_tensor(full, shard, group=self.group)
         _classify(full, "param")
         return full
 

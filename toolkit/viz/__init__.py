@@ -1,8 +1,10 @@
 """Plotly figures with one look for every lesson. Each function returns a ``go.Figure``.
 
-They render in JupyterLab (interactive) and in the static HTML export of executed
-notebooks (plotly.js is embedded once per page). Colours are fixed per meaning, so
-"F" is the same blue and "activations" the same red in every lesson.
+They render in JupyterLab (plotly's mimetype, drawn by the jupyterlab-plotly extension) and in the
+HTML book ``make run`` writes (``tools/book.py`` draws the same mimetype with one shared, local copy
+of plotly.js). Colours are fixed per meaning, so "F" is the same blue and "activations" the same red
+in every lesson. ``explore`` turns any ``draw(**values) -> Figure`` into an explorer that works live
+in JupyterLab and, precomputed, without a kernel.
 """
 from __future__ import annotations
 
@@ -144,6 +146,9 @@ def heatmap(z: Sequence[Sequence[float]], x: Sequence | None = None, y: Sequence
     fig = go.Figure(go.Heatmap(z=z, x=x, y=y, colorscale=colorscale, colorbar=dict(title=colorbar_title),
                                text=[[format(v, text_format) for v in row] for row in z] if text_format else None,
                                texttemplate="%{text}" if text_format else None))
+    for axis, labels in (("xaxis", x), ("yaxis", y)):  # "32", "64", "tensor": labels, not numbers (plotly would
+        if labels is not None and any(isinstance(v, str) for v in labels):  # put "tensor" at NaN)
+            fig.update_layout({axis: {"type": "category", "automargin": True}})  # long row labels stay whole
     return theme(fig, title)
 
 
@@ -168,16 +173,19 @@ def human_bytes(n: float) -> str:
     return f"{n:.2f} TiB"
 
 
+from .explore import Explorer, explore, precompute  # noqa: E402  (needs theme above)
+
 __all__ = ["theme", "gantt", "memory_over_time", "bars", "lines", "heatmap", "table", "human_bytes", "COLORS",
-           "PALETTE", "color_of"]
+           "PALETTE", "color_of", "explore", "precompute", "Explorer"]
 
 
 def _use_notebook_renderer() -> None:
-    """In a Jupyter kernel, emit both the plotly mimetype (JupyterLab) and inline HTML (nbconvert's HTML export)."""
+    """In a Jupyter kernel, emit plotly's mimetype only: JupyterLab draws it, and so does the HTML book
+    (with one shared plotly.js), instead of every executed notebook carrying its own 4.8 MB copy."""
     try:
         from IPython import get_ipython
         if get_ipython() is not None and get_ipython().__class__.__name__ == "ZMQInteractiveShell":
-            pio.renderers.default = "plotly_mimetype+notebook"
+            pio.renderers.default = "plotly_mimetype"
     except ImportError:
         pass
 

@@ -1,11 +1,13 @@
-"""Pipeline figures: schedule Gantt charts (simulated or measured), memory held over time, and an
-interactive schedule explorer (ipywidgets) that re-simulates as you move its sliders.
+"""Pipeline figures: schedule Gantt charts (simulated or measured), memory held over time, and a
+schedule explorer that re-simulates as you move its controls.
 
     schedule_gantt(sim or spans)   one row per rank, one bar per action (F, B, I, W, F&B, R)
     memory_steps(sim)              stage-chunks of activations each rank holds over the step
-    explorer(...)                  schedule, p, m, op costs -> Gantt + memory + bubble/step line, live
+    schedule_view(sim)             both, one above the other (one figure)
+    explorer(...)                  schedule, p, m, op costs -> schedule_view, live and precomputed
 
-Every function returns plain plotly figures (static in exported HTML); only ``explorer`` needs a kernel.
+Every function returns plain plotly figures; ``explorer`` is a ``toolkit.viz.explore`` explorer (live
+with a kernel, precomputed for the HTML book).
 """
 from __future__ import annotations
 
@@ -51,46 +53,50 @@ def simulate_named(name: str, p: int, m: int, costs: Costs, **options) -> SimRes
     return simulate(schedule, costs)
 
 
+def schedule_view(sim: SimResult, title: str = "") -> go.Figure:
+    """The simulated step's Gantt chart above the activation chunks each rank holds (one figure, shared x)."""
+    from plotly.subplots import make_subplots
+
+    chart, held = schedule_gantt(sim), memory_steps(sim)
+    fig = make_subplots(rows=2, cols=1, shared_xaxes=True, row_heights=[0.64, 0.36], vertical_spacing=0.07)
+    for trace in chart.data:
+        fig.add_trace(trace, row=1, col=1)
+    for trace in held.data:
+        fig.add_trace(trace.update(showlegend=False), row=2, col=1)
+    fig.update_layout(barmode="overlay", bargap=0.25)
+    fig.update_yaxes(categoryorder="array", categoryarray=chart.layout.yaxis.categoryarray, row=1, col=1)
+    fig.update_yaxes(title_text="chunks held", row=2, col=1)
+    fig.update_xaxes(title_text="time (cost units)", row=2, col=1)
+    return theme(fig, title, height=(chart.layout.height or 320) + 200)
+
+
 def explorer(schedule: str = "dualpipev", p: int = 4, m: int = 8, costs: Costs | None = None):
-    """An interactive explorer: pick a schedule, p, m and the op costs; the Gantt chart, the memory held
-    and the bubble/step time redraw from the simulator. Returns the ipywidgets box (display it)."""
-    import ipywidgets as w
+    """Pick a schedule, p, m and the op costs; the Gantt chart, the memory held and the bubble redraw from
+    the simulator. Returns a ``toolkit.viz.Explorer``: in a notebook it shows the live (ipywidgets)
+    explorer and the precomputed plotly one that also works in the HTML book."""
+    from . import explore
 
     c = costs or Costs(1, 2, 1)
-    names = sorted(SCHEDULES) + ["torch:zbv"]
-    ctrl = {
-        "schedule": w.Dropdown(options=names, value=schedule, description="schedule"),
-        "p": w.IntSlider(value=p, min=1, max=8, description="p (ranks)"),
-        "m": w.IntSlider(value=m, min=1, max=32, description="m (micro-b.)"),
-        "F": w.FloatSlider(value=c.F, min=0.1, max=5, step=0.1, description="F"),
-        "B": w.FloatSlider(value=c.B, min=0.2, max=10, step=0.1, description="B (full)"),
-        "W": w.FloatSlider(value=c.W, min=0.1, max=5, step=0.1, description="W (of B)"),
-        "overlap": w.FloatSlider(value=(c.fb / (c.F + c.B)), min=0.5, max=1.0, step=0.05,
-                                 description="F&B/(F+B)"),
-        "comm": w.FloatSlider(value=c.comm, min=0, max=2, step=0.05, description="comm"),
+
+    def draw(schedule: str, p: int, m: int, F: float, B: float, W: float, overlap: float, comm: float):
+        cost = Costs(F, B, W, FB=overlap * (F + B), comm=comm)
+        sim = simulate_named(schedule, p, m, cost)
+        return schedule_view(sim, title=f"{schedule}, p={p}, m={m}: step {sim.makespan:.2f}, bubble "
+                                        f"{sim.bubble_fraction:.1%}, peak chunks {max(sim.peak_mb):.2f}")
+
+    def grid(values: list, value):
+        return sorted(set(values) | {value})
+
+    overlap = round((c.fb / (c.F + c.B)) * 20) / 20
+    controls = {
+        "schedule": sorted(SCHEDULES) + ["torch:zbv"],
+        "p": grid([2, 3, 4, 6, 8], p),
+        "m": grid([2, 4, 6, 8, 12, 16, 24, 32], m),
+        "F": grid([0.5, 1.0, 1.5, 2.0], c.F),
+        "B": grid([1.0, 2.0, 3.0, 4.0], c.B),
+        "W": grid([0.25, 0.5, 1.0, 1.5], c.W),
+        "overlap": grid([0.5, 0.6, 0.7, 0.8, 0.9, 1.0], overlap),
+        "comm": grid([0.0, 0.1, 0.25, 0.5, 1.0], c.comm),
     }
-    out = w.Output()
-
-    def redraw(_=None):
-        v = {k: x.value for k, x in ctrl.items()}
-        out.clear_output(wait=True)
-        with out:
-            try:
-                cost = Costs(v["F"], v["B"], v["W"], FB=v["overlap"] * (v["F"] + v["B"]), comm=v["comm"])
-                sim = simulate_named(v["schedule"], v["p"], v["m"], cost)
-            except ValueError as err:  # e.g. m too small for the schedule: say why instead of drawing
-                print(f"cannot simulate: {err}")
-                return
-            print(f"step {sim.makespan:.2f}   bubble (worst rank) {sim.bubble:.2f}   "
-                  f"bubble fraction {sim.bubble_fraction:.1%}   peak activations per rank (micro-batches) "
-                  f"{[round(x, 2) for x in sim.peak_mb]}")
-            # plotly's mimetype only: the "notebook" renderer inside an Output widget makes papermill/nbclient
-            # wait for its whole timeout
-            schedule_gantt(sim, title=f"{v['schedule']}, p={v['p']}, m={v['m']}").show(renderer="plotly_mimetype")
-            memory_steps(sim, title="activations held").show(renderer="plotly_mimetype")
-
-    for x in ctrl.values():
-        x.observe(redraw, names="value")
-    redraw()
-    controls = list(ctrl.values())
-    return w.VBox([w.HBox(controls[:3]), w.HBox(controls[3:6]), w.HBox(controls[6:]), out])
+    return explore(draw, controls, defaults={"schedule": schedule, "p": p, "m": m, "F": c.F, "B": c.B, "W": c.W,
+                                             "overlap": overlap, "comm": c.comm})

@@ -1,0 +1,260 @@
+"""Lesson 00b: optimizer-state offload (host, stream, disk) bitwise equal to the in-memory AdamW; disk offload
+files pre-allocated, unlinked and sized as the planner says; the article's MappedCheckpoint measured and the
+working spill; the side channel; the bucket cost model; bad inputs before any process starts; a disk that
+fills after validation ends the launch with that error and leaves no file behind."""
+from __future__ import annotations
+
+import copy
+import os
+import resource
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from toolkit import launch
+from toolkit.comm.bucketing import simulate
+from toolkit.lessons import l00b_memory
+from toolkit.memory import nvme
+from toolkit.memory.checkpointing import apply_checkpointing, saved_activation_bytes
+from toolkit.memory.optim_offload import OffloadAdamW
+from toolkit.memory.spill import ALIGN, DiskSpill, inspect_article_snippet
+from toolkit.models import GPT, preset
+from toolkit.planner import Workload, memory_per_gpu, offload_memory, offload_per_gpu
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ---- single process: the optimizers against torch's AdamW ----------------------------------------------
+
+def _params_and_grads(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(3000,), (1500,), (4099,)]  # not multiples of the 1024-element block
+    params = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in shapes]
+    grads = [[torch.randn(s, generator=g) for s in shapes] for _ in range(3)]
+    return params, grads
+
+
+def _train(make_opt) -> tuple[list[torch.Tensor], object]:
+    params, grads = _params_and_grads()
+    opt = make_opt(params)
+    for step in grads:
+        for p, g in zip(params, step):
+            p.grad = g.clone()
+        opt.step()
+    return [p.detach().clone() for p in params], opt
+
+
+@pytest.mark.parametrize("mode", ["cpu", "stream"])
+def test_host_offload_is_bitwise_torch_adamw(mode):
+    want, ref = _train(lambda ps: torch.optim.AdamW(ps, lr=1e-3, foreach=False))
+    got, opt = _train(lambda ps: OffloadAdamW(ps, mode=mode))
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert not opt.state  # nothing a tracker would count as device optimizer state
+    for i, p in enumerate(ref.param_groups[0]["params"]):
+        st = opt.state_of(i)
+        assert torch.equal(st["exp_avg"], ref.state[p]["exp_avg"])
+        assert torch.equal(st["exp_avg_sq"], ref.state[p]["exp_avg_sq"])
+    n = sum(p.numel() for p in ref.param_groups[0]["params"])
+    per_step = opt.moved_per_step[-1]
+    assert per_step == ({"h2d": 4 * n, "d2h": 4 * n} if mode == "cpu" else {"h2d": 8 * n, "d2h": 8 * n})
+
+
+@pytest.mark.parametrize("count, size", [(1, 1024), (3, 2048), (2, 8192)])
+def test_disk_offload_is_bitwise_torch_adamw(tmp_path, count, size):
+    want, ref = _train(lambda ps: torch.optim.AdamW(ps, lr=1e-3, foreach=False))
+    got, opt = _train(lambda ps: nvme.DiskAdamW(ps, tmp_path, count, size))
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    for i, p in enumerate(ref.param_groups[0]["params"]):
+        st = opt.read_state(i)
+        assert torch.equal(st["exp_avg"], ref.state[p]["exp_avg"])
+    numels = [p.numel() for p in ref.param_groups[0]["params"]]
+    s = opt.stats[-1]
+    assert s["bytes_read"] == s["bytes_written"] == 8 * sum(numels)
+    assert s["pieces"] == sum(-(-n // size) for n in numels)
+    assert opt.disk_bytes() == nvme.file_bytes(numels, False) == opt.store.allocated_bytes()
+    assert opt.host_bytes() == nvme.staging_bytes(numels, count, size, False)
+    assert list(tmp_path.iterdir()) == []  # the file was unlinked when it was created
+    opt.close()
+
+
+def test_file_store_reserves_everything_and_reports_a_full_disk(tmp_path):
+    store = nvme.FileStore(tmp_path, 1 << 16)
+    assert store.allocated_bytes() == 1 << 16 and list(tmp_path.iterdir()) == []
+    t = torch.arange(100, dtype=torch.float32)
+    store.write(t, 4096)
+    back = torch.empty(100)
+    store.read(back, 4096)
+    assert torch.equal(back, t) and store.counters()["bytes_written"] == 400
+    with pytest.raises(nvme.OffloadIOError, match="outside"):
+        store.write(t, (1 << 16) - 8)
+    store.close()
+    code = ("import resource, sys; resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 16, 1 << 16));"
+            "from toolkit.memory.nvme import FileStore, OffloadIOError\n"
+            "try:\n    FileStore(sys.argv[1], 1 << 20)\nexcept OffloadIOError as e:\n    print(e)")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, cwd=ROOT)
+    assert "reserving 1,048,576 bytes" in out.stdout and "No file was left behind" in out.stdout, out
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_spill_writes_exactly_the_checkpointed_bytes_and_the_article_snippet_does_not(tmp_path):
+    torch.manual_seed(0)
+    base = apply_checkpointing(GPT(preset("smoke")), "block")
+    x = torch.randint(0, 256, (2, 32))
+    plain, spilled = copy.deepcopy(base), copy.deepcopy(base)
+    saved, loss = saved_activation_bytes(lambda: plain(x, x), list(plain.parameters()))
+    loss.backward()
+    sp = DiskSpill(str(tmp_path), saved + 64 * ALIGN, keep_copies=True)
+    with sp.hooks(list(spilled.parameters())):
+        loss2 = spilled(x, x)
+    assert sp.bytes_written == saved and sp.verify() and sp.mapping() != "anonymous"
+    loss2.backward()
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(plain.parameters(), spilled.parameters()))
+    with pytest.raises(nvme.OffloadIOError, match="do not fit"):
+        sp.reset()
+        small = DiskSpill(str(tmp_path), 1024)
+        with small.hooks(list(spilled.parameters())):
+            spilled(x, x)
+    sp.close()
+    art = inspect_article_snippet(str(tmp_path), [torch.randn(64), torch.randn(64) + 5])
+    assert art["mapping"] == "anonymous" and art["file_nonzero_bytes_after_saves"] == 0
+    assert art["loads_equal_to_last_saved"] == [True, True] and art["loads_equal_to_their_tensor"] == [False, False]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_bucket_link_model():
+    # one bucket waits for the end of backward; many pay the latency each; a few hide behind backward
+    ready = [0.1 * i for i in range(1, 11)]  # ten equal gradients ready during a 1 s backward
+    one = simulate([1.0], [1000], 2, alpha_s=0.01, beta=1000.0)[-1] - 1.0  # ring bytes = 2(n-1)/n x 1000 = 1000
+    ten = simulate(ready, [100] * 10, 2, alpha_s=0.01, beta=1000.0)[-1] - 1.0
+    two = simulate([0.5, 1.0], [500, 500], 2, alpha_s=0.01, beta=1000.0)[-1] - 1.0
+    assert one == pytest.approx(1.01) and two == pytest.approx(0.52) and ten == pytest.approx(0.2)
+    ten_slow = simulate(ready, [100] * 10, 2, alpha_s=0.3, beta=1000.0)[-1] - 1.0
+    two_slow = simulate([0.5, 1.0], [500, 500], 2, alpha_s=0.3, beta=1000.0)[-1] - 1.0
+    one_slow = simulate([1.0], [1000], 2, alpha_s=0.3, beta=1000.0)[-1] - 1.0
+    assert two_slow < min(one_slow, ten_slow)  # the interior optimum when calls cost
+
+
+def test_planner_offload_options():
+    w = Workload(params=13e9, layers=40, hidden=5120, heads=40)
+    base = memory_per_gpu(w, 8, 1, 1, 3)
+    cpu = memory_per_gpu(w, 8, 1, 1, 3, offload_optimizer="cpu")
+    assert cpu["optimizer"] == 0 and base["optimizer"] == pytest.approx(12 * 13e9 / 8)
+    host = offload_per_gpu(w, 8, 1, 1, 3, offload_optimizer="cpu")
+    assert host["host"] == pytest.approx((4 + 8 + 4) * 13e9 / 8)
+    assert memory_per_gpu(w, 8, 1, 1, 3, offload_params="nvme")["weights"] == 0
+    with pytest.raises(ValueError, match="offload_params"):
+        memory_per_gpu(w, 8, 1, 1, 2, offload_params="nvme")
+    with pytest.raises(ValueError, match="offload_optimizer"):
+        offload_per_gpu(w, 8, 1, 1, 3, offload_optimizer="gpu")
+    units = [9216, 12704, 12704, 8256]
+    m = offload_memory(units, 2, 3, "nvme", "nvme", buffer_count=2, buffer_size=2048)
+    assert m["device"] == {"params": 0, "grads": 4 * 21440, "optim": 0}
+    assert m["disk"]["file"] == 3 * 4 * (5120 + 7168 + 7168 + 5120)
+
+
+# ---- bad input, before any process starts --------------------------------------------------------------
+
+def test_bad_paths_and_buffers_are_named_before_launch(tmp_path):
+    v = l00b_memory.validate
+    with pytest.raises(ValueError, match="nvme_path=.*does not exist"):
+        v({"preset": "smoke", "nvme_path": str(tmp_path / "missing")}, 2)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match="nvme_path=.*not a directory"):
+        v({"preset": "smoke", "nvme_path": str(tmp_path / "file")}, 2)
+    with pytest.raises(ValueError, match="buffer_size=1000 .*multiple of 1024"):
+        v({"preset": "smoke", "buffer_size": 1000}, 2)
+    with pytest.raises(ValueError, match="sweep_size=3000"):
+        v({"preset": "smoke", "sweep_size": [1024, 3000]}, 2)
+    with pytest.raises(ValueError, match="world_size=1"):
+        v({"preset": "smoke"}, 1)
+    with pytest.raises(ValueError, match="nvme_path"):
+        launch("l00b_memory", 2, {"preset": "smoke", "nvme_path": str(tmp_path / "missing")})
+
+
+def _mount_tmpfs(path: Path, options: str) -> bool:
+    if os.geteuid() != 0:
+        return False
+    return subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)],
+                          capture_output=True).returncode == 0
+
+
+def test_read_only_and_too_small_directories(tmp_path):
+    ro, small = tmp_path / "ro", tmp_path / "small"
+    ro.mkdir()
+    small.mkdir()
+    if not (_mount_tmpfs(ro, "ro,size=1m") and _mount_tmpfs(small, "size=64k")):
+        if os.geteuid() == 0:
+            pytest.skip("cannot mount a tmpfs here")
+        ro.chmod(0o555)  # not root: permission bits are enough
+    try:
+        with pytest.raises(ValueError, match="nvme_path=.*not writable"):
+            l00b_memory.validate({"preset": "smoke", "nvme_path": str(ro)}, 2)
+        if os.geteuid() == 0:
+            with pytest.raises(ValueError, match="nvme_path=.*bytes free; the offload files need"):
+                l00b_memory.validate({"preset": "smoke", "nvme_path": str(small)}, 2)
+            with pytest.raises(nvme.OffloadIOError, match="No space left"):
+                nvme.FileStore(small, 1 << 20)
+            assert list(small.iterdir()) == []
+    finally:
+        for p in (ro, small):
+            subprocess.run(["umount", str(p)], capture_output=True)
+
+
+def test_disk_filling_after_validation_ends_the_launch_and_leaves_nothing(tmp_path):
+    """A file-size limit (like a disk that filled after the start-up check) makes the ranks' pre-allocation
+    fail: the launch raises that error, and the offload directory is empty."""
+    code = ("import sys\nfrom toolkit import launch\nfrom toolkit.runtime.launch import LaunchError\n"
+            "try:\n    launch('l00b_memory', 2, {'preset': 'smoke', 'sections': ['offload'], 'nvme_path': sys.argv[1]},"
+            " progress='none', timeout_s=300)\nexcept LaunchError as e:\n    print('LAUNCH ERROR', e)\n")
+    limit = 150_000  # above every small file the launcher writes, below the optimizer file (196,608 bytes)
+
+    def limited():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, cwd=ROOT,
+                         preexec_fn=limited, timeout=400)
+    assert "LAUNCH ERROR" in out.stdout, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "reserving" in out.stdout and "File too large" in out.stdout and "No file was left behind" in out.stdout
+    assert list(tmp_path.iterdir()) == []
+
+
+# ---- the lesson on 2 real ranks -------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def lesson():
+    return launch("l00b_memory", 2, {"preset": "smoke"}, progress="none", timeout_s=600)
+
+
+def test_offload_variants_bitwise_and_bytes_where_the_planner_says(lesson):
+    for r in lesson:
+        off = r["offload"]
+        assert off["bitwise_equal_to_zero"] == {v: True for v in ("cpu", "stream", "nvme", "nvme_params")}
+        assert all(off["moments_bitwise_equal_to_zero"].values())
+        assert off["fsdp2_offload_bitwise_equal_to_fsdp2"]
+        for v in ("cpu", "stream", "nvme", "nvme_params"):
+            assert off["memory"][v]["device"]["optim"] == 0
+        for v in ("cpu", "nvme", "nvme_params"):
+            assert off["peak"][v]["optim_max"] == 0  # not even during the step
+        assert off["peak"]["stream"]["optim_max"] > 0  # stream's two units of moments on the device
+        assert off["memory"]["nvme_params"]["device"]["params"] == 0
+        assert all(row["ratio"] == 1.0 for row in off["planner_check"]), off["planner_check"]
+        s = off["memory"]["zero"]["device"]["params"] // 4  # elements of this rank's shards
+        assert off["moved"]["cpu"] == {"h2d": 4 * s, "d2h": 4 * s}
+        assert off["moved"]["nvme"]["disk_read"] == off["moved"]["nvme"]["disk_written"] == 8 * s
+
+
+def test_spill_side_channel_and_buckets(lesson):
+    r0 = lesson[0]
+    sp = r0["spill"]
+    assert sp["spill_bytes_written"] == sp["saved_bytes_plain_checkpoint"] and sp["file_holds_the_saved_bytes"]
+    assert sp["grads_bitwise_equal_to_checkpoint"] and sp["article"]["mapping"] == "anonymous"
+    sc = r0["side_channel"]
+    assert sc["all_received_complete"]
+    assert sc["received_values"] == len(sc["micro_batch_lengths"]) * len(sc["micro_batch_lengths"][0])
+    assert lesson[1]["side_channel"]["side_bytes_posted"] > 0
+    rows = r0["buckets"]["links"]["emulated"]
+    counts = [row["buckets"] for row in rows]
+    assert counts == sorted(counts, reverse=True) and counts[-1] == 1 and counts[0] > 3
+    assert all(sum(row["bucket_bytes"]) == r0["buckets"]["grad_bytes"] for row in rows)
