@@ -20,7 +20,8 @@
 # ## The idea
 #
 # ```
-#  one MoE block, per micro-batch:   attention ─► dispatch (all-to-all) ─► experts ─► combine (all-to-all) ─► next block
+#  one MoE block, per micro-batch:
+#     attention ─► dispatch (all-to-all) ─► experts ─► combine (all-to-all) ─► next block
 #
 #  serial         compute │ attn A │·······│ exp A │·······│ attn A'│ ...   then the same for B
 #                 network │        │disp A │       │comb A │        │

@@ -20,20 +20,22 @@
 # ## The idea
 #
 # ```
-#  tokens per rank, experts at home          after cloning (one spare slot per rank)
+#  tokens per rank, experts at home        after cloning (one spare slot per rank)
 #
-#  rank 0 │████████████████████  e0 e1        rank 0 │██████      e0 e1          e0's tokens: home keeps part,
-#  rank 1 │███████               e2 e3        rank 1 │██████      e2 e3 [e0']     the clones e0', e0'', e0'''
-#  rank 2 │████                  e4 e5        rank 2 │██████      e4 e5 [e0'']    take the rest
-#  rank 3 │███                   e6 e7        rank 3 │██████      e6 e7 [e0''']
-#         └── avg                                    └── avg
+#  rank 0 │████████████████████  e0 e1      rank 0 │██████  e0 e1
+#  rank 1 │███████               e2 e3      rank 1 │██████  e2 e3 [e0']     e0's tokens: home keeps
+#  rank 2 │████                  e4 e5      rank 2 │██████  e4 e5 [e0'']    part, the clones e0',
+#  rank 3 │███                   e6 e7      rank 3 │██████  e6 e7 [e0''']   e0'', e0''' the rest
+#         └── avg                                  └── avg
 #
 #  every step, every rank:  counts [ranks, experts] ─► all_gather ─► the same greedy plan everywhere
 #     spill   = the part of an over-loaded rank's largest experts above the average load
 #     capacity = how far an under-loaded rank is below the average (if it has a free slot)
 #     spills and capacities, both sorted descending, laid end to end: each overlap is one clone
-#  forward:   home weights ─► all_to_all ─► spare slots;   tokens of e: first to home, the rest to its clones
-#  backward:  the clones' gradients ─► all_to_all ─► home, added to the expert's gradient;  clones dropped
+#  forward:   home weights ─► all_to_all ─► spare slots
+#             tokens of e: the first ones to home, the rest to its clones
+#  backward:  the clones' gradients ─► all_to_all ─► home, added to the expert's gradient
+#             (the clones are dropped; the next step plans again)
 # ```
 
 # %% tags=["parameters"]
