@@ -401,6 +401,28 @@ ENTRIES: list[Entry] = [
           "dispatch and combine are collective over the group",
           'll = LowLatency(n_slots=16, max_tokens=64, codec="fp8", combine_codec="bf16")\n'
           '_, _, handle, hook = ll.dispatch(x, ids, weights, return_recv_hook=True)\nrecv_x, count = hook()'),
+    Entry("moe_overlap_step", "toolkit.moe.overlap:step", AREAS[7],
+          "One training step of an expert-parallel MoE GPT over micro-batches, serial or overlapped (one micro-batch's "
+          "dispatch/combine in flight while the other computes; backward interleaved by autograd).",
+          "model, [(idx [B,T], targets [B,T]), ...], schedule 'serial' | 'overlapped' -> per-micro-batch losses "
+          "(gradients accumulated)",
+          "every rank of the ep group calls it with the same schedule and number of micro-batches",
+          'expert_parallel(model)\nlosses = moe_overlap_step(model, [(x[::2], y[::2]), (x[1::2], y[1::2])], "overlapped")\n'
+          'optimizer.step()'),
+    Entry("Echo", "toolkit.moe.echo:Echo", AREAS[7],
+          "ECHO hot-expert cloning on an ExpertParallelMoE with spare slots: plans clones each forward (greedy, the same "
+          "on every rank), copies the weights into spare slots, places tokens on home and clones; reduce_grads() sends "
+          "clone gradients home.",
+          "installed as layer.place: expert ids [T,K] -> slot ids [T,K]; last_plan: ClonePlan (loads before/after)",
+          "collective: the forward all-gathers counts and all-to-alls weights; reduce_grads() after backward on every rank",
+          'layer = ExpertParallelMoE(moe, spare_slots=1)\necho = Echo(layer)\n'
+          '(layer(x) * g).sum().backward(); echo.reduce_grads()'),
+    Entry("plan_clones", "toolkit.moe.echo:plan_clones", AREAS[7],
+          "ECHO's greedy planner (pure, integers): spill of over-loaded ranks' hot experts onto spare slots of "
+          "under-loaded ranks by interval overlap; one expert per slot, budget, reclaim of small clones.",
+          "counts [R, E] (pairs per source rank per expert), local, spare_slots -> ClonePlan", "local (no collectives)",
+          'plan = plan_clones([[10, 50, 5, 5], [0, 30, 5, 15]], local=2, spare_slots=1)\n'
+          'print(plan.load_before, plan.load_after, plan.clones)'),
 ]
 BY_NAME = {e.name: e for e in ENTRIES}
 

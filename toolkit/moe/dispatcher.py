@@ -138,20 +138,23 @@ def dispatch_layout(ids: torch.Tensor, n_slots: int, n_ranks: int, ranks_per_nod
 class _Transfer:
     """One all-to-all and its backward: the state the start/wait autograd nodes share."""
 
-    def __init__(self, in_splits, out_splits, group, codec: Codec, grad_codec: Codec):
+    def __init__(self, in_splits, out_splits, group, codec: Codec, grad_codec: Codec, trace=None):
         self.in_splits, self.out_splits, self.group = in_splits, out_splits, group
         self.codec, self.grad_codec = codec, grad_codec
+        self.trace = trace or (lambda event, transfer: contextlib.nullcontext())
         self.work = self.recv = self.send = None
 
-    def start(self, x: torch.Tensor, codec: Codec, in_splits, out_splits) -> None:
+    def start(self, x: torch.Tensor, codec: Codec, in_splits, out_splits, event: str = "issue") -> None:
         self.hidden, self.dtype, self.codec_now = x.shape[1], x.dtype, codec
         self.send = codec.encode(x).contiguous()  # kept alive until the transfer completes
         self.recv = self.send.new_empty((sum(out_splits), *self.send.shape[1:]))
-        self.work = dist.all_to_all_single(self.recv, self.send, out_splits, in_splits, group=self.group,
-                                           async_op=True)
+        with self.trace(event, self):
+            self.work = dist.all_to_all_single(self.recv, self.send, out_splits, in_splits, group=self.group,
+                                               async_op=True)
 
-    def finish(self) -> torch.Tensor:
-        self.work.wait()
+    def finish(self, event: str = "wait") -> torch.Tensor:
+        with self.trace(event, self):
+            self.work.wait()
         out = self.codec_now.decode(self.recv, self.hidden, self.dtype)
         self.work = self.recv = self.send = None
         return out
@@ -166,7 +169,7 @@ class _Start(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, _):
-        return ctx.t.finish(), None  # the gradient's all-to-all, issued by _Wait.backward
+        return ctx.t.finish("grad_wait"), None  # the gradient's all-to-all, issued by _Wait.backward
 
 
 class _Wait(torch.autograd.Function):
@@ -178,7 +181,7 @@ class _Wait(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         t = ctx.t
-        t.start(grad.contiguous(), t.grad_codec, t.out_splits, t.in_splits)  # the other way round
+        t.start(grad.contiguous(), t.grad_codec, t.out_splits, t.in_splits, "grad_issue")  # the other way round
         return grad.new_empty(0), None
 
 
@@ -288,6 +291,10 @@ class TokenDispatcher:
         self.phase: Callable[[str], contextlib.AbstractContextManager] = lambda name: contextlib.nullcontext()
         """``phase(name)`` wraps each step ("routing", "dispatch", "dispatch_meta", "combine"), e.g.
         ``lambda name: ctx.ledger.tag(name)``."""
+        self.trace: Callable[[str, _Transfer], contextlib.AbstractContextManager] | None = None
+        """``trace(event, transfer)`` wraps each issue and wait of the dispatch/combine all-to-alls, forward
+        ("issue", "wait") and backward ("grad_issue", "grad_wait"); ``transfer.work`` is the handle once issued
+        (lesson 02 draws exposed communication from it). Read when ``dispatch``/``combine`` is called."""
 
     # -- plan ---------------------------------------------------------------------------------------------
     def plan(self, ids: torch.Tensor, weights: torch.Tensor, x: torch.Tensor | None = None) -> Plan:
@@ -380,7 +387,7 @@ class TokenDispatcher:
         (split it with ``plan.recv_counts``). ``async_op=True``: a :class:`Pending` to ``wait()`` on."""
         rows = x[plan.send_token]
         with self.phase("dispatch"):
-            t = _Transfer(plan.in_splits, plan.out_splits, self.group, self.codec, self.combine_codec)
+            t = _Transfer(plan.in_splits, plan.out_splits, self.group, self.codec, self.combine_codec, self.trace)
             token = _Start.apply(rows, t)
         if not self.dedup:
             return self._maybe_wait(Pending(token, t, lambda recv: recv[plan.by_slot]), async_op)
@@ -422,7 +429,8 @@ class TokenDispatcher:
         else:
             back = y[plan.by_slot.argsort()]  # slot-major -> source-major, as received
         with self.phase("combine"):
-            t = _Transfer(plan.out_splits, plan.in_splits, self.group, self.combine_codec, self.combine_codec)
+            t = _Transfer(plan.out_splits, plan.in_splits, self.group, self.combine_codec, self.combine_codec,
+                          self.trace)
             token = _Start.apply(back, t)
 
         def unpermute(rows: torch.Tensor) -> torch.Tensor:
