@@ -95,3 +95,21 @@ def test_index_links_the_api_page_when_there_is_one(out):
 def test_cli_says_what_is_missing(tmp_path, capsys):
     assert book.main([str(tmp_path)]) == 2
     assert "no executed notebooks" in capsys.readouterr().err
+
+
+def test_results_page_collects_each_lessons_headline(out):
+    from toolkit import report
+    rec = report.record("03", "DualPipeV", "bubble 0.21 vs 0.38", value=0.55, unit="ratio", claim="fewer bubbles",
+                        source="DeepSeek-V3", reproduced=True)
+    path = out / "notebooks" / "03-x.ipynb"
+    nb = nbformat.read(path, as_version=4)
+    nb.cells[-1].outputs.append(nbformat.v4.new_output("display_data", data={report.MIME: rec,
+                                                                             "text/markdown": "**Headline**"}))
+    nbformat.write(nb, path)
+    book.build(out, [{"name": "00-x", "status": "failed", "seconds": 1.0}, {"name": "03-x", "status": "ok",
+                                                                             "seconds": 2.0}])
+    lessons = {r["name"]: r for r in json.loads((out / "results.json").read_text())["lessons"]}
+    assert lessons["03-x"]["headline"] == rec and lessons["00-x"]["headline"] is None
+    page = (out / "results.html").read_text()
+    assert "bubble 0.21 vs 0.38" in page and "notebook failed" in page
+    assert "<a href='results.html'>" in (out / "index.html").read_text()

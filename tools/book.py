@@ -127,8 +127,21 @@ def build(out: Path, rows: list[dict] | None = None, params: dict | None = None)
                 "next": pages[i + 1] if i + 1 < len(pages) else None}
         body, _ = exporter.from_notebook_node(nb, resources={"book": book, "metadata": {"name": page["name"]}})
         (html_dir / page["href"]).write_text(body)
-    (out / "index.html").write_text(index_page(pages, rows, params or {}, api=(html_dir / "api.html").exists()))
+    write_results(out, notebooks, rows, params or {})
+    (out / "index.html").write_text(index_page(pages, rows, params or {}, api=(html_dir / "api.html").exists(),
+                                               results=True))
     return pages
+
+
+def write_results(out: Path, notebooks: list[Path], rows: list[dict], params: dict) -> None:
+    """``out/results.json`` and ``out/results.html``: each lesson's headline, collected from its executed notebook
+    (``toolkit.report.headline`` outputs), with the notebook's run status."""
+    from toolkit import report
+
+    status = {r["name"]: r.get("status") for r in rows}
+    lessons = [{"name": p.stem, "status": status.get(p.stem, "not run"), "headline": report.collect(p)}
+               for p in notebooks]
+    report.write_results(lessons, out, params)
 
 
 def _summary(out: Path) -> list[dict]:
@@ -140,7 +153,7 @@ def _seconds(s: float) -> str:
     return f"{s:.1f} s" if s < 120 else f"{int(s // 60)} min {s % 60:04.1f} s"
 
 
-def index_page(pages: list[dict], rows: list[dict], params: dict, api: bool = False) -> str:
+def index_page(pages: list[dict], rows: list[dict], params: dict, api: bool = False, results: bool = False) -> str:
     """The book's front page: each lesson with its status and time, the total, links to pages and notebooks."""
     by_name = {r["name"]: r for r in rows}
     names = [p["name"] for p in pages] + [r["name"] for r in rows if r["name"] not in {p["name"] for p in pages}]
@@ -160,6 +173,9 @@ def index_page(pages: list[dict], rows: list[dict], params: dict, api: bool = Fa
     timed = f"<p>Course run time: <b>{_seconds(total)}</b> for {len(rows)} notebooks" if rows else "<p>"
     timed += f" (parameters {html.escape(json.dumps(params))})</p>" if params else "</p>"
     api_link = "<p><a href='html/api.html'>API reference</a> — the toolkit's public functions.</p>" if api else ""
+    if results:
+        api_link += ("<p><a href='results.html'>Course results</a> — each lesson's headline measurement beside its "
+                     "source's claim, and whether this run reproduces it.</p>")
     return f"""<!doctype html><html lang="en"><meta charset="utf-8">
 <meta name="viewport" content="width=device-width, initial-scale=1.0"><title>llm-scale-toolkit: the lessons</title>
 <style>body{{font-family:Inter,Helvetica,Arial,sans-serif;margin:2em auto;max-width:1100px;color:#222;padding:0 1em}}

@@ -4,7 +4,9 @@
     python tools/run_all.py --preset full --backend nccl -p world_size=8 --only 03 16
 
 Writes out/notebooks/NN-name.ipynb (executed), out/summary.json (status and seconds per notebook),
-out/html/NN-name.html (one offline page per lesson) and out/index.html (with each notebook's time).
+out/html/NN-name.html (one offline page per lesson), out/index.html (with each notebook's time) and
+out/results.html + out/results.json (the course results page: each lesson's headline measurement beside its
+source's claim, collected from the executed notebooks' ``toolkit.report.headline`` outputs).
 Exits non-zero if any notebook failed; the others still run.
 """
 from __future__ import annotations

@@ -179,19 +179,3 @@ def require_divisible(name: str, value: int, by: int, by_name: str, why: str = "
     if value % by:
         raise ValueError(f"{name}={value} must be divisible by {by_name}={by}" + (f" ({why})" if why else ""))
 
-
-# -- kept while lessons move to ``resolve`` (the architecture change removes them) ------------------------
-def resolve_preset(cfg: dict, presets: dict[str, dict], default: str = "default", **fixed) -> dict:
-    """``{**presets[name], **fixed, **cfg, "preset": name}`` for ``name = cfg["preset"]``; ValueError if unknown."""
-    name = cfg.get("preset", default)
-    if name not in presets:
-        raise ValueError(f"preset={name!r} is not known; allowed: {sorted(presets)}")
-    return {**presets[name], **fixed, **cfg, "preset": name}
-
-
-def require_positive_ints(cfg: dict, *keys: str) -> None:
-    """ValueError naming the first of ``keys`` whose value is not an int >= 1 (bools are not ints here)."""
-    for key in keys:
-        value = cfg[key]
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{key} must be a positive int, got {value!r}")
