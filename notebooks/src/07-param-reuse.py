@@ -120,6 +120,7 @@ print("ties / split differs from torch's cast:", param_reuse.count_ties(bits))
 from IPython.display import Markdown, display
 
 from toolkit import launch, viz
+from toolkit.report import headline
 
 cfg = {"preset": preset} | ({"steps": steps} if steps else {})
 results = launch("l07_param_reuse", world_size, cfg, backend=backend, timeout_s=timeout_s)
@@ -281,6 +282,22 @@ display(Markdown(
     f"- Not in the article: the bf16 weights are rounded ties-away, so training is bit-identical to an fp32 "
     f"master with that rounding, not to standard AMP: {n_diff} of {n_weights:,} weight-steps differed from "
     f"torch's cast here, and the AMP run diverged from step {r0['amp_first_drift_step']} on (same loss curve)."))
+
+# %%
+un = r0["bytes_per_param_unsharded"]
+wm = {k: un[k]["param"] + un[k]["master"] for k in ("amp", "reuse")}
+exact = all(r["bitexact_steps"] == r["steps"] for r in results)
+headline("07", "parameter copy reuse (fp32 master = bf16 weight + int16 residual)",
+         f"weights + master {wm['amp']:.0f} -> {wm['reuse']:.0f} B/param; over DP={r0['dp']} the job saves "
+         f"{saved / r0['numel_padded']:.3f} B/param ({2 / r0['dp']:.2f} per rank); training bit-identical to a "
+         f"ties-away fp32 master at {min(r['bitexact_steps'] for r in results)} of {r0['steps']} steps (worst rank)",
+         value=saved / r0["numel_padded"], unit="B/param saved",
+         claim="saves one bf16 copy of the parameters: 2 B/param, bf16 bytes / DP per rank when sharded",
+         source="MindSpeed --reuse-fp32-param; seed article §7",
+         reproduced=bool(saved == 2 * r0["numel_padded"] and wm["amp"] - wm["reuse"] == 2 and exact),
+         note=f"judged on the bytes and bit-exactness; the source's other claim, < 1% cost, is for fused kernels on "
+              f"accelerators, which this CPU's eager split/merge (optimizer step x{opt_ratio:.2f}, training step "
+              f"x{train_ratio:.3f}) cannot test")
 
 # %% [markdown]
 # ## Edge cases worth knowing

@@ -97,6 +97,7 @@ print(inspect.getsource(offload.ActivationOffloader._unpack))
 from IPython.display import Markdown, display
 
 from toolkit import launch, viz
+from toolkit.report import headline
 
 results = launch("l08_activation_offload", world_size, {"preset": preset, "policies": policies}, backend=backend,
                  timeout_s=timeout_s)
@@ -324,6 +325,24 @@ display(Markdown(
     f"attention only: {cost('attention')}. Whether it is small on a GPU depends on the copies hiding behind "
     f"compute (PCIe/C2C bandwidth vs the module's FLOPs); the CUDA path is checked by "
     f"`benchmarks/gpu/offload.py`, not timed here."))
+
+# %%
+red = [f["resident_reduction"] for f in full]
+ok = all(row["grads_bitwise_equal"] for r in results for row in r["rows"])
+late = sum(f["late_reloads"] for f in full)
+headline("08", "pipeline-aware activation offload (1F1B, per-module groups, prefetch)",
+         f"offloading every module lowers the resident activation peak by "
+         + ", ".join(f"{x:.0%} (rank {i})" for i, x in enumerate(red))
+         + f", gradients {'bitwise equal' if ok else 'NOT bitwise equal'} to no offload, {late} late reloads; "
+           f"attention only lowers rank 0's total tensor "
+           f"peak by {att[0]['tracker_reduction_total']:.1%}",
+         value=min(red), unit="resident activation peak reduction (worst rank)",
+         claim="at least half of the activations can be offloaded (at negligible cost on GPUs)",
+         source="Wan et al., PipeOffload, ICML 2025",
+         reproduced=bool(min(red) >= 0.5 and ok and late == 0),
+         note="judged on the resident peak of every rank, exact gradients and zero late reloads; the cost is not "
+              "judged: it needs copies overlapped with compute on a GPU (CPU copies are synchronous). The seed "
+              "article's ~8% peak cut from attention offload is a large-model share: see the section above")
 
 # %% [markdown]
 # ## Try this
