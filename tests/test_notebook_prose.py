@@ -34,7 +34,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "notebooks" / "src"
-ENFORCED = ["00-foundations", "04-int8-all-to-all", "05-edgc", "06-sdp4bit", "07-param-reuse", "09-int8-vs-fp8", "11-seq1f1b", "12-dynamic-cp", "13-vocab-parallel", "14-deepep", "15-echo"]
+ENFORCED = ["00-foundations", "04-int8-all-to-all", "05-edgc", "06-sdp4bit", "07-param-reuse", "09-int8-vs-fp8", "11-seq1f1b", "12-dynamic-cp", "13-vocab-parallel", "14-deepep", "15-echo", "16-cuda-graphs"]
 PIN_WINDOW = 3  # code cells above a markdown cell whose asserts may pin its numbers
 
 _spec = importlib.util.spec_from_file_location("nb_tool", ROOT / "tools" / "nb.py")
