@@ -2,8 +2,8 @@
 # # 16 · CUDA graphs with DualPipeV, and the data-parallel all-reduce kept outside them
 #
 # **The question.** A training step of a small or finely split model launches tens of thousands of small
-# kernels; each costs the host Python, dispatcher and launch time, and when the host is slower than the
-# GPU the GPU waits. A CUDA graph records a region's kernels once and replays them with one launch. The
+# kernels; each costs the host Python, dispatcher and launch time, and whenever the host falls behind the
+# GPU, the GPU waits. A CUDA graph records a region's kernels once and replays them with one launch. The
 # source article combines it with DualPipeV and "data-parallel separation", and says the DualPipeV version
 # is still in progress (1F1B + CUDA graphs + DP separation works). What does a graph remove, what does it
 # forbid, and why must the data-parallel gradient all-reduce stay outside the captured region?
@@ -58,6 +58,7 @@ from toolkit import launch, viz
 from toolkit.graphs import cuda_graphs, replay_model
 from toolkit.lessons import l16_cuda_graphs as lesson
 from toolkit.pipeline import dp_separate
+from toolkit.report import headline
 
 # %% [markdown]
 # ## 1 · The code that matters
@@ -81,8 +82,8 @@ print(inspect.getsource(dp_separate.last_grad_ops))
 # %% [markdown]
 # ## 2 · The run
 #
-# `l16_cuda_graphs` on `world_size` processes: a grid of dp × pp (default 2 × 2), DualPipeV over the pp
-# ranks of each replica, each replica on its own micro-batches of real text.
+# `l16_cuda_graphs` on `world_size` processes: a grid of dp × pp (`pp` pipeline ranks, `world_size // pp`
+# replicas), DualPipeV over the pp ranks of each replica, each replica on its own micro-batches of real text.
 
 # %%
 run_cfg = {"preset": preset, "pp": pp, "dp": max(1, world_size // pp), **({"n_layer": n_layer} if n_layer else {})}
@@ -268,6 +269,24 @@ display(Markdown(f"""
   input gradients, so a whole-backward graph (what `make_graphed_callables` captures) cannot be used as
   is: the I and the W need graphs of their own.
 """))
+
+# %% [markdown]
+# The headline for the course results page: what this CPU measures (ATen ops a graph would replay, the host's
+# cost per op, the separated all-reduce's exactness); capture itself needs a GPU.
+
+# %%
+launches = per_mb * r0["m"] * r0["dp"]
+host_us = [x["host µs per op"] for x in chunks]
+exact = all(r["grads_bitwise_plain_vs_separated"] and r["losses_equal"] for r in results)
+headline("16", "CUDA graphs with DualPipeV, DP all-reduce separated",
+         f"{launches:,} ATen op launches per step (dp {r0['dp']} × pp {r0['pp']}, {r0['m']} micro-batches) that a "
+         f"graph replay would save, at {min(host_us):.1f}–{max(host_us):.1f} µs of host time each on this CPU; the "
+         f"separated DP all-reduce gives {'bitwise the same' if exact else 'different'} gradients and loss",
+         value=launches, unit="ATen ops per step",
+         claim="1F1B + CUDA graphs + DP separation works; the DualPipeV version is in progress (no numbers given)",
+         source="seed article §16; Megatron-LM --cuda-graph-impl", reproduced=None,
+         note="capture and replay need a GPU (benchmarks/gpu/cuda_graphs.py); here the DP separation is checked "
+              "bitwise and the audit finds what a capture cannot hold")
 
 # %% [markdown]
 # ## What runs where
