@@ -33,7 +33,7 @@ PARAMS = {**common("model", "seq_len", "batch", "steps", "lr", "warmup", "bench_
 PRESETS = {
     "smoke": {"model": "smoke", "seq_len": 32, "batch": 4, "steps": 20, "lr": 1e-2, "chunk_numel": 1 << 16,
               "warmup": 1, "bench_steps": 2, "rounds": 3},
-    "default": {"model": "default", "seq_len": 64, "batch": 4, "steps": 100, "lr": 3e-3, "chunk_numel": 1 << 16,
+    "default": {"model": "default", "seq_len": 64, "batch": 4, "steps": 40, "lr": 3e-3, "chunk_numel": 1 << 16,
                 "warmup": 1, "bench_steps": 3, "rounds": 5},
     "full": {"model": "full", "seq_len": 1024, "batch": 8, "steps": 1000, "lr": 3e-4, "chunk_numel": 1 << 16,
              "warmup": 2, "bench_steps": 10, "rounds": 5},
