@@ -140,7 +140,7 @@ def write_results(out: Path, notebooks: list[Path], rows: list[dict], params: di
 
     status = {r["name"]: r.get("status") for r in rows}
     lessons = [{"name": p.stem, "status": status.get(p.stem, "not run"), "headline": report.collect(p)}
-               for p in notebooks]
+               for p in notebooks if p.stem[:1].isdigit()]  # lessons only (not the your-experiment template)
     report.write_results(lessons, out, params)
 
 
