@@ -27,9 +27,8 @@ from toolkit.runtime.bench import compare
 from toolkit.runtime.config import Param, common, require_divisible, resolve
 
 PARAMS = {
-    **common("model", "n_layer", "seq_len", "micro_batch", "warmup", "bench_steps", "rounds", "seed"),
-    "n_expert": Param(int, "experts per MoE layer (each rank owns n_expert / world_size)", ge=1),
-    "top_k": Param(int, "experts per token", ge=1),
+    **common("model", "n_layer", "seq_len", "micro_batch", "warmup", "bench_steps", "rounds", "seed", "n_expert",
+             "top_k"),
     "d_ff": Param(int, "hidden size of each expert's MLP (0: 4 x d_model)", ge=0),
     "ratios": Param(list, "comm/compute ratios of the cost-model sweep", of=float, gt=0),
 }

@@ -27,12 +27,10 @@ from toolkit.models.gpt import GPT, preset
 from toolkit.runtime.config import Param, common, require_divisible, require_ranks, resolve
 
 PARAMS = {
-    **common("model", "n_layer", "seq_len", "steps", "batch", "lr", "seed"),
+    **common("model", "n_layer", "seq_len", "steps", "batch", "lr", "seed", "n_expert", "top_k"),
     "d_model": Param(int, "hidden size (the width of a dispatched token)", ge=1),
     "d_ff": Param(int, "inner size of each expert MLP", ge=1),
     "n_head": Param(int, "attention heads", ge=1),
-    "n_expert": Param(int, "experts per MoE layer (each rank owns n_expert / world_size)", ge=1),
-    "top_k": Param(int, "experts each token is routed to", ge=1),
     "wire_tokens": Param(int, "tokens per rank sent in the bytes/SNR sweep", ge=1),
     "block": Param(int, "channels per fp32 scale (even, divides d_model)", ge=2),
     "train_modes": Param(list, 'dispatch modes to train with, "<mode>@<seed offset>" for another seed; '

@@ -30,11 +30,9 @@ from toolkit.runtime.config import Param, common, require_divisible, require_ran
 
 WORLD_SIZE = 4  # two emulated nodes of two ranks
 PARAMS = {
-    **common("warmup", "bench_steps", "rounds", "seed"),
+    **common("warmup", "bench_steps", "rounds", "seed", "n_expert", "top_k"),
     "tokens": Param(int, "tokens per rank", ge=1),
     "hidden": Param(int, "hidden size H of a token", ge=2),
-    "n_expert": Param(int, "experts (each rank owns n_expert / world_size)", ge=1),
-    "top_k": Param(int, "experts per token", ge=1),
     "ranks_per_node": Param(int, "ranks per emulated node for two-hop forwarding (0: world_size // 2)", ge=0),
     "max_nodes": Param(int, "node-limited routing: at most this many nodes per token (0: unlimited)", ge=0),
     "max_tokens": Param(int, "low-latency buffers: tokens per rank they hold", ge=1),

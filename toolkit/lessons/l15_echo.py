@@ -29,9 +29,8 @@ from toolkit.runtime.config import Param, common, require_divisible, require_ran
 
 WORLD_SIZE = 4
 PARAMS = {
-    **common("model", "n_layer", "batch", "steps", "lr", "warmup", "bench_steps", "rounds", "seed"),
-    "n_expert": Param(int, "experts per MoE layer (each rank owns n_expert / world_size)", ge=1),
-    "top_k": Param(int, "experts per token", ge=1),
+    **common("model", "n_layer", "batch", "steps", "lr", "warmup", "bench_steps", "rounds", "seed", "n_expert",
+             "top_k"),
     "d_ff": Param(int, "hidden size of each expert's MLP (0: 4 x d_model)", ge=0),
     "spare_slots": Param(int, "empty expert slots per rank that can each host one clone", ge=1),
     "zipf_s": Param(float, "Zipf exponent of the synthetic routing (0: uniform)", ge=0),

@@ -117,6 +117,8 @@ COMMON: dict[str, Param] = {
     "bench_steps": Param(int, "timed steps per benchmark round", ge=1),
     "rounds": Param(int, "benchmark rounds (each runs every candidate in turn)", ge=1),
     "eval_batches": Param(int, "held-out batches for the evaluation loss", ge=1),
+    "n_expert": Param(int, "experts per MoE layer (each rank owns n_expert / world_size)", ge=1),
+    "top_k": Param(int, "experts each token is routed to", ge=1),
 }
 
 
