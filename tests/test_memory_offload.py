@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from toolkit import launch
-from toolkit.comm.bucketing import simulate
+from toolkit.comm.bucketing import ring_bytes, simulate, steady_exposed
 from toolkit.lessons import l00b_memory
 from toolkit.memory import nvme
 from toolkit.memory.checkpointing import apply_checkpointing, saved_activation_bytes
@@ -258,3 +258,10 @@ def test_spill_side_channel_and_buckets(lesson):
     counts = [row["buckets"] for row in rows]
     assert counts == sorted(counts, reverse=True) and counts[-1] == 1 and counts[0] > 3
     assert all(sum(row["bucket_bytes"]) == r0["buckets"]["grad_bytes"] for row in rows)
+
+
+def test_steady_rate_link_exposes_one_bucket_in_full_and_hides_small_ones():
+    one = steady_exposed([1000], 1.0, 2, 0.01, 1e4)
+    assert one == pytest.approx(0.01 + ring_bytes(1000, 2) / 1e4)  # ready when backward ends: all exposed
+    many = steady_exposed([100] * 10, 1.0, 2, 0.01, 1e4)
+    assert many < one  # the first nine all-reduce while backward runs

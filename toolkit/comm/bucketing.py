@@ -26,6 +26,7 @@ with the measured times at which buckets became ready.
 from __future__ import annotations
 
 import heapq
+import itertools
 import threading
 import time
 
@@ -45,6 +46,17 @@ def simulate(ready_s: list[float], nbytes: list[int], n: int, alpha_s: float, be
         free = max(ready, free) + alpha_s + ring_bytes(b, n) / beta
         ends.append(free)
     return ends
+
+
+def steady_exposed(bucket_bytes: list[int], backward_s: float, n: int, alpha_s: float, beta: float) -> float:
+    """Exposed all-reduce time (after backward ends) of ``simulate``'s link, gradients produced at a steady rate.
+
+    Bucket ``i`` (in ready order) is ready once backward has produced its bytes and those of the buckets before
+    it, so the result depends on the bucket layout and the link only, not on a run's timing noise.
+    """
+    total = sum(bucket_bytes)
+    ready = list(itertools.accumulate(b / total * backward_s for b in bucket_bytes))
+    return max(simulate(ready, bucket_bytes, n, alpha_s, beta)) - backward_s
 
 
 class _Timer:

@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import copy
 import gc
-import itertools
 import tempfile
 import time
 
 import torch
 import torch.distributed as dist
 
-from toolkit.comm.bucketing import LinkEmulator, simulate
+from toolkit.comm.bucketing import LinkEmulator, steady_exposed
 from toolkit.comm.side_channel import SideChannel, blocking_gather
 from toolkit.data import batches
 from toolkit.memory import nvme
@@ -569,8 +568,8 @@ def buckets(ctx, cfg: dict) -> dict:
             rows.append({"bucket_mb": cap, "buckets": len(spans) - 1,
                          "bucket_bytes": [s["bytes"] for s in spans[:-1]], "step_s": res[cap].mean_s,
                          "exposed_comm_s": sorted(timed)[len(timed) // 2],
-                         "simulated_exposed_s": _simulated_exposed([s["bytes"] for s in spans[:-1]], backward_s,
-                                                                   n, a, b) if link == "emulated" else 0.0,
+                         "simulated_exposed_s": steady_exposed([s["bytes"] for s in spans[:-1]], backward_s,
+                                                               n, a, b) if link == "emulated" else 0.0,
                          "spans": _relative(spans, ctx.timeline.origin)})
         out["links"][link] = rows
         del models
@@ -578,17 +577,6 @@ def buckets(ctx, cfg: dict) -> dict:
     del local
     gc.collect()
     return out
-
-
-def _simulated_exposed(bucket_bytes: list[int], backward_s: float, n: int, alpha_s: float, beta: float) -> float:
-    """Exposed all-reduce time of the closed-form link, gradients produced at a steady rate over backward.
-
-    Bucket ``i`` is ready when backward has produced the bytes of buckets ``0..i`` (in ready order), so the
-    curve depends on the bucket layout and the link only, not on this run's timing noise.
-    """
-    total = sum(bucket_bytes)
-    ready = list(itertools.accumulate(b / total * backward_s for b in bucket_bytes))
-    return max(simulate(ready, bucket_bytes, n, alpha_s, beta)) - backward_s
 
 
 def _relative(spans: list[dict], origin: float) -> list[dict]:
