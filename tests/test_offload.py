@@ -1,5 +1,8 @@
 """Pipeline-aware activation offload: bitwise-equal gradients, lower resident peak, prefetch, views once,
 parameters never moved, bad inputs; and the lesson on p=2 real ranks under 1F1B."""
+import gc
+import weakref
+
 import pytest
 import torch
 import torch.nn as nn
@@ -55,6 +58,29 @@ def test_without_prefetch_the_backward_waits_for_reloads():
     ref, _ = _run(None)
     assert all(torch.equal(a, b) for a, b in zip(grads, ref))
     assert off.stats["late_reloads"] > 0
+
+
+def test_a_saved_tensor_never_unpacked_leaves_when_its_backward_ends():
+    """A storage saved twice but unpacked once (the other node's backward never runs) is freed by
+    ``backward_end``, not whenever Python's cycle collector happens to run (a peak that moved between runs)."""
+    key = (0, 0, 0)
+    gc.disable()
+    try:
+        off = ActivationOffloader({0: nn.Linear(2, 2)}, [("F", key), ("B", key)], policy="all")
+        with off.forward(key):
+            h = torch.randn(256, requires_grad=True) * 2  # an activation: [256]
+            loss = h.sin().sum()  # saves h
+            unused = h.cos()  # saves h again; this branch never reaches the loss
+        storage = weakref.ref(h.untyped_storage())
+        del h, unused
+        off.backward_begin(key)
+        loss.backward()
+        off.backward_end(key)
+        del loss
+        assert storage() is None
+        assert off.resident_bytes() == 0
+    finally:
+        gc.enable()
 
 
 def test_parameters_are_never_offloaded_and_views_count_once():

@@ -197,20 +197,16 @@ display(viz.bars([{"configuration": r["configuration"], "rank": f"rank {r['rank'
                  color="rank", title="The planner's memory model against the measured peak (1 = exact; 0.95-1.05 the target)"))
 
 # %%
-assert all(abs(x - 1) <= 0.10 for x in ratios), ratios  # a model, not a fit: a missing term shows up as > 10%
-misses = [(r["configuration"], r["rank"], r["model / measured"]) for r in rows
-          if r["model / measured"] is not None and abs(r["model / measured"] - 1) > 0.05]
+assert all(abs(x - 1) <= 0.05 for x in ratios), ratios  # a model, not a fit: a missing term shows up here
+worst = max(rows, key=lambda r: -1 if r["model / measured"] is None else abs(r["model / measured"] - 1))
 display(Markdown(
-    f"The 5% target holds on {len(ratios) - len(misses)} of {len(ratios)} (configuration, rank) pairs" +
-    (". " if not misses else ": it misses on " + ", ".join(f"{n} rank {k} ({x:.3f})" for n, k, x in misses) +
-     ". On those ranks the model lacks a term not yet identified (their measured activation peak also moves "
-     "between runs of the same configuration by a few percent), so the assert above checks the model at 10% "
-     "and the misses are listed here rather than hidden.")))
+    f"The 5% target holds on all {len(ratios)} (configuration, rank) pairs; the farthest is "
+    f"{worst['configuration']} on rank {worst['rank']}, at {worst['model / measured']:.3f}."))
 
 # %%
 # NBVAL_CHECK_OUTPUT
-print(f"memory model within 10% of the measured peak on every rank of {len(ratios) // world_size} configurations:",
-      all(abs(x - 1) <= 0.10 for x in ratios))
+print(f"memory model within 5% of the measured peak on every rank of {len(ratios) // world_size} configurations:",
+      all(abs(x - 1) <= 0.05 for x in ratios))
 print("parameter bytes per rank, by configuration:")
 for name in names:
     print(f"  {name:28s} {[run['param_bytes'] for run in runs[name]]}")

@@ -351,11 +351,22 @@ class ActivationOffloader:
     def backward_end(self, key: Key) -> None:
         """Call after the backward of ``key``: drop its groups, prefetch the next backward's last group."""
         key = tuple(key)
-        self._live.pop(key, None)
+        for group in self._live.pop(key, {}).values():
+            self._release(group)
         self._poll()
         nxt = self._next_backward(self._index("B", key))
         if nxt is not None and self.prefetch:
             self._prefetch_backward(nxt)
+
+    def _release(self, group: _Group) -> None:
+        """Its chunk's backward is over: free what is still held (a storage reloaded or kept for a saved tensor
+        the backward never unpacked), give host buffers back to the pool, and break the group <-> storage
+        reference cycle, so the bytes go now rather than whenever Python's cycle collector runs."""
+        for s in group.stored:
+            if s.host is not None:
+                self._pool.setdefault(s.nbytes, []).append(s.host)
+            s.device = s.host = None
+        group.stored.clear()
 
     def _prefetch_backward(self, key: Key) -> None:
         groups = self._live.get(key, {})
