@@ -57,13 +57,13 @@ def quantize_int(x: torch.Tensor, bits: int, block: int, stochastic: bool = Fals
     xb = blocks_of(x, block)  # [nb, block]
     scale = xb.abs().amax(dim=1) / qmax  # [nb]
     y = xb / torch.where(scale > 0, scale, 1.0)[:, None]  # an all-zero block keeps s = 0 and codes 0
+    del xb  # rounding and clamping in place: at most two float32 copies of x are alive (a codec's working set)
     if stochastic:
-        idx = torch.arange(xb.numel(), dtype=torch.int64).view_as(xb)
-        q = torch.floor(y + uniform_hash(seed, idx))
+        idx = torch.arange(y.numel(), dtype=torch.int64).view_as(y)
+        y = y.add_(uniform_hash(seed, idx)).floor_()
     else:
-        q = torch.round(y)  # round half to even
-    q = q.clamp(-qmax, qmax).to(torch.int8).reshape(-1)
-    return q, scale
+        y = y.round_()  # round half to even
+    return y.clamp_(-qmax, qmax).to(torch.int8).reshape(-1), scale
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,8 @@ ep = dp: the router decides; the run reports it)::
     working set    the forward of the head also holds its logits (N·V·e, and their fp32 copy when e = 2);
                    its backward two fp32 [N, V] gradients and one [N, D]; other stages one layer's
                    dispatch buffers (2·S·D·e); p2p buffers in flight: one activation each way (2·N·D·e);
-                   a quantized dispatch its fp32 staging ((S + R)·D·4); under offload two groups on the
+                   a quantized dispatch its fp32 staging (2·max(S, R)·D·4: a float32 copy of the rows it
+                   encodes or decodes and its scaled copy); under offload two groups on the
                    device at once, plus (backward) the gradient of the largest
     bytes on the wire per step (ledger convention: what this rank sends)
                    p2p       one [micro_batch, T, D] activation or gradient per stage boundary crossed
@@ -159,8 +160,8 @@ def composed_memory(c, pp_rank: int, rows: dict | None = None, trace: list | Non
         else:
             w += 2 * N * cfg.top_k * D * elem if cfg.n_expert else N * cfg.d_ff * elem
         rows_max = max((r if r is not None else N * cfg.top_k) for r in rows_of(s, mb)) if cfg.n_expert else N
-        if c.a2a_codec in ("int8", "int4", "fp8") and op == "F":  # the codec's fp32 staging of sent/received rows
-            w += (N * cfg.top_k + rows_max) * D * 4
+        if c.a2a_codec in ("int8", "int4", "fp8") and op == "F":  # the codec's staging: two fp32 copies of the
+            w += 2 * max(N * cfg.top_k, rows_max) * D * 4  # rows it encodes (sent) or decodes (received)
         if offloaded(s, mb):
             g = [a for a, _ in groups(s, mb)]
             w += max(x + y for x, y in zip(g, g[1:] + [0]))  # a group computed (or reloaded) beside the next

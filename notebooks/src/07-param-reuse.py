@@ -49,7 +49,7 @@ import os
 world_size: int = 2
 preset: str = os.environ.get("TOOLKIT_PRESET", "default")  # smoke | default | full
 backend: str = "auto"  # auto | gloo | nccl
-steps: int = 0  # 0: the preset decides (smoke 20, default 100, full 1000)
+steps: int = 0  # 0: the preset decides (smoke 20, default 40, full 1000)
 timeout_s: int = 900
 
 # %% [markdown]
