@@ -148,26 +148,32 @@ print("saved-activation delta of keeping:", V["ring+keep"]["saved_act_bytes"] - 
 # %% [markdown]
 # ## 4 · How much does the ring hide? The two ops alone
 #
-# At the MLP's shapes (fc1: all-gather + GEMM; fc2: GEMM + reduce-scatter), five candidates timed side by
+# At the MLP's shapes (fc1: all-gather + GEMM; fc2: GEMM + reduce-scatter), six candidates timed side by
 # side, round-robin (`toolkit.runtime.bench.compare`): the collective alone, the GEMM alone, bulk (one
-# after the other), the ring, and the ring's messages alone (the same ring with GEMMs of width 0: gloo
-# may move p2p messages faster or slower than its collective, so we also give the overlap against them). The overlap fraction is (T_comm + T_gemm − T_fused) / T_comm: 1 when the
-# communication is entirely hidden, 0 when nothing is, negative when the decomposition costs more than it
-# hides. The ring can hide its messages behind all chunks' GEMMs but the last, so even a perfect overlap
-# stops at min(1, (tp−1)/tp · T_gemm / T_comm): with tp = 2, half the GEMM.
+# after the other), the ring, the tiled ring, and the ring's messages alone (the same ring with GEMMs of
+# width 0: gloo may move p2p messages faster or slower than its collective, so we also give the overlap
+# against them). The overlap fraction is (T_comm + T_gemm − T_fused) / T_comm: 1 when the communication is
+# entirely hidden, 0 when nothing is, negative when the decomposition costs more than it hides. The ring can
+# hide its messages behind all chunks' GEMMs but the last, so even a perfect overlap stops at
+# min(1, (tp−1)/tp · T_gemm / T_comm): with tp = 2, half the GEMM. flux goes below the chunk: the **tiled
+# ring** (`tiles` row tiles per chunk, the preset's `tiles`) passes each tile on and multiplies it as soon
+# as it has arrived, so only the last tile's GEMM is left uncovered — ceiling min(1, (1 − 1/(tp·tiles)) ·
+# T_gemm / T_comm) — for tiles× as many messages.
 
 # %%
 rows, table = [], []
 for op in ("AG+GEMM", "GEMM+RS"):
     ops = [r["ops"][op] for r in results]
-    for cand in ("comm", "gemm", "bulk", "ring", "ring comm"):
+    for cand in ("comm", "gemm", "bulk", "ring", "tiled ring", "ring comm"):
         rows.append({"op": op, "candidate": cand, "ms": max(o["mean_s"][cand] for o in ops) * 1e3})
     t = ops[0]["mean_s"]
     table.append({"op": op, "shapes": str(ops[0]["shapes"]), "T_comm (ms)": t["comm"] * 1e3,
                   "T_gemm (ms)": t["gemm"] * 1e3, "bulk (ms)": t["bulk"] * 1e3, "ring (ms)": t["ring"] * 1e3,
-                  "ring comm (ms)": t["ring comm"] * 1e3, "overlap ring": ops[0]["overlap"]["ring"],
+                  "tiled ring (ms)": t["tiled ring"] * 1e3, "ring comm (ms)": t["ring comm"] * 1e3,
+                  "overlap ring": ops[0]["overlap"]["ring"], "overlap tiled": ops[0]["overlap"]["tiled ring"],
                   "vs own messages": ops[0]["overlap_own_messages"], "overlap bulk": ops[0]["overlap"]["bulk"],
-                  "ceiling": min(1.0, (world_size - 1) / world_size * t["gemm"] / t["comm"])})
+                  "ceiling ring": min(1.0, (world_size - 1) / world_size * t["gemm"] / t["comm"]),
+                  "ceiling tiled": min(1.0, (1 - 1 / (world_size * r0["tiles"])) * t["gemm"] / t["comm"])})
 display(viz.bars(rows, x="op", y="ms", color="candidate", title="The fused ops against their parts (slowest rank)",
                  text_format=".2f"))
 display(viz.table(table, title="Rank 0: overlap = (T_comm + T_gemm − T_fused) / T_comm (measured)",
@@ -210,6 +216,18 @@ bulk_ms, ring_ms = r0["bench"]["bulk"]["mean_s"] * 1e3, r0["bench"]["ring+keep"]
 x_shape = ag["shapes"]["x"]
 mb_ag = (world_size - 1) * x_shape[0] * x_shape[1] * 4 / 1e6  # bytes this rank receives in the all-gather
 saved = r0["variants"]["bulk"]["sent_bytes"]["backward"] - r0["variants"]["bulk+keep"]["sent_bytes"]["backward"]
+tiles, t_ag = r0["tiles"], ag["mean_s"]
+extra = (world_size - 1) * (tiles - 1)  # messages the tiled ring adds, per op
+per_msg_us = (t_ag["tiled ring"] - t_ag["ring"]) / max(extra, 1) * 1e6  # net cost (+) or gain (-) per message
+tiles_text = "With tiles = 1 the tiled ring is the ring." if extra == 0 else (
+    f"The tiled ring ({tiles} tiles per chunk) took {t_ag['tiled ring'] * 1e3:.2f} ms for AG+GEMM against the "
+    f"ring's {t_ag['ring'] * 1e3:.2f} ms (overlap {ag['overlap']['tiled ring']:.2f} vs {ag['overlap']['ring']:.2f}; "
+    f"GEMM+RS {rs['overlap']['tiled ring']:.2f} vs {rs['overlap']['ring']:.2f}): "
+    + (f"{per_msg_us:.0f} µs more per extra message ({extra} of them). " if per_msg_us > 0 else
+       f"{-per_msg_us:.0f} µs less per extra message ({extra} of them). ")
+    + "On gloo every message is fixed work for threads and loopback TCP on the cores that run the GEMMs; flux's "
+    "tiles are meant for GPUs, where a tile's arrival is a flag in device memory that the GEMM kernel itself "
+    "waits on (`benchmarks/gpu/tp_overlap.py` times the tiled ring on NCCL).")
 display(Markdown(f"""
 - **Exactness.** All four variants reproduce the single-process loss and gradients (checked above), and
   keeping the gathered input changes no bit of the gradients.
@@ -230,6 +248,7 @@ display(Markdown(f"""
   ceiling above is {min(1.0, (world_size - 1) / world_size * ag['mean_s']['gemm'] / ag['mean_s']['comm']):.2f},
   and a message is hidden only while a core is free to move it. `benchmarks/bench_tp_overlap.py` checks the overlap target
   (≥ 0.5 at the default preset on 2 ranks) and reports it; it is not asserted here.
+- **Tiles.** {tiles_text}
 """))
 
 # %%
@@ -256,13 +275,15 @@ headline("01", "TP communication overlapped with the GEMMs (flux-style ring AG+G
 # |---|---|---|
 # | bulk | gloo all-gather / reduce-scatter, then / after `torch.mm` | the same on NCCL |
 # | ring | `batch_isend_irecv` (gloo threads), GEMMs on the rank | NCCL p2p on its own stream |
+# | tiled ring | the same, one message per tile | the same on NCCL |
 # | production | — | `symm_mem.fused_all_gather_matmul` / `fused_matmul_reduce_scatter` |
 #
 # (The production ops are `torch.ops.symm_mem`'s: symmetric memory and copy engines, where available.)
 #
 # **Try:** `world_size = 4` (with `n_head` a multiple of 4 in the cfg: the ring then takes three hops and
 # the reduce-scatter is no longer bitwise); a larger `d_model` (more GEMM per byte); `micro_batch = 1`
-# (short messages: the fixed cost of each one dominates).
+# (short messages: the fixed cost of each one dominates); `tiles` in the cfg (1 is the plain ring; more tiles
+# cover more of the GEMM and send more messages).
 #
 # **Sources.** Chang et al., *FLUX: Fast Software-based Communication Overlap on GPUs Through Kernel
 # Fusion* (arXiv 2406.06858) and `bytedance/flux` (`AGKernel`, `GemmRS`); Wang et al., *Overlap

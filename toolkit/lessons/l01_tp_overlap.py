@@ -8,7 +8,8 @@
          1 traced step each: per-rank spans (gemm, wait = exposed comm, message in flight)
          then the four timed side by side (``bench.compare``)
     micro-benchmarks at the MLP's shapes: AG+GEMM (fc1) and GEMM+RS (fc2), each as comm alone, GEMM alone,
-         bulk and ring, timed side by side -> overlap = (T_comm + T_gemm - T_fused) / T_comm
+         bulk, ring and tiled ring (``tiles`` row tiles per chunk), timed side by side
+         -> overlap = (T_comm + T_gemm - T_fused) / T_comm
 """
 from __future__ import annotations
 
@@ -32,14 +33,16 @@ PARAMS = {**common("model", "n_layer", "micro_batch", "seed", "warmup", "bench_s
           "n_head": Param(int, "attention heads (None: the model preset's); tp must divide it", ge=1, nullable=True),
           "d_model": Param(int, "hidden size (None: the model preset's; d_ff = 4·d_model); tp must divide it", ge=1,
                            nullable=True),
-          "op_steps": Param(int, "timed calls per round in the AG+GEMM / GEMM+RS micro-benchmarks", ge=1)}
+          "op_steps": Param(int, "timed calls per round in the AG+GEMM / GEMM+RS micro-benchmarks", ge=1),
+          "tiles": Param(int, "row tiles per chunk in the micro-benchmarks' tiled ring (flux's tile-level overlap); "
+                              "must divide the tokens per rank", ge=1)}
 PRESETS = {
     "smoke": {"model": "smoke", "n_layer": 1, "micro_batch": 4, "seed": 0, "n_head": None, "d_model": None,
-              "warmup": 1, "bench_steps": 2, "rounds": 3, "op_steps": 5},
+              "warmup": 1, "bench_steps": 2, "rounds": 3, "op_steps": 5, "tiles": 2},
     "default": {"model": "default", "n_layer": 2, "micro_batch": 8, "seed": 0, "n_head": None, "d_model": None,
-                "warmup": 1, "bench_steps": 2, "rounds": 3, "op_steps": 8},
+                "warmup": 1, "bench_steps": 2, "rounds": 3, "op_steps": 8, "tiles": 4},
     "full": {"model": "full", "n_layer": 4, "micro_batch": 4, "seed": 0, "n_head": None, "d_model": None,
-             "warmup": 3, "bench_steps": 5, "rounds": 5, "op_steps": 20},
+             "warmup": 3, "bench_steps": 5, "rounds": 5, "op_steps": 20, "tiles": 8},
 }
 VARIANTS = {"bulk": ("bulk", False), "bulk+keep": ("bulk", True), "ring": ("ring", False), "ring+keep": ("ring", True)}
 
@@ -65,6 +68,9 @@ def validate(cfg: dict, world_size: int) -> dict:
     if tokens % world_size:
         raise ValueError(f"micro_batch={cfg['micro_batch']} × seq_len={mc.seq_len} = {tokens} tokens must be "
                          f"divisible by tp={world_size} (sequence parallelism splits the tokens)")
+    if (tokens // world_size) % cfg["tiles"]:
+        raise ValueError(f"tiles={cfg['tiles']} must divide the {tokens // world_size} tokens per rank "
+                         f"(micro_batch × seq_len / tp)")
     return cfg
 
 
@@ -156,8 +162,8 @@ def run(ctx, cfg: dict) -> dict:
     ctx.progress(6, 8, "micro-benchmarks")
     ops = op_benchmarks(ctx, group, stacks["ring"].blocks[0], M, cfg)
     ctx.progress(8, 8, "done")
-    return {"rank": ctx.rank, "tp": tp, "model": vars(mc), "tokens": M, "local_tokens": M // tp, "n_layer": n_layer,
-            "variants": variants, "grads_bitwise_keep_vs_regather": bitwise,
+    return {"rank": ctx.rank, "tp": tp, "model": vars(mc), "tiles": cfg["tiles"], "tokens": M, "local_tokens": M // tp,
+            "n_layer": n_layer, "variants": variants, "grads_bitwise_keep_vs_regather": bitwise,
             "bytes_closed_form": {k: {p: n_layer * v for p, v in bytes_per_layer(M, D, tp, keep).items()}
                                   for k, keep in (("regather", False), ("keep", True))},
             "kept_bytes_closed_form": n_layer * kept_bytes_per_layer(M, D, tp),
@@ -171,14 +177,14 @@ def run_ops(ctx, cfg: dict) -> dict:
     group = ctx.make_grid(tp=tp).group("tp")
     torch.manual_seed(cfg["seed"])
     stack = SequenceParallelStack.from_model(GPT(mc).to(ctx.device), group)
-    return {"rank": ctx.rank, "tp": tp, "model": vars(mc),
+    return {"rank": ctx.rank, "tp": tp, "model": vars(mc), "tiles": cfg["tiles"],
             "ops": op_benchmarks(ctx, group, stack.blocks[0], cfg["micro_batch"] * mc.seq_len, cfg)}
 
 
 def op_benchmarks(ctx, group, block, tokens: int, cfg: dict) -> dict:
     """AG+GEMM at fc1's shapes and GEMM+RS at fc2's (``tokens`` in the micro-batch): the collective alone, the
-    GEMM alone, bulk, ring, and the ring's messages alone (the same ring with GEMMs of width 0), timed side by
-    side; and the invariants: ring == bulk (allclose; the gathered input bitwise).
+    GEMM alone, bulk, ring, tiled ring, and the ring's messages alone (the same ring with GEMMs of width 0), timed side by
+    side; and the invariants: ring and tiled ring == bulk (allclose; the gathered input bitwise).
 
     ``overlap`` takes T_comm of the collective (the issue's definition); ``overlap_own_messages`` takes the
     ring's own messages, which gloo may move faster or slower than its collective."""
@@ -192,35 +198,44 @@ def op_benchmarks(ctx, group, block, tokens: int, cfg: dict) -> dict:
     gathered, partial = x.new_empty(tp * m, D), h @ w2
     scattered = partial.new_empty(m, D)
 
+    tiles = cfg["tiles"]
     ring_y, ring_x = all_gather_matmul(x, w1, group, mode="ring", keep_gathered=True)
+    tiled_y, tiled_x = all_gather_matmul(x, w1, group, mode="ring", keep_gathered=True, tiles=tiles)
     dist.all_gather_into_tensor(gathered, x, group=group)
     ref_y = gathered @ w1  # the definition: all_gather, then matmul
     ring_rs = matmul_reduce_scatter(h, w2, group, mode="ring")
+    tiled_rs = matmul_reduce_scatter(h, w2, group, mode="ring", tiles=tiles)
     dist.reduce_scatter_tensor(scattered, partial, group=group)
+    close = lambda a, b: torch.allclose(a, b, rtol=1e-5, atol=1e-6)  # noqa: E731
     out = {"invariants": {
         "ag_gathered_bitwise": torch.equal(ring_x, gathered), "ag_max_diff": _diff(ring_y, ref_y),
-        "ag_allclose": torch.allclose(ring_y, ref_y, rtol=1e-5, atol=1e-6), "ag_bitwise": torch.equal(ring_y, ref_y),
-        "rs_max_diff": _diff(ring_rs, scattered), "rs_allclose": torch.allclose(ring_rs, scattered, rtol=1e-5, atol=1e-6),
-        "rs_bitwise": torch.equal(ring_rs, scattered)}}
+        "ag_allclose": close(ring_y, ref_y), "ag_bitwise": torch.equal(ring_y, ref_y),
+        "rs_max_diff": _diff(ring_rs, scattered), "rs_allclose": close(ring_rs, scattered),
+        "rs_bitwise": torch.equal(ring_rs, scattered),
+        "tiled_ag_gathered_bitwise": torch.equal(tiled_x, gathered), "tiled_ag_max_diff": _diff(tiled_y, ref_y),
+        "tiled_ag_allclose": close(tiled_y, ref_y), "tiled_rs_max_diff": _diff(tiled_rs, scattered),
+        "tiled_rs_allclose": close(tiled_rs, scattered)}}
     candidates = {
         "AG+GEMM": ({"x": list(x.shape), "w": list(w1.shape)},
                     {"comm": lambda: dist.all_gather_into_tensor(gathered, x, group=group),
                      "gemm": lambda: torch.mm(gathered, w1),
                      "bulk": lambda: all_gather_matmul(x, w1, group, mode="bulk"),
                      "ring": lambda: all_gather_matmul(x, w1, group, mode="ring"),
+                     "tiled ring": lambda: all_gather_matmul(x, w1, group, mode="ring", tiles=tiles),
                      "ring comm": lambda: all_gather_matmul(x, w1[:, :0], group, mode="ring")}),  # GEMMs of width 0
         "GEMM+RS": ({"h": list(h.shape), "w": list(w2.shape)},
                     {"comm": lambda: dist.reduce_scatter_tensor(scattered, partial, group=group),
                      "gemm": lambda: torch.mm(h, w2),
                      "bulk": lambda: matmul_reduce_scatter(h, w2, group, mode="bulk"),
                      "ring": lambda: matmul_reduce_scatter(h, w2, group, mode="ring"),
+                     "tiled ring": lambda: matmul_reduce_scatter(h, w2, group, mode="ring", tiles=tiles),
                      "ring comm": lambda: matmul_reduce_scatter(h[:, :0], w2[:0], group, mode="ring")})}
     for op, (shapes, cands) in candidates.items():
         with ctx.ledger.tag(f"ops/{op}"):
             res = compare(cands, warmup=cfg["warmup"], steps=cfg["op_steps"], rounds=cfg["rounds"], sync=ctx.barrier)
         t = {n: r.mean_s for n, r in res.items()}
         out[op] = {"shapes": shapes, "mean_s": t, "median_s": {n: r.median_s for n, r in res.items()},
-                   "overlap": {v: overlap_fraction(t["comm"], t["gemm"], t[v]) for v in ("bulk", "ring")},
+                   "overlap": {v: overlap_fraction(t["comm"], t["gemm"], t[v]) for v in ("bulk", "ring", "tiled ring")},
                    "overlap_own_messages": overlap_fraction(t["ring comm"], t["gemm"], t["ring"])}
     return out
 

@@ -23,8 +23,19 @@ chunk (or partial sum) travels to the neighbour with isend/irecv (``batch_isend_
       ...
       step tp-1  y_r = H[r] W_rᵀ + (sum from r-1)     (the sum over all tp ranks' partials of block r)
 
+Tiles (flux's granularity): at chunk granularity the last chunk's GEMM has nothing left to hide, so with
+tp = 2 at most half the GEMM covers the one message. With ``tiles`` > 1 every chunk travels and is multiplied
+in row tiles; a tile is passed on and multiplied as soon as it has arrived, so only the last tile's GEMM is
+uncovered (a fraction 1/(tp·tiles) of the work), at the price of tiles× as many messages::
+
+    tp = 2, tiles = 1   gemm X_r ‖ X_r-1 in flight  │ wait │ gemm X_r-1
+    tp = 2, tiles = 4   gemm X_r tile by tile ‖ tiles of X_r-1 in flight │ gemm tile 0 ‖ tiles 1-3 still arriving │ ...
+
+Whether that pays depends on what one message costs beside one tile's GEMM: a flag in device memory on a
+GPU (flux), tens of microseconds of gloo threads and loopback TCP on a CPU.
+
 Same bytes on the wire as the collectives ((tp-1)/tp of the gathered or reduced tensor per rank), in
-tp-1 messages. The ring sums in another order than ``reduce_scatter_tensor``, so its result is allclose,
+(tp-1)·tiles messages. The ring sums in another order than ``reduce_scatter_tensor``, so its result is allclose,
 not bitwise, to the bulk one; the all-gather ring moves bytes unchanged.
 
 Backward (autograd functions below; dY = gradient of the output)::
@@ -102,7 +113,7 @@ def _mm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out: torch.
 
 
 def all_gather_matmul(x: torch.Tensor, b: torch.Tensor, group=None, *, bias: torch.Tensor | None = None,
-                      mode: str = "ring", keep_gathered: bool = False, timeline=None
+                      mode: str = "ring", keep_gathered: bool = False, tiles: int = 1, timeline=None
                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``all_gather(x) @ b (+ bias)`` over ``group``, the all-gather hidden behind the GEMM in ``"ring"`` mode.
 
@@ -111,13 +122,17 @@ def all_gather_matmul(x: torch.Tensor, b: torch.Tensor, group=None, *, bias: tor
         b: ``[K, N]`` (e.g. ``weight.t()``).
         mode: ``"bulk"`` (``all_gather_into_tensor``, then one GEMM) or ``"ring"`` (tp steps, p2p).
         keep_gathered: also return the gathered ``[tp·m, K]`` (for the backward), else None.
-        timeline: record per-chunk spans (see ``_Trace``).
+        tiles: ring only: each chunk travels and is multiplied in ``tiles`` row tiles of ``m / tiles`` rows; a
+            tile is passed on and its GEMM starts as soon as it has arrived (flux's tile-level overlap), so only
+            the last tile's GEMM has no message to hide.
+        timeline: record per-tile spans (see ``_Trace``).
     Returns:
         (``[tp·m, N]`` in rank order, the gathered input or None).
     """
     _check_mode(mode)
     tp, r, nxt, prv = _peers(group)
     m, k = x.shape
+    rows = _tile_rows(m, tiles)
     trace = _Trace(timeline, "AG+GEMM")
     gathered = x.new_empty(tp, m, k)
     if mode == "bulk" or tp == 1:
@@ -130,26 +145,36 @@ def all_gather_matmul(x: torch.Tensor, b: torch.Tensor, group=None, *, bias: tor
         return out, gathered.view(tp * m, k) if keep_gathered else None
     gathered[r].copy_(x)
     out = x.new_empty(tp * m, b.shape[1])
-    sends = []
+    tile = lambda c, j: gathered[c, j * rows:(j + 1) * rows]  # [m/tiles, K] view
+    sends, arriving = [], {}
     for i in range(tp):
         c = (r - i) % tp  # the chunk held at step i
-        if i < tp - 1:  # pass it on while computing on it; the next one arrives meanwhile
-            start = time.perf_counter()
-            send, recv = dist.batch_isend_irecv([dist.P2POp(dist.isend, gathered[c], nxt, group),
-                                                 dist.P2POp(dist.irecv, gathered[(c - 1) % tp], prv, group)])
-        with trace.span("gemm", chunk=c):
-            _mm(gathered[c], b, bias, out=out[c * m:(c + 1) * m])
-        if i < tp - 1:
-            with trace.span("wait", chunk=(c - 1) % tp):
-                recv.wait()
-            trace.flight(start, chunk=(c - 1) % tp)
-            sends.append(send)
+        for j in range(tiles):
+            if i > 0:  # tile j of chunk c was posted at step i-1
+                recv, start = arriving.pop(j)
+                with trace.span("wait", chunk=c, tile=j):
+                    recv.wait()
+                trace.flight(start, chunk=c, tile=j)
+            if i < tp - 1:  # pass it on while computing on it; the same tile of the next chunk arrives meanwhile
+                start = time.perf_counter()
+                send, recv = dist.batch_isend_irecv([dist.P2POp(dist.isend, tile(c, j), nxt, group),
+                                                     dist.P2POp(dist.irecv, tile((c - 1) % tp, j), prv, group)])
+                sends.append(send)
+                arriving[j] = recv, start
+            with trace.span("gemm", chunk=c, tile=j):
+                _mm(tile(c, j), b, bias, out=out[c * m + j * rows:c * m + (j + 1) * rows])
     for send in sends:
         send.wait()
     return out, gathered.view(tp * m, k) if keep_gathered else None
 
 
-def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, group=None, *, mode: str = "ring",
+def _tile_rows(m: int, tiles: int) -> int:
+    if not isinstance(tiles, int) or isinstance(tiles, bool) or tiles < 1 or m % tiles:
+        raise ValueError(f"tiles={tiles!r} must be a positive int dividing the {m} rows of a rank's chunk")
+    return m // tiles
+
+
+def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, group=None, *, mode: str = "ring", tiles: int = 1,
                           timeline=None) -> torch.Tensor:
     """``reduce_scatter(a @ b)`` over ``group`` (sum; rank r keeps rows ``r·m .. (r+1)·m``).
 
@@ -157,6 +182,8 @@ def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, group=None, *, mode:
         a: ``[tp·m, K]`` (all tokens, this rank's slice of the features).
         b: ``[K, N]``.
         mode: ``"bulk"`` (one GEMM, then ``reduce_scatter_tensor``) or ``"ring"`` (tp steps passing running sums).
+        tiles: ring only: each block's running sum is computed and passed on in ``tiles`` row tiles, so a tile
+            travels while the next one is computed.
     Returns:
         ``[m, N]``: the sum over the group of every rank's ``a @ b``, rows of this rank's block.
     """
@@ -165,6 +192,7 @@ def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, group=None, *, mode:
     if a.shape[0] % tp:
         raise ValueError(f"a has {a.shape[0]} rows, not divisible by the group size {tp}")
     m = a.shape[0] // tp
+    rows = _tile_rows(m, tiles)
     trace = _Trace(timeline, "GEMM+RS")
     if mode == "bulk" or tp == 1:
         with trace.span("gemm"):
@@ -175,25 +203,31 @@ def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, group=None, *, mode:
             dist.reduce_scatter_tensor(out, partial, group=group)
         trace.flight(start)
         return out
-    sends, recv, incoming = [], None, None
+    sends, arriving, mine = [], {}, []
     for i in range(tp):
         c = (r - i - 1) % tp  # the token block whose running sum passes through this rank at step i
-        with trace.span("gemm", chunk=c):
-            acc = torch.mm(a[c * m:(c + 1) * m], b)
-        if recv is not None:
-            with trace.span("wait", chunk=c):
-                recv.wait()
-            trace.flight(start, chunk=c)
-            acc += incoming
-        if i < tp - 1:  # send this sum on; receive the next block's running sum meanwhile
-            incoming = torch.empty_like(acc)
-            start = time.perf_counter()
-            send, recv = dist.batch_isend_irecv([dist.P2POp(dist.isend, acc, nxt, group),
-                                                 dist.P2POp(dist.irecv, incoming, prv, group)])
-            sends.append((send, acc))
+        for j in range(tiles):
+            lo = c * m + j * rows
+            with trace.span("gemm", chunk=c, tile=j):
+                acc = torch.mm(a[lo:lo + rows], b)  # [m/tiles, N]
+            if i > 0:  # the running sum of this tile, posted at step i-1
+                recv, incoming, start = arriving.pop(j)
+                with trace.span("wait", chunk=c, tile=j):
+                    recv.wait()
+                trace.flight(start, chunk=c, tile=j)
+                acc += incoming
+            if i < tp - 1:  # send this sum on; receive the same tile of the next block's sum meanwhile
+                incoming = torch.empty_like(acc)
+                start = time.perf_counter()
+                send, recv = dist.batch_isend_irecv([dist.P2POp(dist.isend, acc, nxt, group),
+                                                     dist.P2POp(dist.irecv, incoming, prv, group)])
+                sends.append((send, acc))
+                arriving[j] = recv, incoming, start
+            else:
+                mine.append(acc)
     for send, _ in sends:
         send.wait()
-    return acc
+    return mine[0] if tiles == 1 else torch.cat(mine)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -203,11 +237,11 @@ class _AllGatherLinear(torch.autograd.Function):
     """Y = all_gather(x) · Wᵀ + b (column-parallel after a sequence-parallel region)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, group, mode, keep_gathered, timeline):
+    def forward(ctx, x, weight, bias, group, mode, keep_gathered, tiles, timeline):
         out, gathered = all_gather_matmul(x, weight.t(), group, bias=bias, mode=mode, keep_gathered=keep_gathered,
-                                          timeline=timeline)
+                                          tiles=tiles, timeline=timeline)
         ctx.save_for_backward(gathered if keep_gathered else x, weight)
-        ctx.group, ctx.mode, ctx.keep, ctx.has_bias = group, mode, keep_gathered, bias is not None
+        ctx.group, ctx.mode, ctx.keep, ctx.tiles, ctx.has_bias = group, mode, keep_gathered, tiles, bias is not None
         return out
 
     @staticmethod
@@ -221,54 +255,57 @@ class _AllGatherLinear(torch.autograd.Function):
             tp = dist.get_world_size(ctx.group)
             gathered = saved.new_empty(tp * saved.shape[0], saved.shape[1])
             work = dist.all_gather_into_tensor(gathered, saved, group=ctx.group, async_op=True)
-        dx = matmul_reduce_scatter(grad, weight, ctx.group, mode=ctx.mode)  # [m, K]
+        dx = matmul_reduce_scatter(grad, weight, ctx.group, mode=ctx.mode, tiles=ctx.tiles)  # [m, K]
         if work is not None:
             work.wait()
         dw = grad.t().mm(gathered)
         db = grad.sum(0) if ctx.has_bias else None
-        return dx, dw, db, None, None, None, None
+        return dx, dw, db, None, None, None, None, None
 
 
 class _LinearReduceScatter(torch.autograd.Function):
     """y = reduce_scatter(h · Wᵀ) (row-parallel into a sequence-parallel region; bias added by the caller)."""
 
     @staticmethod
-    def forward(ctx, h, weight, group, mode, timeline):
+    def forward(ctx, h, weight, group, mode, tiles, timeline):
         ctx.save_for_backward(h, weight)
-        ctx.group, ctx.mode = group, mode
-        return matmul_reduce_scatter(h, weight.t(), group, mode=mode, timeline=timeline)
+        ctx.group, ctx.mode, ctx.tiles = group, mode, tiles
+        return matmul_reduce_scatter(h, weight.t(), group, mode=mode, tiles=tiles, timeline=timeline)
 
     @staticmethod
     def backward(ctx, grad):  # grad [m, N]
         h, weight = ctx.saved_tensors
-        dh, gathered = all_gather_matmul(grad.contiguous(), weight, ctx.group, mode=ctx.mode, keep_gathered=True)
-        return dh, gathered.t().mm(h), None, None, None
+        dh, gathered = all_gather_matmul(grad.contiguous(), weight, ctx.group, mode=ctx.mode, keep_gathered=True,
+                                         tiles=ctx.tiles)
+        return dh, gathered.t().mm(h), None, None, None, None
 
 
 class AllGatherColumnLinear(ColumnParallelLinear):
     """Column-parallel linear whose input is this rank's tokens ``[m, in]``: all-gather (bulk or ring) + GEMM.
 
     Built like its parent (``AllGatherColumnLinear.from_linear(linear, group, rows=...)``); ``mode``,
-    ``keep_gathered`` and ``timeline`` may be changed at any time.
+    ``keep_gathered``, ``tiles`` and ``timeline`` may be changed at any time.
     """
 
     mode: str = "ring"
     keep_gathered: bool = False
+    tiles: int = 1
     timeline = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [m, in] -> [tp·m, out/tp]
         return _AllGatherLinear.apply(x, self.weight, self.bias, self.group, self.mode, self.keep_gathered,
-                                      self.timeline)
+                                      self.tiles, self.timeline)
 
 
 class RowReduceScatterLinear(RowParallelLinear):
     """Row-parallel linear whose output is reduce-scattered to the token shards: GEMM + reduce-scatter."""
 
     mode: str = "ring"
+    tiles: int = 1
     timeline = None
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:  # [tp·m, in/tp] -> [m, out]
-        y = _LinearReduceScatter.apply(h, self.weight, self.group, self.mode, self.timeline)
+        y = _LinearReduceScatter.apply(h, self.weight, self.group, self.mode, self.tiles, self.timeline)
         return y + self.bias if self.bias is not None else y
 
 
@@ -297,13 +334,17 @@ class SequenceParallelBlock(nn.Module):
             p.sequence_parallel = True  # sees only this rank's tokens: gradient all-reduced over tp
         self.configure(mode=mode, keep_gathered=keep_gathered)
 
-    def configure(self, mode: str | None = None, keep_gathered: bool | None = None, timeline=...) -> None:
-        """Switch the overlap mode, keeping the gathered inputs, or the timeline of all four linears."""
+    def configure(self, mode: str | None = None, keep_gathered: bool | None = None, tiles: int | None = None,
+                  timeline=...) -> None:
+        """Switch the overlap mode, keeping the gathered inputs, the ring's tiles or the timeline of all four
+        linears."""
         if mode is not None:
             _check_mode(mode)
         for lin in (self.qkv, self.proj, self.fc1, self.fc2):
             if mode is not None:
                 lin.mode = mode
+            if tiles is not None:
+                lin.tiles = tiles
             if keep_gathered is not None and isinstance(lin, AllGatherColumnLinear):
                 lin.keep_gathered = keep_gathered
             if timeline is not ...:
@@ -343,7 +384,7 @@ class SequenceParallelStack(nn.Module):
                    model.head)
 
     def configure(self, **options) -> None:
-        """``SequenceParallelBlock.configure`` on every block (mode, keep_gathered, timeline)."""
+        """``SequenceParallelBlock.configure`` on every block (mode, keep_gathered, tiles, timeline)."""
         for block in self.blocks:
             block.configure(**options)
 
