@@ -8,7 +8,7 @@ quotation marks (what a source says, in its words), splits the rest into clauses
 - states a measured-looking number: a percentage (``35 %``), a ratio (``4.7×``, ``4.7x``), a decibel figure
   (``8 dB``), a number with a fractional part or thousands separators and a unit of bytes, time or
   bandwidth (``1.27 MB``, ``0.5 ms``, ``75,000 bytes``), or an approximate number (``≈ 8``, ``~35``,
-  ``about 1.5``), or
+  ``about 1.5``, in words too: "about half", "a few percent", "an order of magnitude"), or
 - states a comparison: "faster than", "more than", "lower than", ..., "outperforms", "N times".
 
 A flagged clause passes when it
@@ -51,6 +51,9 @@ NUMBER_PATTERNS = [
     re.compile(rf"(?<![\w.])\d+\.\d+\s?{UNIT}(?![\w])"),  # 1.27 MB, 0.5 ms
     re.compile(rf"(?<![\w.])\d{{1,3}}(?:,\d{{3}})+\s?{UNIT}(?![\w])"),  # 75,000 bytes
     re.compile(rf"(?:≈|~|\babout|\baround|\broughly)\s?{NUM}"),  # ≈ 8, about 35: an approximate result
+    # in words: "about half a millisecond", "roughly twice", "a few percent", "an order of magnitude"
+    re.compile(r"\b(?:about|around|roughly|nearly|almost)\s+(?:half|a third|a quarter|twice|double|triple|"
+               r"an order of magnitude)\b|\ba few percent\b|\ban order of magnitude\b", re.I),
 ]
 COMPARISON = re.compile(r"\b(?:faster|slower|more|less|fewer|larger|smaller|bigger|higher|lower|better|worse|"
                         r"cheaper|dearer)\s+than\b|\boutperform\w*|\bbeats?\b|\b\d+(?:\.\d+)?\s+times\b", re.I)
@@ -149,6 +152,7 @@ def _check(markdown: str, code_above: str = "") -> list[str]:
     "ZeRO-3 took 4.7× longer here.", "The saving is 35 % of the bytes.", "Each step sends 1.27 MB.",
     "SDP4Bit is faster than the baseline.", "H32 adds about 8 dB of SNR.", "It sent 75,000 bytes per step.",
     "The loss is 2.5x the baseline's.", "- a list item: 0.43× above the target",
+    "The ops last about half a millisecond.", "The loss moved by a few percent.", "It is an order of magnitude off.",
 ])
 def test_measured_statements_are_caught(text):
     assert _check(text), text
@@ -163,6 +167,7 @@ def test_measured_statements_are_caught(text):
     ("The weights cost at most 0.26× of bf16.", "assert w_ratio <= 0.26"),
     ("Checkpointing blocks keeps less than checkpointing attention.", "assert by['block'] < by['attn']"),
     ("Two ranks, 4 bits per value, groups of 128.", ""),
+    ("Training in 8 bits halves the bytes of every operand; the two halves of an F&B.", ""),
 ])
 def test_allowed_statements_pass(text, code):
     assert not _check(text, code), text

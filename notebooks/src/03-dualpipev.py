@@ -394,6 +394,8 @@ print("bubble, simulated:      " + ", ".join(f"{n} {row[n]['simulated bubble %']
 print("step (trimmed mean):    " + ", ".join(f"{n} {row[n]['bench step (ms)']:.1f} ms" for n in row))
 print("blocked on F&B inputs per step, summed over ranks: " + ", ".join(f"{k} {v:.2f} ms" for k, v in exposed.items()))
 print(f"I + W - B per chunk = {sum(split) / max(len(split), 1) * 1e3:.3f} ms (the cost of splitting a backward)")
+print(f"mean op per chunk:      F {chunk_costs.F * 1e3:.2f} ms, B {chunk_costs.B * 1e3:.2f} ms, "
+      f"W {chunk_costs.W * 1e3:.2f} ms")
 vs_1f1b = {n: (row[n]["real bubble %"] / row["1f1b"]["real bubble %"],
                row[n]["simulated bubble %"] / row["1f1b"]["simulated bubble %"]) for n in ("zb-h1", "dualpipev")}
 display(Markdown(
@@ -412,12 +414,12 @@ display(Markdown(
 #   runs F&B as F then B after both inputs arrived. The two halves' *compute* cannot overlap on one core per
 #   rank, so the larger part of DualPipe's F&B gain (compute hiding MoE all-to-all on GPU streams) does not
 #   exist here. The zero-bubble half can: the ratios rendered above compare the bubbles of ZB-H1 and
-#   DualPipeV with 1F1B's, real and simulated; they mean most at the default preset (ops of tens of
-#   milliseconds). At p = 2 the bubble 1F1B loses is small, and DualPipeV pays for it with twice as many
+#   DualPipeV with 1F1B's, real and simulated; they mean most when the ops are long against the time between
+#   them (this run's op times are printed below). At p = 2 the bubble 1F1B loses is small, and DualPipeV pays for it with twice as many
 #   (smaller) ops, extra messages and the split backward, so a shorter step is not to be expected there
 #   (the step ratio above). The simulator shows the bubble's share growing with p (section 2): that is where the
-#   schedule pays. At the smoke preset the ops last about half a millisecond, so the time *between*
-#   actions (Python, message latency) dominates and the "real bubble" above is mostly that overhead.
+#   schedule pays. With short ops (the smoke preset) the time *between* actions (Python, message latency)
+#   dominates and the "real bubble" above is mostly that overhead.
 # - The README's bubble formula holds only under F = B − W (and W ≤ F); otherwise the simulator's exact
 #   timing differs (section 2).
 # - The article's claim that DualPipeV beats interleaved 1F1B "noticeably" for MoE rests on overlapping
@@ -437,8 +439,8 @@ headline("03", "DualPipeV (V-folded pipeline, zero-bubble W split, F&B pairs)",
          value=idle["dualpipev"] / idle["1f1b"], unit="× 1F1B's bubble (real timeline)",
          claim="bubble (PP/2−1)(F&B+B−3W) against 1F1B's (PP−1)(F+B)", source="deepseek-ai/DualPipe README",
          reproduced=ok and idle["dualpipev"] < idle["1f1b"],
-         note="on CPU F&B = F + B (no stream overlap); with sub-millisecond ops (smoke) the time between actions "
-              "dominates the real bubble")
+         note=f"on CPU F&B = F + B (no stream overlap); with ops of {chunk_costs.F * 1e3:.2f} ms (F per chunk, "
+              f"preset {preset}) the time between actions weighs on the real bubble")
 
 # %% [markdown]
 # **Try:** raise `m` (the bubble fraction falls as 1/m); set F&B/(F+B) = 0.5 in the explorer; compare
