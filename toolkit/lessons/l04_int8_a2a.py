@@ -203,9 +203,10 @@ def wire_sweep(ctx, cfg: dict, moe_input: torch.Tensor) -> dict:
 
 
 # ---- 3. expert-parallel training ----------------------------------------------------------------------------
-def train(ctx, cfg: dict, run: str, capture: bool = False) -> dict:
+def train(ctx, cfg: dict, run: str, capture: bool = False, first_step: int = 0, all_steps: int | None = None) -> dict:
     """One training run; ``run`` is a dispatch mode, optionally "@<offset>" to shift the seed of init and data
-    ("bf16@1": a second bf16 run, whose distance to "bf16" is the run-to-run spread)."""
+    ("bf16@1": a second bf16 run, whose distance to "bf16" is the run-to-run spread). Progress counts its steps
+    from ``first_step`` of ``all_steps`` (the steps of every run of the launch: one bar that never restarts)."""
     mode, _, offset = run.partition("@")
     seed = cfg["seed"] + int(offset or 0)
     torch.manual_seed(seed)  # identical init on every rank; each keeps only its experts
@@ -233,7 +234,7 @@ def train(ctx, cfg: dict, run: str, capture: bool = False) -> dict:
         mean_loss = loss.detach().clone()
         dist.all_reduce(mean_loss)
         losses.append(mean_loss.item() / ctx.world_size)
-        ctx.progress(step + 1, cfg["steps"], f"train {run}")
+        ctx.progress(first_step + step + 1, all_steps or cfg["steps"], f"train {run}")
     sent = {phase: ctx.ledger.total("sent_bytes", tag=f"train/{run}/{phase}") / cfg["steps"]
             for phase in ("routing", "dispatch", "combine", "backward", "grad_allreduce")}
     return {"mode": run, "losses": losses, "sent_bytes_per_step": sent,
@@ -257,8 +258,9 @@ def average_gradients(replicated: list, experts: list, world: int) -> None:
 def run(ctx, cfg: dict) -> dict:
     inv = invariants(ctx, cfg)
     curves, moe_input = {}, None
-    for i, mode in enumerate(cfg["train_modes"]):
-        out = train(ctx, cfg, mode, capture=(i == 0))
+    steps, modes = cfg["steps"], cfg["train_modes"]
+    for i, mode in enumerate(modes):
+        out = train(ctx, cfg, mode, capture=(i == 0), first_step=i * steps, all_steps=len(modes) * steps)
         moe_input = out.pop("moe_input") if i == 0 else moe_input
         curves[mode] = out
     wire = wire_sweep(ctx, cfg, moe_input)

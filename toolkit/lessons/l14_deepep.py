@@ -320,7 +320,7 @@ def timing(ctx, cfg: dict, x, ids, w, hop: TwoHop) -> dict:
             fn()
             sent[name] = sum(r.sent_bytes for r in ctx.ledger.records[mark:])
         times = compare(candidates, warmup=cfg["warmup"], steps=cfg["bench_steps"], rounds=cfg["rounds"],
-                        sync=ctx.barrier, on_round=lambda d, t: ctx.progress(d, t, "timing"))
+                        sync=ctx.barrier, on_round=lambda d, t: ctx.progress(5 + d / t, 6, "timing"))
     return {name: {"mean_s": times[name].mean_s, "sent_bytes": sent[name]} for name in candidates}
 
 
