@@ -312,14 +312,15 @@ def measure_schedules(ctx, setup: PipelineSetup, jobs: list[Job], *, warmup: int
     if len({job.label for job in jobs}) != len(jobs):
         raise ValueError(f"jobs repeat: {[job.label for job in jobs]}")
     records, models = [], []
-    for job in jobs:
+    units = len(jobs) + rounds  # progress: one unit per checked job, then one per timing round
+    for i, job in enumerate(jobs):
         record, model = check_step(ctx, setup, job)
         records.append(record)
         models.append(model)
+        ctx.progress(i + 1, units, "checked " + job.label)
     candidates = {job.label: _Candidate(ctx, setup, job, warmup) for job in jobs}
-    names = ", ".join(candidates)
     results = compare(candidates, warmup=warmup, steps=steps, rounds=rounds, trim=trim, sync=ctx.barrier,
-                      on_round=lambda done, total: ctx.progress(done, total, "timing " + names))
+                      on_round=lambda done, total: ctx.progress(len(jobs) + done, units, "timing every schedule"))
     for record, (label, candidate) in zip(records, candidates.items()):
         record["bench"] = results[label].to_dict()
         record.update(candidate.summary())
