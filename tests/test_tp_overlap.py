@@ -114,6 +114,13 @@ def test_tiled_rings_train_like_the_untiled_ones(world):
         assert max(r.values()) <= 1e-5, r  # the same sums, tile by tile: allclose (GEMM blocking may differ)
 
 
+def test_emulated_link_rings_compute_the_bulk_product():
+    r = l01.emulated_link(m=64, k=32, n=48, tiles=4, steps=1, rounds=1)
+    assert max(r["max_diff_vs_bulk"].values()) <= 1e-5, r["max_diff_vs_bulk"]
+    assert set(r["mean_s"]) == {"comm", "gemm", "bulk", "ring", "tiled ring"}
+    assert r["ceiling"]["ring"] <= r["ceiling"]["tiled ring"] <= 1.0  # a tile leaves less GEMM uncovered
+
+
 def test_traced_step_has_gemm_wait_and_flight_spans_on_every_rank(tp2):
     for r in tp2:
         for name in l01.VARIANTS:

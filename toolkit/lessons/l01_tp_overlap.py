@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import copy
+import time
 from contextlib import nullcontext
 from dataclasses import asdict
 
@@ -261,3 +262,105 @@ def _sp_grad_bytes(ledger) -> int:
     """Bytes of one all-reduce of the sequence-parallel gradients (LayerNorms, row biases, head)."""
     first = next((r for r in ledger.records if r.tag == "sp-grads"), None)
     return first.sent_bytes if first else 0
+
+
+# ---- where the ring pays: a link that does not take a core ----------------------------------------------------
+class EmulatedLink:
+    """The peer's chunk arriving over a wire that moves bytes without a core (a NIC's DMA, a GPU's copy engine):
+    a thread sleeps until each tile's arrival time, ``link_s / tiles`` apart, then copies the tile in and
+    signals it. Sleeping releases the core, so the GEMMs of the main thread can fill the wait — which gloo over
+    loopback TCP, on the same two cores as the GEMMs, cannot offer. ``send(tiles)`` starts one transfer,
+    ``wait(j)`` blocks until tile j has arrived."""
+
+    def __init__(self, src: torch.Tensor, dst: torch.Tensor, link_s: float):
+        import queue
+        import threading
+
+        self.src, self.dst, self.link_s = src, dst, link_s  # [m, K] each
+        self._jobs: queue.Queue = queue.Queue()
+        self._ready: list = []
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def send(self, tiles: int) -> None:
+        import threading
+
+        self._ready = [threading.Event() for _ in range(tiles)]
+        self._jobs.put((time.perf_counter(), tiles, self._ready))
+
+    def wait(self, j: int) -> None:
+        self._ready[j].wait()
+
+    def _serve(self) -> None:
+        while True:
+            start, tiles, ready = self._jobs.get()
+            rows = self.src.shape[0] // tiles
+            for j in range(tiles):
+                time.sleep(max(0.0, start + (j + 1) * self.link_s / tiles - time.perf_counter()))
+                self.dst[j * rows:(j + 1) * rows].copy_(self.src[j * rows:(j + 1) * rows])
+                ready[j].set()
+
+
+def emulated_link(m: int = 1024, k: int = 256, n: int = 512, tiles: int = 4, link_ratio: float = 1.0,
+                  steps: int = 4, rounds: int = 3, seed: int = 0) -> dict:
+    """AG+GEMM at tp = 2 in one process, the peer's chunk ``[m, k]`` arriving over an ``EmulatedLink`` whose
+    transfer of the whole chunk takes ``link_ratio`` × the GEMM of both chunks (``[2m, k] @ [k, n]``, measured
+    first). Timed side by side (one compute thread): the transfer alone, the GEMM alone, bulk (transfer, then
+    GEMM), the ring (one message; the own chunk's GEMM meanwhile) and the tiled ring (``tiles`` messages, each
+    tile's GEMM as soon as it has arrived). Returns the mean times, the overlaps, the ceilings
+    ``min(1, (1 - 1/(2·tiles)) · T_gemm / T_comm)`` and the largest difference of each ring's product from
+    bulk's."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # like a rank: one compute thread; the link's thread only sleeps and copies
+    try:
+        g = torch.Generator().manual_seed(seed)
+        own, peer = torch.randn(m, k, generator=g), torch.randn(m, k, generator=g)
+        w = torch.randn(k, n, generator=g) / k ** 0.5
+        gathered, out = torch.empty(2 * m, k), torch.empty(2 * m, n)
+        gathered[:m].copy_(own)
+        gemm = lambda: torch.mm(gathered, w, out=out)  # noqa: E731
+        times = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            gemm()
+            times.append(time.perf_counter() - t0)
+        link = EmulatedLink(peer, gathered[m:], link_ratio * sorted(times)[2])
+        rows = m // tiles
+
+        def comm():
+            link.send(1)
+            link.wait(0)
+
+        def bulk():
+            comm()
+            gemm()
+
+        def ring():
+            link.send(1)
+            torch.mm(gathered[:m], w, out=out[:m])  # the own chunk while the peer's is on the wire
+            link.wait(0)
+            torch.mm(gathered[m:], w, out=out[m:])
+
+        def tiled():
+            link.send(tiles)
+            torch.mm(gathered[:m], w, out=out[:m])
+            for j in range(tiles):
+                link.wait(j)
+                torch.mm(gathered[m + j * rows:m + (j + 1) * rows], w, out=out[m + j * rows:m + (j + 1) * rows])
+
+        bulk()
+        want = out.clone()
+        diff = {}
+        for name, fn in (("ring", ring), ("tiled ring", tiled)):
+            out.zero_()
+            fn()
+            diff[name] = _diff(out, want)
+        res = compare({"comm": comm, "gemm": gemm, "bulk": bulk, "ring": ring, "tiled ring": tiled},
+                      warmup=1, steps=steps, rounds=rounds)
+    finally:
+        torch.set_num_threads(threads)
+    t = {name: r.mean_s for name, r in res.items()}
+    return {"shapes": {"own": [m, k], "w": [k, n]}, "tiles": tiles, "link_ratio": link_ratio, "mean_s": t,
+            "overlap": {v: overlap_fraction(t["comm"], t["gemm"], t[v]) for v in ("bulk", "ring", "tiled ring")},
+            "ceiling": {v: min(1.0, (1 - 1 / (2 * k_)) * t["gemm"] / t["comm"])
+                        for v, k_ in (("ring", 1), ("tiled ring", tiles))},
+            "max_diff_vs_bulk": diff}
