@@ -158,6 +158,6 @@ def test_bad_input_names_the_parameter():
     with pytest.raises(ValueError, match="tiles=3 must divide the 64 tokens per rank"):
         l01.validate({"preset": "smoke", "tiles": 3}, 2)
     with pytest.raises(ValueError, match="tiles=0 must be a positive int dividing the 8 rows"):
-        tp_overlap._tile_rows(8, 0)
+        tp_overlap.tile_rows(8, 0)
     with pytest.raises(ValueError, match="mode='fused' is not allowed"):
         tp_overlap._check_mode("fused")

@@ -115,7 +115,7 @@ print(f"{world_size} ranks, {r0['n_layer']} layer(s), d_model={r0['model']['d_mo
 # - Keeping the gathered input gives *bitwise* the gradients of re-gathering it (same bytes, same GEMM).
 # - The ring all-gather + GEMM equals `all_gather` followed by a matmul (allclose; the gathered input
 #   itself bitwise), and the ring GEMM + reduce-scatter equals `reduce_scatter_tensor` (allclose: it adds
-#   the partials in another order).
+#   the partials in another order); the tiled rings of section 4 likewise.
 # - Bytes on the wire per pass equal the closed form, ring and bulk alike; the saved-activation delta of
 #   keeping equals the closed form to the byte.
 
@@ -128,6 +128,7 @@ for r in results:
     assert r["grads_bitwise_keep_vs_regather"] == {"bulk": True, "ring": True}
     inv = r["ops"]["invariants"]
     assert inv["ag_gathered_bitwise"] and inv["ag_allclose"] and inv["rs_allclose"], inv
+    assert inv["tiled_ag_gathered_bitwise"] and inv["tiled_ag_allclose"] and inv["tiled_rs_allclose"], inv
     for mode in ("bulk", "ring"):
         delta = r["variants"][f"{mode}+keep"]["saved_act_bytes"] - r["variants"][mode]["saved_act_bytes"]
         assert delta == r["kept_bytes_closed_form"], (mode, delta)
@@ -187,26 +188,30 @@ display(viz.table(table, title="Rank 0: overlap = (T_comm + T_gemm − T_fused) 
 # cores as much as an overlap. To see the mechanism itself, `lesson.emulated_link` runs AG+GEMM at tp = 2
 # in this process with the peer's chunk arriving over an **emulated wire**: a thread sleeps until each
 # tile's arrival time (no core busy, as with a NIC's DMA or a copy engine), then copies the tile in. The
-# wire is as slow as the whole GEMM (`link_ratio = 1`). The GEMMs and the times are real; the link is not.
+# wire is as slow as the whole GEMM (`link_ratio = 1`). The GEMMs, the thread hand-offs and the times are
+# real; the link is a model (a sleep schedule), so each ring's ceiling holds by construction and what is
+# measured is how close the real computation gets to it.
 
 # %%
-link = lesson.emulated_link(tiles=r0["tiles"], link_ratio=1.0)
+link = lesson.emulated_link(m=1024 // r0["tiles"] * r0["tiles"], tiles=r0["tiles"], link_ratio=1.0)
 assert max(link["max_diff_vs_bulk"].values()) <= 1e-5, link["max_diff_vs_bulk"]  # the same product as bulk
 display(viz.bars([{"candidate": c, "ms": t * 1e3} for c, t in link["mean_s"].items()], x="candidate", y="ms",
-                 title=f"Emulated link, one process, tp = 2 ({link['tiles']} tiles): AG+GEMM and its parts",
+                 title=f"AG+GEMM over a simulated wire (one process, tp = 2, {link['tiles']} tiles; GEMMs real, "
+                       "the link a sleep schedule)",
                  text_format=".2f"))
 display(viz.table([{"candidate": v, "overlap": link["overlap"][v], "ceiling": link["ceiling"].get(v)}
                    for v in ("bulk", "ring", "tiled ring")],
-                  title="Emulated link: overlap = (T_comm + T_gemm − T_fused) / T_comm, and each ring's ceiling",
+                  title="Simulated wire: overlap = (T_comm + T_gemm − T_fused) / T_comm, and each ring's ceiling",
                   formats={"overlap": ".2f", "ceiling": ".2f"}))
 ov, ce, gloo = link["overlap"], link["ceiling"], r0["ops"]["AG+GEMM"]["overlap"]
 display(Markdown(
-    f"With a wire that leaves the cores free, the ring hides {ov['ring']:.2f} of the transfer (its ceiling "
-    f"{ce['ring']:.2f}: the own chunk's GEMM, half the work at tp = 2) and the tiled ring {ov['tiled ring']:.2f} "
-    f"(ceiling {ce['tiled ring']:.2f}: everything but the last tile's GEMM). "
-    + ("Tiles hide more, as flux argues, once the link does not compete for cores. "
-       if ov["tiled ring"] > ov["ring"] else "Here the tiles did not hide more than the plain ring. ")
-    + f"On the gloo rings above the same decompositions hid {gloo['ring']:.2f} and {gloo['tiled ring']:.2f}."))
+    f"Over a wire that leaves the cores free, the ring hid {ov['ring']:.2f} of the transfer against its ceiling "
+    f"of {ce['ring']:.2f} (the own chunk's GEMM: half the work at tp = 2), the tiled ring {ov['tiled ring']:.2f} "
+    f"against {ce['tiled ring']:.2f} (everything but the last tile's GEMM); bulk, which hides nothing by "
+    f"construction, reads {ov['bulk']:.2f}. The ceilings are the arithmetic of the decomposition, which is "
+    "flux's argument for tiles; the measurement says how much of it real GEMMs and thread wake-ups reach "
+    f"when the link does not compete for cores. On the gloo rings above the same decompositions read "
+    f"{gloo['ring']:.2f} and {gloo['tiled ring']:.2f}."))
 
 # %% [markdown]
 # ## 5 · A whole training step: timelines and exposed communication
@@ -230,21 +235,38 @@ for name in V:
                  "exposed comm (ms)": e["exposed_comm_s"] * 1e3, "comm in flight (ms)": e["comm_in_flight_s"] * 1e3,
                  "hidden comm (ms)": max(0.0, e["comm_in_flight_s"] - e["exposed_comm_s"]) * 1e3,
                  "bench step (ms)": r0["bench"][name]["mean_s"] * 1e3})
-display(viz.table(rows, title="Rank 0: the traced step, and the trimmed-mean step time of the benchmark",
+display(viz.table(rows, title="Rank 0: one traced step (a single sample), and the trimmed-mean step time of the "
+                              "benchmark",
                   formats={k: ".2f" for k in rows[0] if k != "variant"}))
 display(viz.bars([{"variant": x["variant"], "part": p, "ms": x[p]} for x in rows
                   for p in ("GEMMs (ms)", "exposed comm (ms)", "hidden comm (ms)")],
-                 x="variant", y="ms", color="part", barmode="stack", title="Rank 0: GEMM time and communication"))
+                 x="variant", y="ms", color="part", barmode="stack",
+                 title="Rank 0: GEMM time and communication in one traced step (a single sample)"))
 
 # %% [markdown]
 # ## 6 · What we found, and where it disagrees with the sources
 
 # %%
 ag, rs = r0["ops"]["AG+GEMM"], r0["ops"]["GEMM+RS"]
-bulk_ms, ring_ms = r0["bench"]["bulk"]["mean_s"] * 1e3, r0["bench"]["ring+keep"]["mean_s"] * 1e3
 x_shape = ag["shapes"]["x"]
 mb_ag = (world_size - 1) * x_shape[0] * x_shape[1] * 4 / 1e6  # bytes this rank receives in the all-gather
 saved = r0["variants"]["bulk"]["sent_bytes"]["backward"] - r0["variants"]["bulk+keep"]["sent_bytes"]["backward"]
+step_ms = {name: r0["bench"][name]["mean_s"] * 1e3 for name in V}
+
+
+def resolved(op: str, o: dict) -> str:
+    """The ring's overlap of ``op`` against this run's noise floor: bulk hides nothing by construction, so
+    its reading (and the ceiling of the decomposition) say what the measurement can resolve."""
+    ring, floor = o["overlap"]["ring"], abs(o["overlap"]["bulk"])
+    ceiling = min(1.0, (world_size - 1) / world_size * o["mean_s"]["gemm"] / o["mean_s"]["comm"])
+    verdict = ("above the ceiling of the decomposition, so timing noise" if ring > ceiling + floor else
+               "within the noise floor" if abs(ring) <= floor else "beyond the noise floor")
+    return (f"{op} ring {ring:.2f} ({o['overlap_own_messages']:.2f} against the ring's own messages), bulk "
+            f"{o['overlap']['bulk']:.2f}, ceiling {ceiling:.2f}: {verdict}")
+
+
+gloo_text = (f"{resolved('AG+GEMM', ag)}; {resolved('GEMM+RS', rs)}. Bulk hides nothing by construction, so "
+             "its reading is the noise floor of these micro-benchmarks.")
 tiles, t_ag = r0["tiles"], ag["mean_s"]
 extra = (world_size - 1) * (tiles - 1)  # messages the tiled ring adds, per op
 per_msg_us = (t_ag["tiled ring"] - t_ag["ring"]) / max(extra, 1) * 1e6  # net cost (+) or gain (-) per message
@@ -264,10 +286,10 @@ display(Markdown(f"""
   ({2 * r0['n_layer']} all-gathers fewer) and holds {r0['kept_bytes_closed_form']:,} bytes more of saved
   activations — the same number, since both are 2·(tp−1)/tp·M·D·4 per layer.
 - **Overlap on this machine** (gloo over loopback TCP, {world_size} processes, one compute thread each):
-  AG+GEMM {ag['overlap']['ring']:.2f} ({ag['overlap_own_messages']:.2f} against the ring's own messages; bulk
-  {ag['overlap']['bulk']:.2f}), GEMM+RS {rs['overlap']['ring']:.2f} ({rs['overlap_own_messages']:.2f}; bulk
-  {rs['overlap']['bulk']:.2f}). The whole step: bulk {bulk_ms:.1f} ms, ring with the kept input
-  {ring_ms:.1f} ms, {ring_ms / bulk_ms:.2f}× the bulk step (timings on a shared CPU are noisy).
+  {gloo_text}
+- **The whole step** (trimmed means): ring {step_ms['ring']:.1f} ms vs bulk {step_ms['bulk']:.1f} ms
+  ({step_ms['ring'] / step_ms['bulk']:.2f}×); with the kept input ring+keep {step_ms['ring+keep']:.1f} ms vs
+  bulk+keep {step_ms['bulk+keep']:.1f} ms ({step_ms['ring+keep'] / step_ms['bulk+keep']:.2f}×).
 - **Against the sources.** flux reports up to 96 % of the communication hidden and its repository's AG+GEMM
   at TP 8 going from 16.9 to 5.9 ms on L20 GPUs; torch's async-TP about 8 % end to end on Llama 3; the
   article about 5 %. Those run on GPUs where NCCL or copy engines move the bytes while the SMs compute. Here
@@ -287,10 +309,12 @@ kept = r0["kept_bytes_closed_form"]
 per_layer = tp_overlap.kept_bytes_per_layer(M, mc.d_model, world_size)
 headline("01", "TP communication overlapped with the GEMMs (flux-style ring AG+GEMM, GEMM+RS)",
          f"keeping the gathered input: {saved:,} B fewer sent per rank per step in the backward "
-         f"({2 * r0['n_layer']} all-gathers) for {kept:,} B more held, gradients bitwise equal; ring overlap on "
-         f"gloo/CPU: AG+GEMM {ag['overlap']['ring']:.2f}, GEMM+RS {rs['overlap']['ring']:.2f} of the communication; "
-         f"over an emulated link that takes no core: ring {link['overlap']['ring']:.2f}, tiled ring "
-         f"{link['overlap']['tiled ring']:.2f} ({link['tiles']} tiles)",
+         f"({2 * r0['n_layer']} all-gathers) for {kept:,} B more held, gradients bitwise equal; over a simulated "
+         f"wire that takes no core the ring hid {link['overlap']['ring']:.2f} of the transfer (ceiling "
+         f"{link['ceiling']['ring']:.2f}), the tiled ring {link['overlap']['tiled ring']:.2f} (ceiling "
+         f"{link['ceiling']['tiled ring']:.2f}, {link['tiles']} tiles); on gloo the ring read AG+GEMM "
+         f"{ag['overlap']['ring']:.2f} and GEMM+RS {rs['overlap']['ring']:.2f} against a noise floor (bulk's reading) "
+         f"of {max(abs(ag['overlap']['bulk']), abs(rs['overlap']['bulk'])):.2f}",
          value=saved, unit="B fewer per rank per step",
          claim="keeping the all-gathered input for backward saves 2 all-gathers per layer for (tp−1)/tp·M·D·b "
                "bytes of memory each", source="flux (arXiv 2406.06858, AGKernel)",

@@ -25,7 +25,8 @@ from toolkit.data import batches
 from toolkit.models import GPT, lm_loss, preset
 from toolkit.parallel.tensor import check_tp
 from toolkit.parallel.tp_overlap import (SequenceParallelStack, all_gather_matmul, allreduce_sequence_parallel_grads,
-                                         bytes_per_layer, kept_bytes_per_layer, matmul_reduce_scatter, shard_tokens)
+                                         bytes_per_layer, kept_bytes_per_layer, matmul_reduce_scatter, shard_tokens,
+                                         tile_rows)
 from toolkit.pipeline.executor import ActivationMeter
 from toolkit.runtime.bench import compare
 from toolkit.runtime.config import Param, common, resolve
@@ -309,6 +310,7 @@ def emulated_link(m: int = 1024, k: int = 256, n: int = 512, tiles: int = 4, lin
     tile's GEMM as soon as it has arrived). Returns the mean times, the overlaps, the ceilings
     ``min(1, (1 - 1/(2·tiles)) · T_gemm / T_comm)`` and the largest difference of each ring's product from
     bulk's."""
+    tile_rows(m, tiles)  # ValueError unless tiles divides m
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # like a rank: one compute thread; the link's thread only sleeps and copies
     try:
@@ -324,7 +326,7 @@ def emulated_link(m: int = 1024, k: int = 256, n: int = 512, tiles: int = 4, lin
             gemm()
             times.append(time.perf_counter() - t0)
         link = EmulatedLink(peer, gathered[m:], link_ratio * sorted(times)[2])
-        rows = m // tiles
+        rows = tile_rows(m, tiles)
 
         def comm():
             link.send(1)

@@ -132,7 +132,7 @@ def all_gather_matmul(x: torch.Tensor, b: torch.Tensor, group=None, *, bias: tor
     _check_mode(mode)
     tp, r, nxt, prv = _peers(group)
     m, k = x.shape
-    rows = _tile_rows(m, tiles)
+    rows = tile_rows(m, tiles)
     trace = _Trace(timeline, "AG+GEMM")
     gathered = x.new_empty(tp, m, k)
     if mode == "bulk" or tp == 1:
@@ -168,7 +168,8 @@ def all_gather_matmul(x: torch.Tensor, b: torch.Tensor, group=None, *, bias: tor
     return out, gathered.view(tp * m, k) if keep_gathered else None
 
 
-def _tile_rows(m: int, tiles: int) -> int:
+def tile_rows(m: int, tiles: int) -> int:
+    """Rows per tile when a chunk of ``m`` rows is cut into ``tiles`` (ValueError unless ``tiles`` divides it)."""
     if not isinstance(tiles, int) or isinstance(tiles, bool) or tiles < 1 or m % tiles:
         raise ValueError(f"tiles={tiles!r} must be a positive int dividing the {m} rows of a rank's chunk")
     return m // tiles
@@ -192,7 +193,7 @@ def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, group=None, *, mode:
     if a.shape[0] % tp:
         raise ValueError(f"a has {a.shape[0]} rows, not divisible by the group size {tp}")
     m = a.shape[0] // tp
-    rows = _tile_rows(m, tiles)
+    rows = tile_rows(m, tiles)
     trace = _Trace(timeline, "GEMM+RS")
     if mode == "bulk" or tp == 1:
         with trace.span("gemm"):
