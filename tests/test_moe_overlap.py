@@ -49,6 +49,11 @@ def test_lesson_runs_and_traces_both_directions(lesson):
         t = r["timing"]
         assert all(len(v) == 2 * 3 for v in t["exposed_a2a_all_s"].values())  # bench_steps x rounds
         assert r["cost_model"]["serial"]["overlap_fraction"] == 0.0
+        # the count exchange is traced (forward only, 2 micro-batches x 2 layers) and enters the model as exposed
+        assert sum(x["kind"] == "plan" and x["meta"].get("schedule") == "serial" for x in r["spans"]) == 4
+        assert r["durations"]["plan"] > 0 and r["durations"]["embed_head_step"] > 0
+        for s in SCHEDULES:
+            assert r["cost_model"][s]["exposed_plan_s"] == 4 * r["durations"]["plan"]
     assert lesson[0]["sweep"] and lesson[1]["sweep"] is None
 
 
@@ -88,10 +93,22 @@ def test_interleaving_order():
 def test_cost_model_by_hand():
     # serial: per micro-batch 4 s forward + 4 s backward, everything exposed
     s = simulate(1, 1, 1, 1, layers=1, m=2, schedule="serial", backward=1.0)
-    assert s == {"step_s": 16.0, "compute_s": 8.0, "exposed_comm_s": 8.0, "comm_s": 8, "overlap_fraction": 0.0}
-    # overlapped: forward ends at 5 (B's combine), backward at 10; only the first and last transfer are exposed
+    assert s == {"step_s": 16.0, "compute_s": 8.0, "exposed_comm_s": 8.0, "exposed_plan_s": 0.0, "comm_s": 8,
+                 "overlap_fraction": 0.0}
+    # overlapped: forward ends at 5 (B's combine), backward at 10; exposed are the last forward transfer (B's
+    # combine, nothing left to compute under it) and the first backward one (A's combine gradient)
     o = simulate(1, 1, 1, 1, layers=1, m=2, schedule="overlapped", backward=1.0)
-    assert o == {"step_s": 10.0, "compute_s": 8.0, "exposed_comm_s": 2.0, "comm_s": 8, "overlap_fraction": 0.75}
+    assert o == {"step_s": 10.0, "compute_s": 8.0, "exposed_comm_s": 2.0, "exposed_plan_s": 0.0, "comm_s": 8,
+                 "overlap_fraction": 0.75}
+    # a blocking count exchange of 0.5 s before each dispatch: serial 8.5 s per micro-batch, all exposed
+    s = simulate(1, 1, 1, 1, layers=1, m=2, schedule="serial", backward=1.0, plan=0.5)
+    assert s == {"step_s": 17.0, "compute_s": 8.0, "exposed_comm_s": 9.0, "exposed_plan_s": 1.0, "comm_s": 9.0,
+                 "overlap_fraction": 0.0}
+    # overlapped: attn A 0-1, plan A 1-1.5, dispatch A 1.5-2.5 under attn B 1.5-2.5, plan B 2.5-3, dispatch B 3-4
+    # under experts A 3-4, combine A 4-5 under experts B 4-5, combine B 5-6 exposed; the backward 6-11 as before
+    o = simulate(1, 1, 1, 1, layers=1, m=2, schedule="overlapped", backward=1.0, plan=0.5)
+    assert o["step_s"] == 11.0 and o["exposed_comm_s"] == 3.0 and o["exposed_plan_s"] == 1.0
+    assert abs(o["overlap_fraction"] - 2 / 3) < 1e-12
     rows = ratio_sweep([0.1, 1.0, 4.0])
     assert all(r["overlapped_s"] <= r["serial_s"] for r in rows)
     best = max(rows, key=lambda r: r["speedup"])
@@ -110,3 +127,5 @@ def test_bad_input_names_the_parameter():
         step(torch.nn.Module(), [], "fwd-bwd", Tracer())
     with pytest.raises(ValueError, match="dispatch=-1"):
         simulate(1, 1, -1, 1)
+    with pytest.raises(ValueError, match="plan=-1"):
+        simulate(1, 1, 1, 1, plan=-1)

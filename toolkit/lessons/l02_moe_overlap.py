@@ -8,8 +8,8 @@
     timing     bench.compare of the two steps; exposed communication = seconds the rank is blocked in the
                all-to-alls (issue + wait, forward and backward) and in the plan's count exchange, per step
     traced     one step each way with every span on the timeline (the Gantt charts)
-    model      rank 0: the two-resource cost model fed with the traced serial step's durations, and the
-               comm/compute ratio sweep
+    model      the two-resource cost model fed with the rank's traced serial step's durations (the count
+               exchange included, embedding and head left out), and on rank 0 the comm/compute ratio sweep
 """
 from __future__ import annotations
 
@@ -131,15 +131,19 @@ def traced(ctx, cfg: dict, mbs, models) -> dict:
 
 
 def durations(spans: list[dict], schedule: str) -> dict:
-    """Mean seconds per micro-batch and layer of each forward piece in one traced step."""
-    mine = [s for s in spans if s["meta"].get("schedule") == schedule and s["meta"].get("dir") == "F"]
+    """Mean seconds per micro-batch and layer of each forward piece in one traced step (the count exchange
+    "plan" is forward only and carries no direction), and what the cost model leaves out: seconds per step
+    of embedding and head (forward and backward)."""
+    everything = [s for s in spans if s["meta"].get("schedule") == schedule]
+    mine = [s for s in everything if s["meta"].get("dir") == "F"]
     mean = lambda xs: statistics.fmean(xs) if xs else 0.0
-    pick = lambda kind, op=None: [s["end"] - s["start"] for s in mine if s["kind"] == kind
-                                  and (op is None or s["meta"].get("op") == op)]
+    pick = lambda kind, op=None, among=mine: [s["end"] - s["start"] for s in among if s["kind"] == kind
+                                              and (op is None or s["meta"].get("op") == op)]
     return {"attn": mean(pick("attn")), "experts": mean(pick("experts")),
             "dispatch": mean(pick("wait", "dispatch")) + mean(pick("issue", "dispatch")),
             "combine": mean(pick("wait", "combine")) + mean(pick("issue", "combine")),
-            "plan": mean(pick("plan"))}
+            "plan": mean(pick("plan", among=everything)),
+            "embed_head_step": sum(pick("embed", among=everything)) + sum(pick("head", among=everything))}
 
 
 def run(ctx, cfg: dict) -> dict:
@@ -165,8 +169,8 @@ def run(ctx, cfg: dict) -> dict:
     mc = models["serial"].cfg
     out["durations"] = d
     bwd = 2.0  # backward ≈ 2 x forward compute
-    out["cost_model"] = {s: simulate(d["attn"], d["experts"], d["dispatch"], d["combine"], mc.n_layer, 2, s, bwd)
-                         for s in SCHEDULES}
+    out["cost_model"] = {s: simulate(d["attn"], d["experts"], d["dispatch"], d["combine"], mc.n_layer, 2, s, bwd,
+                                     plan=d["plan"]) for s in SCHEDULES}
     out["sweep"] = ratio_sweep(cfg["ratios"], layers=mc.n_layer) if ctx.rank == 0 else None
     tokens = cfg["micro_batch"] * cfg["seq_len"]
     out["activation_model_bytes"] = activation_bytes(tokens, mc.d_model, mc.d_ff, mc.top_k, mc.n_layer,

@@ -28,7 +28,7 @@ but shares the cores with the computation; on NCCL the transfers are kernels on 
 overlap with compute kernels but take some SMs and memory bandwidth from them.
 
 :func:`simulate` is a two-resource cost model (one compute engine, one link; not a measurement) of both
-schedules, for the comm/compute sweep.
+schedules, with the dispatcher's blocking count exchange as an exposed term, for the comm/compute sweep.
 """
 from __future__ import annotations
 
@@ -267,22 +267,25 @@ SCHEDULES = ("serial", "overlapped")
 
 # ---- the cost model ---------------------------------------------------------------------------------------------
 def simulate(attn: float, experts: float, dispatch: float, combine: float, layers: int = 1, m: int = 2,
-             schedule: str = "overlapped", backward: float = 2.0) -> dict:
+             schedule: str = "overlapped", backward: float = 2.0, plan: float = 0.0) -> dict:
     """Cost model (not a measurement): one compute engine and one link, each doing one thing at a time.
 
-    Per micro-batch and layer: attention ``attn`` s, ``dispatch`` s on the link, ``experts`` s, ``combine`` s.
-    The forward follows the same program as :func:`run_serial` / :func:`run_interleaved`; the backward is
-    the forward reversed with compute times × ``backward`` and the same transfers. Returns the step time,
-    the compute time, the exposed communication (compute idle while a transfer it needs is in flight),
-    the total communication and the overlap fraction = hidden / total."""
+    Per micro-batch and layer: attention ``attn`` s, the plan's count exchange ``plan`` s, ``dispatch`` s on the
+    link, ``experts`` s, ``combine`` s. The count exchange is blocking: the compute engine waits ``plan`` s for it
+    in both schedules (a latency: the model gives its few bytes no link time, so it does not queue behind a
+    transfer in flight). The forward follows the same program as :func:`run_serial` / :func:`run_interleaved`;
+    the backward is the forward reversed with compute times × ``backward`` and the same transfers (no count
+    exchange: the plan is reused). Returns the step time, the compute time, the exposed communication (compute
+    idle while a transfer it needs is in flight, plus the count exchanges), the part of it that is count
+    exchange, the total communication and the overlap fraction = hidden / total."""
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule={schedule!r} is not allowed; allowed: {SCHEDULES}")
     for name, v in (("attn", attn), ("experts", experts), ("dispatch", dispatch), ("combine", combine),
-                    ("backward", backward)):
+                    ("backward", backward), ("plan", plan)):
         if not v >= 0:
             raise ValueError(f"{name}={v!r} must be >= 0")
-    fwd = [("compute", attn), ("comm", dispatch), ("compute", experts), ("comm", combine)] * layers
-    bwd = [(k, t * backward if k == "compute" else t) for k, t in reversed(fwd)]
+    fwd = [("compute", attn), ("plan", plan), ("comm", dispatch), ("compute", experts), ("comm", combine)] * layers
+    bwd = [(k, t * backward if k == "compute" else t) for k, t in reversed(fwd) if k != "plan"]
     state = {"compute": 0.0, "link": 0.0, "idle": 0.0}
 
     def run(programs: list[list], interleave: bool) -> None:
@@ -298,6 +301,9 @@ def simulate(attn: float, experts: float, dispatch: float, combine: float, layer
                         start = max(state["compute"], ready[i])
                         state["idle"] += start - state["compute"]
                         state["compute"] = start + t
+                    elif kind == "plan":  # blocking: the compute engine waits for it
+                        state["idle"] += t
+                        state["compute"] += t
                     else:
                         start = max(state["link"], state["compute"])
                         state["link"] = ready[i] = start + t
@@ -314,11 +320,12 @@ def simulate(attn: float, experts: float, dispatch: float, combine: float, layer
         run([list(fwd) for _ in range(m)], True)
         run([list(bwd) for _ in range(m)], True)
     step_s = max(state["compute"], state["link"])
-    total_comm = 2 * m * layers * (dispatch + combine)
+    exposed_plan = m * layers * plan
+    total_comm = 2 * m * layers * (dispatch + combine) + exposed_plan
     compute = m * layers * (attn + experts) * (1 + backward)
     exposed = step_s - compute
-    return {"step_s": step_s, "compute_s": compute, "exposed_comm_s": exposed, "comm_s": total_comm,
-            "overlap_fraction": 1 - exposed / total_comm if total_comm else 0.0}
+    return {"step_s": step_s, "compute_s": compute, "exposed_comm_s": exposed, "exposed_plan_s": exposed_plan,
+            "comm_s": total_comm, "overlap_fraction": 1 - exposed / total_comm if total_comm else 0.0}
 
 
 def ratio_sweep(ratios: list[float], attn: float = 1.0, experts: float = 1.0, layers: int = 4, m: int = 2,
