@@ -192,13 +192,26 @@ def test_every_sample_scheduled_once_and_routed(run):
         for r in results:  # what the all_to_all delivered is what the plan gives the rank
             assert r["tokens_per_mb"][name] == [plan.tokens(i)[r["rank"]] for i in range(len(plan.micro_batches))]
     assert max(plans["dynamic"].balance()) <= 1.1
+    assert set(plans) == set(r0["bench"]) == {"static", "dynamic-megatron", "dynamic"}  # every plan is timed
+
+
+def test_plans_come_from_the_resolved_cfg_the_run_returns(run):
+    world, results = run
+    r0 = results[0]
+    cfg = r0["cfg"]
+    assert cfg == lesson.validate({"preset": "smoke"}, world)
+    assert all(r["cfg"] == cfg for r in results)
+    plans = lesson.plans_of(r0)
+    megatron = dcp.schedule_dynamic(r0["padded"], world, cfg["cap"], cfg["min_cp"], refill=False, max_imbalance=None)
+    assert plans["dynamic-megatron"].to_json() == megatron.to_json()
+    assert plans["dynamic"].to_json() == dcp.schedule_dynamic(r0["padded"], world, cfg["cap"], cfg["min_cp"]).to_json()
 
 
 def test_per_token_loss_and_grads_equal_the_unpacked_reference(run):
     _, results = run
     for r in results:
         ref = r["checked"]["reference"]["loss_per_token"]
-        for name in ("static", "dynamic"):
+        for name in ("static", "dynamic-megatron", "dynamic"):
             got = r["checked"][name]
             assert abs(got["loss_per_token"] - ref) <= lesson.LOSS_RTOL * ref, (name, got, ref)
             assert got["max_grad_diff"] <= lesson.GRAD_ATOL, (name, got)

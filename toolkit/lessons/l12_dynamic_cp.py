@@ -2,13 +2,14 @@
 
     every rank   loads batch sequences (lengths of the corpus's real documents / length_scale, truncated to
                  static_cp·cap, padded to a multiple of 2·world_size), all-gathers the lengths
-    plans        static CP (cp = static_cp, dp = world / static_cp, packs in data order) and dynamic CP
-                 (toolkit.context.dynamic_cp.schedule_dynamic), identical on every rank
+    plans        static CP (cp = static_cp, dp = world / static_cp, packs in data order), dynamic CP with
+                 Megatron's rules as they are (schedule_dynamic(refill=False, max_imbalance=None)) and the
+                 toolkit's dynamic CP (schedule_dynamic), identical on every rank
     reroute      each plan's shards to their ranks, one all_to_all_single per plan
     checked step forward/backward of the tiny GPT over each plan's micro-batches (ring attention inside every
                  CP group), ring bytes by direction (ledger), gradients summed over the ranks; the reference is
                  every sequence alone through the same model (each rank its own sequences, summed)
-    timed        both steps side by side (toolkit.runtime.bench.compare)
+    timed        the three steps side by side (toolkit.runtime.bench.compare)
     selfcheck    ring attention on random packed sequences over the whole world, against one-process attention
 """
 from __future__ import annotations
@@ -43,7 +44,7 @@ PRESETS = {
     "full": {"model": "full", "n_layer": 12, "batch": 64, "seed": 0, "warmup": 2, "bench_steps": 3, "rounds": 5,
              "cap": 4096, "static_cp": 4, "min_cp": 1, "length_scale": 2, "lengths": None},
 }
-PHASES = [("plan", 1), ("reference", 1), ("checked", 2), ("timing", 3), ("selfcheck", 1)]
+PHASES = [("plan", 1), ("reference", 1), ("checked", 3), ("timing", 4), ("selfcheck", 1)]
 LOSS_RTOL = 1e-5  # fp32: packing, sharding and the ring only reorder additions
 GRAD_ATOL = 1e-5
 
@@ -125,6 +126,8 @@ def run(ctx, cfg: dict) -> dict:
     n_tokens = sum(real_g)
 
     plans = {"static": schedule_static(padded, world, cfg["static_cp"], cfg["cap"]),
+             "dynamic-megatron": schedule_dynamic(padded, world, cfg["cap"], cfg["min_cp"], refill=False,
+                                                  max_imbalance=None),
              "dynamic": schedule_dynamic(padded, world, cfg["cap"], cfg["min_cp"])}
     for plan in plans.values():
         plan.check()
@@ -191,7 +194,7 @@ def run(ctx, cfg: dict) -> dict:
                     steps=cfg["bench_steps"], rounds=cfg["rounds"], sync=ctx.barrier, on_round=ctx.progress)
     ctx.phase("selfcheck")
     selfcheck = ra.selfcheck(ctx, {"lengths": [8 * world, 2 * world, 12 * world], "seed": cfg["seed"]})
-    return {"rank": rank, "world": world, "model": vars(model_cfg), "n_tokens": n_tokens,
+    return {"rank": rank, "world": world, "cfg": cfg, "model": vars(model_cfg), "n_tokens": n_tokens,
             "lengths": real_g, "padded": padded, "plans": {k: p.to_json() for k, p in plans.items()},
             "need": [cp_size_for(n, cfg["cap"], cfg["min_cp"]) for n in padded],
             "checked": checked, "ring_bytes": ring,
