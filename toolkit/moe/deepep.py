@@ -207,8 +207,9 @@ class LowLatency:
 
     ``dispatch`` returns (recv_x [local, R·max_tokens, H], recv_count [local], handle, hook): with
     ``return_recv_hook=True`` the transfer is only issued and recv_x/recv_count are filled when ``hook()``
-    is called; otherwise the hook has already run. Source rank s's rows for local expert j sit at
-    recv_x[j, s·max_tokens : s·max_tokens + handle.recv_per_src[s, j]]; the rest is padding.
+    is called; otherwise the hook has already run. ``phase(name)`` wraps "encode" (the padded send buffer
+    laid out and encoded, no transfer), "dispatch", "counts" and "combine". Source rank s's rows for local
+    expert j sit at recv_x[j, s·max_tokens : s·max_tokens + handle.recv_per_src[s, j]]; the rest is padding.
     """
 
     def __init__(self, n_slots: int, max_tokens: int, group=None, codec: "str | Codec" = "none",
@@ -231,14 +232,16 @@ class LowLatency:
         if T > self.M:
             raise ValueError(f"{T} tokens on rank {self.rank} exceed max_tokens={self.M}: the fixed buffers hold "
                              f"max_tokens rows per source rank per expert; raise max_tokens")
-        flat = ids.reshape(-1)
-        order = flat.argsort(stable=True)  # position of each pair among this rank's pairs for its slot
-        counts = torch.bincount(flat, minlength=self.n_slots)
-        pos = torch.empty_like(flat)
-        pos[order] = torch.arange(flat.numel(), device=flat.device) - (torch.cumsum(counts, 0) - counts)[flat[order]]
-        send = x.new_zeros((self.n_slots * self.M, H))  # [R(dst), local, M] rows
-        send[flat * self.M + pos] = x.repeat_interleave(ids.shape[1], 0)
-        wire = self.codec.encode(send)
+        with self.phase("encode"):  # lay the pairs out in the padded send buffer and encode it (no transfer)
+            flat = ids.reshape(-1)
+            order = flat.argsort(stable=True)  # position of each pair among this rank's pairs for its slot
+            counts = torch.bincount(flat, minlength=self.n_slots)
+            pos = torch.empty_like(flat)
+            start = torch.cumsum(counts, 0) - counts
+            pos[order] = torch.arange(flat.numel(), device=flat.device) - start[flat[order]]
+            send = x.new_zeros((self.n_slots * self.M, H))  # [R(dst), local, M] rows
+            send[flat * self.M + pos] = x.repeat_interleave(ids.shape[1], 0)
+            wire = self.codec.encode(send)
         recv = wire.new_empty(wire.shape)
         recv_counts = torch.empty_like(counts)
         with self.phase("dispatch"):
