@@ -8,7 +8,8 @@ import torch
 import torch.nn as nn
 
 from toolkit import launch
-from toolkit.graphs import OpCounter, audit, count_ops, replay_model
+from toolkit.graphs import OpCounter, audit, count_ops, dispatch_cost, replay_model
+from toolkit.graphs import cuda_graphs
 from toolkit.lessons import l16_cuda_graphs as l16
 from toolkit.pipeline import make_schedule
 from toolkit.pipeline.dp_separate import last_grad_ops
@@ -76,6 +77,9 @@ def test_op_counts_host_cost_and_audit(grid2x2):
         assert c["ops"]["forward"] > 10 and c["ops"]["backward"] > c["ops"]["forward"]
         assert abs(c["tiny_ops"]["forward"] - c["ops"]["forward"]) <= 2  # the op count does not depend on shape
         assert c["tiny_time_s"]["forward_s"] > 0
+        for p in ("forward", "backward"):  # views (t, view, transpose, detach, ...) are dispatched, launch nothing
+            assert 0 < c["compute_ops"][p] < c["ops"][p]
+        assert {"aten.t", "aten.view", "aten.detach"} <= set(c["op_types"]["no_kernel"])
     a = r0["audit"]
     assert a["dense stage: forward + backward"] == {}
     assert "aten.nonzero" in a["MoE block: forward + backward"]
@@ -101,10 +105,28 @@ def test_op_counter_and_audit_on_small_functions():
     assert ops["forward"].get("aten.addmm") == 1 and ops["backward"].get("aten.mm", 0) >= 1
     with OpCounter() as c:
         torch.ones(3).add_(1)
-    assert c.total == 2
+    assert c.total == 2 and c.compute == 2
+    with OpCounter() as c:
+        y = torch.ones(3, 2).view(6, 1).t().expand(2, 6).detach()
+        torch.empty(3)
+        y.sum()
+    assert c.total == 7 and c.compute == 2 and c.no_kernel == {"aten.t", "aten.view", "aten.expand", "aten.detach",
+                                                               "aten.empty"}
+    assert "aten.addmm" not in ops["no_kernel"] and "aten.t" in ops["no_kernel"]
     assert audit(lambda: lin(x)) == {}
     assert set(audit(lambda: torch.tensor([0, 1, 2]).nonzero())) == {"aten.nonzero"}
     assert set(audit(lambda: torch.ones(1).item())) == {"aten._local_scalar_dense"}
+
+
+def test_dispatch_cost_synchronizes_only_on_cuda(monkeypatch):
+    calls = []
+    monkeypatch.setattr(cuda_graphs.torch.cuda, "synchronize", lambda *a: calls.append(a))
+    lin = nn.Linear(4, 3)
+    x = torch.randn(2, 4)
+    t = dispatch_cost(lambda: lin(x).sum(), repeats=2)
+    assert calls == [] and t["forward_s"] > 0 and t["backward_s"] > 0
+    dispatch_cost(lambda: lin(x).sum(), repeats=2, device=torch.device("cuda", 0))
+    assert len(calls) == 3 * (2 + 3)  # before, between and after the two passes, warm-up calls included
 
 
 def test_replay_model():

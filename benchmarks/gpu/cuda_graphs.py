@@ -8,9 +8,14 @@
    flight: each graph has one set of static buffers; Megatron keeps one graph per in-flight micro-batch
    instead). Checks: the graphed step gives the eager step's loss and gradients (bitwise reported, allclose
    required); replay vs eager step time at a small micro-batch (``bench.compare``, a synchronize per step);
-   kernel launches per step from the profiler (``cudaLaunchKernel`` eager vs ``cudaGraphLaunch`` graphed).
+   kernel launches per step from the profiler (``cudaLaunchKernel`` eager vs ``cudaGraphLaunch`` graphed),
+   next to the eager step's ATen ops and compute ops (``OpCounter``: the lesson's estimate of launches).
 2. With 2 or more GPUs: lesson 16 on NCCL (dp × pp = 2 × 2 with 4 GPUs, else 2 × 1): the separated DP
-   all-reduce equal to the plain one bitwise, both equal to one process.
+   all-reduce equal to the plain one bitwise, both equal to one process. Eager: no graphs in this run.
+
+Not checked here: graphs inside DualPipeV's schedule (the lesson's executor), which would need a graph per
+in-flight micro-batch (Megatron's per-micro-batch graphs, captured in schedule order on a shared pool) and
+separate graphs for a chunk's I and W. Check 1 is a sequential chain, check 2 runs without graphs.
 """
 from __future__ import annotations
 
@@ -35,6 +40,20 @@ def _launches(step) -> dict[str, int]:
         torch.cuda.synchronize()
     names = [e.name for e in prof.events()]
     return {k: sum(1 for n in names if n == k) for k in ("cudaLaunchKernel", "cudaGraphLaunch")}
+
+
+def _aten_ops(step) -> str:
+    """ATen ops dispatched by one ``step()``: all, and the compute ops among them (views and empty
+    allocations launch no kernel; ``toolkit.graphs.OpCounter``), to set beside ``cudaLaunchKernel``."""
+    from toolkit.graphs import OpCounter
+    try:
+        with OpCounter() as ops:
+            step()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        return f"ATen ops {ops.total}, of them compute ops {ops.compute}"
+    except Exception as err:  # noqa: BLE001 (reported next to the launch counts)
+        return f"ATen op count failed: {type(err).__name__}: {err}"[:200]
 
 
 def single_gpu(n_layer: int = 4, n_stages: int = 4, m: int = 8, micro_batch: int = 2) -> list[dict]:
@@ -87,7 +106,7 @@ def single_gpu(n_layer: int = 4, n_stages: int = 4, m: int = 8, micro_batch: int
         le, lg = _launches(run_eager), _launches(run_graphed)
         rows.append(_row("kernel launches per step: eager cudaLaunchKernel vs graphed cudaGraphLaunch",
                          lg["cudaGraphLaunch"] > 0 and lg["cudaLaunchKernel"] < le["cudaLaunchKernel"],
-                         f"eager {le}, graphed {lg}"))
+                         f"eager {le}, graphed {lg}; eager step: {_aten_ops(run_eager)}"))
     except Exception as err:  # noqa: BLE001 (the profiler may be unavailable; reported)
         rows.append(_row("kernel launches per step (profiler)", False, f"{type(err).__name__}: {err}"[:200]))
     return rows

@@ -37,7 +37,8 @@
 # This machine has no GPU, so nothing is captured here. We measure what a graph would remove (ATen ops
 # per chunk and the host's real cost per op), find what would break a capture, and run DualPipeV on
 # dp × pp processes with the DP all-reduce separated, against the plain one after the step.
-# `benchmarks/gpu/cuda_graphs.py` does the capture on a GPU.
+# `benchmarks/gpu/cuda_graphs.py` does the capture on a GPU, but on a sequential chain of stages with one
+# micro-batch in flight, not inside DualPipeV: see "What runs where" at the end.
 
 # %% tags=["parameters"]
 import os
@@ -90,6 +91,8 @@ run_cfg = {"preset": preset, "pp": pp, "dp": max(1, world_size // pp), **({"n_la
 cfg = lesson.validate(run_cfg, world_size)  # a bad combination stops here, before any process starts
 results = launch("l16_cuda_graphs", world_size, run_cfg, backend=backend, timeout_s=timeout_s)
 r0 = results[0]
+where = (f"this CPU ({len(results)} ranks sharing {os.cpu_count()} cores)" if r0["device"] == "cpu"
+         else f"{r0['device']} (one device per rank)")
 print(f"dp = {r0['dp']} × pp = {r0['pp']}, m = {r0['m']} micro-batches per replica, {r0['model']['n_layer']} layers, "
       f"d_model {r0['model']['d_model']}; wall {results.wall_s:.1f} s")
 
@@ -142,7 +145,7 @@ for r in results:
                      "issued before the end (ms), per stage": ", ".join(
                          f"{x['stage']}: {x['before_end_s'] * 1e3:.1f}" for x in t["reduces"]),
                      "bench step (ms)": r["bench"][name]["mean_s"] * 1e3})
-display(viz.table(rows, title="Step time and the exposed DP wait (measured; 4 ranks share 2 cores, timings are noisy)",
+display(viz.table(rows, title=f"Step time and the exposed DP wait (measured on {where}; timings are noisy)",
                   formats={k: ".2f" for k in rows[0] if k.endswith("(ms)")}))
 
 # %% [markdown]
@@ -165,7 +168,10 @@ for p in (2, 4, 8):
 # For each stage a rank holds: ATen ops of one micro-batch's forward and backward, the chunk's time at the
 # run's shape, and at one token, where the kernels do almost nothing: that time divided by the op count is
 # the host's real cost per op on this machine (Python, dispatcher, autograd, allocator) — the part a graph
-# replay removes (on a GPU the kernel launch itself adds to it).
+# replay removes (on a GPU the kernel launch itself adds to it; there the chunk is timed with a synchronize
+# before and after each pass). Every ATen op costs the host a dispatch, but views (`t`, `view`, `transpose`,
+# `detach`, ...) and empty allocations launch no kernel: "compute ops" counts the rest, about one kernel
+# launch each on a GPU (the GPU check sets the profiler's `cudaLaunchKernel` count beside it).
 
 # %%
 chunks, op_rows = [], []
@@ -176,11 +182,12 @@ for r in results:
         for pass_ in ("forward", "backward"):
             n, n_tiny = c["ops"][pass_], c["tiny_ops"][pass_]
             t_op = c["tiny_time_s"][f"{pass_}_s"] / n_tiny
-            chunks.append({"stage": int(s), "pass": pass_, "ATen ops": n, "host µs per op": t_op * 1e6,
+            chunks.append({"stage": int(s), "pass": pass_, "ATen ops": n, "compute ops": c["compute_ops"][pass_],
+                           "host µs per op": t_op * 1e6,
                            "host cost (ms)": n * t_op * 1e3, "chunk time (ms)": c["time_s"][f"{pass_}_s"] * 1e3,
                            "host share": min(1.0, n * t_op / c["time_s"][f"{pass_}_s"])})
 chunks.sort(key=lambda x: (x["stage"], x["pass"]))
-display(viz.table(chunks, title="Per chunk (one micro-batch), measured on this CPU",
+display(viz.table(chunks, title=f"Per chunk (one micro-batch), measured on {where}",
                   formats={"host µs per op": ".1f", "host cost (ms)": ".3f", "chunk time (ms)": ".3f",
                            "host share": ".2f"}))
 display(viz.bars([{"stage": f"stage {x['stage']}", "pass": x["pass"], "ops": x["ATen ops"]} for x in chunks],
@@ -188,11 +195,14 @@ display(viz.bars([{"stage": f"stage {x['stage']}", "pass": x["pass"], "ops": x["
 
 # %%
 # NBVAL_CHECK_OUTPUT
-per_mb = sum(x["ATen ops"] for x in chunks)
+per_mb, per_mb_compute = sum(x["ATen ops"] for x in chunks), sum(x["compute ops"] for x in chunks)
 print("ATen ops per micro-batch, forward + backward, by stage:",
       {x["stage"]: sum(y["ATen ops"] for y in chunks if y["stage"] == x["stage"]) for x in chunks})
-print(f"whole pipeline, one micro-batch: {per_mb} ops; one step of {r0['m']} micro-batches × dp {r0['dp']}: "
-      f"{per_mb * r0['m'] * r0['dp']} op launches, each a graph replay would save")
+print("  of them compute ops (not views or empty allocations):",
+      {x["stage"]: sum(y["compute ops"] for y in chunks if y["stage"] == x["stage"]) for x in chunks})
+print(f"whole pipeline, one micro-batch: {per_mb} ATen ops, {per_mb_compute} compute ops; one step of {r0['m']} "
+      f"micro-batches × dp {r0['dp']}: {per_mb * r0['m'] * r0['dp']} ATen ops whose host dispatch a graph replay "
+      f"skips, {per_mb_compute * r0['m'] * r0['dp']} of them compute ops (about one kernel launch each on a GPU)")
 
 # %% [markdown]
 # **The replay model** (a model, not a measurement: no graph runs here). With the measured op counts and host
@@ -217,7 +227,7 @@ for x in chunks:
 step_ms = r0["bench"]["separated"]["mean_s"] * 1e3
 rank0_host = sum(host[s] for s in r0["stages"]) * r0["m"]
 display(Markdown(
-    f"On this CPU the host cost per op measured {min(x['host µs per op'] for x in chunks):.1f}–"
+    f"On {where} the host cost per op measured {min(x['host µs per op'] for x in chunks):.1f}–"
     f"{max(x['host µs per op'] for x in chunks):.1f} µs; rank 0's two stages spend about {rank0_host:.1f} ms of "
     f"host time per step on them ({r0['m']} micro-batches), against a measured step of {step_ms:.1f} ms: the "
     f"most a replay could remove here (model). The crossover of the model — where the device time equals "
@@ -259,10 +269,11 @@ display(Markdown(f"""
   {bench['separated']:.1f} ms. On rank 0 the stages' last gradient ops are ops
   {', '.join(str(i + 1) for i in sorted(r0['last_grad_op'].values()))} of {r0['n_ops']}: at pp = {r0['pp']} little of
   the schedule is left to hide the reduces behind (the schedule table above shows how that grows with p).
-  {world_size} processes share 2 cores here, so these timings are noisy.
+  These timings come from {where}, so they are noisy.
 - **Graphs.** The host cost measured above is what a replay removes; the cost model turns it into a gain
   that is large only when chunks are launch-bound. The audit shows the three things Megatron keeps out of
-  its graphs: the MoE dispatch (`nonzero`), the DP collective, and any host read of a value.
+  its graphs: the MoE dispatch (`nonzero`), the DP collective, and any host read of a value. No graph runs
+  inside this lesson's DualPipeV executor, here or in the GPU check (which graphs a sequential chain).
 - **Against the source.** The article reports 1F1B + CUDA graphs + DP separation working, and DualPipeV's
   version as work in progress; it gives no numbers, so we have none to compare with. One reason DualPipeV is
   harder, visible in this schedule: its zero-bubble W ops run a chunk's weight gradients *later* than its
@@ -279,23 +290,31 @@ launches = per_mb * r0["m"] * r0["dp"]
 host_us = [x["host µs per op"] for x in chunks]
 exact = all(r["grads_bitwise_plain_vs_separated"] and r["losses_equal"] for r in results)
 headline("16", "CUDA graphs with DualPipeV, DP all-reduce separated",
-         f"{launches:,} ATen op launches per step (dp {r0['dp']} × pp {r0['pp']}, {r0['m']} micro-batches) that a "
-         f"graph replay would save, at {min(host_us):.1f}–{max(host_us):.1f} µs of host time each on this CPU; the "
-         f"separated DP all-reduce gives {'bitwise the same' if exact else 'different'} gradients and loss",
+         f"{launches:,} ATen ops per step (dp {r0['dp']} × pp {r0['pp']}, {r0['m']} micro-batches) whose host "
+         f"dispatch a graph replay would skip, {per_mb_compute * r0['m'] * r0['dp']:,} of them compute ops (not "
+         f"views: about one kernel launch each on a GPU), at {min(host_us):.1f}–{max(host_us):.1f} µs of host time "
+         f"per op on {where}; the separated DP all-reduce gives "
+         f"{'bitwise the same' if exact else 'different'} gradients and loss",
          value=launches, unit="ATen ops per step",
          claim="1F1B + CUDA graphs + DP separation works; the DualPipeV version is in progress (no numbers given)",
          source="seed article §16; Megatron-LM --cuda-graph-impl", reproduced=None,
-         note="capture and replay need a GPU (benchmarks/gpu/cuda_graphs.py); here the DP separation is checked "
-              "bitwise and the audit finds what a capture cannot hold")
+         note="capture and replay need a GPU; benchmarks/gpu/cuda_graphs.py graphs a sequential chain of 4 stages "
+              "with one micro-batch in flight, not DualPipeV's per-micro-batch F, I and W graphs (not built), and "
+              "checks DP separation on NCCL without graphs; here the DP separation is checked bitwise and the "
+              "audit finds what a capture cannot hold")
 
 # %% [markdown]
 # ## What runs where
 #
 # | | CPU (this notebook) | CUDA (`benchmarks/gpu/cuda_graphs.py`) |
 # |---|---|---|
-# | op counts, host cost per op | `TorchDispatchMode`, timed chunks | — |
-# | capture | not possible | `make_graphed_callables` per stage: replay vs eager, same loss/grads |
-# | DP separation | DualPipeV on gloo, all-reduce `async_op=True` per stage | the same on NCCL |
+# | op counts, host cost | `TorchDispatchMode`, timed chunks | compute ops vs `cudaLaunchKernel` |
+# | capture | not possible | `make_graphed_callables` per stage of a sequential chain |
+# | | | (4 stages, one micro-batch in flight, no schedule): replay vs eager |
+# | graphs in DualPipeV | not possible | not checked: no graph per in-flight micro-batch, |
+# | | | no separate I and W graphs, no graphed stage in the executor |
+# | DP separation | DualPipeV on gloo, `async_op=True` per stage | the same on NCCL, without graphs |
+# |  |  | (4 GPUs: `dp=2, pp=2`; 2 GPUs: `dp=2, pp=1`) |
 #
 # **Try:** `pp = 4, n_layer = 8` with `world_size = 4` (dp = 1): more pipeline ranks, earlier phase-1 chunks;
 # `world_size = 8` on a GPU node (dp = 4); a larger `micro_batch` in the cfg, and the share of host time in

@@ -25,10 +25,14 @@ What capture requires (``audit`` finds the violations by running a callable unde
                        communication stays outside the graphs (Megatron silences the hooks during capture
                        and issues the reduce after replay: "data-parallel separation")
 
-On a CPU nothing can be captured: ``OpCounter`` counts the ATen ops of a chunk and ``dispatch_cost``
-measures ``t_op`` for real (the chunk at a tiny shape, where the kernels do almost nothing, divided by its
-op count); ``replay_model`` turns them into the modelled gain. ``graph_stages`` is the CUDA path
-(``torch.cuda.make_graphed_callables``), checked by ``benchmarks/gpu/cuda_graphs.py``.
+On a CPU nothing can be captured: ``OpCounter`` counts the ATen ops of a chunk (all of them cost the host
+a dispatch; views, ``_unsafe_view`` and empty allocations launch no kernel, the rest are "compute" ops, about
+one kernel launch each on a GPU) and ``dispatch_cost`` measures ``t_op`` for real (the chunk at a tiny shape,
+where the kernels do almost nothing, divided by its op count; on CUDA it synchronizes around each pass, so
+a chunk's time is its wall time, not the host's enqueue time); ``replay_model`` turns them into the modelled
+gain. ``graph_stages`` is the CUDA path (``torch.cuda.make_graphed_callables``), checked by
+``benchmarks/gpu/cuda_graphs.py`` on a sequential chain of stages with one micro-batch in flight — not inside
+DualPipeV's schedule, which would need a graph per in-flight micro-batch and separate I and W graphs.
 """
 from __future__ import annotations
 
@@ -45,6 +49,16 @@ DATA_DEPENDENT = {"aten.nonzero", "aten.masked_select", "aten.unique", "aten._un
                   "aten.unique_dim", "aten.bincount"}
 HOST_SYNC = {"aten._local_scalar_dense", "aten.is_nonzero", "aten.item", "aten.equal"}
 COLLECTIVE_NAMESPACES = ("c10d.", "_c10d_functional.", "c10d_functional.")
+# not views by their schema, but they launch no kernel either (a new header, or memory from the allocator)
+NO_KERNEL = {"aten._unsafe_view", "aten._reshape_alias", "aten.lift_fresh", "aten.empty", "aten.empty_like",
+             "aten.empty_strided", "aten.new_empty", "aten.new_empty_strided"}
+
+
+def launches_kernel(func) -> bool:
+    """Whether an ATen op (an ``OpOverload``) computes: not a view (``func.is_view``: ``view``, ``t``,
+    ``transpose``, ``expand``, ``detach``, ...) and not in ``NO_KERNEL``. On a GPU such an op is about one
+    kernel launch (some launch none or several: ``cudaLaunchKernel`` from the profiler is the real count)."""
+    return not func.is_view and str(func.overloadpacket) not in NO_KERNEL
 
 
 class OpCounter(TorchDispatchMode):
@@ -52,24 +66,36 @@ class OpCounter(TorchDispatchMode):
 
         with OpCounter() as ops:
             loss = stage(x).sum(); loss.backward()
-        ops.total, ops.counts.most_common(5)
+        ops.total, ops.compute, ops.counts.most_common(5)
+
+    ``total`` counts every op (each costs the host a dispatch, which a graph replay skips); ``compute`` only
+    those that launch a kernel (``launches_kernel``); ``no_kernel`` names the ops seen that do not.
     """
 
     def __init__(self):
         super().__init__()
         self.counts: Counter[str] = Counter()
+        self.no_kernel: set[str] = set()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.counts[str(func.overloadpacket)] += 1
+        name = str(func.overloadpacket)
+        self.counts[name] += 1
+        if not launches_kernel(func):
+            self.no_kernel.add(name)
         return func(*args, **(kwargs or {}))
 
     @property
     def total(self) -> int:
         return sum(self.counts.values())
 
+    @property
+    def compute(self) -> int:
+        return sum(n for op, n in self.counts.items() if op not in self.no_kernel)
+
 
 def count_ops(forward: Callable[[], torch.Tensor]) -> dict[str, dict]:
-    """ATen ops of one forward and of its backward: ``{"forward": {op: n}, "backward": {op: n}}``.
+    """ATen ops of one forward and of its backward: ``{"forward": {op: n}, "backward": {op: n}}``, plus
+    ``"no_kernel"``: the sorted names among them that launch no kernel (views, ``NO_KERNEL``).
 
     ``forward()`` must return a tensor that needs a gradient (a loss, or a stage output: then the backward is
     seeded with ones)."""
@@ -78,20 +104,28 @@ def count_ops(forward: Callable[[], torch.Tensor]) -> dict[str, dict]:
     grad = None if out.numel() == 1 else torch.ones_like(out)
     with OpCounter() as bwd:
         out.backward(grad)
-    return {"forward": dict(fwd.counts), "backward": dict(bwd.counts)}
+    return {"forward": dict(fwd.counts), "backward": dict(bwd.counts),
+            "no_kernel": sorted(fwd.no_kernel | bwd.no_kernel)}
 
 
-def dispatch_cost(forward: Callable[[], torch.Tensor], repeats: int = 20) -> dict[str, float]:
+def dispatch_cost(forward: Callable[[], torch.Tensor], repeats: int = 20,
+                  device: torch.device | str | None = None) -> dict[str, float]:
     """Seconds per call of ``forward()`` and of its backward, median of ``repeats`` (after 3 untimed calls).
 
     Called on a stage at a tiny shape (one token), this is the host's cost of the chunk: Python, dispatcher,
-    autograd and allocator, with kernels that do almost nothing. Divided by the op count it is ``t_op``."""
+    autograd and allocator, with kernels that do almost nothing. Divided by the op count it is ``t_op``.
+    On a CUDA ``device`` the device is synchronized before and after each pass (kernels run asynchronously:
+    without it the times would be the host's enqueue time alone, whatever the kernels cost)."""
+    sync = torch.cuda.synchronize if torch.device(device or "cpu").type == "cuda" else (lambda: None)
     fwd, bwd = [], []
     for i in range(repeats + 3):
+        sync()
         t0 = time.perf_counter()
         out = forward()
+        sync()
         t1 = time.perf_counter()
         out.backward(None if out.numel() == 1 else torch.ones_like(out))
+        sync()
         t2 = time.perf_counter()
         if i >= 3:
             fwd.append(t1 - t0)

@@ -6,9 +6,10 @@ outside them (issued per stage, overlapped with the rest of the schedule).
     │     plain      after the pipeline step            separated  per stage, right after its last B/W
     │     1 checked step each: loss, gradients (bitwise plain vs separated; vs one process over all
     │     dp·m micro-batches), bytes; 1 traced step each (op spans + all-reduce in flight); timed side by side
-    └─ per stage of this rank: ATen ops of one micro-batch's forward and backward (TorchDispatchMode), the
-          chunk's time at the run's shape and at one token (host cost per op: what a graph replay removes),
-          and the capture audit of a dense stage, an MoE block, the DP all-reduce and the loss's .item()
+    └─ per stage of this rank: ATen ops of one micro-batch's forward and backward (TorchDispatchMode; all,
+          and the compute ops among them: not views, about one kernel launch each on a GPU), the chunk's
+          time at the run's shape and at one token (host cost per op: what a graph replay removes), and the
+          capture audit of a dense stage, an MoE block, the DP all-reduce and the loss's .item()
 """
 from __future__ import annotations
 
@@ -135,16 +136,19 @@ def run(ctx, cfg: dict) -> dict:
         ops = count_ops(chunk)
         tiny_ops = count_ops(tiny_chunk)
         module.zero_grad(set_to_none=True)
-        chunks[s] = {"ops": {k: sum(v.values()) for k, v in ops.items()}, "op_types": ops,
-                     "tiny_ops": {k: sum(v.values()) for k, v in tiny_ops.items()},
-                     "time_s": dispatch_cost(chunk, repeats=5),
-                     "tiny_time_s": dispatch_cost(tiny_chunk, repeats=10),
+        passes = ("forward", "backward")
+        chunks[s] = {"ops": {k: sum(ops[k].values()) for k in passes}, "op_types": ops,
+                     "compute_ops": {k: sum(n for op, n in ops[k].items() if op not in ops["no_kernel"])
+                                     for k in passes},
+                     "tiny_ops": {k: sum(tiny_ops[k].values()) for k in passes},
+                     "time_s": dispatch_cost(chunk, repeats=5, device=ctx.device),
+                     "tiny_time_s": dispatch_cost(tiny_chunk, repeats=10, device=ctx.device),
                      "has_loss": s == last, "embeds": s == 0}
         module.zero_grad(set_to_none=True)
     ctx.progress(4, 5, "capture audit")
     audits = capture_audit(ctx, grid, mc, inputs[0], targets[0])
     ctx.progress(5, 5, "done")
-    return {"rank": ctx.rank, "pp_rank": r, "dp_rank": d, "dp": dp, "pp": pp, "m": m, "model": vars(mc),
+    return {"rank": ctx.rank, "device": ctx.device.type, "pp_rank": r, "dp_rank": d, "dp": dp, "pp": pp, "m": m, "model": vars(mc),
             "stages": schedule.stages_of(r), "order": [str(a) for a in schedule.ranks[r]], "ref_loss": setup.ref_loss,
             "last_grad_op": last_grad_ops(schedule, r), "n_ops": sum(len(a.parts) for a in schedule.ranks[r]),
             "runs": runs, "losses_equal": losses[0] == losses[1], "grads_bitwise_plain_vs_separated": bitwise,
