@@ -69,10 +69,19 @@ def test_assign_slots_conserves_every_pair():
         assert all(slot_expert[s] == e for s, e in zip(slots.reshape(-1).tolist(), i.reshape(-1).tolist()))
 
 
-def test_cost_model_fit_recovers_a_and_b():
-    fit = fit_cost_model([1000, 800, 600, 500], [0, 1, 2, 3], [1000 * 2e-5, 800 * 2e-5 + 1e-3, 600 * 2e-5 + 2e-3,
-                                                              500 * 2e-5 + 3e-3])
-    assert abs(fit["A"] - 2e-5) < 1e-12 and abs(fit["B"] - 1e-3) < 1e-10
+def test_cost_model_fit_recovers_a_b_and_c():
+    A, B, C = 2e-5, 1e-3, 7e-3
+    tokens, clones = [1000, 800, 600, 500, 900], [0, 1, 2, 3, 3]
+    fit = fit_cost_model(tokens, clones, [A * m + B * c + C for m, c in zip(tokens, clones)])
+    assert abs(fit["A"] - A) < 1e-12 and abs(fit["B"] - B) < 1e-10 and abs(fit["C"] - C) < 1e-9
+    assert fit["rank"] == 3 and fit["B_se"] < 1e-9 and fit["dof"] == 2 and fit["t95"] == 4.303
+    # a fixed cost is not folded into A and B, and a negative B is reported as such
+    fit = fit_cost_model(tokens, clones, [A * m - B * c + C for m, c in zip(tokens, clones)])
+    assert abs(fit["B"] + B) < 1e-10 and abs(fit["C"] - C) < 1e-9
+    # the inputs of lesson 15 fall together: the fit says so
+    assert fit_cost_model([2325, 1678, 1151, 1024], [0, 1, 2, 3], [0.0145, 0.0122, 0.0100, 0.0091])["corr"] < -0.9
+    with pytest.raises(ValueError, match="at least 3 points"):
+        fit_cost_model([1, 2], [0, 1], [1.0, 2.0])
 
 
 def test_bad_input_without_processes():
@@ -88,6 +97,8 @@ def test_bad_input_without_processes():
         l15.validate({"preset": "smoke", "n_expert": 6}, 4)
     with pytest.raises(ValueError, match="top_k=9 must be in 1..n_expert=8"):
         l15.validate({"preset": "smoke", "top_k": 9}, 4)
+    with pytest.raises(ValueError, match="budgets=.*at least 3 different"):
+        l15.validate({"preset": "smoke", "budgets": [0, 1, 1]}, 4)
     with pytest.raises(ValueError, match="spare_slots must be >= 1"):
         l15.validate({"preset": "smoke", "spare_slots": 0}, 4)
 

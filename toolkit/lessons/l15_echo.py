@@ -7,7 +7,8 @@
                   Σ clone grads vs the grad without cloning), tokens per expert and per rank, clone weights bitwise
                   equal to the home expert's, weight and gradient bytes (ledger) against the closed form
     (c) timing    the layer's training step (forward, backward, clone gradients home) for each clone budget,
-                  side by side (bench.compare); the cost model A·max_rank_tokens + B·clones + C fitted to them
+                  side by side (bench.compare); the cost model A·max_rank_tokens + B·clones + C fitted to the
+                  busiest rank's main-thread CPU time (B: CPU-side cost per clone; gloo's transfers excluded)
     (d) learned   the tiny MoE GPT trained (plain SGD) with ECHO on real text: the loads its own router produces,
                   before and after cloning, step by step
 """
@@ -58,6 +59,9 @@ def validate(cfg: dict, world_size: int) -> dict:
     require_divisible("n_expert", cfg["n_expert"], world_size, "world_size", "each rank owns n_expert/world_size experts")
     if cfg["top_k"] > cfg["n_expert"]:
         raise ValueError(f"top_k={cfg['top_k']} must be in 1..n_expert={cfg['n_expert']}")
+    if len(set(cfg["budgets"])) < 3:
+        raise ValueError(f"budgets={cfg['budgets']} needs at least 3 different clone budgets: the cost model "
+                         "fits A, B and C")
     return cfg
 
 
@@ -222,7 +226,7 @@ def timing_section(ctx, cfg: dict) -> dict:
         r["cpu_per_rank_s"] = every[:, j].tolist()
         r["busiest_cpu_s"] = max(r["cpu_per_rank_s"])
     fit = (fit_cost_model([r["max_rank_tokens"] for r in rows], [r["clones"] for r in rows],
-                          [r["busiest_cpu_s"] for r in rows]) if len(rows) >= 2 else None)
+                          [r["busiest_cpu_s"] for r in rows]) if len(rows) >= 3 else None)
     return {"rows": rows, "cost_model": fit}
 
 

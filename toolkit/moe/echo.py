@@ -23,9 +23,10 @@ part of their tokens there. Per MoE layer, per step, on every rank of the ep gro
                           [0, keep_e) go home, the next a_1 to clone 1, the next a_2 to clone 2, ...
     dispatch / experts / combine      the ordinary ``TokenDispatcher`` with the clone slots filled
 
-Cost model (labelled as such wherever shown): step ≈ A · max_rank_tokens + B · clones — the busiest
-rank's expert work against the weight copies (3·h·h_ff·b per clone for a SwiGLU expert; 2·h·h_ff + h_ff + h
-parameters for the tiny GPT's GELU MLP) that buy it down.
+Cost model (labelled as such wherever shown): step ≈ A · max_rank_tokens + B · clones + C — the busiest
+rank's expert work, what each clone adds, and a fixed per-step cost. Each clone moves its weights out and its
+gradient back (3·h·h_ff·b per clone for a SwiGLU expert; 2·h·h_ff + h_ff + h parameters for the tiny GPT's GELU
+MLP); fitted to main-thread CPU time, B sees only the CPU side of that, not gloo's transfers.
 """
 from __future__ import annotations
 
@@ -251,16 +252,45 @@ def assign_slots(ids: torch.Tensor, plan: ClonePlan, rank: int) -> torch.Tensor:
 
 # ---- cost model ----------------------------------------------------------------------------------------------------
 def fit_cost_model(max_rank_tokens: list[float], clones: list[float], seconds: list[float]) -> dict:
-    """Least squares of step seconds ≈ A · max_rank_tokens + B · clones (a cost model, not a measurement): A the
-    seconds per (token, expert) pair on the busiest rank, B the seconds each clone costs (weights out, gradients
-    back). Returns A, B and the model's prediction for each input."""
-    if not len(max_rank_tokens) == len(clones) == len(seconds) or len(seconds) < 2:
-        raise ValueError("need at least 2 points, the same number of each")
-    X = torch.tensor([[m, c] for m, c in zip(max_rank_tokens, clones)], dtype=torch.float64)
+    """Least squares of step seconds ≈ A · max_rank_tokens + B · clones + C (a cost model, not a measurement):
+    A the seconds per (token, expert) pair on the busiest rank, B what each clone adds to the timed clock, C the
+    fixed per-step cost. With the busiest rank's main-thread CPU time as ``seconds`` (lesson 15), B is the CPU-side
+    overhead per clone: gloo moves the bytes on its own threads, so the transfers are not in it.
+
+    Returns A, B, C, the prediction for each input, ``rank`` (of the design matrix; < 3: the terms cannot be told
+    apart), ``corr`` (the correlation of max_rank_tokens with clones: near ±1 the fit cannot separate A from B),
+    ``A_se``, ``B_se``, ``C_se`` (standard errors; None without a residual degree of freedom), ``dof`` and ``t95``
+    (Student's t at 97.5 % for that many degrees of freedom: coefficient ± t95 · se is its 95 % interval)."""
+    if not len(max_rank_tokens) == len(clones) == len(seconds) or len(seconds) < 3:
+        raise ValueError("need at least 3 points (A, B and C), the same number of each")
+    X = torch.tensor([[m, c, 1.0] for m, c in zip(max_rank_tokens, clones)], dtype=torch.float64)
     y = torch.tensor(seconds, dtype=torch.float64)[:, None]
-    coef = torch.linalg.lstsq(X, y).solution[:, 0]
-    A, B = (float(v) for v in coef)
-    return {"A": A, "B": B, "predicted": (X @ coef).tolist()}
+    sol = torch.linalg.lstsq(X, y, driver="gelsd")
+    coef, rank = sol.solution[:, 0], int(sol.rank)
+    n = len(seconds)
+    se = [None] * 3
+    if rank == 3 and n > 3:
+        rss = float(((X @ coef - y[:, 0]) ** 2).sum())
+        se = (torch.linalg.inv(X.T @ X).diagonal() * rss / (n - 3)).sqrt().tolist()
+    m, c = X[:, 0], X[:, 1]
+    dm, dc = m - m.mean(), c - c.mean()
+    denom = float((dm.square().sum() * dc.square().sum()).sqrt())
+    A, B, C = (float(v) for v in coef)
+    return {"A": A, "B": B, "C": C, "predicted": (X @ coef).tolist(), "rank": rank,
+            "corr": float((dm * dc).sum()) / denom if denom else float("nan"),
+            "A_se": se[0], "B_se": se[1], "C_se": se[2], "dof": n - 3, "t95": t_975(n - 3) if n > 3 else None}
+
+
+def t_975(dof: int) -> float:
+    """Student's t quantile at 0.975 (two-sided 95 %): the table for 1..10 degrees of freedom, beyond that the
+    Cornish-Fisher expansion around z = 1.95996 (error below 3e-3)."""
+    table = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228)
+    if dof < 1:
+        raise ValueError(f"dof={dof} must be >= 1")
+    if dof <= len(table):
+        return table[dof - 1]
+    z = 1.959964
+    return z + (z ** 3 + z) / (4 * dof) + (5 * z ** 5 + 16 * z ** 3 + 3 * z) / (96 * dof ** 2)
 
 
 def expert_param_count(hidden: int, ffn: int, gated: bool = False, bias: bool = True) -> int:
