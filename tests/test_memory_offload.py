@@ -232,12 +232,20 @@ def test_offload_variants_bitwise_and_bytes_where_the_planner_says(lesson):
         off = r["offload"]
         assert off["bitwise_equal_to_zero"] == {v: True for v in ("cpu", "stream", "nvme", "nvme_params")}
         assert all(off["moments_bitwise_equal_to_zero"].values())
+        # a wiring check only on a CPU-only machine: CPUOffloadPolicy copies nothing there
         assert off["fsdp2_offload_bitwise_equal_to_fsdp2"]
+        assert off["fsdp2_offload_copies"] == (r["device"] == "cuda")
         for v in ("cpu", "stream", "nvme", "nvme_params"):
             assert off["memory"][v]["device"]["optim"] == 0
         for v in ("cpu", "nvme", "nvme_params"):
             assert off["peak"][v]["optim_max"] == 0  # not even during the step
-        assert off["peak"]["stream"]["optim_max"] > 0  # stream's two units of moments on the device
+        # stream's two slots of moments on the device during the step (the planner's bytes) plus the temporaries
+        # of one AdamW update of the largest shard, measured alone: a third unit on the device would show
+        largest = max(l00b_memory.shard_numels("smoke", 2, 3))
+        assert off["planner_device_step_optim"]["stream"] == 16 * largest
+        assert 0 < off["update_temporaries"] < 16 * largest
+        assert off["peak"]["stream"]["optim_max"] == off["planner_device_step_optim"]["stream"] + \
+            off["update_temporaries"]
         assert off["memory"]["nvme_params"]["device"]["params"] == 0
         assert all(row["ratio"] == 1.0 for row in off["planner_check"]), off["planner_check"]
         s = off["memory"]["zero"]["device"]["params"] // 4  # elements of this rank's shards
@@ -254,6 +262,12 @@ def test_spill_side_channel_and_buckets(lesson):
     assert sc["all_received_complete"]
     assert sc["received_values"] == len(sc["micro_batch_lengths"]) * len(sc["micro_batch_lengths"][0])
     assert lesson[1]["side_channel"]["side_bytes_posted"] > 0
+    for r in lesson:  # the gradient all-reduce is counted in both modes' time in communication
+        c = r["side_channel"]
+        for mode in ("blocking", "side"):
+            assert c["allreduce_s_per_step"][mode] > 0
+            assert c["exposed_comm_s_per_step"][mode] == pytest.approx(
+                c["exposed_collect_s_per_step"][mode] + c["allreduce_s_per_step"][mode])
     rows = r0["buckets"]["links"]["emulated"]
     counts = [row["buckets"] for row in rows]
     assert counts == sorted(counts, reverse=True) and counts[-1] == 1 and counts[0] > 3

@@ -11,7 +11,8 @@ Sections (each returns plain numbers under its own key):
     spill         the article's MappedCheckpoint measured, and DiskSpill: checkpointed segments' saved
                   tensors in a file-backed mapping, grads vs plain checkpointing
     side_channel  per-micro-batch top-k predictions gathered on rank 0: blocking all_gather vs a gloo side
-                  channel waited at the end of the step, on micro-batches of unequal length
+                  channel waited at the end of the step, on micro-batches of unequal length; the training
+                  thread's time in communication counts the gradient all-reduce in both modes
     buckets       DDP bucket sizes swept on an emulated link (and on the real one): exposed comm, step time
 """
 from __future__ import annotations
@@ -29,10 +30,10 @@ from toolkit.comm.side_channel import SideChannel, blocking_gather
 from toolkit.data import batches
 from toolkit.memory import nvme
 from toolkit.memory.checkpointing import apply_checkpointing, saved_activation_bytes
-from toolkit.memory.optim_offload import OffloadAdamW
+from toolkit.memory.optim_offload import OffloadAdamW, adamw_
 from toolkit.memory.spill import ALIGN, DiskSpill, article_custom_checkpoint_saved_bytes, inspect_article_snippet
 from toolkit.models import GPT, lm_loss, preset
-from toolkit.planner import validate_offload_model
+from toolkit.planner import offload_memory, validate_offload_model
 from toolkit.parallel.zero import ZeroDataParallel, adamw, default_units, optimizer_state, storage_bytes
 from toolkit.runtime.bench import compare
 from toolkit.runtime.config import Param, common, require_ranks, resolve
@@ -278,6 +279,9 @@ def offload(ctx, cfg: dict) -> dict:
             fsdp_params = params
         if name == "fsdp2_offload":
             out["fsdp2_offload_bitwise_equal_to_fsdp2"] = _bitwise(params, fsdp_params)
+            # on a CPU-only machine CPUOffloadPolicy's host is the device: it copies nothing, and the equality
+            # above holds by construction; only on CUDA does it test the policy's copies
+            out["fsdp2_offload_copies"] = ctx.device.type == "cuda"
         if isinstance(tr.optimizer, nvme.DiskAdamW):
             st = tr.optimizer.stats[-1]
             out["disk"][name] = {**st, "file_bytes": tr.optimizer.disk_bytes(),
@@ -309,9 +313,26 @@ def offload(ctx, cfg: dict) -> dict:
         tr.close()
     del trainers
     gc.collect()
+    # stream's moments on the device while the step runs (its two slots), as the planner predicts them, and
+    # what one AdamW update of the largest shard allocates besides (its temporaries), measured on its own:
+    # stream's peak of device optimizer bytes should be exactly their sum
+    out["planner_device_step_optim"] = {"stream": offload_memory(out["unit_numels"], ctx.world_size, cfg["stage"],
+                                                                 "stream")["device_step_optim"]}
+    out["update_temporaries"] = _update_temporaries(max(shard_numels(cfg["model"], ctx.world_size, cfg["stage"])),
+                                                    ctx.device)
     out["planner_check"] = validate_offload_model(out["unit_numels"], ctx.world_size, cfg["stage"], out["memory"],
                                                   cfg["buffer_count"], cfg["buffer_size"])
     return out
+
+
+def _update_temporaries(n: int, device: torch.device) -> int:
+    """Peak bytes one in-place AdamW update of ``n`` elements allocates (the tracker's ``optim`` category)."""
+    with MemoryTracker(every_op=False) as mt:
+        with mt.categorize("param"):  # the operands, counted apart so the update's in-place ops are theirs
+            p, g, m, v = (torch.zeros(n, device=device) for _ in range(4))
+        with mt.categorize("optim"):
+            adamw_(p, g, m, v, 0)
+    return mt.max_by_category["optim"]
 
 
 def _moments_equal(opt, ref_state) -> bool:
@@ -343,6 +364,9 @@ def nvme_buffers(ctx, cfg: dict) -> dict:
                                                                                      store=store),
                              stage=cfg["stage"])
         z(x, y).backward()
+        if cfg["stage"] == 1:  # ZeRO-1 reduces the gradients to the shards in step(): do that part here
+            for u in z.units:
+                u.reduce_scatter_grads()
         grads = [p.grad.clone() for p in z.optimizer.params]
         opt = z.optimizer
         opts[(c, s)] = opt
@@ -451,10 +475,12 @@ def side_channel(ctx, cfg: dict) -> dict:
                     channel.post(topk(logits), label=(mode, s, i))
             with ctx.timeline.span("B", mb=i, mode=mode, step=s) if record else _null():
                 (loss / m).backward()
-            if i == m - 1:
-                for p in model.parameters():  # data parallel: average the accumulated gradients once per step
-                    dist.all_reduce(p.grad)
-                    p.grad.div_(ctx.world_size)
+            if i == m - 1:  # data parallel: average the accumulated gradients once per step; a blocking
+                # collective, so a rank that finished its micro-batches early waits here for the slowest
+                with ctx.timeline.span("allreduce", mode=mode, step=s) if record else _null():
+                    for p in model.parameters():
+                        dist.all_reduce(p.grad)
+                        p.grad.div_(ctx.world_size)
         opt.step()
         opt.zero_grad(set_to_none=True)
         if mode == "side":  # the previous side step's values: arrived long ago, nobody waits for this step's
@@ -471,8 +497,13 @@ def side_channel(ctx, cfg: dict) -> dict:
         train_step(s, mode, record=s >= 2)
         times[mode].append(time.perf_counter() - t0)
     spans = [sp for sp in ctx.timeline.to_json() if sp["meta"].get("mode") in ("blocking", "side")]
-    exposed = {"blocking": sum(s["end"] - s["start"] for s in spans if s["kind"] == "collect"),
-               "side": sum(s["end"] - s["start"] for s in spans if s["kind"] in ("post", "wait"))}
+    # the training thread's time in communication: collecting the values (blocking: the all_gather; side: post
+    # and the end-of-step collect) and the gradient all-reduce, where waiting for the slowest rank ends up
+    # when the values no longer synchronise the ranks per micro-batch
+    parts = {mode: {kind: sum(s["end"] - s["start"] for s in spans if s["meta"]["mode"] == mode and s["kind"] == kind)
+                    for kind in (("collect",) if mode == "blocking" else ("post", "wait")) + ("allreduce",)}
+             for mode in ("blocking", "side")}
+    exposed = {mode: sum(p.values()) for mode, p in parts.items()}
     n_steps = {mode: len(v) - 1 for mode, v in times.items()}
     received.update(channel.collect())
     complete = None
@@ -480,7 +511,10 @@ def side_channel(ctx, cfg: dict) -> dict:
         complete = all(len(v) == ctx.world_size and v[0].shape == (cfg["batch"], seq, k) for v in received.values())
     channel.close()
     return {"step_s": {mode: sum(v[1:]) / max(len(v) - 1, 1) for mode, v in times.items()},
-            "exposed_collect_s_per_step": {mode: exposed[mode] / max(n_steps[mode], 1) for mode in exposed},
+            "exposed_collect_s_per_step": {mode: (exposed[mode] - parts[mode]["allreduce"]) / max(n_steps[mode], 1)
+                                           for mode in exposed},
+            "exposed_comm_s_per_step": {mode: exposed[mode] / max(n_steps[mode], 1) for mode in exposed},
+            "allreduce_s_per_step": {mode: parts[mode]["allreduce"] / max(n_steps[mode], 1) for mode in exposed},
             "spans": spans, "received_values": len(received) if ctx.rank == 0 else None,
             "all_received_complete": complete, "payload_bytes": cfg["batch"] * seq * k * 8,
             "side_bytes_posted": channel.bytes_posted, "micro_batch_lengths": [[x.shape[1] for x, _ in row]
