@@ -44,6 +44,8 @@ import os
 world_size: int = 2  # expert-parallel ranks
 preset: str = os.environ.get("TOOLKIT_PRESET", "default")  # smoke | default | full
 backend: str = "auto"  # auto | gloo | nccl
+n_expert: int = 0  # experts per MoE layer, a multiple of world_size (0: the preset's)
+d_ff: int = 0  # hidden size of each expert (0: the preset's)
 timeout_s: int = 600
 
 # %% [markdown]
@@ -76,7 +78,8 @@ from IPython.display import Markdown, display
 
 from toolkit import launch, viz
 
-results = launch("l02_moe_overlap", world_size, {"preset": preset}, backend=backend, timeout_s=timeout_s)
+cfg = {"preset": preset} | ({"n_expert": n_expert} if n_expert else {}) | ({"d_ff": d_ff} if d_ff else {})
+results = launch("l02_moe_overlap", world_size, cfg, backend=backend, timeout_s=timeout_s)
 r0 = results[0]
 c, mc = r0["config"], r0["model"]
 print(f"{world_size} ranks, {mc['n_layer']} MoE blocks, top-{mc['top_k']} of {mc['n_expert']} experts "

@@ -56,6 +56,7 @@ preset: str = os.environ.get("TOOLKIT_PRESET", "default")  # smoke | default | f
 backend: str = "auto"  # auto | gloo | nccl
 ranks_per_node: int = 0  # 0: world_size // 2 (two nodes)
 max_nodes: int = 0  # DeepSeek-V3 node-limited routing: at most this many nodes per token (0: off)
+overlap_matmuls: int = 0  # other work beside the low-latency hook (0: as long as one blocking dispatch)
 timeout_s: int = 600
 
 # %% [markdown]
@@ -94,7 +95,7 @@ from IPython.display import Markdown, display
 from toolkit import launch, viz
 from toolkit.report import headline
 
-cfg = {"preset": preset, "ranks_per_node": ranks_per_node, "max_nodes": max_nodes}
+cfg = {"preset": preset, "ranks_per_node": ranks_per_node, "max_nodes": max_nodes, "overlap_matmuls": overlap_matmuls}
 results = launch("l14_deepep", world_size, cfg, backend=backend, timeout_s=timeout_s)
 r0 = results[0]
 c = r0["config"]
