@@ -14,6 +14,8 @@
 from __future__ import annotations
 
 import copy
+import queue
+import threading
 import time
 from contextlib import nullcontext
 from dataclasses import asdict
@@ -274,17 +276,12 @@ class EmulatedLink:
     ``wait(j)`` blocks until tile j has arrived."""
 
     def __init__(self, src: torch.Tensor, dst: torch.Tensor, link_s: float):
-        import queue
-        import threading
-
         self.src, self.dst, self.link_s = src, dst, link_s  # [m, K] each
         self._jobs: queue.Queue = queue.Queue()
         self._ready: list = []
         threading.Thread(target=self._serve, daemon=True).start()
 
     def send(self, tiles: int) -> None:
-        import threading
-
         self._ready = [threading.Event() for _ in range(tiles)]
         self._jobs.put((time.perf_counter(), tiles, self._ready))
 

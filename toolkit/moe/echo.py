@@ -37,6 +37,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from toolkit.runtime.spread import t_975
+
 
 # ---- routing to plan for --------------------------------------------------------------------------------------
 def zipf_routing(tokens: int, n_expert: int, top_k: int, s: float = 1.2, seed: int = 0,
@@ -279,18 +281,6 @@ def fit_cost_model(max_rank_tokens: list[float], clones: list[float], seconds: l
     return {"A": A, "B": B, "C": C, "predicted": (X @ coef).tolist(), "rank": rank,
             "corr": float((dm * dc).sum()) / denom if denom else float("nan"),
             "A_se": se[0], "B_se": se[1], "C_se": se[2], "dof": n - 3, "t95": t_975(n - 3) if n > 3 else None}
-
-
-def t_975(dof: int) -> float:
-    """Student's t quantile at 0.975 (two-sided 95 %): the table for 1..10 degrees of freedom, beyond that the
-    Cornish-Fisher expansion around z = 1.95996 (error below 3e-3)."""
-    table = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228)
-    if dof < 1:
-        raise ValueError(f"dof={dof} must be >= 1")
-    if dof <= len(table):
-        return table[dof - 1]
-    z = 1.959964
-    return z + (z ** 3 + z) / (4 * dof) + (5 * z ** 5 + 16 * z ** 3 + 3 * z) / (96 * dof ** 2)
 
 
 def expert_param_count(hidden: int, ffn: int, gated: bool = False, bias: bool = True) -> int:
