@@ -25,7 +25,22 @@ def test_notebooks_match_their_sources():
 @pytest.mark.parametrize("notebook", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
 def test_notebook_runs_at_smoke_preset(notebook, tmp_path):
     import papermill as pm
+    from nbclient.exceptions import CellTimeoutError
+
+    def run(name: str):
+        pm.execute_notebook(str(notebook), str(tmp_path / name), parameters={"preset": "smoke"},
+                            cwd=str(notebook.parent), progress_bar=False, kernel_name="python3",
+                            execution_timeout=CELL_TIMEOUT_S)
+
     start = time.monotonic()
-    pm.execute_notebook(str(notebook), str(tmp_path / notebook.name), parameters={"preset": "smoke"},
-                        cwd=str(notebook.parent), progress_bar=False, kernel_name="python3")
+    try:
+        run(notebook.name)
+    except CellTimeoutError:
+        # Seen once in a clean clone: the kernel had finished the cell and sat idle while the client waited
+        # for its reply forever (a lost message below papermill: nteract/papermill#705, #711). Run it once
+        # more; a cell that really hangs times out again and fails the test.
+        run("retry-" + notebook.name)
     print(f"{notebook.stem}: {time.monotonic() - start:.1f} s at smoke")
+
+
+CELL_TIMEOUT_S = 240  # per cell; a whole notebook takes under 60 s at smoke
