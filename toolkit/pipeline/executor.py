@@ -349,7 +349,7 @@ class PipelineExecutor:
         for msg in self.schedule.recvs(a):
             work, buf = self._inbox[msg]
             if work is not None:
-                start = time.perf_counter()
+                start, vstart = time.perf_counter(), self._vnow()
                 work.wait()
                 end = time.perf_counter()
                 self._inbox[msg] = (None, buf)
@@ -358,7 +358,12 @@ class PipelineExecutor:
                         "pair": self._pair is not None}
                 if self.timeline is not None:
                     wait["start"] = start - self.timeline.origin
+                if vstart is not None:
+                    wait["vseconds"] = self._vnow() - vstart  # on the emulated cluster's clock
                 self.waits.append(wait)
+
+    def _vnow(self) -> float | None:
+        return self.timeline.vnow() if self.timeline is not None else None
 
     def _take(self, msg: Action) -> torch.Tensor:
         """The tensor named ``msg``, handed off locally or received."""
@@ -452,7 +457,7 @@ class PipelineExecutor:
     # -- running actions --------------------------------------------------------------------------
     def run_op(self, a: Action) -> None:
         """Run single op ``a`` (its inputs have arrived) and record its span."""
-        start = time.perf_counter()
+        start, vstart = time.perf_counter(), self._vnow()
         with self.weight_grads.splitting() if key_of(a) in self._split else contextlib.nullcontext():
             getattr(self, self.OPS[a.op])(a)
         self._log("op", a)
@@ -463,7 +468,8 @@ class PipelineExecutor:
             if self._pair is not None:
                 meta["pair"] = "F&B"
                 meta["with"] = str(self._pair)
-            self.timeline.add(a.op, start - self.timeline.origin, self.timeline.now(), label=str(a), **meta)
+            self.timeline.add(a.op, start - self.timeline.origin, self.timeline.now(), vstart=vstart,
+                              vend=self._vnow(), label=str(a), **meta)
 
     def run_action(self, action: Action) -> None:
         """Run one scheduled action: a single op, or both halves of an F&B (module docstring)."""

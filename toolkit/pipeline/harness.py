@@ -231,6 +231,7 @@ class _Candidate:
         else:
             timeline = Timeline(ctx.rank)
             timeline.origin = ctx.timeline.origin  # aligned across ranks by the launch barrier
+            timeline.virtual = ctx.timeline.virtual  # the emulated cluster's clock, if any
             self.model, runner = setup.executor(job.schedule, ctx.rank, timeline=timeline,
                                                 fb_overlap=job.fb_overlap, **job.options)
             self.executor = runner
@@ -262,24 +263,16 @@ class _Candidate:
                        "recv_open_s": sum(r.seconds for r in ledger if r.op == "irecv") / timed_steps}}
         if self.executor is None:
             return out
-        per_op: dict[tuple, list[float]] = defaultdict(list)
-        for st in self.steps:
-            pairs: dict[str, list[dict]] = defaultdict(list)
-            for s in st["spans"]:
-                per_op[(s["kind"], s["meta"]["stage"])].append(s["end"] - s["start"])
-                if s["meta"].get("pair"):
-                    pairs[s["meta"]["with"]].append(s)
-            for halves in pairs.values():  # an F&B: its two halves' compute (not the wait between them)
-                stages = tuple(h["meta"]["stage"] for h in halves)
-                per_op[("F&B", stages)].append(sum(h["end"] - h["start"] for h in halves))
+        out.update(self._op_times("start", "end", "op_seconds"))
+        if any("vstart" in s for st in self.steps for s in st["spans"]):  # the emulated cluster's clock
+            out.update(self._op_times("vstart", "vend", "op_vseconds"))
+            out["exposed_recv_vs"] = statistics.median([sum(w["vseconds"] for w in st["waits"]) for st in self.steps])
         exposed = [sum(w["seconds"] for w in st["waits"]) for st in self.steps]
         by_msg: dict[tuple, list[float]] = defaultdict(list)
         for st in self.steps:
             for w in st["waits"]:
                 by_msg[(w["msg"], w["stage"], w["mb"], w["chunk"], w["pair"])].append(w["seconds"])
         out.update({
-            "op_seconds": [{"op": op, "stage": list(stage) if isinstance(stage, tuple) else stage,
-                            "seconds": statistics.median(v)} for (op, stage), v in sorted(per_op.items(), key=str)],
             "spans": self.steps[-1]["spans"] if self.steps else [],
             "waits": self.steps[-1]["waits"] if self.steps else [],
             "exposed_recv_s": statistics.median(exposed) if exposed else 0.0,
@@ -287,6 +280,22 @@ class _Candidate:
                             "seconds": statistics.median(v)} for k, v in by_msg.items()],
             "timed_steps": n})
         return out
+
+
+    def _op_times(self, start: str, end: str, key: str) -> dict:
+        """Median duration per (op, stage) over the timed steps, F&B pairs as their halves' compute."""
+        per_op: dict[tuple, list[float]] = defaultdict(list)
+        for st in self.steps:
+            pairs: dict[str, list[dict]] = defaultdict(list)
+            for s in st["spans"]:
+                per_op[(s["kind"], s["meta"]["stage"])].append(s[end] - s[start])
+                if s["meta"].get("pair"):
+                    pairs[s["meta"]["with"]].append(s)
+            for halves in pairs.values():  # an F&B: its two halves' compute (not the wait between them)
+                stages = tuple(h["meta"]["stage"] for h in halves)
+                per_op[("F&B", stages)].append(sum(h[end] - h[start] for h in halves))
+        return {key: [{"op": op, "stage": list(stage) if isinstance(stage, tuple) else stage,
+                       "seconds": statistics.median(v)} for (op, stage), v in sorted(per_op.items(), key=str)]}
 
 
 def measure_schedules(ctx, setup: PipelineSetup, jobs: list[Job], *, warmup: int = 1, steps: int = 3,

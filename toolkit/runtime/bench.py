@@ -4,7 +4,14 @@
                                                                           └─► stability metrics
 
 ``measure`` times one step function; ``compare`` times several side by side (round-robin, the order
-rotating each round), which is how every lesson puts a technique next to its baseline.
+rotating each round), which is how every lesson puts a technique next to its baseline; ``verdict`` says
+whether one is faster than the other, with the interval it used — the one rule every lesson judges by.
+
+Clocks (``clock=``): ``"wall"`` (``time.perf_counter``; on CUDA each step ends with a synchronize),
+``"cpu"`` (``time.thread_time``: this thread's CPU time, which leaves out waiting and the work of other
+threads, e.g. gloo's transfers: a rank's own compute on a shared machine) and ``"virtual"`` (the emulated
+cluster's clock of this rank, ``toolkit.runtime.emulator``: deterministic, so its rounds agree exactly).
+With an emulated cluster running, a wall-clock result also carries the virtual one (``BenchResult.virtual``).
 
 Stability metrics (the article's definitions, computed from this run):
 - throughput stability  = std / mean of step time over all timed steps (article target < 5%)
@@ -13,15 +20,27 @@ Stability metrics (the article's definitions, computed from this run):
 
 On CUDA each step is closed with ``torch.cuda.synchronize()`` so the clock measures
 the work, not its launch.
+
+``verdict(a, b)`` (b against a, e.g. technique against baseline) pairs the rounds of a ``compare`` (round r of
+both ran back to back, so a slow phase of the machine hits both) and works on log ratios::
+
+    r_i = log(b_round_i / a_round_i)     i = 1..k rounds            (per rank lists: each round's slowest rank)
+    ratio = exp(mean r)   interval = exp(mean r ± t_975(k-1) · std r / √k)      Student's t, 95 %
+    "faster" if the interval lies below 1, "slower" if above, "within noise" if it contains 1
 """
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from dataclasses import asdict, dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
+
+from .spread import t_975
+
+CLOCKS = ("wall", "cpu", "virtual")
 
 
 @dataclass
@@ -38,6 +57,10 @@ class BenchResult:
     """Mean step time of each round, in order."""
     step_times_s: list[float]
     """Every timed step, in order."""
+    clock: str = "wall"
+    """What measured it: "wall", "cpu" or "virtual" (see the module docstring)."""
+    virtual: "BenchResult | None" = None
+    """The same steps on the emulated cluster's clock, when one ran beside the wall clock."""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -48,7 +71,7 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def summarize(step_times_s: list[float], steps: int, trim: int = 1) -> BenchResult:
+def summarize(step_times_s: list[float], steps: int, trim: int = 1, clock: str = "wall") -> BenchResult:
     """The article's statistics over timed steps taken in rounds of ``steps``: the trimmed mean of the round
     means (``trim`` rounds dropped at each end when more than ``2*trim`` rounds ran), median, std, stability."""
     if not step_times_s or len(step_times_s) % steps:
@@ -59,45 +82,74 @@ def summarize(step_times_s: list[float], steps: int, trim: int = 1) -> BenchResu
     mean_all = statistics.fmean(step_times_s)
     std = statistics.pstdev(step_times_s)
     return BenchResult(statistics.fmean(kept), statistics.median(step_times_s), std,
-                       std / mean_all if mean_all else 0.0, round_means, list(step_times_s))
+                       std / mean_all if mean_all else 0.0, round_means, list(step_times_s), clock)
 
 
-def _check_procedure(warmup: int, steps: int, rounds: int, trim: int) -> None:
+def _check_procedure(warmup: int, steps: int, rounds: int, trim: int, clock: str = "wall") -> None:
     if warmup < 0 or steps < 1 or rounds < 1 or trim < 0:
         raise ValueError(f"need warmup >= 0, steps >= 1, rounds >= 1, trim >= 0; got {warmup}, {steps}, {rounds}, {trim}")
+    if clock not in CLOCKS:
+        raise ValueError(f"clock={clock!r} is not allowed; allowed: {CLOCKS}")
+    if clock == "virtual" and _emulator() is None:
+        raise ValueError("clock='virtual' needs an emulated cluster: launch(..., cluster='h100-ib400')")
 
 
-def _timed(step: Callable[[], object]) -> float:
-    t0 = time.perf_counter()
-    step()
-    _sync()
-    return time.perf_counter() - t0
+def _emulator():
+    from .emulator import current
+    return current()
+
+
+class _Clocks:
+    """Reads the requested clock, and the virtual one beside a wall clock when an emulator runs."""
+
+    def __init__(self, clock: str):
+        self.clock = clock
+        emu = _emulator()
+        self.virtual = emu.now if emu is not None else None
+        self.read = {"wall": time.perf_counter, "cpu": time.thread_time, "virtual": self.virtual}[clock]
+        self.beside = self.virtual if clock != "virtual" and self.virtual is not None else None
+        self.times: list[float] = []
+        self.vtimes: list[float] = []
+
+    def timed(self, step: Callable[[], object]) -> None:
+        t0, v0 = self.read(), self.beside() if self.beside else 0.0
+        step()
+        _sync()
+        self.times.append(self.read() - t0)
+        if self.beside:
+            self.vtimes.append(self.beside() - v0)
+
+    def result(self, steps: int, trim: int) -> BenchResult:
+        out = summarize(self.times, steps, trim, self.clock)
+        if self.vtimes:
+            out.virtual = summarize(self.vtimes, steps, trim, "virtual")
+        return out
 
 
 def measure(step: Callable[[], object], warmup: int = 2, steps: int = 5, rounds: int = 3, trim: int = 1,
-            on_step: Callable[[int, int], None] | None = None) -> BenchResult:
+            on_step: Callable[[int, int], None] | None = None, clock: str = "wall") -> BenchResult:
     """Time ``step()``: ``warmup`` untimed calls, then ``rounds`` rounds of ``steps`` timed calls.
 
     ``trim`` rounds are dropped from each end before averaging (needs ``rounds > 2*trim``; with fewer
     rounds nothing is trimmed). ``on_step(done, total)`` is called after each call, e.g. ``ctx.progress``.
-    To time several variants against each other use ``compare`` (they then share the machine's load).
+    ``clock``: "wall", "cpu" or "virtual" (module docstring). To time several variants against each other
+    use ``compare`` (they then share the machine's load).
     """
-    _check_procedure(warmup, steps, rounds, trim)
-    total, done, times = warmup + steps * rounds, 0, []
+    _check_procedure(warmup, steps, rounds, trim, clock)
+    total, clocks = warmup + steps * rounds, _Clocks(clock)
     for i in range(total):
         if i < warmup:
             step()
             _sync()
         else:
-            times.append(_timed(step))
-        done += 1
-        on_step and on_step(done, total)
-    return summarize(times, steps, trim)
+            clocks.timed(step)
+        on_step and on_step(i + 1, total)
+    return clocks.result(steps, trim)
 
 
 def compare(candidates: dict[str, Callable[[], object]], warmup: int = 1, steps: int = 3, rounds: int = 5,
             trim: int = 1, sync: Callable[[], None] | None = None,
-            on_round: Callable[[int, int], None] | None = None) -> dict[str, BenchResult]:
+            on_round: Callable[[int, int], None] | None = None, clock: str = "wall") -> dict[str, BenchResult]:
     """Time several candidates side by side, round-robin, so that they all see the same machine load::
 
         warm-up   A x warmup, B x warmup, C x warmup                       (untimed)
@@ -109,13 +161,14 @@ def compare(candidates: dict[str, Callable[[], object]], warmup: int = 1, steps:
     A slow phase of the machine (another process, a frequency change) then lands on every candidate
     instead of on whichever ran during it. ``sync()`` runs before each candidate's block (``ctx.barrier``
     in a multi-rank run, so every rank times the same candidate at once); ``on_round(done, total)``
-    after each round (``ctx.progress``). On CUDA every step ends with a device synchronize.
+    after each round (``ctx.progress``). ``clock``: "wall", "cpu" or "virtual" (module docstring). On CUDA
+    every step ends with a device synchronize. Judge two of the results with ``verdict``.
     """
     if not candidates:
         raise ValueError("compare needs at least one candidate")
-    _check_procedure(warmup, steps, rounds, trim)
+    _check_procedure(warmup, steps, rounds, trim, clock)
     names = list(candidates)
-    times: dict[str, list[float]] = {n: [] for n in names}
+    clocks = {n: _Clocks(clock) for n in names}
     for rnd in range(-1, rounds):  # round -1 is the warm-up
         shift = max(rnd, 0) % len(names)
         for name in names[shift:] + names[:shift]:
@@ -125,10 +178,108 @@ def compare(candidates: dict[str, Callable[[], object]], warmup: int = 1, steps:
                     candidates[name]()
                     _sync()
                 else:
-                    times[name].append(_timed(candidates[name]))
+                    clocks[name].timed(candidates[name])
         on_round and on_round(rnd + 1, rounds)
     sync and sync()
-    return {n: summarize(times[n], steps, trim) for n in names}
+    return {n: clocks[n].result(steps, trim) for n in names}
+
+
+# ---- one way to judge "is B faster than A" -----------------------------------------------------------------------
+Timed = "BenchResult | dict | Sequence[BenchResult | dict]"
+WORDS = ("faster", "slower", "within noise", "not decidable")
+
+
+@dataclass
+class Verdict:
+    """``b`` against ``a``: the ratio of their times, its 95 % interval, and the word it decides."""
+
+    word: str
+    """"faster", "slower", "within noise" (the interval contains 1) or "not decidable" (one round)."""
+    ratio: float
+    """b / a: exp of the mean of the per-round log ratios."""
+    low: float
+    high: float
+    """The 95 % interval of the ratio (equal to ``ratio`` on a deterministic clock)."""
+    rounds: int
+    paired: bool
+    """Rounds paired (one ``compare``) or not (separate runs: Welch's interval)."""
+    clock: str
+    a_s: float
+    b_s: float
+    """Mean round times of a and b (each round's slowest rank when per-rank lists were given)."""
+
+    @property
+    def faster(self) -> bool:
+        return self.word == "faster"
+
+    @property
+    def slower(self) -> bool:
+        return self.word == "slower"
+
+    def text(self, a: str = "baseline", b: str = "technique") -> str:
+        """``"technique 0.82× baseline's time [0.78, 0.86], 5 paired rounds, wall clock: faster"``."""
+        interval = (f"[{self.low:.2f}, {self.high:.2f}]" if self.low != self.high else "(deterministic)")
+        return (f"{b} {self.ratio:.2f}× {a}'s time {interval}, {self.rounds} {'paired ' if self.paired else ''}"
+                f"rounds, {self.clock} clock: {self.word}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _rounds(x) -> tuple[list[float], str]:
+    """Round means of one result, or per round the slowest of several ranks' results."""
+    items = list(x) if isinstance(x, (list, tuple)) else [x]
+    if not items:
+        raise ValueError("verdict needs at least one result on each side")
+    as_dict = [i.to_dict() if isinstance(i, BenchResult) else i for i in items]
+    for d in as_dict:
+        if not isinstance(d, dict) or "round_means_s" not in d:
+            raise ValueError(f"verdict takes BenchResults (or their to_dict()), got {type(d).__name__}")
+    lengths = {len(d["round_means_s"]) for d in as_dict}
+    if len(lengths) != 1:
+        raise ValueError(f"per-rank results with different numbers of rounds: {sorted(lengths)}")
+    rounds = [max(r) for r in zip(*(d["round_means_s"] for d in as_dict))]
+    return rounds, as_dict[0].get("clock", "wall")
+
+
+def verdict(a: Timed, b: Timed) -> Verdict:
+    """Is ``b`` faster than ``a``? Both are results of ``compare``/``measure`` (a ``BenchResult``, its
+    ``to_dict()``, or one per rank: each round then counts its slowest rank). Rounds are paired when both
+    have the same number of them (one ``compare``); otherwise Welch's interval on the log round means.
+    See the module docstring for the rule."""
+    ra, clock_a = _rounds(a)
+    rb, clock_b = _rounds(b)
+    if clock_a != clock_b:
+        raise ValueError(f"verdict compares times of one clock, got {clock_a!r} and {clock_b!r}")
+    if min(ra + rb) <= 0:
+        raise ValueError("verdict needs positive round times")
+    la, lb = [math.log(x) for x in ra], [math.log(x) for x in rb]
+    paired = len(la) == len(lb)
+    if paired:
+        d = [y - x for x, y in zip(la, lb)]
+        mean = statistics.fmean(d)
+        half = t_975(len(d) - 1) * statistics.stdev(d) / math.sqrt(len(d)) if len(d) > 1 else math.nan
+    else:
+        mean = statistics.fmean(lb) - statistics.fmean(la)
+        va = statistics.variance(la) / len(la) if len(la) > 1 else math.nan
+        vb = statistics.variance(lb) / len(lb) if len(lb) > 1 else math.nan
+        se = math.sqrt(va + vb)
+        dof = (va + vb) ** 2 / ((va ** 2 / (len(la) - 1) if va else 0) + (vb ** 2 / (len(lb) - 1) if vb else 0)) \
+            if va + vb > 0 else 1.0
+        half = t_975(max(1, int(dof))) * se if math.isfinite(se) else math.nan
+    deterministic = clock_a == "virtual" or half == 0.0
+    if deterministic:
+        half = 0.0
+    if math.isnan(half):
+        word = "not decidable"
+        low = high = math.exp(mean)
+    else:
+        low, high = math.exp(mean - half), math.exp(mean + half)
+        word = "faster" if high < 1 else "slower" if low > 1 else "within noise"
+        if deterministic and mean == 0.0:
+            word = "within noise"
+    return Verdict(word, math.exp(mean), low, high, min(len(la), len(lb)), paired, clock_a,
+                   statistics.fmean(ra), statistics.fmean(rb))
 
 
 def memory_volatility(bytes_samples: list[float]) -> float:

@@ -13,6 +13,7 @@ import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -20,6 +21,9 @@ import torch.distributed as dist
 from .grid import ProcessGrid
 from .ledger import CommLedger
 from .timeline import Timeline
+
+if TYPE_CHECKING:
+    from .emulator import Emulator
 
 BACKENDS = ("auto", "gloo", "nccl")
 
@@ -61,6 +65,8 @@ class Context:
     grid: ProcessGrid | None = None
     phases: list = field(default_factory=list)
     """``[[name, weight], ...]`` from the lesson's ``PHASES`` (empty: the run is one phase)."""
+    emulator: "Emulator | None" = None
+    """The virtual clock on an emulated cluster (``launch(..., cluster=)``); None: real time only."""
     _last_progress: float = field(default=0.0, repr=False)
     _phase: int = field(default=0, repr=False)
     _phase_name: str = field(default="", repr=False)
@@ -144,12 +150,15 @@ def _free_port() -> int:
 
 
 def init_context(backend: str = "auto", timeout_s: float = 60.0, seed: int = 0,
-                 out_dir: Path | None = None, threads: int = 1, phases: list | None = None) -> Context:
+                 out_dir: Path | None = None, threads: int = 1, phases: list | None = None,
+                 cluster=None) -> Context:
     """Initialise torch.distributed from the launcher's env vars (RANK, WORLD_SIZE, ...).
 
     ``timeout_s`` bounds every collective, so a rank waiting on a dead peer fails with
     an error instead of hanging. ``threads`` caps intra-op threads per rank (several
     ranks share few cores; one thread each also makes CPU results reproducible).
+    ``cluster`` (a preset name or ``Cluster.to_dict()``) starts the emulated cluster's virtual clock
+    (``toolkit.runtime.emulator``), at 0 on every rank when they leave the start barrier.
     """
     backend = resolve_backend(backend)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
@@ -169,8 +178,14 @@ def init_context(backend: str = "auto", timeout_s: float = 60.0, seed: int = 0,
     ledger = CommLedger().install()
     timeline = Timeline(rank)
     ctx = Context(rank, world, local_rank, backend, device, ledger, timeline, out_dir, phases=list(phases or []))
+    if cluster is not None:
+        from .emulator import build
+        ctx.emulator = build(cluster, rank, world).install(ledger)
+        timeline.virtual = ctx.emulator.now
     seed_everything(seed)
     ctx.barrier()
     timeline.reset_origin()
     ledger.reset()
+    if ctx.emulator is not None:
+        ctx.emulator.reset()
     return ctx

@@ -73,7 +73,8 @@ class RankResults(list):
 def launch(lesson, world_size: int, cfg: dict | None = None, *, backend: str = "auto",
            timeout_s: float = 120.0, seed: int = 0, threads: int = 1, progress: str = "auto",
            accelerate_args: list[str] | None = None, out_dir: str | Path | None = None,
-           keep_files: bool = False, phases: list | None = None, oversubscribe: bool = False) -> RankResults:
+           keep_files: bool = False, phases: list | None = None, oversubscribe: bool = False,
+           cluster=None) -> RankResults:
     """Run ``lesson`` on ``world_size`` processes with ``accelerate launch`` and return each rank's result.
 
     Args:
@@ -101,6 +102,10 @@ def launch(lesson, world_size: int, cfg: dict | None = None, *, backend: str = "
         keep_files: keep ``out_dir`` (logs, per-rank stacks) after a successful launch.
         phases: ``[("name", weight), ...]`` for the progress bar (default: the module's ``PHASES``).
         oversubscribe: allow far more ranks than this machine has cores or memory for (refused otherwise).
+        cluster: run on an emulated cluster (``toolkit.runtime.emulator``): a preset name ("h100-ib400",
+            "a100-ib200", "pcie-100gbe") or a ``toolkit.runtime.cluster.Cluster``. Every rank then also keeps a
+            virtual clock: its compute timed by the target GPU's roofline, its communication by the links' α–β.
+            Results and real times are unchanged. None (default): real time only.
 
     Raises:
         ValueError: bad arguments (before anything starts).
@@ -110,10 +115,11 @@ def launch(lesson, world_size: int, cfg: dict | None = None, *, backend: str = "
     check_arguments(world_size, cfg, backend, timeout_s, seed, threads, progress, accelerate_args, out_dir)
     target = targets.resolve(lesson)
     backend = check_capacity(world_size, backend, accelerate_args, oversubscribe)
+    emulated = check_cluster(cluster, world_size, backend)
     cfg = validate_cfg(target, dict(cfg or {}), world_size)
     phase_list = check_phases(phases if phases is not None else getattr(target.module, "PHASES", None), cfg)
     tmp = prepare_out_dir(out_dir)
-    spec_path = write_spec(tmp, target, cfg, backend, seed, threads, timeout_s, phase_list)
+    spec_path = write_spec(tmp, target, cfg, backend, seed, threads, timeout_s, phase_list, emulated)
     title = f"{target.label} x{world_size} ({backend})"
     bar = Progress(title, progress, phase_list) if progress != "none" else None
     proc, wall = run_ranks(command(spec_path, world_size, accelerate_args), child_env(threads), tmp, world_size,
@@ -199,6 +205,19 @@ def check_capacity(world_size: int, backend: str, accelerate_args=None, oversubs
     return backend
 
 
+def check_cluster(cluster, world_size: int, backend: str) -> dict | None:
+    """The emulated cluster as the spec carries it (``Cluster.to_dict()``), checked against the launch; None if
+    none. Refused with nccl: on real GPUs the real time is the measurement."""
+    if cluster is None:
+        return None
+    if backend == "nccl":
+        raise ValueError("cluster= emulates a cluster's time on CPU processes; with backend 'nccl' on real GPUs the "
+                         "real time is the measurement: drop cluster (or use backend='gloo')")
+    from .cluster import check, cluster as make_cluster
+    c = make_cluster(cluster) if isinstance(cluster, str) else cluster
+    return check(c, world_size).to_dict()
+
+
 # ---- 4. the target's own checks ------------------------------------------------------------------------------
 def validate_cfg(target, cfg: dict, world_size: int) -> dict:
     """The module's ``validate(cfg, world_size)`` (lessons define one), run before any process starts."""
@@ -242,12 +261,12 @@ def prepare_out_dir(out_dir) -> Path:
 
 
 def write_spec(tmp: Path, target, cfg: dict, backend: str, seed: int, threads: int, timeout_s: float,
-               phases: list) -> Path:
+               phases: list, cluster: dict | None = None) -> Path:
     spec = {"target": target.spec, "label": target.label, "cfg": cfg, "backend": backend, "seed": seed,
             "threads": threads, "timeout_s": timeout_s, "deadline": time.time() + timeout_s,
             "collective_timeout_s": max(5.0, timeout_s * 0.8), "out_dir": str(tmp.resolve()),
             "cwd": os.getcwd(), "sys_path": [os.path.abspath(p) if p else os.getcwd() for p in sys.path],
-            "phases": phases}
+            "phases": phases, "cluster": cluster}
     spec_path = tmp / "spec.json"
     spec_path.write_text(json.dumps(spec))
     return spec_path

@@ -149,6 +149,7 @@ class CommLedger:
         self._tag = "untagged"
         self._originals: dict[str, object] = {}
         self._local = threading.local()  # per thread: a side thread's ops are counted while the main one is inside an op
+        self.emulator = None  # toolkit.runtime.emulator.Emulator: sees every counted op (virtual time)
 
     @property
     def _depth(self) -> int:
@@ -181,6 +182,20 @@ class CommLedger:
                 if hasattr(namespace, name):
                     setattr(namespace, name, fn)
         self._originals.clear()
+
+    @property
+    def inside_op(self) -> bool:
+        """This thread is inside a tracked op (its own ATen work, e.g. gloo's copies, is part of the op)."""
+        return self._depth > 0
+
+    @contextlib.contextmanager
+    def quiet(self):
+        """Ops issued inside on this thread are neither counted nor emulated (the emulator's side messages)."""
+        self._depth += 1
+        try:
+            yield
+        finally:
+            self._depth -= 1
 
     def name_group(self, group, name: str) -> None:
         """Label a process group so summaries say ``tp`` instead of ``4 ranks``."""
@@ -229,10 +244,19 @@ class CommLedger:
                 self._depth -= 1
             self.records.append(rec)
             if is_async and out is not None:
-                return _TimedWork(out, rec, start)
-            rec.seconds = time.perf_counter() - start
-            return out
+                out = _TimedWork(out, rec, start)
+            else:
+                rec.seconds = time.perf_counter() - start
+            return self._emulate(name, group, sent, args, kwargs, out, is_async) if self.emulator else out
         return wrapper
+
+    def _emulate(self, name, group, sent, args, kwargs, out, is_async):
+        emu = self.emulator
+        if name in ("send", "isend"):
+            return emu.on_send(name, group, sent, args, kwargs, out, is_async, self._tag)
+        if name in ("recv", "irecv"):
+            return emu.on_recv(name, group, args, kwargs, out, is_async, self._tag)
+        return emu.on_collective(name, group, sent, args, kwargs, out, is_async, self._tag)
 
     def _batch(self, original, p2p_ops, *args, **kwargs):
         start = time.perf_counter()
@@ -249,7 +273,8 @@ class CommLedger:
         finally:
             self._depth -= 1
         self.records.extend(recs)
-        return [_TimedWork(w, r, start) for w, r in zip(works, recs)]
+        works = [_TimedWork(w, r, start) for w, r in zip(works, recs)]
+        return self.emulator.on_batch(p2p_ops, works, self._tag) if self.emulator else works
 
     # ---- reporting ----------------------------------------------------------------
     def summary(self, by: tuple[str, ...] = ("tag", "op", "group")) -> list[dict]:

@@ -68,7 +68,8 @@ def main(spec_path: str) -> int:
         from toolkit.runtime.target import load
         fn = load(spec["target"])
         ctx = init_context(spec["backend"], timeout_s=spec["collective_timeout_s"], seed=spec["seed"],
-                           out_dir=out, threads=spec["threads"], phases=spec.get("phases"))
+                           out_dir=out, threads=spec["threads"], phases=spec.get("phases"),
+                           cluster=spec.get("cluster"))
         result = fn(ctx, spec["cfg"])
         write_atomic(out / f"rank{rank}.json", json.dumps(to_jsonable(result if result is not None else {})))
         import gc

@@ -1,0 +1,150 @@
+"""The emulated cluster against closed forms written here (never the emulator's own formulas), on real processes.
+
+(a) every op at 3 sizes on both link classes = α + wire bytes / β      (b) a late rank delays the collective
+(c) an async op under compute completes at issue + max(transfer, compute)  (d) two transfers share a rank's link
+(e) pipeline schedules = toolkit.pipeline.simulate fed the same op times and link, within 5 %
+(f) the same job at 2 and at 4 ranks on 2 cores: the same virtual time      (g) results bitwise those without it
+"""
+from __future__ import annotations
+
+import pytest
+
+from toolkit import launch
+from toolkit.pipeline.schedule import make_schedule
+from toolkit.pipeline.simulate import simulate
+from toolkit.runtime.cluster import PRESETS, Link, cluster
+from toolkit.runtime.launch import check_cluster
+
+CHECKS = "toolkit.lessons.emulator_check"
+FP32 = cluster("h100-ib400", ranks_per_node=2, float_bytes=4)  # two nodes of two; tensors timed as they are (fp32)
+SCHEDULES = ["1f1b", "interleaved", "zb-h1", "dualpipev"]
+
+
+def hockney(link: Link, wire_bytes: float) -> float:
+    return link.latency_s + wire_bytes / link.bytes_per_s
+
+
+def wire(op: str, n: int, size: int) -> float:
+    """Bytes one rank puts on its link (nccl-tests' bus bandwidth convention), for an op's full buffer ``size``."""
+    return {"send": size, "all_reduce": 2 * (n - 1) / n * size}.get(op, (n - 1) / n * size)
+
+
+def matmul_s(n: int) -> float:
+    """Roofline of [n, n] @ [n, n] in fp32 on the H100 preset: 2n³ FLOPs; two operands read, one written."""
+    gpu = FP32.gpu
+    return max(2 * n ** 3 / gpu.bf16_flops, 3 * n * n * 4 / gpu.hbm_bytes_per_s) + gpu.launch_s
+
+
+@pytest.fixture(scope="module")
+def emulated():
+    return launch(CHECKS, 4, {}, cluster=FP32, progress="none", timeout_s=300)
+
+
+@pytest.fixture(scope="module")
+def plain():
+    return launch(CHECKS, 4, {}, progress="none", timeout_s=300)
+
+
+def test_a_every_op_at_three_sizes_on_both_links_is_alpha_plus_bytes_over_beta(emulated):
+    rows = [row for result in emulated for row in result["ops"]]
+    assert {(r["op"], r["link"]) for r in rows} == {(op, link) for op in ("send", "all_reduce", "all_gather",
+                                                                         "reduce_scatter", "all_to_all")
+                                                    for link in ("intra", "inter")}
+    assert len({r["bytes"] for r in rows}) == 3
+    for r in rows:
+        link = FP32.intra if r["link"] == "intra" else FP32.inter
+        assert r["virtual_s"] == pytest.approx(hockney(link, wire(r["op"], r["n"], r["bytes"])), rel=1e-9), r
+
+
+def test_b_a_late_rank_delays_the_collective_by_its_lateness(emulated):
+    t = hockney(FP32.intra, wire("all_reduce", 2, 4 * 2**20))
+    late = matmul_s(2048)  # rank 1 computes first
+    assert [r["skew_s"] for r in emulated] == pytest.approx([late + t, late + t, t, t], rel=1e-9)
+
+
+def test_c_an_async_op_under_compute_completes_at_issue_plus_the_longer(emulated):
+    t = hockney(FP32.intra, wire("all_reduce", 2, 4 * 2**20))
+    assert matmul_s(256) < t < matmul_s(2048)  # one case of each
+    for r in emulated:
+        for n in (256, 2048):
+            assert r["async_s"][str(n)] == pytest.approx(max(t, matmul_s(n)), rel=1e-9)
+
+
+def test_d_two_transfers_of_one_rank_share_its_link(emulated):
+    t = hockney(FP32.intra, wire("all_reduce", 2, 4 * 2**20))
+    for r in emulated:
+        assert r["sharing_s"]["first"] == pytest.approx(t, rel=1e-9)
+        assert r["sharing_s"]["second"] == pytest.approx(2 * t, rel=1e-9)
+
+
+def test_f_the_same_job_at_2_and_at_4_ranks_takes_the_same_virtual_time(emulated):
+    two = launch(f"{CHECKS}:exchange", 2, {}, cluster=cluster("h100-ib400", float_bytes=4), progress="none",
+                 timeout_s=120)
+    expected = 3 * (matmul_s(2048) + hockney(FP32.intra, 2**18))
+    times = [r["exchange_s"] for r in list(two) + list(emulated)]
+    # equal to the rounding of the clocks' different offsets (the 4-rank run did more before), whatever the load
+    assert times == pytest.approx([times[0]] * 6, rel=1e-12)
+    assert times[0] == pytest.approx(expected, rel=1e-9)
+
+
+def test_g_emulation_changes_no_result_and_models_communication(emulated, plain):
+    assert [r["checksum"] for r in emulated] == [r["checksum"] for r in plain]
+    assert all(r["totals"]["comm_s"] > 0 and r["totals"]["exposed_s"] > 0 for r in emulated)
+    assert all(r["totals"] is None and r["ops"][0]["virtual_s"] is None for r in plain)
+
+
+@pytest.mark.parametrize("p", [2, 4])
+def test_e_pipeline_schedules_take_the_simulators_time_fed_the_same_op_times(p):
+    h100 = cluster("h100-ib400")
+    results = launch(f"{CHECKS}:pipeline", p, {"schedules": SCHEDULES}, cluster=h100, progress="none", timeout_s=400)
+    b, t, d = results[0]["act_shape"]
+    comm = hockney(h100.intra, b * t * d * 2)  # one activation or gradient in bf16
+    for name in SCHEDULES:
+        durations = {(s["op"], s["stage"], s["mb"], s["chunk"]): s["virtual_s"] for r in results for s in r[name]["spans"]}
+
+        def cost(a):
+            return sum(durations[(h.op, h.stage, h.mb, h.chunk)] for h in (a.sub or (a,)))
+        cost.comm = comm
+        predicted = simulate(make_schedule(name, p, 2 * p), cost).makespan
+        step = max(r[name]["step_s"] for r in results)
+        assert step == pytest.approx(predicted, rel=0.05), (name, step, predicted)
+    if p == 2:  # (g) for a training step: losses and gradients bitwise those of the run without emulation
+        real = launch(f"{CHECKS}:pipeline", p, {"schedules": SCHEDULES}, progress="none", timeout_s=400)
+        for name in SCHEDULES:
+            assert [(r[name]["loss"], r[name]["grads"]) for r in results] == \
+                   [(r[name]["loss"], r[name]["grads"]) for r in real]
+
+
+@pytest.mark.parametrize("spec, match", [
+    ("h200-dream", "not a preset; presets: \\['a100-ib200', 'h100-ib400', 'pcie-100gbe'\\]"),
+    (cluster("h100-ib400", ranks_per_node=3), "ranks_per_node=3 does not divide world_size=4"),
+    ({"name": "x"}, "cluster must be a preset name or a Cluster"),
+])
+def test_bad_cluster_is_refused_before_launch(spec, match):
+    with pytest.raises(ValueError, match=match):
+        launch(CHECKS, 4, {}, cluster=spec, progress="none")
+
+
+@pytest.mark.parametrize("field, value, match", [
+    ("intra", Link("x", 0.0, 1e-6), "intra.bytes_per_s must be a finite number > 0"),
+    ("inter", Link("x", 1e9, -1.0), "inter.latency_s must be a finite number > 0"),
+    ("ranks_per_node", 9, "ranks_per_node must be None or an int in 1..gpus_per_node=8"),
+])
+def test_bad_figures_name_the_field(field, value, match):
+    with pytest.raises(ValueError, match=match):
+        cluster("a100-ib200", **{field: value})
+
+
+def test_bad_peak_and_nccl_are_refused():
+    import dataclasses
+    gpu = dataclasses.replace(PRESETS["h100-ib400"].gpu, bf16_flops=0.0)
+    with pytest.raises(ValueError, match="gpu.bf16_flops must be a finite number > 0"):
+        cluster("h100-ib400", gpu=gpu)
+    with pytest.raises(ValueError, match="backend 'nccl' on real GPUs the real time is the measurement"):
+        check_cluster("h100-ib400", 2, "nccl")
+
+
+def test_virtual_clock_without_a_cluster_is_refused():
+    from toolkit.runtime.bench import measure
+    with pytest.raises(ValueError, match="clock='virtual' needs an emulated cluster"):
+        measure(lambda: None, clock="virtual")

@@ -1,0 +1,185 @@
+"""The emulated cluster checked on real processes: each case runs real ops and reports the virtual times it took.
+
+Lesson 00 shows these next to the closed forms; ``tests/test_emulator.py`` asserts them against closed forms written
+in the test (never against the emulator's own formulas). Every case starts from clocks aligned by a barrier::
+
+    ops          send/recv, all_reduce, all_gather, reduce_scatter, all_to_all at 3 sizes, on a group inside a
+                 node (intra link) and on the world group, which spans nodes (inter link)
+    skew         one rank computes a known matmul first; the all_reduce completes at its arrival + transfer
+    async        an all_reduce issued before a matmul, waited after it: done at issue + max(transfer, matmul)
+    sharing      two all_reduces issued back to back: the second waits for the first on the rank's link
+    exchange     a matmul, then a send to and a receive from the other rank of the node, three times: the same
+                 virtual time at 2 ranks (one node) and at 4 (two nodes), whatever the machine's load
+    pipeline     ``pipeline(ctx, cfg)``: schedules run by the executor, per-action virtual durations and step time,
+                 for ``toolkit.pipeline.simulate`` to be fed the same op times
+
+Without an emulated cluster the same programs run (``virtual`` entries are then absent): their ``checksum`` of
+every tensor the ops produced must be bitwise the emulated run's.
+"""
+from __future__ import annotations
+
+import hashlib
+
+import torch
+import torch.distributed as dist
+
+SIZES = (1024, 262144, 4194304)  # bytes of the payload (float32): 1 KiB, 256 KiB, 4 MiB
+OPS = ("send", "all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+MATMUL_N = (256, 2048)  # a short matmul (under one transfer) and a long one
+
+
+class _Digest:
+    """A running hash of tensors (their bytes), to compare runs bitwise."""
+
+    def __init__(self):
+        self.h = hashlib.sha256()
+
+    def add(self, t: torch.Tensor) -> None:
+        self.h.update(t.detach().contiguous().view(torch.uint8).numpy().tobytes())
+
+    def hexdigest(self) -> str:
+        return self.h.hexdigest()
+
+
+def _now(ctx) -> float | None:
+    return ctx.emulator.now() if ctx.emulator is not None else None
+
+
+def _elapsed(ctx, fn) -> float | None:
+    """Virtual seconds ``fn()`` takes on this rank, from clocks aligned by a world barrier (None: no emulator).
+    Inputs are built before, outputs hashed after: the time is the ops' alone."""
+    dist.barrier()
+    t0 = _now(ctx)
+    fn()
+    return None if t0 is None else _now(ctx) - t0
+
+
+def _group_op(op: str, group, n: int, numel: int) -> tuple:
+    """(inputs, call, outputs) of one ``op`` in ``group`` (n ranks), float32 payloads of ``numel`` elements (the
+    op's full buffer)."""
+    me = dist.get_rank()
+    if op == "all_reduce":
+        x = torch.arange(numel, dtype=torch.float32) + me
+        return (lambda: dist.all_reduce(x, group=group)), [x]
+    if op == "all_gather":
+        out, x = torch.empty(numel), torch.full((numel // n,), float(me))
+        return (lambda: dist.all_gather_into_tensor(out, x, group=group)), [out]
+    if op == "reduce_scatter":
+        out, x = torch.empty(numel // n), torch.arange(numel, dtype=torch.float32)
+        return (lambda: dist.reduce_scatter_tensor(out, x, group=group)), [out]
+    if op == "all_to_all":
+        out, x = torch.empty(numel), torch.arange(numel, dtype=torch.float32) * (me + 1)
+        return (lambda: dist.all_to_all_single(out, x, group=group)), [out]
+    raise ValueError(op)
+
+
+def _p2p(pairs: list[tuple[int, int]], numel: int) -> tuple:
+    """Each (src, dst) pair sends ``numel`` float32 once (blocking send and recv)."""
+    me = dist.get_rank()
+    x = torch.full((numel,), float(me))
+    def call():
+        for src, dst in pairs:
+            if me == src:
+                dist.send(x, dst)
+            elif me == dst:
+                dist.recv(x, src)
+    return call, [x]
+
+
+def _operands(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A matmul's operand and output, [n, n] float32."""
+    return torch.ones(n, n) / n, torch.empty(n, n)
+
+
+def run(ctx, cfg):
+    """Cases ops, skew, async, sharing and ring (module docstring), on 4 ranks (2 nodes of 2 on the cluster)."""
+    if ctx.world_size != 4:
+        raise ValueError(f"the emulator checks run on 4 ranks (2 nodes of 2), got world_size={ctx.world_size}")
+    digest, rank = _Digest(), ctx.rank
+    node = dist.new_group([0, 1]), dist.new_group([2, 3])
+    pair = node[rank // 2]  # the group inside this rank's node
+    out = {"ops": [], "matmul_n": list(MATMUL_N)}
+    for size in SIZES:
+        numel = size // 4
+        for where, group, n, peers in (("intra", pair, 2, [(0, 1), (2, 3)]), ("inter", None, 4, [(0, 2), (1, 3)])):
+            for op in OPS:
+                call, results = _p2p(peers, numel) if op == "send" else _group_op(op, group, n, numel)
+                out["ops"].append({"op": op, "link": where, "n": n, "bytes": size, "virtual_s": _elapsed(ctx, call)})
+                for t in results:
+                    digest.add(t)
+    size = SIZES[-1]
+    x, y = {n: _operands(n) for n in MATMUL_N}, torch.ones(size // 4)
+    # skew: rank 1 computes the large matmul first, then the two ranks of each node all-reduce 4 MiB
+    def skew():
+        if rank == 1:
+            a, c = x[MATMUL_N[1]]
+            torch.mm(a, a, out=c)
+        dist.all_reduce(y, group=pair)
+    out["skew_s"] = _elapsed(ctx, skew)
+    # async: an all_reduce issued, then a short or a long matmul, then waited
+    out["async_s"] = {}
+    for n in MATMUL_N:
+        def overlapped(n=n):
+            work = dist.all_reduce(y, group=pair, async_op=True)
+            torch.mm(x[n][0], x[n][0], out=x[n][1])
+            work.wait()
+        out["async_s"][str(n)] = _elapsed(ctx, overlapped)
+    # sharing: two all_reduces issued together; the times to the first's and to the second's completion
+    z, marks = torch.ones(size // 4) * 2, {}
+    def two():
+        t0 = _now(ctx)
+        wy, wz = dist.all_reduce(y, group=pair, async_op=True), dist.all_reduce(z, group=pair, async_op=True)
+        wy.wait()
+        marks["first"] = None if t0 is None else _now(ctx) - t0
+        wz.wait()
+        marks["second"] = None if t0 is None else _now(ctx) - t0
+    _elapsed(ctx, two)
+    out["sharing_s"] = marks
+    for n in MATMUL_N:
+        digest.add(x[n][1])
+    digest.add(y)
+    digest.add(z)
+    out["exchange_s"] = exchange(ctx, cfg)["exchange_s"]
+    out["checksum"] = digest.hexdigest()
+    out["totals"] = ctx.emulator.totals() if ctx.emulator is not None else None
+    return out
+
+
+def exchange(ctx, cfg):
+    """Three rounds of: a large matmul, then 256 KiB sent to and received from the other rank of the node
+    (rank ^ 1), by ``batch_isend_irecv``."""
+    r = ctx.rank
+    (a, c), x, y = _operands(MATMUL_N[1]), torch.full((SIZES[1] // 4,), float(r)), torch.empty(SIZES[1] // 4)
+    def rounds():
+        for _ in range(3):
+            torch.mm(a, a, out=c)
+            ops = [dist.P2POp(dist.isend, x, r ^ 1), dist.P2POp(dist.irecv, y, r ^ 1)]
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+    digest = _Digest()
+    seconds = _elapsed(ctx, rounds)
+    digest.add(y)
+    return {"exchange_s": seconds, "checksum": digest.hexdigest()}
+
+
+def pipeline(ctx, cfg):
+    """Each schedule of ``cfg["schedules"]`` at p = world size, m = 2p, run by the executor (one checked step, one
+    timed step): its spans (virtual times when emulated), step time, loss and a checksum of its gradients."""
+    from toolkit.pipeline.harness import Job, PipelineSetup, measure_schedules
+    from toolkit.pipeline.schedule import make_schedule
+    p = ctx.world_size
+    setup = PipelineSetup.build("smoke", m=2 * p, micro_batch=2, n_layer=2 * p, seed=0, device=ctx.device, d_model=64)
+    out = {"act_shape": list(setup.act_shape)}
+    for name in cfg["schedules"]:
+        records, models = measure_schedules(ctx, setup, [Job(make_schedule(name, p, 2 * p))], warmup=1, steps=1,
+                                            rounds=1, trim=0)
+        rec, digest = records[0], _Digest()
+        for param in models[0].parameters():
+            if param.grad is not None:
+                digest.add(param.grad)
+        out[name] = {"loss": rec["loss"], "grads": digest.hexdigest(),
+                     "spans": [{"op": s["kind"], "stage": s["meta"]["stage"], "mb": s["meta"]["mb"],
+                                "chunk": s["meta"]["chunk"], "virtual_s": s["vend"] - s["vstart"]}
+                               for s in rec["spans"] if "vstart" in s],
+                     "step_s": rec["bench"]["virtual"]["mean_s"] if rec["bench"].get("virtual") else None}
+    return out

@@ -1,0 +1,491 @@
+"""The emulated cluster: the real program on real processes, timed as it would run on a cluster it is not on.
+
+On a laptop gloo moves bytes on the cores that compute, so overlap, bubbles and compression show their bytes but
+not their time. The emulator keeps the run real — the ops, their shapes, their order and their dependencies are
+the program's own, and every tensor is bitwise what it is without emulation — and takes *time* from models of a
+target cluster (``toolkit.runtime.cluster``), one virtual clock per rank. This is SMPI's on-line simulation
+(Clauss et al. 2011; Degomme et al., TPDS 2017), with a roofline for the compute::
+
+    rank r, a real process                       its virtual clock (seconds on the target cluster)
+    ──────────────────────                       ────────────────────────────────────────────────────────────────
+    y = x @ w     (any ATen op)  ─ ComputeTimer ─► now += scale · max(FLOPs / peak, bytes / HBM) + launch
+                                                   (views and empty allocations: no kernel, no time)
+    dist.all_gather(...)         ─ the ledger ──► end_r = max(now, link free) + α + S/β   on the link the group spans
+       the real op runs as usual                  link free = end_r            (this rank's transfers queue on it)
+       + a side all_reduce(MAX) of end_r  ──────► done = max over the group's ranks of end_r; now = max(now, done)
+    w = dist.isend(t, dst)       ─ the ledger ──► end = max(now, link free) + α + S/β; the end travels beside the
+                                                   payload as a 1-element message with the same tag (eager: the
+                                                   sender does not wait for the receiver to post)
+    w = dist.irecv(t, src) ... w.wait()        ──► now = max(now, the sender's end)
+    async op ... compute ... w.wait()          ──► the clock went on while the link was busy; the wait moves it to
+                                                   max(now, done): the exposed part of the transfer is what it moved
+
+    step time on the target = difference of the clock around the step (``bench`` with ``clock="virtual"``)
+
+What the models take, what they leave out:
+- Compute: FLOPs as ``torch.utils.flop_counter`` counts them (matmuls and attention; other ops 0) and bytes as the
+  op's tensor inputs plus outputs. Float tensors are timed at ``Cluster.float_bytes`` per element (bf16 on the GPU,
+  whatever the CPU run holds, usually fp32). Every op that launches a kernel pays ``GPU.launch_s`` in series
+  (no host run-ahead), except inside ``graph_replay()``. ``scaled(k)`` multiplies the roofline term (the
+  workload-matched mode: a toy's compute stretched to a real model's compute-to-communication ratio).
+- Communication: Hockney α–β per call on the link the group spans (``Cluster.link_between``), bytes as the ledger
+  counts them (nccl-tests' bus-bandwidth convention). A rank's transfers queue on its own link (one at a time,
+  in issue order); contention *between* ranks (two ranks sharing a switch port, a NIC shared by two flows of
+  different ranks) is not modelled. A late peer delays a collective's completion but not this rank's link.
+- Host: the CPU time of Python and of the dispatcher is not charged (a GPU's host runs ahead of its stream);
+  only the kernel-launch term stands for it.
+
+The measured CPU time of every op is kept beside its modelled time (``report()["ops"]``), never driving the clock.
+Clocks are per thread; a thread that takes work from another carries its time with ``fork()`` / ``join(stamp)``.
+Everything here is deterministic: the same job gives the same virtual times on any machine, at any load.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections import defaultdict
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from .cluster import Cluster, check, cluster as make_cluster
+
+# ---- which ATen ops are kernels, and what they cost ------------------------------------------------------------
+COLLECTIVE_NAMESPACES = ("c10d.", "_c10d_functional.", "c10d_functional.")
+# not views by their schema, but they launch no kernel either (a new header, or memory from the allocator)
+NO_KERNEL = {"aten._unsafe_view", "aten._reshape_alias", "aten.lift_fresh", "aten.empty", "aten.empty_like",
+             "aten.empty_strided", "aten.new_empty", "aten.new_empty_strided"}
+# ops that read a few rows of a large input: bytes = indices + 2 x output, not the whole table
+GATHER_LIKE = {"aten.embedding", "aten.index_select", "aten.gather", "aten.index"}
+
+
+def launches_kernel(func) -> bool:
+    """Whether an ATen op (an ``OpOverload``) computes: not a view (``func.is_view``: ``view``, ``t``,
+    ``transpose``, ``expand``, ``detach``, ...) and not in ``NO_KERNEL``. On a GPU such an op is about one
+    kernel launch (some launch none or several: ``cudaLaunchKernel`` from the profiler is the real count)."""
+    return not func.is_view and str(func.overloadpacket) not in NO_KERNEL
+
+
+def _sdpa_cpu_flops(q, k, v, *args, out_val=None, **kwargs) -> int:
+    from torch.utils.flop_counter import sdpa_flop_count
+    return sdpa_flop_count(q.shape, k.shape, v.shape)
+
+
+def _sdpa_cpu_backward_flops(grad_out, q, k, v, *args, out_val=None, **kwargs) -> int:
+    from torch.utils.flop_counter import sdpa_backward_flop_count
+    return sdpa_backward_flop_count(grad_out.shape, q.shape, k.shape, v.shape)
+
+
+def _flop_formulas() -> dict:
+    """flop_counter's registry, plus the CPU flash-attention kernels it does not list (same formulas)."""
+    from torch.utils.flop_counter import flop_registry
+    table = dict(flop_registry)
+    aten = torch.ops.aten
+    for name, formula in (("_scaled_dot_product_flash_attention_for_cpu", _sdpa_cpu_flops),
+                          ("_scaled_dot_product_flash_attention_for_cpu_backward", _sdpa_cpu_backward_flops)):
+        if hasattr(aten, name):
+            table[getattr(aten, name)] = formula
+    return table
+
+
+def _tensors(tree) -> list[torch.Tensor]:
+    out = []
+    stack = [tree]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, torch.Tensor):
+            out.append(x)
+        elif isinstance(x, (list, tuple)):
+            stack.extend(x)
+        elif isinstance(x, dict):
+            stack.extend(x.values())
+    return out
+
+
+def element_bytes(dtype: torch.dtype, float_bytes: int) -> int:
+    """Bytes per element on the target: floats of 16 to 32 bits as ``float_bytes`` (bf16: 2), others as they are."""
+    if dtype.is_floating_point and 2 <= dtype.itemsize <= 4:
+        return float_bytes
+    return dtype.itemsize
+
+
+def _bytes(tensors, float_bytes: int) -> int:
+    return sum(t.numel() * element_bytes(t.dtype, float_bytes) for t in tensors)
+
+
+def op_cost(func, args, kwargs, out, float_bytes: int, formulas: dict) -> tuple[float, float]:
+    """(FLOPs, bytes moved) of one ATen op: FLOPs by flop_counter's formulas; bytes = tensors read (the inputs,
+    not an ``out=`` buffer, which is only written) + tensors written (the outputs)."""
+    packet = func.overloadpacket
+    flops = float(formulas[packet](*args, **kwargs, out_val=out)) if packet in formulas else 0.0
+    read = _tensors((args, {k: v for k, v in kwargs.items() if k != "out"}))
+    if str(packet) in GATHER_LIKE:
+        index = [t for t in read if not t.dtype.is_floating_point]
+        nbytes = _bytes(index, float_bytes) + 2 * _bytes(_tensors(out), float_bytes)
+    else:
+        nbytes = _bytes(read, float_bytes) + _bytes(_tensors(out), float_bytes)
+    return flops, float(nbytes)
+
+
+class ComputeTimer(TorchDispatchMode):
+    """Sees every ATen op a rank runs (forward and backward) and advances the emulator's clock by its roofline
+    time; runs the op unchanged and measures its real CPU time beside it."""
+
+    def __init__(self, emulator: "Emulator"):
+        super().__init__()
+        self.emulator = emulator
+        self.formulas = _flop_formulas()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        emu = self.emulator
+        name = str(func.overloadpacket)
+        if (getattr(emu._local, "internal", False) or name.startswith(COLLECTIVE_NAMESPACES)
+                or not launches_kernel(func) or (emu.ledger is not None and emu.ledger.inside_op)):
+            return func(*args, **kwargs)  # no kernel, or part of a collective (gloo's own copies): no compute time
+        t0 = time.perf_counter()
+        out = func(*args, **kwargs)
+        cpu_s = time.perf_counter() - t0
+        flops, nbytes = op_cost(func, args, kwargs, out, emu.cluster.float_bytes, self.formulas)
+        emu.compute(name, flops, nbytes, cpu_s)
+        return out
+
+
+# ---- the emulator ------------------------------------------------------------------------------------------------
+_CURRENT: "Emulator | None" = None
+
+
+def current() -> "Emulator | None":
+    """The emulator of this rank (None when the launch has no ``cluster``)."""
+    return _CURRENT
+
+
+class Emulator:
+    """One rank's virtual clock on ``cluster``. Built and installed by the worker when ``launch(..., cluster=)``
+    is given; lessons read it through ``ctx.emulator`` (or ``emulator.current()``)."""
+
+    def __init__(self, cluster: Cluster, rank: int, world_size: int):
+        self.cluster, self.rank, self.world_size = check(cluster, world_size), rank, world_size
+        self.compute_scale = 1.0
+        self._replay_depth = 0
+        self._lock = threading.RLock()
+        self._local = threading.local()
+        self._main = threading.get_ident()
+        self._main_now = 0.0
+        self._link_free: dict[str, float] = defaultdict(float)
+        self._group_ranks: dict[int, list[int]] = {}
+        self.ops: dict[str, dict] = defaultdict(lambda: {"calls": 0, "flops": 0.0, "bytes": 0.0, "model_s": 0.0,
+                                                          "launch_s": 0.0, "cpu_s": 0.0})
+        self.comms: list[dict] = []
+        self.ledger = None
+        self._timer: ComputeTimer | None = None
+
+    # ---- installation ---------------------------------------------------------------------------------------
+    def install(self, ledger) -> "Emulator":
+        """Hook into ``ledger`` (every torch.distributed call) and start timing compute on this thread."""
+        global _CURRENT
+        self.ledger = ledger
+        ledger.emulator = self
+        self._timer = ComputeTimer(self)
+        self._timer.__enter__()
+        _CURRENT = self
+        return self
+
+    def uninstall(self) -> None:
+        global _CURRENT
+        if self._timer is not None:
+            self._timer.__exit__(None, None, None)
+            self._timer = None
+        if self.ledger is not None:
+            self.ledger.emulator = None
+        _CURRENT = None
+
+    # ---- the clock ------------------------------------------------------------------------------------------
+    def now(self) -> float:
+        """This thread's virtual time, seconds (0 when the ranks left the start barrier)."""
+        if threading.get_ident() == self._main:
+            return self._main_now
+        if not hasattr(self._local, "now"):
+            self._local.now = self._main_now  # a thread nobody joined starts where the main thread is
+        return self._local.now
+
+    def _set(self, t: float) -> None:
+        if threading.get_ident() == self._main:
+            self._main_now = t
+        else:
+            self._local.now = t
+
+    def advance_to(self, t: float) -> float:
+        """Move this thread's clock to ``t`` if it is later; returns the time waited (0 if none)."""
+        now = self.now()
+        if t > now:
+            self._set(t)
+            return t - now
+        return 0.0
+
+    def reset(self) -> None:
+        """Every clock and link back to 0 (the worker calls it right after the start barrier)."""
+        self._main_now = 0.0
+        self._local = threading.local()
+        self._link_free.clear()
+        self.comms.clear()
+        self.ops.clear()
+
+    def fork(self) -> float:
+        """A stamp of this thread's time, for a thread that takes over work from it (``join``)."""
+        return self.now()
+
+    def join(self, stamp: float) -> None:
+        """This thread continues work handed over at ``stamp`` (its clock moves there if it is behind)."""
+        self.advance_to(stamp)
+
+    @contextlib.contextmanager
+    def scaled(self, factor: float):
+        """Compute inside costs ``factor`` times its roofline time (the launch term is unchanged)."""
+        if not factor > 0:
+            raise ValueError(f"scale factor must be > 0, got {factor!r}")
+        previous, self.compute_scale = self.compute_scale, factor
+        try:
+            yield self
+        finally:
+            self.compute_scale = previous
+
+    @contextlib.contextmanager
+    def graph_replay(self):
+        """The ops inside run as one CUDA graph replay: one launch for all of them, none per op."""
+        self._replay_depth += 1
+        if self._replay_depth == 1:
+            self._set(self.now() + self.cluster.gpu.launch_s)
+        try:
+            yield self
+        finally:
+            self._replay_depth -= 1
+
+    @contextlib.contextmanager
+    def internal(self):
+        """Ops inside are the emulator's own bookkeeping: not timed."""
+        previous = getattr(self._local, "internal", False)
+        self._local.internal = True
+        try:
+            yield
+        finally:
+            self._local.internal = previous
+
+    # ---- compute --------------------------------------------------------------------------------------------
+    def compute(self, name: str, flops: float, nbytes: float, cpu_s: float = 0.0) -> float:
+        """Charge one kernel: ``scale · max(flops / peak, bytes / HBM) + launch``; returns its seconds."""
+        gpu = self.cluster.gpu
+        roof = self.compute_scale * max(flops / gpu.bf16_flops, nbytes / gpu.hbm_bytes_per_s)
+        launch = 0.0 if self._replay_depth else gpu.launch_s
+        self._set(self.now() + roof + launch)
+        with self._lock:
+            row = self.ops[name]
+            row["calls"] += 1
+            row["flops"] += flops
+            row["bytes"] += nbytes
+            row["model_s"] += roof + launch
+            row["launch_s"] += launch
+            row["cpu_s"] += cpu_s
+        return roof + launch
+
+    # ---- communication --------------------------------------------------------------------------------------
+    def ranks_of(self, group) -> list[int]:
+        key = id(group)
+        if key not in self._group_ranks:
+            self._group_ranks[key] = (list(range(self.world_size)) if group is None or group is dist.group.WORLD
+                                      else dist.get_process_group_ranks(group))
+        return self._group_ranks[key]
+
+    def _transfer(self, op: str, peers: list[int], sent_bytes: float, tag: str) -> tuple[float, dict]:
+        """Queue one transfer on this rank's link to ``peers``: returns (its local end, its record)."""
+        link = self.cluster.link_between([self.rank] + peers, self.world_size)
+        issue = self.now()
+        with self._lock:
+            start = max(issue, self._link_free[link.name])
+            end = start + link.seconds(sent_bytes)
+            self._link_free[link.name] = end
+            rec = {"op": op, "tag": tag, "link": link.name, "bytes": sent_bytes, "issue": issue, "start": start,
+                   "local_end": end, "done": None, "exposed": None}
+            self.comms.append(rec)
+        return end, rec
+
+    def _finish(self, rec: dict, msg: "_ClockMessage") -> None:
+        """The transfer of ``rec`` is waited for: this thread's clock moves to its virtual completion."""
+        with self._side():
+            done = msg.value()
+        rec["done"] = done
+        waited = self.advance_to(done)
+        rec["exposed"] = waited if rec["exposed"] is None else rec["exposed"] + waited
+
+    def _virtual_bytes(self, sent: int, tensor: torch.Tensor | None) -> float:
+        """Sent bytes at the target's element size (float payloads at ``float_bytes``)."""
+        if tensor is None or not sent:
+            return float(sent)
+        return sent * element_bytes(tensor.dtype, self.cluster.float_bytes) / tensor.element_size()
+
+    @contextlib.contextmanager
+    def _side(self):
+        """The clock's own messages: neither timed, nor counted by the ledger, nor emulated."""
+        with self.internal(), (self.ledger.quiet() if self.ledger is not None else contextlib.nullcontext()):
+            yield
+
+    def _record(self, op: str, tag: str) -> dict:
+        """The record of a transfer this rank only receives (its time is the sender's)."""
+        rec = {"op": op, "tag": tag, "link": None, "bytes": 0.0, "issue": self.now(), "start": None,
+               "local_end": None, "done": None, "exposed": None}
+        with self._lock:
+            self.comms.append(rec)
+        return rec
+
+    def _returned(self, work, rec: dict, msg: "_ClockMessage", is_async: bool):
+        if not is_async:
+            self._finish(rec, msg)
+            return work
+        return EmulatedWork(self, work, rec, msg)
+
+    def on_collective(self, op: str, group, sent: int, args, kwargs, work, is_async: bool, tag: str):
+        """A collective was issued (``work``: its handle if async): its end on this rank's link, then a side
+        all_reduce(MAX) of the ends on the same group gives its completion. Returns what the caller gets."""
+        tensors = _tensors((args, kwargs))
+        end, rec = self._transfer(op, [r for r in self.ranks_of(group) if r != self.rank],
+                                  self._virtual_bytes(sent, tensors[0] if tensors else None), tag)
+        with self._side():
+            stamp = torch.tensor([end], dtype=torch.float64)
+            msg = _ClockMessage(dist.all_reduce(stamp, op=dist.ReduceOp.MAX, group=group, async_op=True), stamp)
+        return self._returned(work, rec, msg, is_async)
+
+    @staticmethod
+    def _p2p_args(args, kwargs, key: str, group) -> tuple[int | None, int]:
+        """(peer's global rank, tag) of a send/recv call."""
+        peer = kwargs.get(key, args[1] if len(args) > 1 else None)
+        if peer is None and kwargs.get("group_" + key) is not None:
+            peer = dist.get_global_rank(group, kwargs["group_" + key])
+        return peer, kwargs.get("tag", args[3] if len(args) > 3 else 0)
+
+    def on_send(self, op: str, group, sent: int, args, kwargs, work, is_async: bool, tag: str):
+        """A send: its end on this rank's link travels to the receiver beside the payload (same tag)."""
+        dst, msg_tag = self._p2p_args(args, kwargs, "dst", group)
+        end, rec = self._transfer(op, [dst], self._virtual_bytes(sent, _tensors((args, kwargs))[0]), tag)
+        with self._side():
+            stamp = torch.tensor([end], dtype=torch.float64)
+            msg = _ClockMessage(dist.isend(stamp, dst, group=group, tag=msg_tag), stamp, end)
+        return self._returned(work, rec, msg, is_async)
+
+    def on_recv(self, op: str, group, args, kwargs, work, is_async: bool, tag: str):
+        """A receive: completes at the sender's end (the side message after the payload)."""
+        src, msg_tag = self._p2p_args(args, kwargs, "src", group)
+        if src is None:
+            if is_async:
+                raise ValueError("an irecv from any source (src=None) cannot be emulated: the arrival time comes "
+                                 "from the sender; name src")
+            src = work  # a blocking recv returns the sender's rank
+        rec = self._record(op, tag)
+        with self._side():
+            stamp = torch.zeros(1, dtype=torch.float64)
+            msg = _ClockMessage(dist.irecv(stamp, src, group=group, tag=msg_tag), stamp)
+        return self._returned(work, rec, msg, is_async)
+
+    def on_batch(self, p2p_ops: list, works: list, tag: str) -> list:
+        """``batch_isend_irecv``: each op's clock message goes out after all payloads, in the same order."""
+        side_ops, pending = [], []
+        for p in p2p_ops:
+            sending = getattr(p.op, "__name__", "") == "isend"
+            with self._side():
+                if sending:
+                    end, rec = self._transfer("isend", [p.peer], self._virtual_bytes(
+                        p.tensor.numel() * p.tensor.element_size(), p.tensor), tag)
+                    stamp = torch.tensor([end], dtype=torch.float64)
+                else:
+                    end, rec = None, self._record("irecv", tag)
+                    stamp = torch.zeros(1, dtype=torch.float64)
+            side_ops.append(dist.P2POp(p.op, stamp, p.peer, p.group, p.tag))
+            pending.append((rec, stamp, end))
+        with self._side():
+            side_works = dist.batch_isend_irecv(side_ops)
+        return [EmulatedWork(self, work, rec, _ClockMessage(side, stamp, end))
+                for work, side, (rec, stamp, end) in zip(works, side_works, pending)]
+
+    # ---- DDP: its C++ reducer is seen only through a comm hook --------------------------------------------------
+    def ddp_hook(self, state, bucket):  # no annotations: DDP checks them against Future[Tensor] objects
+        """A DDP comm hook (``ddp.register_comm_hook(group_or_None, emulator.ddp_hook)``): the bucket's average by
+        ``dist.all_reduce`` (seen by the ledger and this clock), waited on the main clock when backward ends."""
+        t = bucket.buffer()
+        group = state
+        t.div_(dist.get_world_size(group))
+        work = dist.all_reduce(t, group=group, async_op=True)
+        torch.autograd.Variable._execution_engine.queue_callback(work.wait)
+        return work.get_future().then(lambda fut: fut.value()[0])
+
+    # ---- what the run cost ------------------------------------------------------------------------------------
+    def totals(self) -> dict[str, float]:
+        """Modelled seconds so far: compute (roofline + launch), its launch part, the transfers' link time, and the
+        time the clocks waited for communication (exposed)."""
+        return {"compute_s": sum(r["model_s"] for r in self.ops.values()),
+                "launch_s": sum(r["launch_s"] for r in self.ops.values()),
+                "comm_s": sum(c["local_end"] - c["start"] for c in self.comms if c["local_end"] is not None),
+                "exposed_s": sum(c["exposed"] or 0.0 for c in self.comms),
+                "cpu_s": sum(r["cpu_s"] for r in self.ops.values())}
+
+    def report(self) -> dict:
+        """JSON-able: the cluster, the totals, per-op rows (calls, FLOPs, bytes, modelled and CPU seconds) and
+        per-(tag, op, link) communication rows (calls, bytes, link seconds, exposed seconds)."""
+        comm: dict[tuple, dict] = defaultdict(lambda: {"calls": 0, "bytes": 0.0, "link_s": 0.0, "exposed_s": 0.0})
+        for c in self.comms:
+            row = comm[(c["tag"], c["op"], c["link"])]
+            row["calls"] += 1
+            row["bytes"] += c["bytes"]
+            row["link_s"] += (c["local_end"] - c["start"]) if c["local_end"] is not None else 0.0
+            row["exposed_s"] += c["exposed"] or 0.0
+        return {"cluster": self.cluster.name, "now_s": self.now(), "totals": self.totals(),
+                "ops": {k: dict(v) for k, v in sorted(self.ops.items(), key=lambda kv: -kv[1]["model_s"])},
+                "comm": [{"tag": k[0], "op": k[1], "link": k[2], **v} for k, v in comm.items()]}
+
+
+class _ClockMessage:
+    """The side message that carries a transfer's virtual end: one this rank sent (``end`` known here), or one
+    received or reduced into ``stamp``."""
+
+    def __init__(self, work, stamp: torch.Tensor, end: float | None = None):
+        self.work, self.stamp, self.end = work, stamp, end
+
+    def ready(self) -> bool:
+        return self.work.is_completed()
+
+    def value(self) -> float:
+        self.work.wait()
+        return self.end if self.end is not None else self.stamp.item()
+
+
+class EmulatedWork:
+    """An async op's handle: ``wait()`` waits for the real op, then moves the waiting thread's clock to the op's
+    virtual completion. ``is_completed()`` answers in virtual time (and only True once the real op is done too),
+    so polling never moves a clock: a wait after it finds the completion already passed."""
+
+    def __init__(self, emulator: Emulator, work, rec: dict, msg: _ClockMessage):
+        self._emu, self._work, self._rec, self._msg = emulator, work, rec, msg
+
+    def wait(self, *args, **kwargs):
+        out = self._work.wait(*args, **kwargs) if self._work is not None else True
+        self._emu._finish(self._rec, self._msg)
+        return out
+
+    def is_completed(self) -> bool:
+        if not (self._work.is_completed() and self._msg.ready()):
+            return False
+        with self._emu._side():
+            return self._msg.value() <= self._emu.now()
+
+    def get_future(self):
+        return self._work.get_future()
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)
+
+
+def build(spec, rank: int, world_size: int) -> Emulator:
+    """An emulator from a launch spec's ``cluster`` entry (a preset name or ``Cluster.to_dict()``)."""
+    c = Cluster.from_dict(spec) if isinstance(spec, dict) else make_cluster(spec)
+    return Emulator(c, rank, world_size)
