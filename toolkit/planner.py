@@ -61,6 +61,8 @@ class Workload:
     """Sequences per optimizer step (= dp · micro_batch · micro-batches)."""
     recompute: bool = False
     """Full activation recomputation."""
+    ffn_hidden: int = 0
+    """Width of the MLP (0: 4 · hidden; Llama's SwiGLU width otherwise)."""
 
 
 @dataclass
@@ -377,6 +379,38 @@ def explain(rows: list[dict], c: Cluster, headroom: float = 0.9) -> list[str]:
                        if alt["fits"] else f"does not fit ({alt['memory_gb']:.1f} GB)")
             out.append(f"{key} {value} instead of {best[key]}: at best {verdict}")
     return out
+
+
+# ---- the real workloads the toy runs stand for: the emulated cluster's workload-matched mode ------------------------
+MODELS: dict[str, Workload] = {
+    "llama2-7b": Workload(params=6.7e9, layers=32, hidden=4096, heads=32, seq_len=4096, ffn_hidden=11008),
+    "llama2-13b": Workload(params=13e9, layers=40, hidden=5120, heads=40, seq_len=4096, ffn_hidden=13824),
+    "llama2-70b": Workload(params=69e9, layers=80, hidden=8192, heads=64, seq_len=4096, ffn_hidden=28672),
+}
+"""Llama 2's shapes (Touvron et al. 2023, Table 1 and the released configs), one sequence of 4096 per micro-batch."""
+
+
+def tp_mlp_op(tokens: int, hidden: int, ffn: int, tp: int, elem: int = 2) -> dict[str, float]:
+    """fc1's all-gather + GEMM (fc2's GEMM + reduce-scatter is its mirror: the same numbers) on one rank of a
+    sequence-parallel TP group: ``gemm_flops`` = 2·M·D·F/tp, ``wire_bytes`` = (tp−1)/tp·M·D·elem (the ledger's
+    convention), for M tokens, D = hidden, F = ffn."""
+    return {"gemm_flops": 2.0 * tokens * hidden * ffn / tp, "wire_bytes": (tp - 1) / tp * tokens * hidden * elem}
+
+
+def matched_scales(toy: dict[str, float], real: dict[str, float]) -> dict[str, float]:
+    """The emulator's ``scaled(flops=, bytes=)`` factors that time a toy op as its real counterpart: real / toy
+    GEMM FLOPs and real / toy activation bytes (``tp_mlp_op``-style dicts; the wire carries activations, so its
+    bytes scale as theirs). GEMMs grow as M·K·N, activations as M·K: their quotient is what moves the compute-to-
+    communication balance from the toy's to the real workload's."""
+    return {"flops": real["gemm_flops"] / toy["gemm_flops"], "bytes": real["wire_bytes"] / toy["wire_bytes"]}
+
+
+def op_times(op: dict[str, float], hw, link: str = "intra") -> dict[str, float]:
+    """One op on a ``toolkit.runtime.cluster.Cluster``: the GEMM at the bf16 peak plus a launch, the transfer
+    α + bytes/β on ``link``, and their ratio (> 1: the GEMM is long enough to hide the transfer)."""
+    gemm = op["gemm_flops"] / hw.gpu.bf16_flops + hw.gpu.launch_s
+    comm = getattr(hw, link).seconds(op["wire_bytes"])
+    return {"gemm_s": gemm, "comm_s": comm, "ratio": gemm / comm}
 
 
 # the composed tiny run of lesson 17: the same categories, counted tensor by tensor for the toolkit's own GPT

@@ -44,21 +44,11 @@ import torch
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-# ops whose output shape depends on the data, or which make the host wait for the device
+from toolkit.runtime.emulator import COLLECTIVE_NAMESPACES, HOST_SYNC, NO_KERNEL, launches_kernel  # noqa: F401
+
+# ops whose output shape depends on the data (the host cannot know it without waiting for the device)
 DATA_DEPENDENT = {"aten.nonzero", "aten.masked_select", "aten.unique", "aten._unique2", "aten.unique_consecutive",
                   "aten.unique_dim", "aten.bincount"}
-HOST_SYNC = {"aten._local_scalar_dense", "aten.is_nonzero", "aten.item", "aten.equal"}
-COLLECTIVE_NAMESPACES = ("c10d.", "_c10d_functional.", "c10d_functional.")
-# not views by their schema, but they launch no kernel either (a new header, or memory from the allocator)
-NO_KERNEL = {"aten._unsafe_view", "aten._reshape_alias", "aten.lift_fresh", "aten.empty", "aten.empty_like",
-             "aten.empty_strided", "aten.new_empty", "aten.new_empty_strided"}
-
-
-def launches_kernel(func) -> bool:
-    """Whether an ATen op (an ``OpOverload``) computes: not a view (``func.is_view``: ``view``, ``t``,
-    ``transpose``, ``expand``, ``detach``, ...) and not in ``NO_KERNEL``. On a GPU such an op is about one
-    kernel launch (some launch none or several: ``cudaLaunchKernel`` from the profiler is the real count)."""
-    return not func.is_view and str(func.overloadpacket) not in NO_KERNEL
 
 
 class OpCounter(TorchDispatchMode):

@@ -14,9 +14,6 @@
 from __future__ import annotations
 
 import copy
-import queue
-import threading
-import time
 from contextlib import nullcontext
 from dataclasses import asdict
 
@@ -27,8 +24,8 @@ from toolkit.data import batches
 from toolkit.models import GPT, lm_loss, preset
 from toolkit.parallel.tensor import check_tp
 from toolkit.parallel.tp_overlap import (SequenceParallelStack, all_gather_matmul, allreduce_sequence_parallel_grads,
-                                         bytes_per_layer, kept_bytes_per_layer, matmul_reduce_scatter, shard_tokens,
-                                         tile_rows)
+                                         bytes_per_layer, kept_bytes_per_layer, matmul_reduce_scatter, overlap_fraction,
+                                         shard_tokens)
 from toolkit.pipeline.executor import ActivationMeter
 from toolkit.runtime.bench import compare
 from toolkit.runtime.config import Param, common, resolve
@@ -39,14 +36,21 @@ PARAMS = {**common("model", "n_layer", "micro_batch", "seed", "warmup", "bench_s
                            nullable=True),
           "op_steps": Param(int, "timed calls per round in the AG+GEMM / GEMM+RS micro-benchmarks", ge=1),
           "tiles": Param(int, "row tiles per chunk in the micro-benchmarks' tiled ring (flux's tile-level overlap); "
-                              "must divide the tokens per rank", ge=1)}
+                              "must divide the tokens per rank", ge=1),
+          "stands_for": Param(str, "the real model whose MLP the emulated cluster times the toy's as (the "
+                                   "workload-matched mode)", choices=("llama2-7b", "llama2-13b", "llama2-70b")),
+          "sweep": Param(list, "emulated cluster: GEMM lengths swept, as factors of the real workload's "
+                               "(1 = the real one)", of=float, gt=0)}
 PRESETS = {
     "smoke": {"model": "smoke", "n_layer": 1, "micro_batch": 4, "seed": 0, "n_head": None, "d_model": None,
-              "warmup": 1, "bench_steps": 2, "rounds": 3, "op_steps": 5, "tiles": 2},
+              "warmup": 1, "bench_steps": 2, "rounds": 3, "op_steps": 5, "tiles": 2, "stands_for": "llama2-13b",
+              "sweep": [0.25, 1.0, 4.0]},
     "default": {"model": "default", "n_layer": 2, "micro_batch": 8, "seed": 0, "n_head": None, "d_model": None,
-                "warmup": 1, "bench_steps": 2, "rounds": 3, "op_steps": 8, "tiles": 4},
+                "warmup": 1, "bench_steps": 2, "rounds": 3, "op_steps": 8, "tiles": 4, "stands_for": "llama2-13b",
+                "sweep": [0.125, 0.25, 0.5, 1.0, 2.0, 4.0]},
     "full": {"model": "full", "n_layer": 4, "micro_batch": 4, "seed": 0, "n_head": None, "d_model": None,
-             "warmup": 3, "bench_steps": 5, "rounds": 5, "op_steps": 20, "tiles": 8},
+             "warmup": 3, "bench_steps": 5, "rounds": 5, "op_steps": 20, "tiles": 8, "stands_for": "llama2-70b",
+             "sweep": [0.125, 0.25, 0.5, 1.0, 2.0, 4.0]},
 }
 VARIANTS = {"bulk": ("bulk", False), "bulk+keep": ("bulk", True), "ring": ("ring", False), "ring+keep": ("ring", True)}
 
@@ -75,6 +79,8 @@ def validate(cfg: dict, world_size: int) -> dict:
     if (tokens // world_size) % cfg["tiles"]:
         raise ValueError(f"tiles={cfg['tiles']} must divide the {tokens // world_size} tokens per rank "
                          f"(micro_batch × seq_len / tp)")
+    if 1.0 not in cfg["sweep"]:
+        raise ValueError(f"sweep={cfg['sweep']} must hold 1.0 (the real workload's GEMM length)")
     return cfg
 
 
@@ -134,7 +140,7 @@ def run(ctx, cfg: dict) -> dict:
             "saved_act_bytes": saved,
             "sent_bytes": {p: ctx.ledger.total("sent_bytes", tag=f"{name}/{p}") for p in ("forward", "backward")},
             "calls": {p: _calls(ctx.ledger, f"{name}/{p}") for p in ("forward", "backward")}}
-        ctx.progress(i + 1, 8, "checked " + name)
+        ctx.progress(i + 1, 9, "checked " + name)
     bitwise = {mode: all(torch.equal(g, grads[f"{mode}+keep"][n]) for n, g in grads[mode].items())
                for mode in ("bulk", "ring")}
 
@@ -149,10 +155,8 @@ def run(ctx, cfg: dict) -> dict:
             step(stack, name="traced")
         stack.configure(timeline=None)
         spans[name] = [asdict(s) for s in ctx.timeline.spans[mark:]]
-        total = lambda kind: sum(s["end"] - s["start"] for s in spans[name] if s["kind"] == kind)  # noqa: E731
-        exposure[name] = {"step_s": total("step"), "gemm_s": total("gemm"), "exposed_comm_s": total("wait"),
-                          "comm_in_flight_s": total("comm")}
-    ctx.progress(5, 8, "timing the four variants")
+        exposure[name] = exposure_of(spans[name])
+    ctx.progress(5, 9, "timing the four variants")
 
     # -- the four variants, timed side by side ---------------------------------------------------------------
     def timed(stack):
@@ -163,16 +167,29 @@ def run(ctx, cfg: dict) -> dict:
 
     bench = compare({name: timed(s) for name, s in stacks.items()}, warmup=cfg["warmup"], steps=cfg["bench_steps"],
                     rounds=cfg["rounds"], sync=ctx.barrier)
-    ctx.progress(6, 8, "micro-benchmarks")
+    ctx.progress(6, 9, "micro-benchmarks")
     ops = op_benchmarks(ctx, group, stacks["ring"].blocks[0], M, cfg)
-    ctx.progress(8, 8, "done")
+    ctx.progress(8, 9, "on the emulated cluster" if ctx.emulator else "done")
+    on_cluster = (emulated(ctx, group, stacks["ring"].blocks[0], M, cfg, stacks, step) if ctx.emulator is not None
+                  else None)
+    ctx.progress(9, 9, "done")
     return {"rank": ctx.rank, "tp": tp, "model": vars(mc), "tiles": cfg["tiles"], "tokens": M, "local_tokens": M // tp,
             "n_layer": n_layer, "variants": variants, "grads_bitwise_keep_vs_regather": bitwise,
             "bytes_closed_form": {k: {p: n_layer * v for p, v in bytes_per_layer(M, D, tp, keep).items()}
                                   for k, keep in (("regather", False), ("keep", True))},
             "kept_bytes_closed_form": n_layer * kept_bytes_per_layer(M, D, tp),
             "sp_grad_bytes": _sp_grad_bytes(ctx.ledger),
-            "exposure": exposure, "spans": spans, "bench": {n: b.to_dict() for n, b in bench.items()}, "ops": ops}
+            "exposure": exposure, "spans": spans, "bench": {n: b.to_dict() for n, b in bench.items()}, "ops": ops,
+            "emulated": on_cluster}
+
+
+def exposure_of(spans: list[dict], clock: str = "wall") -> dict[str, float]:
+    """A traced step's step time, GEMM time, exposed communication (the waits) and communication in flight, on
+    the wall clock or (``clock="virtual"``) the emulated cluster's."""
+    a, b = ("start", "end") if clock == "wall" else ("vstart", "vend")
+    total = lambda kind: sum(s[b] - s[a] for s in spans if s["kind"] == kind)  # noqa: E731
+    return {"step_s": total("step"), "gemm_s": total("gemm"), "exposed_comm_s": total("wait"),
+            "comm_in_flight_s": total("comm")}
 
 
 def run_ops(ctx, cfg: dict) -> dict:
@@ -192,16 +209,9 @@ def op_benchmarks(ctx, group, block, tokens: int, cfg: dict) -> dict:
 
     ``overlap`` takes T_comm of the collective (the issue's definition); ``overlap_own_messages`` takes the
     ring's own messages, which gloo may move faster or slower than its collective."""
-    tp = dist.get_world_size(group)
-    w1 = block.fc1.weight.detach().t().contiguous()  # [D, d_ff/tp]
-    m, D, device = tokens // tp, w1.shape[0], w1.device
-    torch.manual_seed(cfg["seed"] + 1 + ctx.rank)
-    x = torch.randn(m, D, device=device)  # fc1's input: my tokens
-    h = torch.randn(tp * m, w1.shape[1], device=device)  # fc2's input: all tokens, my features
-    w2 = block.fc2.weight.detach().t().contiguous()  # [d_ff/tp, D]
-    gathered, partial = x.new_empty(tp * m, D), h @ w2
-    scattered = partial.new_empty(m, D)
-
+    o = _mlp_operands(ctx, group, block, tokens, cfg)
+    x, w1, h, w2, gathered, partial, scattered = (o[k] for k in ("x", "w1", "h", "w2", "gathered", "partial",
+                                                                 "scattered"))
     tiles = cfg["tiles"]
     ring_y, ring_x = all_gather_matmul(x, w1, group, mode="ring", keep_gathered=True)
     tiled_y, tiled_x = all_gather_matmul(x, w1, group, mode="ring", keep_gathered=True, tiles=tiles)
@@ -219,21 +229,7 @@ def op_benchmarks(ctx, group, block, tokens: int, cfg: dict) -> dict:
         "tiled_ag_gathered_bitwise": torch.equal(tiled_x, gathered), "tiled_ag_max_diff": _diff(tiled_y, ref_y),
         "tiled_ag_allclose": close(tiled_y, ref_y), "tiled_rs_max_diff": _diff(tiled_rs, scattered),
         "tiled_rs_allclose": close(tiled_rs, scattered)}}
-    candidates = {
-        "AG+GEMM": ({"x": list(x.shape), "w": list(w1.shape)},
-                    {"comm": lambda: dist.all_gather_into_tensor(gathered, x, group=group),
-                     "gemm": lambda: torch.mm(gathered, w1),
-                     "bulk": lambda: all_gather_matmul(x, w1, group, mode="bulk"),
-                     "ring": lambda: all_gather_matmul(x, w1, group, mode="ring"),
-                     "tiled ring": lambda: all_gather_matmul(x, w1, group, mode="ring", tiles=tiles),
-                     "ring comm": lambda: all_gather_matmul(x, w1[:, :0], group, mode="ring")}),  # GEMMs of width 0
-        "GEMM+RS": ({"h": list(h.shape), "w": list(w2.shape)},
-                    {"comm": lambda: dist.reduce_scatter_tensor(scattered, partial, group=group),
-                     "gemm": lambda: torch.mm(h, w2),
-                     "bulk": lambda: matmul_reduce_scatter(h, w2, group, mode="bulk"),
-                     "ring": lambda: matmul_reduce_scatter(h, w2, group, mode="ring"),
-                     "tiled ring": lambda: matmul_reduce_scatter(h, w2, group, mode="ring", tiles=tiles),
-                     "ring comm": lambda: matmul_reduce_scatter(h[:, :0], w2[:0], group, mode="ring")})}
+    candidates = _candidates(group, o, tiles)
     for op, (shapes, cands) in candidates.items():
         with ctx.ledger.tag(f"ops/{op}"):
             res = compare(cands, warmup=cfg["warmup"], steps=cfg["op_steps"], rounds=cfg["rounds"], sync=ctx.barrier)
@@ -241,12 +237,11 @@ def op_benchmarks(ctx, group, block, tokens: int, cfg: dict) -> dict:
         out[op] = {"shapes": shapes, "mean_s": t, "median_s": {n: r.median_s for n, r in res.items()},
                    "overlap": {v: overlap_fraction(t["comm"], t["gemm"], t[v]) for v in ("bulk", "ring", "tiled ring")},
                    "overlap_own_messages": overlap_fraction(t["ring comm"], t["gemm"], t["ring"])}
+        if res["comm"].virtual is not None:  # the same calls on the emulated cluster's clock, toy shapes
+            v = {n: r.virtual.mean_s for n, r in res.items()}
+            out[op]["virtual"] = {"mean_s": v, "overlap": {c: overlap_fraction(v["comm"], v["gemm"], v[c])
+                                                           for c in ("bulk", "ring", "tiled ring")}}
     return out
-
-
-def overlap_fraction(t_comm: float, t_gemm: float, t_fused: float) -> float:
-    """(T_comm + T_gemm - T_fused) / T_comm: 1 = the communication is fully hidden, 0 = not at all."""
-    return (t_comm + t_gemm - t_fused) / t_comm if t_comm > 0 else float("nan")
 
 
 def _diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -267,99 +262,102 @@ def _sp_grad_bytes(ledger) -> int:
     return first.sent_bytes if first else 0
 
 
-# ---- where the ring pays: a link that does not take a core ----------------------------------------------------
-class EmulatedLink:
-    """The peer's chunk arriving over a wire that moves bytes without a core (a NIC's DMA, a GPU's copy engine):
-    a thread sleeps until each tile's arrival time, ``link_s / tiles`` apart, then copies the tile in and
-    signals it. Sleeping releases the core, so the GEMMs of the main thread can fill the wait — which gloo over
-    loopback TCP, on the same two cores as the GEMMs, cannot offer. ``send(tiles)`` starts one transfer,
-    ``wait(j)`` blocks until tile j has arrived."""
+# ---- on the emulated cluster: the toy's own shapes, the real workload's, and a sweep between ------------------
+def emulated(ctx, group, block, tokens: int, cfg: dict, stacks: dict, step) -> dict:
+    """On the emulated cluster's clock (``launch(..., cluster=)``), with the GEMMs and transfers timed as the
+    real workload ``cfg["stands_for"]``'s (``toolkit.planner.MODELS``; its MLP at tp = world size, one sequence
+    per micro-batch): the micro-benchmark candidates, a sweep of the GEMM's length against the transfer (where
+    the ring pays, where tiles pay), and the four whole-step variants. Deterministic: one call each."""
+    from toolkit import planner
+    from toolkit.parallel.tp_overlap import overlap_ceiling
+    emu, tp = ctx.emulator, dist.get_world_size(group)
+    w1 = block.fc1.weight
+    D, F = w1.shape[1], w1.shape[0] * tp
+    real = planner.MODELS[cfg["stands_for"]]
+    toy_op = planner.tp_mlp_op(tokens, D, F, tp, elem=emu.cluster.float_bytes)
+    real_op = planner.tp_mlp_op(real.seq_len * real.micro_batch, real.hidden, real.ffn_hidden or 4 * real.hidden, tp)
+    scales = planner.matched_scales(toy_op, real_op)
+    out = {"stands_for": cfg["stands_for"], "real_shape": {"tokens": real.seq_len * real.micro_batch,
+                                                           "hidden": real.hidden, "ffn": real.ffn_hidden},
+           "scales": scales, "real_op": planner.op_times(real_op, emu.cluster), "tiles": cfg["tiles"], "sweep": []}
+    for factor in cfg["sweep"]:  # the GEMM factor × the matched one; the transfer stays the real one
+        with emu.scaled(flops=scales["flops"] * factor, bytes=scales["bytes"]):
+            point = _virtual_ops(ctx, group, block, tokens, cfg)
+        point["factor"] = factor
+        out["sweep"].append(point)
+    out["matched"] = next(p for p in out["sweep"] if p["factor"] == 1)
+    for point in out["sweep"]:
+        for op in OPS:
+            t = point[op]["mean_s"]
+            point[op]["ratio"] = t["gemm"] / t["comm"]
+            point[op]["ceiling"] = {"ring": overlap_ceiling(tp, 1, t["gemm"], t["comm"]),
+                                    "tiled ring": overlap_ceiling(tp, cfg["tiles"], t["gemm"], t["comm"])}
+    with emu.scaled(**scales):  # the whole step, matched
+        def timed(stack):
+            def one():
+                stack.zero_grad(set_to_none=True)
+                step(stack, name="matched")
+            return one
+        bench = compare({name: timed(st) for name, st in stacks.items()}, warmup=0, steps=1, rounds=1,
+                        sync=ctx.barrier, clock="virtual")
+        out["step_s"] = {name: b.mean_s for name, b in bench.items()}
+        spans = {}
+        for name in ("bulk", "ring+keep"):
+            stacks[name].zero_grad(set_to_none=True)
+            stacks[name].configure(timeline=ctx.timeline)
+            ctx.barrier()
+            mark = len(ctx.timeline.spans)
+            step(stacks[name], name="matched")
+            stacks[name].configure(timeline=None)
+            spans[name] = [asdict(s) for s in ctx.timeline.spans[mark:]]
+        out["spans"] = spans
+    return out
 
-    def __init__(self, src: torch.Tensor, dst: torch.Tensor, link_s: float):
-        self.src, self.dst, self.link_s = src, dst, link_s  # [m, K] each
-        self._jobs: queue.Queue = queue.Queue()
-        self._ready: list = []
-        threading.Thread(target=self._serve, daemon=True).start()
 
-    def send(self, tiles: int) -> None:
-        self._ready = [threading.Event() for _ in range(tiles)]
-        self._jobs.put((time.perf_counter(), tiles, self._ready))
-
-    def wait(self, j: int) -> None:
-        self._ready[j].wait()
-
-    def _serve(self) -> None:
-        while True:
-            start, tiles, ready = self._jobs.get()
-            rows = self.src.shape[0] // tiles
-            for j in range(tiles):
-                time.sleep(max(0.0, start + (j + 1) * self.link_s / tiles - time.perf_counter()))
-                self.dst[j * rows:(j + 1) * rows].copy_(self.src[j * rows:(j + 1) * rows])
-                ready[j].set()
+OPS = ("AG+GEMM", "GEMM+RS")
 
 
-def emulated_link(m: int = 1024, k: int = 256, n: int = 512, tiles: int = 4, link_ratio: float = 1.0,
-                  steps: int = 4, rounds: int = 3, seed: int = 0) -> dict:
-    """AG+GEMM at tp = 2 in one process, the peer's chunk ``[m, k]`` arriving over an ``EmulatedLink`` whose
-    transfer of the whole chunk takes ``link_ratio`` × the GEMM of both chunks (``[2m, k] @ [k, n]``, measured
-    first). Timed side by side (one compute thread): the transfer alone, the GEMM alone, bulk (transfer, then
-    GEMM), the ring (one message; the own chunk's GEMM meanwhile) and the tiled ring (``tiles`` messages, each
-    tile's GEMM as soon as it has arrived). Returns the mean times, the overlaps, the ceilings
-    ``min(1, (1 - 1/(2·tiles)) · T_gemm / T_comm)`` and the largest difference of each ring's product from
-    bulk's."""
-    tile_rows(m, tiles)  # ValueError unless tiles divides m
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # like a rank: one compute thread; the link's thread only sleeps and copies
-    try:
-        g = torch.Generator().manual_seed(seed)
-        own, peer = torch.randn(m, k, generator=g), torch.randn(m, k, generator=g)
-        w = torch.randn(k, n, generator=g) / k ** 0.5
-        gathered, out = torch.empty(2 * m, k), torch.empty(2 * m, n)
-        gathered[:m].copy_(own)
-        gemm = lambda: torch.mm(gathered, w, out=out)  # noqa: E731
-        times = []
-        for _ in range(5):
-            t0 = time.perf_counter()
-            gemm()
-            times.append(time.perf_counter() - t0)
-        link = EmulatedLink(peer, gathered[m:], link_ratio * sorted(times)[2])
-        rows = tile_rows(m, tiles)
+def _mlp_operands(ctx, group, block, tokens: int, cfg: dict) -> dict:
+    """fc1's input (my tokens) and weight, fc2's input (all tokens, my features) and weight, and buffers."""
+    tp = dist.get_world_size(group)
+    w1 = block.fc1.weight.detach().t().contiguous()  # [D, d_ff/tp]
+    m, D, device = tokens // tp, w1.shape[0], w1.device
+    torch.manual_seed(cfg["seed"] + 1 + ctx.rank)
+    x = torch.randn(m, D, device=device)
+    h = torch.randn(tp * m, w1.shape[1], device=device)
+    w2 = block.fc2.weight.detach().t().contiguous()  # [d_ff/tp, D]
+    partial = h @ w2
+    return {"x": x, "w1": w1, "h": h, "w2": w2, "gathered": x.new_empty(tp * m, D), "partial": partial,
+            "scattered": partial.new_empty(m, D)}
 
-        def comm():
-            link.send(1)
-            link.wait(0)
 
-        def bulk():
-            comm()
-            gemm()
+def _candidates(group, o: dict, tiles: int) -> dict:
+    """Per op: the collective alone, the GEMM alone, bulk, ring, tiled ring, the ring's messages alone."""
+    x, w1, h, w2, gathered, partial, scattered = (o[k] for k in ("x", "w1", "h", "w2", "gathered", "partial",
+                                                                 "scattered"))
+    return {
+        "AG+GEMM": ({"x": list(x.shape), "w": list(w1.shape)},
+                    {"comm": lambda: dist.all_gather_into_tensor(gathered, x, group=group),
+                     "gemm": lambda: torch.mm(gathered, w1),
+                     "bulk": lambda: all_gather_matmul(x, w1, group, mode="bulk"),
+                     "ring": lambda: all_gather_matmul(x, w1, group, mode="ring"),
+                     "tiled ring": lambda: all_gather_matmul(x, w1, group, mode="ring", tiles=tiles),
+                     "ring comm": lambda: all_gather_matmul(x, w1[:, :0], group, mode="ring")}),  # GEMMs of width 0
+        "GEMM+RS": ({"h": list(h.shape), "w": list(w2.shape)},
+                    {"comm": lambda: dist.reduce_scatter_tensor(scattered, partial, group=group),
+                     "gemm": lambda: torch.mm(h, w2),
+                     "bulk": lambda: matmul_reduce_scatter(h, w2, group, mode="bulk"),
+                     "ring": lambda: matmul_reduce_scatter(h, w2, group, mode="ring"),
+                     "tiled ring": lambda: matmul_reduce_scatter(h, w2, group, mode="ring", tiles=tiles),
+                     "ring comm": lambda: matmul_reduce_scatter(h[:, :0], w2[:0], group, mode="ring")})}
 
-        def ring():
-            link.send(1)
-            torch.mm(gathered[:m], w, out=out[:m])  # the own chunk while the peer's is on the wire
-            link.wait(0)
-            torch.mm(gathered[m:], w, out=out[m:])
 
-        def tiled():
-            link.send(tiles)
-            torch.mm(gathered[:m], w, out=out[:m])
-            for j in range(tiles):
-                link.wait(j)
-                torch.mm(gathered[m + j * rows:m + (j + 1) * rows], w, out=out[m + j * rows:m + (j + 1) * rows])
-
-        bulk()
-        want = out.clone()
-        diff = {}
-        for name, fn in (("ring", ring), ("tiled ring", tiled)):
-            out.zero_()
-            fn()
-            diff[name] = _diff(out, want)
-        res = compare({"comm": comm, "gemm": gemm, "bulk": bulk, "ring": ring, "tiled ring": tiled},
-                      warmup=1, steps=steps, rounds=rounds)
-    finally:
-        torch.set_num_threads(threads)
-    t = {name: r.mean_s for name, r in res.items()}
-    return {"shapes": {"own": [m, k], "w": [k, n]}, "tiles": tiles, "link_ratio": link_ratio, "mean_s": t,
-            "overlap": {v: overlap_fraction(t["comm"], t["gemm"], t[v]) for v in ("bulk", "ring", "tiled ring")},
-            "ceiling": {v: min(1.0, (1 - 1 / (2 * k_)) * t["gemm"] / t["comm"])
-                        for v, k_ in (("ring", 1), ("tiled ring", tiles))},
-            "max_diff_vs_bulk": diff}
+def _virtual_ops(ctx, group, block, tokens: int, cfg: dict) -> dict:
+    """The micro-benchmark candidates once each on the virtual clock (deterministic: one call is the time)."""
+    out = {}
+    for op, (shapes, cands) in _candidates(group, _mlp_operands(ctx, group, block, tokens, cfg), cfg["tiles"]).items():
+        res = compare(cands, warmup=0, steps=1, rounds=1, sync=ctx.barrier, clock="virtual")
+        t = {n: r.mean_s for n, r in res.items()}
+        out[op] = {"shapes": shapes, "mean_s": t,
+                   "overlap": {v: overlap_fraction(t["comm"], t["gemm"], t[v]) for v in ("bulk", "ring", "tiled ring")}}
+    return out

@@ -40,7 +40,8 @@ not bitwise, to the bulk one; the all-gather ring moves bytes unchanged.
 
 Backward (autograd functions below; dY = gradient of the output)::
 
-    AG+GEMM layer  dX_r = reduce_scatter(dY · W_r)      (a GEMM+RS: ring or bulk)
+    AG+GEMM layer  dX_r = reduce_scatter(dY · W_r)      (a GEMM+RS: ring; bulk: in flight behind the dW
+                                                        GEMM, as Megatron does without flux)
                    dW_r = dYᵀ · X                       needs the gathered X: either kept from the
                                                         forward (``keep_gathered``: +(tp-1)/tp·M·K·b
                                                         bytes held) or all-gathered again here
@@ -92,10 +93,15 @@ class _Trace:
         with self.timeline.span(kind, lane="compute", op=self.op, **meta):
             yield
 
-    def flight(self, start: float, **meta) -> None:
+    def mark(self) -> tuple[float, float | None]:
+        """The moment a message is posted, on the wall clock and (emulated cluster) the virtual one."""
+        return (time.perf_counter(), self.timeline.vnow() if self.timeline is not None else None)
+
+    def flight(self, posted: tuple[float, float | None], **meta) -> None:
         if self.timeline is not None:
-            self.timeline.add("comm", start - self.timeline.origin, self.timeline.now(), lane="comm", op=self.op,
-                              **meta)
+            start, vstart = posted
+            self.timeline.add("comm", start - self.timeline.origin, self.timeline.now(), vstart=vstart,
+                              vend=self.timeline.vnow(), lane="comm", op=self.op, **meta)
 
 
 def _peers(group) -> tuple[int, int, int, int]:
@@ -136,16 +142,16 @@ def all_gather_matmul(x: torch.Tensor, b: torch.Tensor, group=None, *, bias: tor
     trace = _Trace(timeline, "AG+GEMM")
     gathered = x.new_empty(tp, m, k)
     if mode == "bulk" or tp == 1:
-        start = time.perf_counter()
+        start = trace.mark()
         with trace.span("wait"):
             dist.all_gather_into_tensor(gathered.view(tp * m, k), x.contiguous(), group=group)
         trace.flight(start)
         with trace.span("gemm"):
             out = _mm(gathered.view(tp * m, k), b, bias)
         return out, gathered.view(tp * m, k) if keep_gathered else None
-    gathered[r].copy_(x)
     out = x.new_empty(tp * m, b.shape[1])
-    tile = lambda c, j: gathered[c, j * rows:(j + 1) * rows]  # [m/tiles, K] view
+    # chunk c's tile j: my own rows straight from x (no copy on the critical path), the others' where they arrive
+    tile = lambda c, j: (x if c == r else gathered[c])[j * rows:(j + 1) * rows]  # [m/tiles, K] view
     sends, arriving = [], {}
     for i in range(tp):
         c = (r - i) % tp  # the chunk held at step i
@@ -156,16 +162,29 @@ def all_gather_matmul(x: torch.Tensor, b: torch.Tensor, group=None, *, bias: tor
                     recv.wait()
                 trace.flight(start, chunk=c, tile=j)
             if i < tp - 1:  # pass it on while computing on it; the same tile of the next chunk arrives meanwhile
-                start = time.perf_counter()
+                start = trace.mark()
                 send, recv = dist.batch_isend_irecv([dist.P2POp(dist.isend, tile(c, j), nxt, group),
                                                      dist.P2POp(dist.irecv, tile((c - 1) % tp, j), prv, group)])
                 sends.append(send)
                 arriving[j] = recv, start
             with trace.span("gemm", chunk=c, tile=j):
                 _mm(tile(c, j), b, bias, out=out[c * m + j * rows:c * m + (j + 1) * rows])
+    if keep_gathered:  # the backward's copy of the whole input, mine included
+        gathered[r].copy_(x)
     for send in sends:
         send.wait()
     return out, gathered.view(tp * m, k) if keep_gathered else None
+
+
+def overlap_ceiling(tp: int, tiles: int, t_gemm: float, t_comm: float) -> float:
+    """The most of a transfer a ring can hide: every chunk's (tile's) GEMM but the last one covers a message, so
+    min(1, (1 − 1/(tp·tiles)) · T_gemm / T_comm) (formula; per-message costs, which tiles multiply, not counted)."""
+    return min(1.0, (1 - 1 / (tp * tiles)) * t_gemm / t_comm) if t_comm > 0 else 1.0
+
+
+def overlap_fraction(t_comm: float, t_gemm: float, t_fused: float) -> float:
+    """(T_comm + T_gemm − T_fused) / T_comm: 1 = the communication is fully hidden, 0 = not at all."""
+    return (t_comm + t_gemm - t_fused) / t_comm if t_comm > 0 else float("nan")
 
 
 def tile_rows(m: int, tiles: int) -> int:
@@ -199,36 +218,36 @@ def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, group=None, *, mode:
         with trace.span("gemm"):
             partial = torch.mm(a, b)
         out = partial.new_empty(m, b.shape[1])
-        start = time.perf_counter()
+        start = trace.mark()
         with trace.span("wait"):
             dist.reduce_scatter_tensor(out, partial, group=group)
         trace.flight(start)
         return out
-    sends, arriving, mine = [], {}, []
+    out = a.new_empty(m, b.shape[1])
+    sends, arriving = [], {}
     for i in range(tp):
         c = (r - i - 1) % tp  # the token block whose running sum passes through this rank at step i
         for j in range(tiles):
             lo = c * m + j * rows
+            last = i == tp - 1  # my own block: its sum is written straight into the output
             with trace.span("gemm", chunk=c, tile=j):
-                acc = torch.mm(a[lo:lo + rows], b)  # [m/tiles, N]
+                acc = torch.mm(a[lo:lo + rows], b, out=out[j * rows:(j + 1) * rows] if last else None)  # [m/tiles, N]
             if i > 0:  # the running sum of this tile, posted at step i-1
                 recv, incoming, start = arriving.pop(j)
                 with trace.span("wait", chunk=c, tile=j):
                     recv.wait()
                 trace.flight(start, chunk=c, tile=j)
                 acc += incoming
-            if i < tp - 1:  # send this sum on; receive the same tile of the next block's sum meanwhile
+            if not last:  # send this sum on; receive the same tile of the next block's sum meanwhile
                 incoming = torch.empty_like(acc)
-                start = time.perf_counter()
+                start = trace.mark()
                 send, recv = dist.batch_isend_irecv([dist.P2POp(dist.isend, acc, nxt, group),
                                                      dist.P2POp(dist.irecv, incoming, prv, group)])
                 sends.append((send, acc))
                 arriving[j] = recv, incoming, start
-            else:
-                mine.append(acc)
     for send, _ in sends:
         send.wait()
-    return mine[0] if tiles == 1 else torch.cat(mine)
+    return out
 
 
 # ------------------------------------------------------------------------------------------------
@@ -249,18 +268,26 @@ class _AllGatherLinear(torch.autograd.Function):
     def backward(ctx, grad):  # grad [M, N/tp]
         saved, weight = ctx.saved_tensors
         grad = grad.contiguous()
-        work = None
+        tp = dist.get_world_size(ctx.group)
+        gather = None
         if ctx.keep:
             gathered = saved
         else:  # gather the input again, behind the dX GEMM
-            tp = dist.get_world_size(ctx.group)
             gathered = saved.new_empty(tp * saved.shape[0], saved.shape[1])
-            work = dist.all_gather_into_tensor(gathered, saved, group=ctx.group, async_op=True)
-        dx = matmul_reduce_scatter(grad, weight, ctx.group, mode=ctx.mode, tiles=ctx.tiles)  # [m, K]
-        if work is not None:
-            work.wait()
+            gather = dist.all_gather_into_tensor(gathered, saved, group=ctx.group, async_op=True)
+        scatter = None
+        if ctx.mode == "ring" and tp > 1:
+            dx = matmul_reduce_scatter(grad, weight, ctx.group, mode="ring", tiles=ctx.tiles)  # [m, K]
+        else:  # Megatron without flux: the dX GEMM, then its reduce-scatter in flight behind the dW GEMM
+            partial = grad.mm(weight)  # [M, K]
+            dx = partial.new_empty(partial.shape[0] // tp, partial.shape[1])
+            scatter = dist.reduce_scatter_tensor(dx, partial, group=ctx.group, async_op=True)
+        if gather is not None:
+            gather.wait()
         dw = grad.t().mm(gathered)
         db = grad.sum(0) if ctx.has_bias else None
+        if scatter is not None:
+            scatter.wait()
         return dx, dw, db, None, None, None, None, None
 
 

@@ -6,34 +6,37 @@ the program's own, and every tensor is bitwise what it is without emulation — 
 target cluster (``toolkit.runtime.cluster``), one virtual clock per rank. This is SMPI's on-line simulation
 (Clauss et al. 2011; Degomme et al., TPDS 2017), with a roofline for the compute::
 
-    rank r, a real process                       its virtual clock (seconds on the target cluster)
-    ──────────────────────                       ────────────────────────────────────────────────────────────────
-    y = x @ w     (any ATen op)  ─ ComputeTimer ─► now += scale · max(FLOPs / peak, bytes / HBM) + launch
-                                                   (views and empty allocations: no kernel, no time)
+    rank r, a real process                       its virtual clock (seconds on the target cluster): a host that
+    ──────────────────────                       issues and a stream that runs, now = max(host, stream)
+    y = x @ w     (any ATen op)  ─ ComputeTimer ─► host += launch; stream = max(host, stream) + max(FLOPs / peak,
+                                                   bytes / HBM)   (views and empty allocations: no kernel, no time;
+                                                   .item() and the like: the host waits for the stream)
     dist.all_gather(...)         ─ the ledger ──► end_r = max(now, link free) + α + S/β   on the link the group spans
        the real op runs as usual                  link free = end_r            (this rank's transfers queue on it)
        + a side all_reduce(MAX) of end_r  ──────► done = max over the group's ranks of end_r; now = max(now, done)
     w = dist.isend(t, dst)       ─ the ledger ──► end = max(now, link free) + α + S/β; the end travels beside the
                                                    payload as a 1-element message with the same tag (eager: the
                                                    sender does not wait for the receiver to post)
-    w = dist.irecv(t, src) ... w.wait()        ──► now = max(now, the sender's end)
-    async op ... compute ... w.wait()          ──► the clock went on while the link was busy; the wait moves it to
-                                                   max(now, done): the exposed part of the transfer is what it moved
+    w = dist.irecv(t, src) ... w.wait()        ──► stream = max(stream, the sender's end)
+    async op ... compute ... w.wait()          ──► the clock went on while the link was busy; the wait moves the
+                                                   stream to max(stream, done), as NCCL's wait orders the compute
+                                                   stream after the transfer: the exposed part is what now moved
 
     step time on the target = difference of the clock around the step (``bench`` with ``clock="virtual"``)
 
 What the models take, what they leave out:
 - Compute: FLOPs as ``torch.utils.flop_counter`` counts them (matmuls and attention; other ops 0) and bytes as the
   op's tensor inputs plus outputs. Float tensors are timed at ``Cluster.float_bytes`` per element (bf16 on the GPU,
-  whatever the CPU run holds, usually fp32). Every op that launches a kernel pays ``GPU.launch_s`` in series
-  (no host run-ahead), except inside ``graph_replay()``. ``scaled(k)`` multiplies the roofline term (the
-  workload-matched mode: a toy's compute stretched to a real model's compute-to-communication ratio).
+  whatever the CPU run holds, usually fp32). Every op that launches a kernel costs the host ``GPU.launch_s``; the
+  host runs ahead of the stream, so launches hide behind long kernels and dominate short ones (inside
+  ``graph_replay()`` the host pays one launch for all). ``scaled(flops=, bytes=)`` multiplies every op's FLOPs
+  and every tensor's bytes, transfers included (the workload-matched mode: a toy's ops timed as the real model's).
 - Communication: Hockney α–β per call on the link the group spans (``Cluster.link_between``), bytes as the ledger
   counts them (nccl-tests' bus-bandwidth convention). A rank's transfers queue on its own link (one at a time,
   in issue order); contention *between* ranks (two ranks sharing a switch port, a NIC shared by two flows of
   different ranks) is not modelled. A late peer delays a collective's completion but not this rank's link.
-- Host: the CPU time of Python and of the dispatcher is not charged (a GPU's host runs ahead of its stream);
-  only the kernel-launch term stands for it.
+- Host: the CPU time of Python and of the dispatcher is not charged; the launch term stands for it. One stream per
+  host thread (compute and communication kernels do not contend for the GPU's SMs).
 
 The measured CPU time of every op is kept beside its modelled time (``report()["ops"]``), never driving the clock.
 Clocks are per thread; a thread that takes work from another carries its time with ``fork()`` / ``join(stamp)``.
@@ -58,6 +61,8 @@ COLLECTIVE_NAMESPACES = ("c10d.", "_c10d_functional.", "c10d_functional.")
 # not views by their schema, but they launch no kernel either (a new header, or memory from the allocator)
 NO_KERNEL = {"aten._unsafe_view", "aten._reshape_alias", "aten.lift_fresh", "aten.empty", "aten.empty_like",
              "aten.empty_strided", "aten.new_empty", "aten.new_empty_strided"}
+# ops that make the host wait for the device (the value goes to Python)
+HOST_SYNC = {"aten._local_scalar_dense", "aten.is_nonzero", "aten.item", "aten.equal"}
 # ops that read a few rows of a large input: bytes = indices + 2 x output, not the whole table
 GATHER_LIKE = {"aten.embedding", "aten.index_select", "aten.gather", "aten.index"}
 
@@ -151,6 +156,8 @@ class ComputeTimer(TorchDispatchMode):
         cpu_s = time.perf_counter() - t0
         flops, nbytes = op_cost(func, args, kwargs, out, emu.cluster.float_bytes, self.formulas)
         emu.compute(name, flops, nbytes, cpu_s)
+        if name in HOST_SYNC:  # the host needs the value: it waits for the stream
+            emu.synchronize()
         return out
 
 
@@ -169,12 +176,13 @@ class Emulator:
 
     def __init__(self, cluster: Cluster, rank: int, world_size: int):
         self.cluster, self.rank, self.world_size = check(cluster, world_size), rank, world_size
-        self.compute_scale = 1.0
+        self.flop_scale = 1.0  # scaled(): the workload-matched mode
+        self.byte_scale = 1.0
         self._replay_depth = 0
         self._lock = threading.RLock()
         self._local = threading.local()
         self._main = threading.get_ident()
-        self._main_now = 0.0
+        self._main_clock = _Clock(0.0, 0.0)
         self._link_free: dict[str, float] = defaultdict(float)
         self._group_ranks: dict[int, list[int]] = {}
         self.ops: dict[str, dict] = defaultdict(lambda: {"calls": 0, "flops": 0.0, "bytes": 0.0, "model_s": 0.0,
@@ -203,32 +211,38 @@ class Emulator:
             self.ledger.emulator = None
         _CURRENT = None
 
-    # ---- the clock ------------------------------------------------------------------------------------------
+    # ---- the clock: a host that issues, a stream that executes ---------------------------------------------------
+    def _clock(self) -> "_Clock":
+        clock = getattr(self._local, "clock", None)
+        if clock is None:
+            if threading.get_ident() == self._main:
+                clock = self._main_clock
+            else:  # a thread nobody joined starts where the main thread is
+                clock = _Clock(self._main_clock.now, self._main_clock.now)
+            self._local.clock = clock
+        return clock
+
     def now(self) -> float:
-        """This thread's virtual time, seconds (0 when the ranks left the start barrier)."""
-        if threading.get_ident() == self._main:
-            return self._main_now
-        if not hasattr(self._local, "now"):
-            self._local.now = self._main_now  # a thread nobody joined starts where the main thread is
-        return self._local.now
+        """This thread's virtual time, seconds (0 when the ranks left the start barrier): when both its host has
+        issued everything so far and its stream has run it, i.e. what a synchronize here would return."""
+        return self._clock().now
 
-    def _set(self, t: float) -> None:
-        if threading.get_ident() == self._main:
-            self._main_now = t
-        else:
-            self._local.now = t
+    def synchronize(self) -> None:
+        """The host waits for its stream (``torch.cuda.synchronize``, ``.item()``, a barrier)."""
+        clock = self._clock()
+        clock.host = clock.stream = clock.now
 
-    def advance_to(self, t: float) -> float:
-        """Move this thread's clock to ``t`` if it is later; returns the time waited (0 if none)."""
-        now = self.now()
-        if t > now:
-            self._set(t)
-            return t - now
-        return 0.0
+    def wait_until(self, t: float) -> float:
+        """This thread's stream waits for an event at ``t`` (a transfer's completion); returns the time the
+        thread's ``now`` moved (the exposed part of the wait)."""
+        clock = self._clock()
+        before = clock.now
+        clock.stream = max(clock.stream, t)
+        return clock.now - before
 
     def reset(self) -> None:
         """Every clock and link back to 0 (the worker calls it right after the start barrier)."""
-        self._main_now = 0.0
+        self._main_clock = _Clock(0.0, 0.0)
         self._local = threading.local()
         self._link_free.clear()
         self.comms.clear()
@@ -239,26 +253,32 @@ class Emulator:
         return self.now()
 
     def join(self, stamp: float) -> None:
-        """This thread continues work handed over at ``stamp`` (its clock moves there if it is behind)."""
-        self.advance_to(stamp)
+        """This thread continues work handed over at ``stamp`` (its host and stream move there if behind)."""
+        clock = self._clock()
+        clock.host, clock.stream = max(clock.host, stamp), max(clock.stream, stamp)
 
     @contextlib.contextmanager
-    def scaled(self, factor: float):
-        """Compute inside costs ``factor`` times its roofline time (the launch term is unchanged)."""
-        if not factor > 0:
-            raise ValueError(f"scale factor must be > 0, got {factor!r}")
-        previous, self.compute_scale = self.compute_scale, factor
+    def scaled(self, flops: float = 1.0, bytes: float = 1.0):  # noqa: A002 - the name of what is scaled
+        """Inside, every op counts ``flops`` times its FLOPs and ``bytes`` times its bytes, and every transfer
+        carries ``bytes`` times its bytes; the launch and α terms are unchanged. This is the workload-matched
+        mode: the toy's tensors stand for tensors ``bytes`` times larger, its GEMMs for ``flops`` times more work,
+        as in the real model it stands for (``toolkit.planner.matched_scales`` gives the factors)."""
+        for name, value in (("flops", flops), ("bytes", bytes)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"scaled({name}=...) must be a number > 0, got {value!r}")
+        previous = self.flop_scale, self.byte_scale
+        self.flop_scale, self.byte_scale = float(flops), float(bytes)
         try:
             yield self
         finally:
-            self.compute_scale = previous
+            self.flop_scale, self.byte_scale = previous
 
     @contextlib.contextmanager
     def graph_replay(self):
-        """The ops inside run as one CUDA graph replay: one launch for all of them, none per op."""
+        """The ops inside run as one CUDA graph replay: the host pays one launch for all of them, none per op."""
         self._replay_depth += 1
         if self._replay_depth == 1:
-            self._set(self.now() + self.cluster.gpu.launch_s)
+            self._clock().host += self.cluster.gpu.launch_s
         try:
             yield self
         finally:
@@ -276,20 +296,24 @@ class Emulator:
 
     # ---- compute --------------------------------------------------------------------------------------------
     def compute(self, name: str, flops: float, nbytes: float, cpu_s: float = 0.0) -> float:
-        """Charge one kernel: ``scale · max(flops / peak, bytes / HBM) + launch``; returns its seconds."""
+        """One kernel: the host pays its launch, then the stream runs it for ``max(flops / peak, bytes / HBM)``
+        (each term scaled inside ``scaled``) once both the launch and the kernels before it are done. Returns
+        the roofline seconds."""
         gpu = self.cluster.gpu
-        roof = self.compute_scale * max(flops / gpu.bf16_flops, nbytes / gpu.hbm_bytes_per_s)
+        roof = max(self.flop_scale * flops / gpu.bf16_flops, self.byte_scale * nbytes / gpu.hbm_bytes_per_s)
         launch = 0.0 if self._replay_depth else gpu.launch_s
-        self._set(self.now() + roof + launch)
+        clock = self._clock()
+        clock.host += launch
+        clock.stream = max(clock.host, clock.stream) + roof
         with self._lock:
             row = self.ops[name]
             row["calls"] += 1
             row["flops"] += flops
             row["bytes"] += nbytes
-            row["model_s"] += roof + launch
+            row["model_s"] += roof
             row["launch_s"] += launch
             row["cpu_s"] += cpu_s
-        return roof + launch
+        return roof
 
     # ---- communication --------------------------------------------------------------------------------------
     def ranks_of(self, group) -> list[int]:
@@ -313,18 +337,21 @@ class Emulator:
         return end, rec
 
     def _finish(self, rec: dict, msg: "_ClockMessage") -> None:
-        """The transfer of ``rec`` is waited for: this thread's clock moves to its virtual completion."""
+        """The transfer of ``rec`` is waited for: this thread's stream waits for its virtual completion (a
+        barrier also blocks the host)."""
         with self._side():
             done = msg.value()
         rec["done"] = done
-        waited = self.advance_to(done)
+        waited = self.wait_until(done)
         rec["exposed"] = waited if rec["exposed"] is None else rec["exposed"] + waited
+        if rec["op"] == "barrier":
+            self.synchronize()
 
     def _virtual_bytes(self, sent: int, tensor: torch.Tensor | None) -> float:
         """Sent bytes at the target's element size (float payloads at ``float_bytes``)."""
         if tensor is None or not sent:
-            return float(sent)
-        return sent * element_bytes(tensor.dtype, self.cluster.float_bytes) / tensor.element_size()
+            return float(sent) * self.byte_scale
+        return sent * self.byte_scale * element_bytes(tensor.dtype, self.cluster.float_bytes) / tensor.element_size()
 
     @contextlib.contextmanager
     def _side(self):
@@ -421,9 +448,9 @@ class Emulator:
 
     # ---- what the run cost ------------------------------------------------------------------------------------
     def totals(self) -> dict[str, float]:
-        """Modelled seconds so far: compute (roofline + launch), its launch part, the transfers' link time, and the
-        time the clocks waited for communication (exposed)."""
-        return {"compute_s": sum(r["model_s"] for r in self.ops.values()),
+        """Modelled seconds so far: the kernels' roofline time on the stream, the host's launches, the transfers'
+        link time, the time the clocks waited for communication (exposed), and the CPU time the ops took here."""
+        return {"kernels_s": sum(r["model_s"] for r in self.ops.values()),
                 "launch_s": sum(r["launch_s"] for r in self.ops.values()),
                 "comm_s": sum(c["local_end"] - c["start"] for c in self.comms if c["local_end"] is not None),
                 "exposed_s": sum(c["exposed"] or 0.0 for c in self.comms),
@@ -442,6 +469,19 @@ class Emulator:
         return {"cluster": self.cluster.name, "now_s": self.now(), "totals": self.totals(),
                 "ops": {k: dict(v) for k, v in sorted(self.ops.items(), key=lambda kv: -kv[1]["model_s"])},
                 "comm": [{"tag": k[0], "op": k[1], "link": k[2], **v} for k, v in comm.items()]}
+
+
+class _Clock:
+    """One host thread's issue time and its stream's time (the stream runs what the host issued, in order)."""
+
+    __slots__ = ("host", "stream")
+
+    def __init__(self, host: float, stream: float):
+        self.host, self.stream = host, stream
+
+    @property
+    def now(self) -> float:
+        return max(self.host, self.stream)
 
 
 class _ClockMessage:
