@@ -20,17 +20,21 @@ import math
 from pathlib import Path
 
 MIME = "application/vnd.llm-scale-toolkit.headline+json"
-FIELDS = ("lesson", "technique", "measured", "value", "unit", "claim", "source", "reproduced", "note")
+FIELDS = ("lesson", "technique", "measured", "value", "unit", "claim", "source", "reproduced", "note", "emulated",
+          "emulated_reproduced")
 
 
 def record(lesson: str, technique: str, measured: str, value: float | int | None = None, unit: str = "",
-           claim: str = "", source: str = "", reproduced: bool | None = None, note: str = "") -> dict:
+           claim: str = "", source: str = "", reproduced: bool | None = None, note: str = "", emulated: str = "",
+           emulated_reproduced: bool | None = None) -> dict:
     """The headline as a JSON-able dict; ValueError for a missing lesson/technique/measurement or a bad value.
 
     ``measured``: the run's headline in words with its number ("int8 all-to-all: 1.94x fewer bytes"); ``value``
     the number itself (for sorting and plots); ``claim``: the source's number or statement; ``reproduced``:
     True / False computed by the notebook from its run against that claim, None when the run cannot tell
-    (e.g. a GPU-only claim on a CPU)."""
+    (e.g. a GPU-only claim on a CPU). ``emulated``: the time effect measured on the emulated cluster, naming its
+    preset and the workload the run stands for (empty when the lesson has none); ``emulated_reproduced``: the
+    verdict of that measurement against the source's time claim (None: not decidable, or no time claim)."""
     for name, v in (("lesson", lesson), ("technique", technique), ("measured", measured)):
         if not isinstance(v, str) or not v.strip():
             raise ValueError(f"headline needs a non-empty {name} (a string), got {v!r}")
@@ -38,16 +42,22 @@ def record(lesson: str, technique: str, measured: str, value: float | int | None
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(float(value)):
             raise ValueError(f"headline value must be a finite number or None, got {value!r}")
         value = float(value) if isinstance(value, float) else int(value)
-    if reproduced is not None and not isinstance(reproduced, bool):
-        raise ValueError(f"reproduced must be True, False or None (computed from the run), got {reproduced!r}")
+    for name, v in (("reproduced", reproduced), ("emulated_reproduced", emulated_reproduced)):
+        if v is not None and not isinstance(v, bool):
+            raise ValueError(f"{name} must be True, False or None (computed from the run), got {v!r}")
+    if emulated_reproduced is not None and not emulated:
+        raise ValueError("emulated_reproduced needs the emulated measurement it judges (emulated=...)")
     return {"lesson": lesson, "technique": technique, "measured": measured, "value": value, "unit": unit,
-            "claim": claim, "source": source, "reproduced": reproduced, "note": note}
+            "claim": claim, "source": source, "reproduced": reproduced, "note": note, "emulated": emulated,
+            "emulated_reproduced": emulated_reproduced}
 
 
 def headline(lesson: str, technique: str, measured: str, value: float | int | None = None, unit: str = "",
-             claim: str = "", source: str = "", reproduced: bool | None = None, note: str = "") -> dict:
+             claim: str = "", source: str = "", reproduced: bool | None = None, note: str = "", emulated: str = "",
+             emulated_reproduced: bool | None = None) -> dict:
     """Record and display this lesson's headline (see the module docstring); returns the record."""
-    rec = record(lesson, technique, measured, value, unit, claim, source, reproduced, note)
+    rec = record(lesson, technique, measured, value, unit, claim, source, reproduced, note, emulated,
+                 emulated_reproduced)
     try:
         from IPython.display import display
     except ImportError:  # plain Python: nothing to attach the record to
@@ -57,10 +67,16 @@ def headline(lesson: str, technique: str, measured: str, value: float | int | No
     return rec
 
 
+VERDICTS = {True: "reproduced", False: "not reproduced", None: "not testable here"}
+
+
 def _markdown(rec: dict) -> str:
-    verdict = {True: "reproduced", False: "not reproduced", None: "not testable here"}[rec["reproduced"]]
     claim = f" — source: {rec['claim']}" + (f" ({rec['source']})" if rec["source"] else "") if rec["claim"] else ""
-    return f"**Headline ({rec['lesson']}, {rec['technique']}).** {rec['measured']}{claim}. *{verdict}*"
+    text = f"**Headline ({rec['lesson']}, {rec['technique']}).** {rec['measured']}{claim}. *{VERDICTS[rec['reproduced']]}*"
+    if rec.get("emulated"):
+        verdict = {True: "reproduced", False: "not reproduced", None: "not decidable"}[rec["emulated_reproduced"]]
+        text += f"\n\n**Time on the emulated cluster.** {rec['emulated']}. *{verdict}*"
+    return text
 
 
 def collect(notebook: str | Path) -> dict | None:
@@ -94,13 +110,19 @@ def results_html(rows: list[dict], params: dict) -> str:
         link = f"<a href='html/{esc(r['name'])}.html'>{esc(r['name'])}</a>"
         if h is None:
             why = "notebook failed" if r.get("status") not in (None, "ok") else "no headline recorded"
-            body.append(f"<tr><td>{link}</td><td colspan='3' class='none'>{why}</td><td class='none'>-</td></tr>")
+            body.append(f"<tr><td>{link}</td><td colspan='3' class='none'>{why}</td><td class='none'>-</td>"
+                        "<td class='none'>-</td></tr>")
             continue
         verdict = {True: ("yes", "yes"), False: ("no", "no"), None: ("not testable here", "none")}[h["reproduced"]]
         claim = esc(h["claim"]) + (f"<div class='src'>{esc(h['source'])}</div>" if h["source"] else "")
         note = f"<div class='src'>{esc(h['note'])}</div>" if h.get("note") else ""
+        if h.get("emulated"):
+            ev = {True: ("yes", "yes"), False: ("no", "no"), None: ("not decidable", "none")}[h.get("emulated_reproduced")]
+            emulated = f"{esc(h['emulated'])}<div class='{ev[1]}'>{ev[0]}</div>"
+        else:
+            emulated = "<span class='none'>-</span>"
         body.append(f"<tr><td>{link}</td><td>{esc(h['technique'])}</td><td>{esc(h['measured'])}{note}</td>"
-                    f"<td>{claim}</td><td class='{verdict[1]}'>{verdict[0]}</td></tr>")
+                    f"<td>{claim}</td><td class='{verdict[1]}'>{verdict[0]}</td><td>{emulated}</td></tr>")
     counts = {k: sum(1 for r in rows if (r.get("headline") or {}).get("reproduced", "x") is k)
               for k in (True, False, None)}
     return f"""<!doctype html><meta charset="utf-8"><title>llm-scale-toolkit: course results</title>
@@ -114,7 +136,8 @@ read from each executed notebook's <code>toolkit.report.headline</code> output, 
 {esc(json.dumps(params))}. Reproduced: {counts[True]}, not reproduced: {counts[False]}, not testable here:
 {counts[None]}.</p>
 <table><tr><th>lesson</th><th>technique</th><th>measured (this run)</th><th>source's claim</th>
-<th>reproduced</th></tr>
+<th>reproduced</th><th>time effect on the emulated cluster (virtual time: a model of the named GPUs and links,
+fed this run's real ops)</th></tr>
 {chr(10).join(body)}</table>"""
 
 

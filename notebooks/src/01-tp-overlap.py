@@ -46,6 +46,7 @@ import os
 world_size: int = 2
 preset: str = os.environ.get("TOOLKIT_PRESET", "default")  # smoke | default | full
 backend: str = "auto"  # auto | gloo | nccl
+cluster: str = "h100-ib400"  # emulated cluster under the run: h100-ib400 | a100-ib200 | pcie-100gbe | none
 timeout_s: int = 600
 
 # %%
@@ -56,6 +57,8 @@ from IPython.display import Markdown, display
 from toolkit import launch, viz
 from toolkit.lessons import l01_tp_overlap as lesson
 from toolkit.parallel import tp_overlap
+from toolkit.runtime.bench import verdict
+from toolkit.runtime.timeline import merge
 
 # %% [markdown]
 # ## 1 · The code that matters
@@ -102,7 +105,8 @@ print(f"extra bytes held per layer when keeping: {tp_overlap.kept_bytes_per_laye
 # re-gathering or keeping the gathered input. Then the micro-benchmarks at the MLP's shapes.
 
 # %%
-results = launch("l01_tp_overlap", world_size, {"preset": preset}, backend=backend, timeout_s=timeout_s)
+results = launch("l01_tp_overlap", world_size, {"preset": preset}, backend=backend, timeout_s=timeout_s,
+                 cluster=cluster)
 r0 = results[0]
 V = r0["variants"]
 print(f"{world_size} ranks, {r0['n_layer']} layer(s), d_model={r0['model']['d_model']}, {r0['tokens']} tokens "
@@ -173,45 +177,80 @@ for op in ("AG+GEMM", "GEMM+RS"):
                   "tiled ring (ms)": t["tiled ring"] * 1e3, "ring comm (ms)": t["ring comm"] * 1e3,
                   "overlap ring": ops[0]["overlap"]["ring"], "overlap tiled": ops[0]["overlap"]["tiled ring"],
                   "vs own messages": ops[0]["overlap_own_messages"], "overlap bulk": ops[0]["overlap"]["bulk"],
-                  "ceiling ring": min(1.0, (world_size - 1) / world_size * t["gemm"] / t["comm"]),
-                  "ceiling tiled": min(1.0, (1 - 1 / (world_size * r0["tiles"])) * t["gemm"] / t["comm"])})
+                  "ceiling ring": tp_overlap.overlap_ceiling(world_size, 1, t["gemm"], t["comm"]),
+                  "ceiling tiled": tp_overlap.overlap_ceiling(world_size, r0["tiles"], t["gemm"], t["comm"])})
 display(viz.bars(rows, x="op", y="ms", color="candidate", title="The fused ops against their parts (slowest rank)",
                  text_format=".2f"))
 display(viz.table(table, title="Rank 0: overlap = (T_comm + T_gemm − T_fused) / T_comm (measured)",
                   formats={k: ".3f" for k in table[0] if k not in ("op", "shapes")}))
 
 # %% [markdown]
-# ## 4b · Where the ring pays: a link that does not take a core
+# ## 4b · Where the ring pays: on an emulated H100 node
 #
-# On a GPU the bytes are moved by NCCL's kernels or the copy engines while the SMs compute. Here gloo moves
-# them with threads on the same two cores that run the GEMMs, so the section above measures a contest for
-# cores as much as an overlap. To see the mechanism itself, `lesson.emulated_link` runs AG+GEMM at tp = 2
-# in this process with the peer's chunk arriving over an **emulated wire**: a thread sleeps until each
-# tile's arrival time (no core busy, as with a NIC's DMA or a copy engine), then copies the tile in. The
-# wire is as slow as the whole GEMM (`link_ratio = 1`). The GEMMs, the thread hand-offs and the times are
-# real; the link is a model (a sleep schedule), so each ring's ceiling holds by construction and what is
-# measured is how close the real computation gets to it.
+# On a GPU the bytes are moved by NCCL's kernels or the copy engines while the SMs compute; here gloo moves
+# them with threads on the two cores that run the GEMMs, so section 4 measures a contest for cores as much as
+# an overlap. The launch above also ran on an **emulated cluster** (the `cluster` parameter,
+# `toolkit.runtime.emulator`): the same processes, the same ops and bytes, and beside the wall clock a
+# virtual clock per rank that times every ATen op by the roofline of the target GPU (the host pays a launch
+# per kernel and runs ahead of the stream) and every transfer by `α + bytes/β` of the link its group spans.
+# Lesson 00 checks it against closed forms and against the pipeline simulator. Two views of the same ops:
+#
+# - the toy's **own shapes** on the target: GEMMs of a few microseconds, as long as a kernel launch;
+# - the **workload-matched** run: every GEMM counted with the FLOPs and every tensor with the bytes of the
+#   real model the toy stands for (its MLP at tp = world size, one sequence of 4096 tokens), so that the
+#   GEMM-to-transfer ratio is the real one — then swept around it, to see where the ring and the tiles pay.
 
 # %%
-link = lesson.emulated_link(m=1024 // r0["tiles"] * r0["tiles"], tiles=r0["tiles"], link_ratio=1.0)
-assert max(link["max_diff_vs_bulk"].values()) <= 1e-5, link["max_diff_vs_bulk"]  # the same product as bulk
-display(viz.bars([{"candidate": c, "ms": t * 1e3} for c, t in link["mean_s"].items()], x="candidate", y="ms",
-                 title=f"AG+GEMM over a simulated wire (one process, tp = 2, {link['tiles']} tiles; GEMMs real, "
-                       "the link a sleep schedule)",
-                 text_format=".2f"))
-display(viz.table([{"candidate": v, "overlap": link["overlap"][v], "ceiling": link["ceiling"].get(v)}
-                   for v in ("bulk", "ring", "tiled ring")],
-                  title="Simulated wire: overlap = (T_comm + T_gemm − T_fused) / T_comm, and each ring's ceiling",
-                  formats={"overlap": ".2f", "ceiling": ".2f"}))
-ov, ce, gloo = link["overlap"], link["ceiling"], r0["ops"]["AG+GEMM"]["overlap"]
-display(Markdown(
-    f"Over a wire that leaves the cores free, the ring hid {ov['ring']:.2f} of the transfer against its ceiling "
-    f"of {ce['ring']:.2f} (the own chunk's GEMM: half the work at tp = 2), the tiled ring {ov['tiled ring']:.2f} "
-    f"against {ce['tiled ring']:.2f} (everything but the last tile's GEMM); bulk, which hides nothing by "
-    f"construction, reads {ov['bulk']:.2f}. The ceilings are the arithmetic of the decomposition, which is "
-    "flux's argument for tiles; the measurement says how much of it real GEMMs and thread wake-ups reach "
-    f"when the link does not compete for cores. On the gloo rings above the same decompositions read "
-    f"{gloo['ring']:.2f} and {gloo['tiled ring']:.2f}."))
+E = r0["emulated"]
+if E is None:
+    display(Markdown("This run had no emulated cluster (`cluster = none`): the sections below need one."))
+else:
+    sc, real = E["scales"], E["real_op"]
+    display(Markdown(
+        f"**Emulated:** {E['gpu']} over {E['link']} (preset `{E['cluster']}`). The toy stands for "
+        f"**{E['stands_for']}**'s MLP at tp = {world_size} ({E['real_shape']['tokens']} tokens, hidden "
+        f"{E['real_shape']['hidden']}, FFN {E['real_shape']['ffn']}): its GEMMs are counted with "
+        f"{sc['flops']:,.0f}× their FLOPs and its tensors with {sc['bytes']:,.0f}× their bytes (cost model: "
+        f"`toolkit.planner.tp_mlp_op`). On this cluster the real fc1 GEMM takes {real['gemm_s'] * 1e6:.0f} µs "
+        f"against {real['comm_s'] * 1e6:.0f} µs for its all-gather: a ratio of {real['ratio']:.2f}, which the "
+        f"matched run reproduces ({E['matched']['AG+GEMM']['ratio']:.2f}, virtual time)."))
+    rows = []
+    for view, ops in (("own shapes", {op: r0["ops"][op]["virtual"] for op in lesson.OPS}), ("matched", E["matched"])):
+        for op in lesson.OPS:
+            for cand in ("comm", "gemm", "bulk", "ring", "tiled ring"):
+                rows.append({"op": f"{op} · {view}", "candidate": cand, "µs": ops[op]["mean_s"][cand] * 1e6})
+    display(viz.bars(rows, x="op", y="µs", color="candidate", log_y=True, text_format=".1f",
+                     title=f"Emulated {E['gpu']} (virtual time): the fused ops against their parts, toy shapes and "
+                           f"matched to {E['stands_for']}"))
+    table = []
+    for view, ops in (("own shapes", {op: r0["ops"][op]["virtual"] for op in lesson.OPS}), ("matched", E["matched"])):
+        for op in lesson.OPS:
+            t = ops[op]["mean_s"]
+            table.append({"view": view, "op": op, "T_gemm / T_comm": t["gemm"] / t["comm"],
+                          "overlap ring": ops[op]["overlap"]["ring"],
+                          "ceiling ring": tp_overlap.overlap_ceiling(world_size, 1, t["gemm"], t["comm"]),
+                          "overlap tiled": ops[op]["overlap"]["tiled ring"],
+                          "ceiling tiled": tp_overlap.overlap_ceiling(world_size, r0["tiles"], t["gemm"], t["comm"])})
+    display(viz.table(table, title="Emulated (virtual time): overlap = (T_comm + T_gemm − T_fused) / T_comm, and "
+                                   "each ring's ceiling (formula)",
+                      formats={k: ".2f" for k in table[0] if k not in ("view", "op")}))
+
+# %% [markdown]
+# **The sweep.** The same ops with the GEMM made shorter or longer than the real one (factors of its FLOPs;
+# the transfer stays the real one), so the GEMM-to-transfer ratio runs across the range where the
+# decomposition's ceiling `min(1, (1 − 1/(tp·tiles)) · T_gemm / T_comm)` (formula) is below 1 and where it is
+# not. Solid lines are the emulated overlaps, dashed the ceilings.
+
+# %%
+if E is not None:
+    ratio = [p["AG+GEMM"]["ratio"] for p in E["sweep"]]
+    series = {f"{op} {v}": [p[op]["overlap"][v] for p in E["sweep"]] for op in lesson.OPS for v in ("ring", "tiled ring")}
+    series.update({f"ceiling {v}": [p["AG+GEMM"]["ceiling"][v] for p in E["sweep"]] for v in ("ring", "tiled ring")})
+    display(viz.lines(series, x=ratio, log_x=True, xaxis_title="T_gemm / T_comm (virtual time)",
+                      yaxis_title="overlap of the transfer",
+                      dash={"ceiling ring": "dash", "ceiling tiled ring": "dash"},
+                      title=f"Where the ring and the tiles pay: emulated {E['gpu']}, {E['stands_for']}'s MLP with the "
+                            f"GEMM scaled ({r0['tiles']} tiles)"))
 
 # %% [markdown]
 # ## 5 · A whole training step: timelines and exposed communication
@@ -224,8 +263,13 @@ display(Markdown(
 # %%
 for name in ("bulk", "ring+keep"):
     spans = [s for r in results for s in r["spans"][name] if s["kind"] != "step"]
-    display(viz.gantt(spans, title=f"{name}: one training step (forward then backward), per rank", label=None,
-                      lane="lane"))
+    display(viz.gantt(spans, title=f"{name}: one training step (forward then backward), per rank (gloo, wall clock)",
+                      label=None, lane="lane"))
+if E is not None:
+    for name in ("bulk", "ring+keep"):
+        spans = merge([r["emulated"]["spans"][name] for r in results], clock="virtual")
+        display(viz.gantt(spans, title=f"{name}: the same step on the emulated {E['gpu']}, matched to "
+                                       f"{E['stands_for']} (virtual time)", label=None, lane="lane", time_unit="us"))
 
 # %%
 rows = []
@@ -234,7 +278,9 @@ for name in V:
     rows.append({"variant": name, "step (ms)": e["step_s"] * 1e3, "GEMMs (ms)": e["gemm_s"] * 1e3,
                  "exposed comm (ms)": e["exposed_comm_s"] * 1e3, "comm in flight (ms)": e["comm_in_flight_s"] * 1e3,
                  "hidden comm (ms)": max(0.0, e["comm_in_flight_s"] - e["exposed_comm_s"]) * 1e3,
-                 "bench step (ms)": r0["bench"][name]["mean_s"] * 1e3})
+                 "bench step (ms)": r0["bench"][name]["mean_s"] * 1e3,
+                 **({"emulated step, matched (ms)": max(r["emulated"]["step_s"][name] for r in results) * 1e3}
+                    if E is not None else {})})
 display(viz.table(rows, title="Rank 0: one traced step (a single sample), and the trimmed-mean step time of the "
                               "benchmark",
                   formats={k: ".2f" for k in rows[0] if k != "variant"}))
@@ -254,19 +300,13 @@ saved = r0["variants"]["bulk"]["sent_bytes"]["backward"] - r0["variants"]["bulk+
 step_ms = {name: r0["bench"][name]["mean_s"] * 1e3 for name in V}
 
 
-def resolved(op: str, o: dict) -> str:
-    """The ring's overlap of ``op`` against this run's noise floor: bulk hides nothing by construction, so
-    its reading (and the ceiling of the decomposition) say what the measurement can resolve."""
-    ring, floor = o["overlap"]["ring"], abs(o["overlap"]["bulk"])
-    ceiling = min(1.0, (world_size - 1) / world_size * o["mean_s"]["gemm"] / o["mean_s"]["comm"])
-    verdict = ("above the ceiling of the decomposition, so timing noise" if ring > ceiling + floor else
-               "within the noise floor" if abs(ring) <= floor else "beyond the noise floor")
-    return (f"{op} ring {ring:.2f} ({o['overlap_own_messages']:.2f} against the ring's own messages), bulk "
-            f"{o['overlap']['bulk']:.2f}, ceiling {ceiling:.2f}: {verdict}")
+def on_gloo(o: dict) -> str:
+    """The ring against bulk on gloo, judged by ``bench.verdict`` over the paired rounds of every rank."""
+    v = verdict([r["ops"][o]["bench"]["bulk"] for r in results], [r["ops"][o]["bench"]["ring"] for r in results])
+    return f"{o} {v.text('bulk', 'ring')}"
 
 
-gloo_text = (f"{resolved('AG+GEMM', ag)}; {resolved('GEMM+RS', rs)}. Bulk hides nothing by construction, so "
-             "its reading is the noise floor of these micro-benchmarks.")
+gloo_text = f"{on_gloo('AG+GEMM')}; {on_gloo('GEMM+RS')}"
 tiles, t_ag = r0["tiles"], ag["mean_s"]
 extra = (world_size - 1) * (tiles - 1)  # messages the tiled ring adds, per op
 per_msg_us = (t_ag["tiled ring"] - t_ag["ring"]) / max(extra, 1) * 1e6  # net cost (+) or gain (-) per message
@@ -279,6 +319,40 @@ tiles_text = "With tiles = 1 the tiled ring is the ring." if extra == 0 else (
     + "On gloo every message is fixed work for threads and loopback TCP on the cores that run the GEMMs; flux's "
     "tiles are meant for GPUs, where a tile's arrival is a flag in device memory that the GEMM kernel itself "
     "waits on (`benchmarks/gpu/tp_overlap.py` times the tiled ring on NCCL).")
+if E is not None:
+    M_ops, tp_ = E["matched"], world_size
+    meets = {(op, v): M_ops[op]["overlap"][v] >= 0.8 * tp_overlap.overlap_ceiling(
+        tp_, 1 if v == "ring" else r0["tiles"], M_ops[op]["mean_s"]["gemm"], M_ops[op]["mean_s"]["comm"])
+        for op in lesson.OPS for v in ("ring", "tiled ring")}
+    rs_left_us = (M_ops["GEMM+RS"]["mean_s"]["ring"] - M_ops["GEMM+RS"]["mean_s"]["gemm"]) * 1e6
+    pays = [p["AG+GEMM"]["ratio"] for p in E["sweep"]
+            if p["AG+GEMM"]["overlap"]["tiled ring"] > p["AG+GEMM"]["overlap"]["ring"] + 0.05]
+    step = {n: max(r["emulated"]["step_s"][n] for r in results) for n in V}
+    keep_ratio = step["ring+keep"] / step["bulk"]
+    own = {op: r0["ops"][op]["virtual"]["overlap"] for op in lesson.OPS}
+    emulated_text = f"""
+- **On the emulated {E['gpu']}, matched to {E['stands_for']}** (virtual time, a model): AG+GEMM ring
+  {M_ops['AG+GEMM']['overlap']['ring']:.2f} and tiled ring {M_ops['AG+GEMM']['overlap']['tiled ring']:.2f} of the
+  all-gather hidden; GEMM+RS ring {M_ops['GEMM+RS']['overlap']['ring']:.2f} and tiled
+  {M_ops['GEMM+RS']['overlap']['tiled ring']:.2f}. Against the target of 0.8 × the ceiling:
+  {', '.join(f"{op} {v} {'met' if ok else 'missed'}" for (op, v), ok in meets.items())}. What GEMM+RS leaves
+  exposed is its reduction: the running sums are added by a separate, memory-bound kernel on the stream
+  (the ring takes {rs_left_us:.1f} µs beyond its GEMM), where flux and Transformer Engine fuse the add into the
+  GEMM's epilogue.
+- **Where tiles pay** (the sweep): """ + (
+        f"at T_gemm / T_comm of {', '.join(f'{x:.2f}' for x in pays)} the tiled ring hides more than the ring; "
+        "above, the ring already hides everything, and below, each extra message's latency eats the gain."
+        if pays else "at no swept ratio do the tiles hide more than the ring by 0.05: each extra message pays "
+        "its latency.") + f"""
+- **At the toy's own shapes** on the same cluster the GEMMs are as short as a kernel launch: the ring reads
+  {own['AG+GEMM']['ring']:.2f} (AG+GEMM) and {own['GEMM+RS']['ring']:.2f} (GEMM+RS), the tiled ring
+  {own['AG+GEMM']['tiled ring']:.2f} and {own['GEMM+RS']['tiled ring']:.2f}: decomposing pays only when each piece
+  of GEMM is long against a launch and a message's latency.
+- **The whole step, matched:** ring {step['ring'] / step['bulk']:.3f}× bulk's time, ring+keep
+  {keep_ratio:.3f}× (virtual time; bulk is Megatron without flux: the dX reduce-scatter in flight behind the dW
+  GEMM)."""
+else:
+    emulated_text = "\n- **No emulated cluster** in this run (`cluster = none`)."
 display(Markdown(f"""
 - **Exactness.** All four variants reproduce the single-process loss and gradients (checked above), and
   keeping the gathered input changes no bit of the gradients.
@@ -286,20 +360,17 @@ display(Markdown(f"""
   ({2 * r0['n_layer']} all-gathers fewer) and holds {r0['kept_bytes_closed_form']:,} bytes more of saved
   activations — the same number, since both are 2·(tp−1)/tp·M·D·4 per layer.
 - **Overlap on this machine** (gloo over loopback TCP, {world_size} processes, one compute thread each):
-  {gloo_text}
-- **The whole step** (trimmed means): ring {step_ms['ring']:.1f} ms vs bulk {step_ms['bulk']:.1f} ms
+  {gloo_text}.
+- **The whole step on gloo** (trimmed means): ring {step_ms['ring']:.1f} ms vs bulk {step_ms['bulk']:.1f} ms
   ({step_ms['ring'] / step_ms['bulk']:.2f}×); with the kept input ring+keep {step_ms['ring+keep']:.1f} ms vs
-  bulk+keep {step_ms['bulk+keep']:.1f} ms ({step_ms['ring+keep'] / step_ms['bulk+keep']:.2f}×).
+  bulk+keep {step_ms['bulk+keep']:.1f} ms ({step_ms['ring+keep'] / step_ms['bulk+keep']:.2f}×). The bytes are moved
+  by gloo's threads on the cores that run the GEMMs: the all-gather alone moved {mb_ag:.2f} MB per rank in
+  {ag['mean_s']['comm'] * 1e3:.2f} ms against a GEMM of {ag['mean_s']['gemm'] * 1e3:.2f} ms.{emulated_text}
 - **Against the sources.** flux reports up to 96 % of the communication hidden and its repository's AG+GEMM
   at TP 8 going from 16.9 to 5.9 ms on L20 GPUs; torch's async-TP about 8 % end to end on Llama 3; the
-  article about 5 %. Those run on GPUs where NCCL or copy engines move the bytes while the SMs compute. Here
-  the bytes are moved by gloo's threads over loopback TCP, on the same cores that run the GEMMs: the
-  all-gather alone moved {mb_ag:.2f} MB per rank in {ag['mean_s']['comm'] * 1e3:.2f} ms
-  ({mb_ag / ag['mean_s']['comm'] / 1e3:.2f} GB/s) against a GEMM of {ag['mean_s']['gemm'] * 1e3:.2f} ms, so the
-  ceiling above is {min(1.0, (world_size - 1) / world_size * ag['mean_s']['gemm'] / ag['mean_s']['comm']):.2f},
-  and a message is hidden only while a core is free to move it. `benchmarks/bench_tp_overlap.py` checks the overlap target
-  (≥ 0.5 at the default preset on 2 ranks) and reports it; it is not asserted here.
-- **Tiles.** {tiles_text}
+  article about 5 %. `benchmarks/bench_tp_overlap.py` reports the overlap targets on gloo and on the emulated
+  cluster.
+- **Tiles on gloo.** {tiles_text}
 """))
 
 # %%
@@ -307,21 +378,25 @@ from toolkit.report import headline
 
 kept = r0["kept_bytes_closed_form"]
 per_layer = tp_overlap.kept_bytes_per_layer(M, mc.d_model, world_size)
+emulated = "" if E is None else (
+    f"{E['gpu']} over {E['link']} (`{E['cluster']}`), the toy timed as {E['stands_for']}'s MLP at tp = {world_size}: "
+    f"AG+GEMM ring hides {E['matched']['AG+GEMM']['overlap']['ring']:.2f} of the all-gather, GEMM+RS ring "
+    f"{E['matched']['GEMM+RS']['overlap']['ring']:.2f}; a whole step with ring+keep takes {keep_ratio:.3f}× "
+    f"bulk's ({(1 - keep_ratio) * 100:.1f} % saved; the article: about 5 %)")
 headline("01", "TP communication overlapped with the GEMMs (flux-style ring AG+GEMM, GEMM+RS)",
          f"keeping the gathered input: {saved:,} B fewer sent per rank per step in the backward "
-         f"({2 * r0['n_layer']} all-gathers) for {kept:,} B more held, gradients bitwise equal; over a simulated "
-         f"wire that takes no core the ring hid {link['overlap']['ring']:.2f} of the transfer (ceiling "
-         f"{link['ceiling']['ring']:.2f}), the tiled ring {link['overlap']['tiled ring']:.2f} (ceiling "
-         f"{link['ceiling']['tiled ring']:.2f}, {link['tiles']} tiles); on gloo the ring read AG+GEMM "
-         f"{ag['overlap']['ring']:.2f} and GEMM+RS {rs['overlap']['ring']:.2f} against a noise floor (bulk's reading) "
-         f"of {max(abs(ag['overlap']['bulk']), abs(rs['overlap']['bulk'])):.2f}",
+         f"({2 * r0['n_layer']} all-gathers) for {kept:,} B more held, gradients bitwise equal; on gloo the ring "
+         f"against bulk: {gloo_text}",
          value=saved, unit="B fewer per rank per step",
          claim="keeping the all-gathered input for backward saves 2 all-gathers per layer for (tp−1)/tp·M·D·b "
-               "bytes of memory each", source="flux (arXiv 2406.06858, AGKernel)",
+               "bytes of memory each; about 5 % end to end with flux's GemmRS and the kept input (article)",
+         source="flux (arXiv 2406.06858, AGKernel); the source article",
          reproduced=(saved == kept == r0["n_layer"] * per_layer
                      and all(r["grads_bitwise_keep_vs_regather"] == {"bulk": True, "ring": True} for r in results)),
-         note="flux's up to 96% of the communication hidden needs GPUs (NCCL/copy engines beside the SMs); "
-              "here gloo moves the bytes on the cores that run the GEMMs")
+         emulated=emulated,
+         emulated_reproduced=None if E is None else bool(0.025 <= 1 - keep_ratio <= 0.10),
+         note="the time claim is judged on the emulated cluster (\"about 5 %\" read as 2.5 to 10 % saved); gloo "
+              "moves the bytes on the cores that run the GEMMs")
 
 # %% [markdown]
 # ## What runs where
@@ -332,13 +407,15 @@ headline("01", "TP communication overlapped with the GEMMs (flux-style ring AG+G
 # | ring | `batch_isend_irecv` (gloo threads), GEMMs on the rank | NCCL p2p on its own stream |
 # | tiled ring | the same, one message per tile | the same on NCCL |
 # | production | — | `symm_mem.fused_all_gather_matmul` / `fused_matmul_reduce_scatter` |
+# | time on a GPU cluster | the emulated cluster's virtual clock (a model, labelled) | measured |
 #
 # (The production ops are `torch.ops.symm_mem`'s: symmetric memory and copy engines, where available.)
 #
 # **Try:** `world_size = 4` (with `n_head` a multiple of 4 in the cfg: the ring then takes three hops and
 # the reduce-scatter is no longer bitwise); a larger `d_model` (more GEMM per byte); `micro_batch = 1`
 # (short messages: the fixed cost of each one dominates); `tiles` in the cfg (1 is the plain ring; more tiles
-# cover more of the GEMM and send more messages).
+# cover more of the GEMM and send more messages); `cluster = "a100-ib200"` (a slower NVLink and GPU: the
+# ratio moves) or `stands_for = "llama2-70b"` in the cfg (a wider MLP per token).
 #
 # **Sources.** Chang et al., *FLUX: Fast Software-based Communication Overlap on GPUs Through Kernel
 # Fusion* (arXiv 2406.06858) and `bytedance/flux` (`AGKernel`, `GemmRS`); Wang et al., *Overlap

@@ -235,6 +235,7 @@ def op_benchmarks(ctx, group, block, tokens: int, cfg: dict) -> dict:
             res = compare(cands, warmup=cfg["warmup"], steps=cfg["op_steps"], rounds=cfg["rounds"], sync=ctx.barrier)
         t = {n: r.mean_s for n, r in res.items()}
         out[op] = {"shapes": shapes, "mean_s": t, "median_s": {n: r.median_s for n, r in res.items()},
+                   "bench": {n: r.to_dict() for n, r in res.items()},
                    "overlap": {v: overlap_fraction(t["comm"], t["gemm"], t[v]) for v in ("bulk", "ring", "tiled ring")},
                    "overlap_own_messages": overlap_fraction(t["ring comm"], t["gemm"], t["ring"])}
         if res["comm"].virtual is not None:  # the same calls on the emulated cluster's clock, toy shapes
@@ -277,7 +278,8 @@ def emulated(ctx, group, block, tokens: int, cfg: dict, stacks: dict, step) -> d
     toy_op = planner.tp_mlp_op(tokens, D, F, tp, elem=emu.cluster.float_bytes)
     real_op = planner.tp_mlp_op(real.seq_len * real.micro_batch, real.hidden, real.ffn_hidden or 4 * real.hidden, tp)
     scales = planner.matched_scales(toy_op, real_op)
-    out = {"stands_for": cfg["stands_for"], "real_shape": {"tokens": real.seq_len * real.micro_batch,
+    out = {"cluster": emu.cluster.name, "gpu": emu.cluster.gpu.name, "link": emu.cluster.intra.name,
+           "stands_for": cfg["stands_for"], "real_shape": {"tokens": real.seq_len * real.micro_batch,
                                                            "hidden": real.hidden, "ffn": real.ffn_hidden},
            "scales": scales, "real_op": planner.op_times(real_op, emu.cluster), "tiles": cfg["tiles"], "sweep": []}
     for factor in cfg["sweep"]:  # the GEMM factor × the matched one; the transfer stays the real one

@@ -105,7 +105,7 @@ def launch(lesson, world_size: int, cfg: dict | None = None, *, backend: str = "
         cluster: run on an emulated cluster (``toolkit.runtime.emulator``): a preset name ("h100-ib400",
             "a100-ib200", "pcie-100gbe") or a ``toolkit.runtime.cluster.Cluster``. Every rank then also keeps a
             virtual clock: its compute timed by the target GPU's roofline, its communication by the links' α–β.
-            Results and real times are unchanged. None (default): real time only.
+            Results and real times are unchanged. None or "none" (default): real time only.
 
     Raises:
         ValueError: bad arguments (before anything starts).
@@ -208,7 +208,7 @@ def check_capacity(world_size: int, backend: str, accelerate_args=None, oversubs
 def check_cluster(cluster, world_size: int, backend: str) -> dict | None:
     """The emulated cluster as the spec carries it (``Cluster.to_dict()``), checked against the launch; None if
     none. Refused with nccl: on real GPUs the real time is the measurement."""
-    if cluster is None:
+    if cluster is None or cluster == "none":  # "none": what a notebook's cluster parameter says to turn it off
         return None
     if backend == "nccl":
         raise ValueError("cluster= emulates a cluster's time on CPU processes; with backend 'nccl' on real GPUs the "
