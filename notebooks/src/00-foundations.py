@@ -23,6 +23,7 @@ import os
 world_size: int = 2
 preset: str = os.environ.get("TOOLKIT_PRESET", "default")  # smoke | default | full
 backend: str = "auto"  # auto | gloo | nccl
+cluster: str = "h100-ib400"  # emulated cluster of section 6b: h100-ib400 | a100-ib200 | pcie-100gbe
 timeout_s: int = 600
 
 # %%
@@ -414,6 +415,114 @@ flag = {row["variable"]: row["verdict"] for row in verdicts}
 assert flag["NCCL_IB_REGULARIZE"] == "not a documented NCCL variable"
 assert flag["NCCL_PROTO"].startswith("unknown value(s) ['llvm']")
 assert repeated == ["NCCL_IB_DISABLE"]
+
+# %% [markdown]
+# ## 6b · Time on a cluster we do not have: the emulated cluster, checked
+#
+# The lessons that follow teach techniques that save *time* — overlap, bubbles, compression — but on this
+# machine gloo moves the bytes on the same cores that compute, so wall time cannot show them. Every launch can
+# therefore run on an **emulated cluster** (`launch(..., cluster="h100-ib400")`, `toolkit.runtime.emulator`),
+# the way SimGrid's SMPI simulates MPI programs on-line: the program runs for real on its processes — its ops,
+# shapes, order and dependencies are real, every tensor is bitwise what it is without emulation — and a
+# virtual clock per rank takes time from models of the target hardware:
+#
+# ```
+# any ATen op      host += launch; stream = max(host, stream) + max(FLOPs / peak, bytes / HBM)   roofline
+# a transfer       end = max(now, link free) + α + S / β     on the link its group spans (NVLink or IB)
+#                  a collective completes at the latest end over its ranks (a side all-reduce of the ends);
+#                  a p2p message's end travels beside it; wait() moves the stream to the completion
+# ```
+#
+# The figures come from nccl-tests and datasheets (`toolkit.runtime.cluster.PRESETS`, each with its
+# source). Below, four ranks on two emulated nodes of two run every collective at three sizes on both links,
+# a late rank, an async all-reduce under a short and a long matmul, two transfers sharing a link, and a
+# pipeline step; each virtual time is set beside its closed form `α + S/β` (formula) and the pipeline beside
+# `toolkit.pipeline.simulate` fed the same op times. `tests/test_emulator.py` asserts the same, and that two
+# and four ranks give the same time and the results are bitwise those of the run without emulation.
+
+# %%
+from toolkit.runtime.cluster import cluster as make_cluster
+
+# two nodes of two ranks; tensors timed as they are (fp32). With cluster = none the section uses the H100 preset.
+two_nodes = make_cluster(cluster if cluster != "none" else "h100-ib400", ranks_per_node=2, float_bytes=4)
+checks = launch("toolkit.lessons.emulator_check", 4, {}, backend=backend, cluster=two_nodes, timeout_s=timeout_s)
+print(two_nodes.describe())
+links = {"intra": two_nodes.intra, "inter": two_nodes.inter}
+wire = {"send": lambda n, S: S, "all_reduce": lambda n, S: 2 * (n - 1) / n * S}  # bus-bandwidth bytes per rank
+closed = [{**row, "closed_s": links[row["link"]].latency_s + wire.get(row["op"], lambda n, S: (n - 1) / n * S)(
+    row["n"], row["bytes"]) / links[row["link"]].bytes_per_s} for row in checks[0]["ops"]]
+for c in checks:  # every rank's virtual time equals the closed form (to rounding)
+    for row, ref in zip(c["ops"], closed):
+        assert abs(row["virtual_s"] / ref["closed_s"] - 1) < 1e-9, (row, ref)
+series = {}
+for row in closed:
+    series.setdefault(f"{row['op']} · {row['link']} (emulated)", []).append(row["virtual_s"] * 1e6)
+    series.setdefault(f"{row['op']} · {row['link']} (α + S/β)", []).append(row["closed_s"] * 1e6)
+sizes = sorted({row["bytes"] for row in closed})
+viz.lines(series, x=sizes, log_x=True, log_y=True, xaxis_title="bytes of the op's buffer",
+          yaxis_title="µs (virtual time)", dash={k: "dot" for k in series if "α" in k},
+          title=f"Every op on the emulated {two_nodes.gpu.name} nodes against its closed form (formula, dotted)").show()
+
+# %%
+def matmul_s(n: int, host_waited: bool = True) -> float:
+    """[n, n] @ [n, n] in fp32 on the emulated GPU (roofline), plus its launch when the host had waited."""
+    g = two_nodes.gpu
+    return max(2 * n ** 3 / g.bf16_flops, 3 * n * n * 4 / g.hbm_bytes_per_s) + (g.launch_s if host_waited else 0.0)
+
+
+small, large = checks[0]["matmul_n"]
+t_ar = two_nodes.intra.latency_s + 4 * 2**20 / two_nodes.intra.bytes_per_s  # 4 MiB all-reduce, 2 ranks
+cases = [("a late rank (rank 1 computes a matmul first), on ranks 0 and 1", checks[0]["skew_s"], matmul_s(large) + t_ar),
+         ("all-reduce issued, short matmul, wait", checks[0]["async_s"][str(small)], max(t_ar, matmul_s(small))),
+         ("all-reduce issued, long matmul, wait", checks[0]["async_s"][str(large)], max(t_ar, matmul_s(large))),
+         ("two all-reduces issued together: the first done", checks[0]["sharing_s"]["first"], t_ar),
+         ("two all-reduces issued together: the second done", checks[0]["sharing_s"]["second"], 2 * t_ar)]
+for name, got, want in cases:
+    assert abs(got / want - 1) < 1e-9, (name, got, want)
+viz.table([{"case": n, "emulated (µs)": g * 1e6, "closed form (µs)": w * 1e6} for n, g, w in cases],
+          title="Skew, overlap and a shared link: virtual time against the closed form",
+          formats={"emulated (µs)": ".3f", "closed form (µs)": ".3f"}).show()
+
+# %%
+from toolkit.pipeline.schedule import make_schedule
+from toolkit.pipeline.simulate import simulate
+
+piped = launch("toolkit.lessons.emulator_check:pipeline", 2, {"schedules": ["1f1b", "dualpipev"]}, backend=backend,
+               cluster=two_nodes.name, timeout_s=timeout_s)
+b_, t_, d_ = piped[0]["act_shape"]
+one_node = make_cluster(two_nodes.name)
+rows = []
+for name in ("1f1b", "dualpipev"):
+    durations = {(s["op"], s["stage"], s["mb"], s["chunk"]): s["virtual_s"] for r in piped for s in r[name]["spans"]}
+
+    def cost(a, durations=durations):
+        return sum(durations[(h.op, h.stage, h.mb, h.chunk)] for h in (a.sub or (a,)))
+    cost.comm = one_node.intra.seconds(b_ * t_ * d_ * one_node.float_bytes)  # one activation or gradient
+    predicted = simulate(make_schedule(name, 2, 4), cost).makespan
+    emulated = max(r[name]["step_s"] for r in piped)
+    assert abs(emulated / predicted - 1) < 0.05, (name, emulated, predicted)
+    rows.append({"schedule": name, "emulated step (µs)": emulated * 1e6, "simulator (µs)": predicted * 1e6,
+                 "ratio": emulated / predicted})
+viz.table(rows, title="A pipeline step on the emulated cluster against the pipeline simulator fed the same op times",
+          formats={"emulated step (µs)": ".1f", "simulator (µs)": ".1f", "ratio": ".4f"}).show()
+
+# %% [markdown]
+# **How this CPU compares.** The emulator keeps, beside each op's modelled time, the time it really took on this
+# CPU (it never drives the clock). The ratio says how many of this machine's seconds one second of the target
+# GPU is worth, op by op: matmuls, which the GPU's tensor cores run at their peak, differ the most.
+
+# %%
+op_times = checks[0]["op_times"]
+rows = [{"op": op.replace("aten.", ""), "calls": v["calls"], "this CPU (ms)": v["cpu_s"] * 1e3,
+         "emulated GPU kernels (ms)": v["model_s"] * 1e3, "CPU / GPU": v["cpu_s"] / v["model_s"] if v["model_s"] else None}
+        for op, v in sorted(op_times.items(), key=lambda kv: -kv[1]["cpu_s"])[:8]]
+viz.table(rows, title=f"Rank 0 of the checks: this CPU against the emulated {two_nodes.gpu.name} (roofline), per op",
+          formats={"this CPU (ms)": ".3f", "emulated GPU kernels (ms)": ".4f", "CPU / GPU": ".0f"}).show()
+mm = op_times.get("aten.mm")
+display(Markdown(f"One `mm` call took {mm['cpu_s'] / mm['calls'] * 1e3:.2f} ms here on average and "
+                 f"{mm['model_s'] / mm['calls'] * 1e6:.1f} µs on the emulated {two_nodes.gpu.name}: "
+                 f"{mm['cpu_s'] / mm['model_s']:.0f}× (this machine's {os.cpu_count()} cores, one thread per rank)."
+                 if mm else "No matmul ran in the checks."))
 
 # %% [markdown]
 # ## 7 · The benchmark procedure, and its stability metrics

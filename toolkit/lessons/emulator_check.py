@@ -142,6 +142,7 @@ def run(ctx, cfg):
     out["exchange_s"] = exchange(ctx, cfg)["exchange_s"]
     out["checksum"] = digest.hexdigest()
     out["totals"] = ctx.emulator.totals() if ctx.emulator is not None else None
+    out["op_times"] = ctx.emulator.report()["ops"] if ctx.emulator is not None else None  # modelled vs this CPU
     return out
 
 
