@@ -62,7 +62,11 @@ class Workload:
     recompute: bool = False
     """Full activation recomputation."""
     ffn_hidden: int = 0
-    """Width of the MLP (0: 4 · hidden; Llama's SwiGLU width otherwise)."""
+    """Width of the MLP (0: 4 · hidden; Llama's SwiGLU width otherwise; an MoE's: each expert's)."""
+    experts: int = 0
+    """Routed experts per MoE layer (0: a dense model)."""
+    top_k: int = 0
+    """Experts each token is routed to."""
 
 
 @dataclass
@@ -386,8 +390,11 @@ MODELS: dict[str, Workload] = {
     "llama2-7b": Workload(params=6.7e9, layers=32, hidden=4096, heads=32, seq_len=4096, ffn_hidden=11008),
     "llama2-13b": Workload(params=13e9, layers=40, hidden=5120, heads=40, seq_len=4096, ffn_hidden=13824),
     "llama2-70b": Workload(params=69e9, layers=80, hidden=8192, heads=64, seq_len=4096, ffn_hidden=28672),
+    "mixtral-8x7b": Workload(params=46.7e9, layers=32, hidden=4096, heads=32, seq_len=4096, ffn_hidden=14336,
+                             experts=8, top_k=2),
 }
-"""Llama 2's shapes (Touvron et al. 2023, Table 1 and the released configs), one sequence of 4096 per micro-batch."""
+"""Llama 2's shapes (Touvron et al. 2023, Table 1 and the released configs) and Mixtral 8x7B's (Jiang et al. 2024,
+Table 1), one sequence of 4096 per micro-batch."""
 
 
 def tp_mlp_op(tokens: int, hidden: int, ffn: int, tp: int, elem: int = 2) -> dict[str, float]:
@@ -395,6 +402,13 @@ def tp_mlp_op(tokens: int, hidden: int, ffn: int, tp: int, elem: int = 2) -> dic
     sequence-parallel TP group: ``gemm_flops`` = 2·M·D·F/tp, ``wire_bytes`` = (tp−1)/tp·M·D·elem (the ledger's
     convention), for M tokens, D = hidden, F = ffn."""
     return {"gemm_flops": 2.0 * tokens * hidden * ffn / tp, "wire_bytes": (tp - 1) / tp * tokens * hidden * elem}
+
+
+def moe_layer_op(tokens: int, hidden: int, ffn: int, top_k: int, ep: int, elem: int = 2) -> dict[str, float]:
+    """One rank's MoE layer under expert parallelism over ``ep`` ranks, its ``tokens`` balanced: ``gemm_flops`` of
+    the experts it runs (each routed token: an up and a down GEMM, 2·2·D·F) and ``wire_bytes`` of one dispatch
+    all-to-all ((ep−1)/ep of its ``tokens · top_k`` rows of D leave the rank; the combine moves as many back)."""
+    return {"gemm_flops": 4.0 * tokens * top_k * hidden * ffn, "wire_bytes": (ep - 1) / ep * tokens * top_k * hidden * elem}
 
 
 def matched_scales(toy: dict[str, float], real: dict[str, float]) -> dict[str, float]:

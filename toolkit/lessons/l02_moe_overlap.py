@@ -8,6 +8,7 @@
     timing     bench.compare of the two steps; exposed communication = seconds the rank is blocked in the
                all-to-alls (issue + wait, forward and backward) and in the plan's count exchange, per step
     traced     one step each way with every span on the timeline (the Gantt charts)
+    emulated   one step each way on the emulated cluster's clock, at the toy's shapes and matched to a real MoE
     model      the two-resource cost model fed with the rank's traced serial step's durations (the count
                exchange included, embedding and head left out), and on rank 0 the comm/compute ratio sweep
 """
@@ -31,17 +32,19 @@ PARAMS = {
              "top_k"),
     "d_ff": Param(int, "hidden size of each expert's MLP (0: 4 x d_model)", ge=0),
     "ratios": Param(list, "comm/compute ratios of the cost-model sweep", of=float, gt=0),
+    "stands_for": Param(str, "the real MoE whose layers the emulated cluster times the toy's as (the workload-matched "
+                             "mode)", choices=("mixtral-8x7b",)),
 }
 _SWEEP = [0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.0]
 PRESETS = {
     "smoke": dict(model="smoke", n_layer=2, seq_len=32, micro_batch=2, n_expert=4, top_k=2, d_ff=0, warmup=1,
-                  bench_steps=2, rounds=3, seed=0, ratios=_SWEEP),
+                  bench_steps=2, rounds=3, seed=0, ratios=_SWEEP, stands_for="mixtral-8x7b"),
     "default": dict(model="default", n_layer=2, seq_len=64, micro_batch=4, n_expert=4, top_k=2, d_ff=0, warmup=1,
-                    bench_steps=2, rounds=3, seed=0, ratios=_SWEEP),
+                    bench_steps=2, rounds=3, seed=0, ratios=_SWEEP, stands_for="mixtral-8x7b"),
     "full": dict(model="full", n_layer=12, seq_len=1024, micro_batch=4, n_expert=64, top_k=8, d_ff=0, warmup=3,
-                 bench_steps=5, rounds=5, seed=0, ratios=_SWEEP),
+                 bench_steps=5, rounds=5, seed=0, ratios=_SWEEP, stands_for="mixtral-8x7b"),
 }
-PHASES = [("check", 3), ("timing", 6), ("traced", 1)]
+PHASES = [("check", 3), ("timing", 6), ("traced", 1), ("emulated", 2)]
 
 
 def validate(cfg: dict, world_size: int) -> dict:
@@ -130,6 +133,37 @@ def traced(ctx, cfg: dict, mbs, models) -> dict:
     return out
 
 
+def emulated(ctx, cfg: dict, mbs, models) -> dict | None:
+    """One step each way on the emulated cluster's clock (virtual time; deterministic, so one step is the time):
+    at the toy's own shapes and matched to ``cfg["stands_for"]`` (``toolkit.planner.MODELS``: its expert GEMMs
+    and all-to-all bytes at ep = world size). Step time and exposed communication, as ``traced`` measures them."""
+    from toolkit import planner
+    emu = ctx.emulator
+    if emu is None:
+        return None
+    mc, real = models["serial"].cfg, planner.MODELS[cfg["stands_for"]]
+    tokens = cfg["micro_batch"] * cfg["seq_len"]
+    toy_op = planner.moe_layer_op(tokens, mc.d_model, mc.d_ff, mc.top_k, ctx.world_size, emu.cluster.float_bytes)
+    real_op = planner.moe_layer_op(real.seq_len * real.micro_batch, real.hidden, real.ffn_hidden, real.top_k,
+                                   ctx.world_size)
+    scales = planner.matched_scales(toy_op, real_op)
+    out = {"cluster": emu.cluster.name, "gpu": emu.cluster.gpu.name, "link": emu.cluster.intra.name,
+           "stands_for": cfg["stands_for"], "scales": scales, "real_op": planner.op_times(real_op, emu.cluster)}
+    for view, factors in (("own shapes", {}), ("matched", scales)):
+        out[view] = {}
+        with emu.scaled(**factors):
+            for s in SCHEDULES:
+                models[s].zero_grad(set_to_none=True)
+                ctx.barrier()
+                tracer = Tracer(s, clock=emu.now)
+                t0 = emu.now()
+                step(models[s], mbs, s, tracer)
+                emu.synchronize()
+                out[view][s] = {"step_s": emu.now() - t0, "exposed": dict(tracer.exposed)}
+        ctx.progress(1 if view == "own shapes" else 2, 2, f"emulated: {view}")
+    return out
+
+
 def durations(spans: list[dict], schedule: str) -> dict:
     """Mean seconds per micro-batch and layer of each forward piece in one traced step (the count exchange
     "plan" is forward only and carries no direction), and what the cost model leaves out: seconds per step
@@ -163,6 +197,9 @@ def run(ctx, cfg: dict) -> dict:
     ctx.timeline.spans.clear()
     out["traced"] = traced(ctx, cfg, mbs, models)
     phase_s["traced"] = lap()
+    ctx.phase("emulated")
+    out["emulated"] = emulated(ctx, cfg, mbs, models)
+    phase_s["emulated"] = lap()
     out["phase_s"] = phase_s
     out["spans"] = ctx.timeline.to_json()
     d = durations(out["spans"], "serial")
