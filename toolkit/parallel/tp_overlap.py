@@ -67,6 +67,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from toolkit.runtime import compat
+
 from .tensor import ColumnParallelLinear, RowParallelLinear, check_tp, qkv_rows
 
 MODES = ("bulk", "ring")
@@ -138,7 +140,7 @@ def all_gather_matmul(x: torch.Tensor, b: torch.Tensor, group=None, *, bias: tor
     if mode == "bulk" or tp == 1:
         start = time.perf_counter()
         with trace.span("wait"):
-            dist.all_gather_into_tensor(gathered.view(tp * m, k), x.contiguous(), group=group)
+            compat.all_gather_single(gathered.view(tp * m, k), x.contiguous(), group=group)
         trace.flight(start)
         with trace.span("gemm"):
             out = _mm(gathered.view(tp * m, k), b, bias)
@@ -201,7 +203,7 @@ def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, group=None, *, mode:
         out = partial.new_empty(m, b.shape[1])
         start = time.perf_counter()
         with trace.span("wait"):
-            dist.reduce_scatter_tensor(out, partial, group=group)
+            compat.reduce_scatter_single(out, partial, group=group)
         trace.flight(start)
         return out
     sends, arriving, mine = [], {}, []
@@ -255,7 +257,7 @@ class _AllGatherLinear(torch.autograd.Function):
         else:  # gather the input again, behind the dX GEMM
             tp = dist.get_world_size(ctx.group)
             gathered = saved.new_empty(tp * saved.shape[0], saved.shape[1])
-            work = dist.all_gather_into_tensor(gathered, saved, group=ctx.group, async_op=True)
+            work = compat.all_gather_single(gathered, saved, group=ctx.group, async_op=True)
         dx = matmul_reduce_scatter(grad, weight, ctx.group, mode=ctx.mode, tiles=ctx.tiles)  # [m, K]
         if work is not None:
             work.wait()
