@@ -81,3 +81,28 @@ def phased(ctx, cfg):
     except ValueError as exc:
         return {"rank": ctx.rank, "undeclared": str(exc)}
     return {"rank": ctx.rank, "undeclared": None}
+
+
+def nested(ctx, cfg):
+    """Phases ("setup", "work"); in "work" ``cfg["n"]`` pieces, each timing two candidates with
+    ``bench.compare`` that reports its own rounds. With ``cfg["parts"]`` each piece is a ``ctx.part``;
+    without, the pieces report ``progress(i, n)`` and the rounds then overwrite it (the bar's old bug)."""
+    from contextlib import nullcontext
+
+    from toolkit.runtime.bench import compare
+    with ctx.phase("setup"):
+        dist.barrier()
+    ctx.phase("work")
+
+    def round_done(done: int, total: int) -> None:
+        ctx.progress(done, total, "rounds")
+        time.sleep(0.3)  # longer than the launcher's poll and the rank's report interval: every report is seen
+
+    n, parts = cfg.get("n", 3), cfg.get("parts", True)
+    for i in range(n):
+        if not parts:
+            ctx.progress(i, n, f"piece {i}")
+        with ctx.part(i, n, f"piece {i}") if parts else nullcontext():
+            compare({"a": lambda: time.sleep(0.05), "b": lambda: time.sleep(0.05)}, warmup=0, steps=1, rounds=3,
+                    trim=0, sync=ctx.barrier, on_round=round_done)
+    return {"rank": ctx.rank}
