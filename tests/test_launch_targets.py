@@ -197,6 +197,23 @@ def test_the_bar_total_is_the_sum_of_the_weights_and_never_moves_back():
     one = Progress("demo", "plain", None, out=io.StringIO())  # no PHASES: the run is one phase
     one.update({"phase": 0, "done": 2, "total": 8, "message": "x"})
     assert one.fraction == pytest.approx(0.25)
+    one.update({"phase": 0, "fraction": 0.6, "done": 1, "total": 3, "message": "part · x"})  # a nested report
+    assert one.fraction == pytest.approx(0.6)
+
+
+def test_a_silent_stretch_still_gets_a_line(tmp_path):
+    import io
+
+    from toolkit.runtime.launch import Progress
+    out = io.StringIO()
+    bar = Progress("demo", "plain", [["setup", 1], ["train", 3]], out=out)
+    bar.HEARTBEAT_S = 0.0  # every poll without news is past it
+    bar.poll(tmp_path)  # nothing reported yet
+    bar.update({"phase": 1, "fraction": 0.5, "done": 2, "total": 4, "message": "step 2"})
+    bar.poll(tmp_path)
+    lines = out.getvalue().splitlines()
+    assert "  0% starting the ranks (" in lines[1] and lines[1].endswith("s, still working)")
+    assert " 62% train (2/2) 2/4 step 2 (" in lines[-1] and lines[-1].endswith("s, still working)")
 
 
 def test_the_widget_bar_has_a_fixed_maximum():

@@ -441,8 +441,9 @@ class Progress:
         if state is not None and state != self.state:
             self.update(state)
         elif self.mode == "plain" and time.monotonic() - self.last_line > self.HEARTBEAT_S:
-            self._print(f"{100 * self.fraction:3.0f}% {self._where()} ({time.monotonic() - self.start:.1f}s, "
-                        "still working)")
+            elapsed = time.monotonic() - self.start
+            self._print(" ".join(filter(None, [f"{100 * self.fraction:3.0f}%", self._where(),
+                                               f"({elapsed:.1f}s, still working)"])))
 
     def overall(self, state: dict) -> float:
         """The fraction of the whole run that ``state`` (one report of rank 0) stands for."""
@@ -475,7 +476,9 @@ class Progress:
 
     def _where(self) -> str:
         """Where rank 0 is: phase (i/n), its innermost count and message."""
-        state = self.state or {}
+        if self.state is None:
+            return "starting the ranks"
+        state = self.state
         i, done, total = self._phase_of(state), state.get("done", 0), state.get("total", 0)
         return " ".join(filter(None, [f"{self.phases[i][0]} ({i + 1}/{len(self.phases)})" if self.declared else "",
                                       f"{done:g}/{total:g}" if total else "", state.get("message", "")]))
