@@ -9,13 +9,17 @@ import torch
 
 from toolkit import launch
 from toolkit.models import GPT, lm_loss, preset
-from toolkit.pipeline import Action, PipelineExecutor, dualpipev, make_schedule, one_f_one_b, zb_h1
+from toolkit.pipeline import (Action, PipelineExecutor, dualpipev, make_schedule, one_f_one_b, torch_order_missing,
+                              zb_h1)
 from toolkit.pipeline.executor import ActivationMeter, WeightGradStore, split_weight_grads
 from toolkit.pipeline.harness import PipelineSetup, gpt_micro_batches, gpt_stages
+from toolkit.pipeline.torch_compare import runtime_missing
 
 OURS = ["gpipe", "1f1b", "interleaved", "zb-h1", "dualpipev", "1f1b-recompute-inline", "1f1b-recompute-bubble"]
-TORCH_ORDERS = ["torch:zbv", "torch:dualpipev"]  # torch's orders run by our executor
-TORCH_IMPL = ["torch-impl:1f1b", "torch-impl:dualpipev"]  # torch's own runtime, same model and data
+# torch's orders run by our executor, and torch's own runtime on the same model and data, where this torch has
+# them (toolkit.runtime.compat: orders torch >= 2.8, runtime >= 2.7, DualPipeV >= 2.9)
+TORCH_ORDERS = [n for n in ("torch:zbv", "torch:dualpipev") if torch_order_missing(n.split(":")[1]) is None]
+TORCH_IMPL = [n for n in ("torch-impl:1f1b", "torch-impl:dualpipev") if runtime_missing(n.split(":")[1]) is None]
 TOL = 1e-5
 
 

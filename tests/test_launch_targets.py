@@ -2,6 +2,7 @@
 as source from a notebook or script), and the clear errors for what the ranks could not run."""
 from __future__ import annotations
 
+import importlib
 import linecache
 import runpy
 import sys
@@ -129,6 +130,56 @@ def test_phases_give_one_bar_with_a_stable_total(capsys):
     assert percents == sorted(percents) and any("work (2/2)" in ln for ln in lines)
 
 
+def _recorded_launch(monkeypatch, what, cfg, **kwargs) -> tuple[list[float], list[dict]]:
+    """Launch for real with a bar that records, for every report of rank 0 it reads, the fraction of the run
+    that report stands for (before the bar's own never-move-back), and the report."""
+    launch_module = importlib.import_module("toolkit.runtime.launch")  # the module (the package binds the function)
+    seen: list[tuple[float, dict]] = []
+
+    class RecordingBar(launch_module.Progress):
+        def update(self, state: dict) -> None:
+            seen.append((self.overall(state), state))
+            super().update(state)
+
+    monkeypatch.setattr(launch_module, "Progress", RecordingBar)
+    launch(what, 2, cfg, progress="plain", timeout_s=300, **kwargs)
+    return [f for f, _ in seen], [s for _, s in seen]
+
+
+def _full_only_at_the_end(fractions: list[float], states: list[dict], last_phase: int, last_piece: str) -> None:
+    """100 % only in the last phase, from the last piece reporting its own end."""
+    for f, s in zip(fractions, states):
+        if f >= 1:
+            assert s["phase"] == last_phase and s["message"].startswith(last_piece) and s["done"] == s["total"], s
+
+
+def test_nested_progress_is_one_monotone_bar(monkeypatch):
+    """Phases, parts, and compare's own rounds inside each part: every report the bar reads stands further
+    along than the one before, and none reaches 100 % before the last phase ends."""
+    phases = [("setup", 1), ("work", 3)]
+    fractions, states = _recorded_launch(monkeypatch, "toolkit.lessons.selftest:nested", {"n": 3}, phases=phases)
+    assert len(fractions) >= 3 * 3 and fractions == sorted(fractions), fractions
+    _full_only_at_the_end(fractions, states, last_phase=1, last_piece="piece 2")
+    assert any("piece 2 · rounds" in s["message"] for s in states)
+    # the same run with the pieces reporting progress(i, n) and compare's rounds their own counts: the check bites
+    fractions, _ = _recorded_launch(monkeypatch, "toolkit.lessons.selftest:nested", {"n": 3, "parts": False},
+                                    phases=phases)
+    assert fractions != sorted(fractions) and max(fractions[:-1]) == 1.0
+
+
+@pytest.mark.slow
+def test_the_pipeline_benchmark_bar_climbs_once_through_every_schedule(monkeypatch):
+    """benchmarks/bench_pipeline.py, the case that read 0/5, then 100 % inside the first schedule: each
+    schedule is one slice of the bar, filled by the harness's checked and timed steps."""
+    cfg = {"preset": "smoke", "n_layer": 4, "m": 4, "micro_batch": 2, "rounds": 2, "warmup": 1, "steps": 1,
+           "schedules": ["gpipe", "1f1b"]}
+    fractions, states = _recorded_launch(monkeypatch, "benchmarks.bench_pipeline:rank_main", cfg)
+    assert len(fractions) >= 4 and fractions == sorted(fractions), fractions
+    _full_only_at_the_end(fractions, states, last_phase=0, last_piece="1f1b")
+    first = [f for f, s in zip(fractions, states) if s["message"].startswith("gpipe")]
+    assert first and max(first) <= 0.5  # the first of two schedules stays within its half
+
+
 def test_the_bar_total_is_the_sum_of_the_weights_and_never_moves_back():
     import io
 
@@ -146,6 +197,23 @@ def test_the_bar_total_is_the_sum_of_the_weights_and_never_moves_back():
     one = Progress("demo", "plain", None, out=io.StringIO())  # no PHASES: the run is one phase
     one.update({"phase": 0, "done": 2, "total": 8, "message": "x"})
     assert one.fraction == pytest.approx(0.25)
+    one.update({"phase": 0, "fraction": 0.6, "done": 1, "total": 3, "message": "part · x"})  # a nested report
+    assert one.fraction == pytest.approx(0.6)
+
+
+def test_a_silent_stretch_still_gets_a_line(tmp_path):
+    import io
+
+    from toolkit.runtime.launch import Progress
+    out = io.StringIO()
+    bar = Progress("demo", "plain", [["setup", 1], ["train", 3]], out=out)
+    bar.HEARTBEAT_S = 0.0  # every poll without news is past it
+    bar.poll(tmp_path)  # nothing reported yet
+    bar.update({"phase": 1, "fraction": 0.5, "done": 2, "total": 4, "message": "step 2"})
+    bar.poll(tmp_path)
+    lines = out.getvalue().splitlines()
+    assert "  0% starting the ranks (" in lines[1] and lines[1].endswith("s, still working)")
+    assert " 62% train (2/2) 2/4 step 2 (" in lines[-1] and lines[-1].endswith("s, still working)")
 
 
 def test_the_widget_bar_has_a_fixed_maximum():

@@ -9,7 +9,7 @@ import warnings
 import psutil
 import pytest
 
-from toolkit.runtime import LaunchError, LaunchTimeout, ProcessGrid, launch, validate_grid
+from toolkit.runtime import LaunchError, LaunchTimeout, ProcessGrid, compat, launch, validate_grid
 from toolkit.runtime.bench import comm_efficiency_ratio, measure, memory_volatility
 
 LESSON = "toolkit.lessons.selftest"
@@ -201,8 +201,9 @@ def test_ledger_counts_exact_bytes(ledger_run):
     assert recs[("broadcast", "world", "untagged")]["sent_bytes"] == n * f32
     assert recs[("reduce", "world", "untagged")]["sent_bytes"] == (w - 1) * n * f32 // w
     assert recs[("recv", "world", "p2p")]["recv_bytes"] == n * f32 and recs[("recv", "world", "p2p")]["sent_bytes"] == 0
-    assert recs[("all_gather_into_tensor", "world", "single")]["sent_bytes"] == (w - 1) * n * f32
-    assert recs[("reduce_scatter_tensor", "world", "single")]["sent_bytes"] == (w - 1) * n * f32
+    if compat.missing("single_collectives") is None:  # torch >= 2.13: the new names, counted under the old ones
+        assert recs[("all_gather_into_tensor", "world", "single")]["sent_bytes"] == (w - 1) * n * f32
+        assert recs[("reduce_scatter_tensor", "world", "single")]["sent_bytes"] == (w - 1) * n * f32
     assert recs[("all_reduce", "tp", "untagged")]["group_size"] == 2
     assert recs[("all_reduce", "tp", "untagged")]["sent_bytes"] == n * f32  # 2(n-1)/n with n=2
     rank0 = {(r["op"], r["tag"]) for r in ledger_run[0]["records"]}

@@ -38,6 +38,7 @@ def rank_main(ctx, cfg: dict) -> dict:
     import torch.distributed as dist
 
     from toolkit.parallel.tp_overlap import all_gather_matmul, matmul_reduce_scatter
+    from toolkit.runtime import compat
     from toolkit.runtime.bench import compare
 
     group, tp, dev = dist.group.WORLD, ctx.world_size, ctx.device
@@ -57,10 +58,10 @@ def rank_main(ctx, cfg: dict) -> dict:
     # -- correctness, fp32 -------------------------------------------------------------------------------
     x, w1, h, w2 = tensors(torch.float32)
     gathered = x.new_empty(M, D)
-    dist.all_gather_into_tensor(gathered, x, group=group)
+    compat.all_gather_single(gathered, x, group=group)
     ref_ag = gathered @ w1
     ref_rs = x.new_empty(M // tp, D)
-    dist.reduce_scatter_tensor(ref_rs, h @ w2, group=group)
+    compat.reduce_scatter_single(ref_rs, h @ w2, group=group)
     ring_ag, ring_x = all_gather_matmul(x, w1, group, mode="ring", keep_gathered=True)
     ring_rs = matmul_reduce_scatter(h, w2, group, mode="ring")
     diff = lambda a, b: (a - b).abs().max().item()  # noqa: E731
@@ -90,12 +91,12 @@ def rank_main(ctx, cfg: dict) -> dict:
     scattered = partial.new_empty(M // tp, D)
     name = group.group_name
     cands = {
-        "AG+GEMM": {"comm": lambda: dist.all_gather_into_tensor(gathered, x, group=group),
+        "AG+GEMM": {"comm": lambda: compat.all_gather_single(gathered, x, group=group),
                     "gemm": lambda: torch.mm(gathered, w1),
                     "bulk": lambda: all_gather_matmul(x, w1, group, mode="bulk"),
                     "ring": lambda: all_gather_matmul(x, w1, group, mode="ring"),
                     "tiled ring": lambda: all_gather_matmul(x, w1, group, mode="ring", tiles=TILES)},
-        "GEMM+RS": {"comm": lambda: dist.reduce_scatter_tensor(scattered, partial, group=group),
+        "GEMM+RS": {"comm": lambda: compat.reduce_scatter_single(scattered, partial, group=group),
                     "gemm": lambda: torch.mm(h, w2),
                     "bulk": lambda: matmul_reduce_scatter(h, w2, group, mode="bulk"),
                     "ring": lambda: matmul_reduce_scatter(h, w2, group, mode="ring"),

@@ -23,6 +23,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from toolkit.runtime import compat
+
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
 
 
@@ -36,9 +38,9 @@ def _issue(op: str, buf: torch.Tensor, out: torch.Tensor, n: int, group=None) ->
     if op == "all_reduce":
         dist.all_reduce(buf, group=group)
     elif op == "all_gather":
-        dist.all_gather_into_tensor(out, buf[: buf.numel() // n], group=group)
+        compat.all_gather_single(out, buf[: buf.numel() // n], group=group)
     elif op == "reduce_scatter":
-        dist.reduce_scatter_tensor(out[: buf.numel() // n], buf, group=group)
+        compat.reduce_scatter_single(out[: buf.numel() // n], buf, group=group)
     elif op == "all_to_all":
         dist.all_to_all_single(out, buf, group=group)
     else:

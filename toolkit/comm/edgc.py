@@ -46,6 +46,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from toolkit.runtime import compat
+
 
 # ---- the PowerSGD engine -------------------------------------------------------------------------
 
@@ -256,7 +258,7 @@ def check_ranks_agree(ranks: list[int | None], group=None, device: torch.device 
     mine = torch.tensor([0 if r is None else r for r in ranks], dtype=torch.int64, device=device)
     world = dist.get_world_size(group)
     gathered = mine.new_empty(world * mine.numel())
-    dist.all_gather_into_tensor(gathered, mine, group=group)
+    compat.all_gather_single(gathered, mine, group=group)
     table = gathered.view(world, -1).cpu()
     if not bool((table == table[0]).all()):
         rows = "; ".join(f"rank {i}: {row.tolist()}" for i, row in enumerate(table))

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from toolkit.quant import Quantized, dequantize_blockwise, hadamard32, quantize_blockwise
+from toolkit.runtime import compat
 
 WEIGHT_MODES = ("bf16", "qwd", "direct4", "fp32")
 GRAD_MODES = ("bf16", "tlq", "fp32")
@@ -166,12 +167,12 @@ def reduce_scatter_bf16(g: torch.Tensor, topo: Topology) -> torch.Tensor:
     L, A, S = x.shape
     if L > 1:
         out = x.new_empty(A * S)
-        dist.reduce_scatter_tensor(out, x.view(-1), group=topo.intra)
+        compat.reduce_scatter_single(out, x.view(-1), group=topo.intra)
         x = out
     x = x.reshape(-1)
     if A > 1:
         out = x.new_empty(S)
-        dist.reduce_scatter_tensor(out, x, group=topo.inter)
+        compat.reduce_scatter_single(out, x, group=topo.inter)
         x = out
     return x.float() / (L * A)
 
@@ -180,7 +181,7 @@ def reduce_scatter_fp32(g: torch.Tensor, group=None) -> torch.Tensor:
     """Reference: torch's flat reduce-scatter in fp32, then the mean (rank r gets shard r)."""
     world = dist.get_world_size(group)
     out = g.new_empty(g.numel() // world)
-    dist.reduce_scatter_tensor(out, g, group=group)
+    compat.reduce_scatter_single(out, g, group=group)
     return out / world
 
 
@@ -198,7 +199,7 @@ def all_gather_qwd(replica: torch.Tensor, master: torch.Tensor, codec: Codec = C
     delta = master.detach() - replica[rank * S:(rank + 1) * S]  # [S]
     mine = codec.encode(delta.view(1, S))  # [1, bytes]
     rows = mine.new_empty(world, mine.shape[1])
-    dist.all_gather_into_tensor(rows, mine, group=group)
+    compat.all_gather_single(rows, mine, group=group)
     replica += codec.decode(rows, S).view(-1)
     if round_to is not None:
         replica.copy_(replica.to(round_to))
@@ -212,11 +213,11 @@ def all_gather_direct(replica: torch.Tensor, master: torch.Tensor, codec: Codec 
     if codec is None:
         wire = master.detach().to(round_to or torch.float32)
         out = wire.new_empty(world * S)
-        dist.all_gather_into_tensor(out, wire, group=group)
+        compat.all_gather_single(out, wire, group=group)
         return replica.copy_(out)
     mine = codec.encode(master.detach().view(1, S))
     rows = mine.new_empty(world, mine.shape[1])
-    dist.all_gather_into_tensor(rows, mine, group=group)
+    compat.all_gather_single(rows, mine, group=group)
     replica.copy_(codec.decode(rows, S).view(-1))
     if round_to is not None:
         replica.copy_(replica.to(round_to))

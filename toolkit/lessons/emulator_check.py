@@ -23,6 +23,8 @@ import hashlib
 import torch
 import torch.distributed as dist
 
+from toolkit.runtime import compat
+
 SIZES = (1024, 262144, 4194304)  # bytes of the payload (float32): 1 KiB, 256 KiB, 4 MiB
 OPS = ("send", "all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 MATMUL_N = (256, 2048)  # a short matmul (under one transfer) and a long one
@@ -63,10 +65,10 @@ def _group_op(op: str, group, n: int, numel: int) -> tuple:
         return (lambda: dist.all_reduce(x, group=group)), [x]
     if op == "all_gather":
         out, x = torch.empty(numel), torch.full((numel // n,), float(me))
-        return (lambda: dist.all_gather_into_tensor(out, x, group=group)), [out]
+        return (lambda: compat.all_gather_single(out, x, group=group)), [out]
     if op == "reduce_scatter":
         out, x = torch.empty(numel // n), torch.arange(numel, dtype=torch.float32)
-        return (lambda: dist.reduce_scatter_tensor(out, x, group=group)), [out]
+        return (lambda: compat.reduce_scatter_single(out, x, group=group)), [out]
     if op == "all_to_all":
         out, x = torch.empty(numel), torch.arange(numel, dtype=torch.float32) * (me + 1)
         return (lambda: dist.all_to_all_single(out, x, group=group)), [out]

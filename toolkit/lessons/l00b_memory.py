@@ -299,10 +299,9 @@ def offload(ctx, cfg: dict) -> dict:
             tr.step()
         return fn
 
-    with ctx.ledger.tag("offload/timing"):
+    with ctx.ledger.tag("offload/timing"), ctx.part(len(names), len(names) + 2, "offload timing"):
         res = compare({name: stepper(name) for name in names}, warmup=cfg["warmup"], steps=cfg["bench_steps"],
-                      rounds=cfg["rounds"], sync=ctx.barrier,
-                      on_round=lambda d, t: ctx.progress(len(names) + d / max(t, 1), len(names) + 2, "offload timing"))
+                      rounds=cfg["rounds"], sync=ctx.barrier, on_round=ctx.progress)
     out["step_time_s"] = {name: r.mean_s for name, r in res.items()}
     for name in ("nvme", "nvme_params"):
         if name in trainers:

@@ -27,6 +27,7 @@ from toolkit.parallel.tp_overlap import (SequenceParallelStack, all_gather_matmu
                                          bytes_per_layer, kept_bytes_per_layer, matmul_reduce_scatter, overlap_fraction,
                                          shard_tokens)
 from toolkit.pipeline.executor import ActivationMeter
+from toolkit.runtime import compat
 from toolkit.runtime.bench import compare
 from toolkit.runtime.config import Param, common, resolve
 
@@ -215,11 +216,11 @@ def op_benchmarks(ctx, group, block, tokens: int, cfg: dict) -> dict:
     tiles = cfg["tiles"]
     ring_y, ring_x = all_gather_matmul(x, w1, group, mode="ring", keep_gathered=True)
     tiled_y, tiled_x = all_gather_matmul(x, w1, group, mode="ring", keep_gathered=True, tiles=tiles)
-    dist.all_gather_into_tensor(gathered, x, group=group)
+    compat.all_gather_single(gathered, x, group=group)
     ref_y = gathered @ w1  # the definition: all_gather, then matmul
     ring_rs = matmul_reduce_scatter(h, w2, group, mode="ring")
     tiled_rs = matmul_reduce_scatter(h, w2, group, mode="ring", tiles=tiles)
-    dist.reduce_scatter_tensor(scattered, partial, group=group)
+    compat.reduce_scatter_single(scattered, partial, group=group)
     close = lambda a, b: torch.allclose(a, b, rtol=1e-5, atol=1e-6)  # noqa: E731
     out = {"invariants": {
         "ag_gathered_bitwise": torch.equal(ring_x, gathered), "ag_max_diff": _diff(ring_y, ref_y),
@@ -339,14 +340,14 @@ def _candidates(group, o: dict, tiles: int) -> dict:
                                                                  "scattered"))
     return {
         "AG+GEMM": ({"x": list(x.shape), "w": list(w1.shape)},
-                    {"comm": lambda: dist.all_gather_into_tensor(gathered, x, group=group),
+                    {"comm": lambda: compat.all_gather_single(gathered, x, group=group),
                      "gemm": lambda: torch.mm(gathered, w1),
                      "bulk": lambda: all_gather_matmul(x, w1, group, mode="bulk"),
                      "ring": lambda: all_gather_matmul(x, w1, group, mode="ring"),
                      "tiled ring": lambda: all_gather_matmul(x, w1, group, mode="ring", tiles=tiles),
                      "ring comm": lambda: all_gather_matmul(x, w1[:, :0], group, mode="ring")}),  # GEMMs of width 0
         "GEMM+RS": ({"h": list(h.shape), "w": list(w2.shape)},
-                    {"comm": lambda: dist.reduce_scatter_tensor(scattered, partial, group=group),
+                    {"comm": lambda: compat.reduce_scatter_single(scattered, partial, group=group),
                      "gemm": lambda: torch.mm(h, w2),
                      "bulk": lambda: matmul_reduce_scatter(h, w2, group, mode="bulk"),
                      "ring": lambda: matmul_reduce_scatter(h, w2, group, mode="ring"),

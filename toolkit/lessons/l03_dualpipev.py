@@ -7,7 +7,8 @@
         dualpipev, fb_overlap=False       ours, both inputs of a pair awaited first, halves back to back
                                           (how torch runs OVERLAP_F_B)
         dualpipev-unpaired                ours, the same order with every F&B as a separate F and B
-        dualpipev                         torch.distributed.pipelining.ScheduleDualPipeV
+        dualpipev                         torch.distributed.pipelining.ScheduleDualPipeV (torch >= 2.9; on an
+                                          older torch the lesson runs without it and says why)
     per job: 1 checked step (loss, grads vs single process, saved-activation bytes over the step), then all
     timed side by side (bench.compare), ours with per-op spans, receive waits and the ledger's p2p counts
     -> step times, op times (F, B, I, W, F&B per stage), the last step's timeline, exposed receive time;
@@ -19,8 +20,8 @@ a multiple of 2p.
 from __future__ import annotations
 
 from toolkit.pipeline.harness import Job, PipelineSetup, measure_schedules
-from toolkit.pipeline.schedule import make_schedule
-from toolkit.pipeline.torch_compare import compare_orders
+from toolkit.pipeline.schedule import make_schedule, torch_order_missing
+from toolkit.pipeline.torch_compare import compare_orders, runtime_missing
 from toolkit.runtime.config import Param, common, require_divisible, resolve
 
 SCHEDULES = ("1f1b", "zb-h1", "interleaved", "dualpipev")
@@ -55,11 +56,15 @@ def run(ctx, cfg: dict) -> dict:
     jobs = [Job(make_schedule(name, p, m)) for name in cfg["schedules"] if name != "dualpipev"]
     jobs += [Job(dpv),                                              # F&B overlapped (ours)
              Job(dpv, fb_overlap=False),                            # F&B halves back to back (torch's way)
-             Job(make_schedule("dualpipev", p, m, pair=False)),     # the same order, no pairs
-             Job(dpv, impl="torch")]                                # torch's ScheduleDualPipeV
+             Job(make_schedule("dualpipev", p, m, pair=False))]     # the same order, no pairs
+    torch_missing = {"runtime": runtime_missing("dualpipev"), "order": torch_order_missing("dualpipev")}
+    if torch_missing["runtime"] is None:
+        jobs.append(Job(dpv, impl="torch"))                         # torch's ScheduleDualPipeV
     runs, _ = measure_schedules(ctx, setup, jobs, warmup=cfg["warmup"], steps=cfg["bench_steps"],
                                 rounds=cfg["rounds"])
     return {"rank": ctx.rank, "p": p, "m": m, "model": vars(setup.model_cfg), "ref_loss": setup.ref_loss,
             "runs": runs, "orders": {name: make_schedule(name, p, m).to_strings() for name in cfg["schedules"]},
-            "torch_order_identical": compare_orders(dpv, "dualpipev")["identical"],
+            "torch_missing": torch_missing,  # None, or why this torch cannot run / list torch's DualPipeV
+            "torch_order_identical": (compare_orders(dpv, "dualpipev")["identical"]
+                                      if torch_missing["order"] is None else None),
             "attention_modules": [name for name, _ in setup.base.blocks[0].attn.named_children()]}

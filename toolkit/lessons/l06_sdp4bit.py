@@ -18,13 +18,13 @@ from __future__ import annotations
 import copy
 
 import torch
-import torch.distributed as dist
 
 from toolkit.comm.sdp4bit import (Codec, SDPConfig, ShardedDP, all_gather_direct, all_gather_qwd, check_topology,
                                   make_topology, reduce_scatter_bf16, reduce_scatter_fp32, reduce_scatter_tlq)
 from toolkit.data import batches, held_out_loss
 from toolkit.models.gpt import GPT, count_params, preset
 from toolkit.quant import dequantize_blockwise, hadamard32, qsnr_db, quantize_blockwise
+from toolkit.runtime import compat
 from toolkit.runtime.config import Param, common, require_ranks, resolve
 from toolkit.runtime.spread import compare
 
@@ -74,7 +74,7 @@ def _replicas_identical(ctx, replica: torch.Tensor) -> bool:
     """All-gather every rank's full replica and compare bit for bit (a check, tagged apart)."""
     with ctx.ledger.tag("check"):
         rows = replica.new_empty(ctx.world_size * replica.numel())
-        dist.all_gather_into_tensor(rows, replica)
+        compat.all_gather_single(rows, replica)
     rows = rows.view(ctx.world_size, -1).view(torch.int32)
     return bool((rows == rows[0]).all())
 

@@ -24,6 +24,7 @@ import torch.nn as nn
 from toolkit.data import batches
 from toolkit.memory.param_reuse import MasterAdamW, ReuseAdamW, bytes_by_category, count_ties, flatten_params_
 from toolkit.models import GPT, count_params, preset
+from toolkit.runtime import compat
 from toolkit.runtime.bench import compare
 from toolkit.runtime.config import Param, common, require_divisible, resolve
 from toolkit.runtime.memory import MemoryTracker
@@ -83,7 +84,7 @@ class Replica:
         mark("optimizer")
         self.opt.step()
         mark("all-gather")
-        dist.all_gather_into_tensor(self.flat, self.shard.clone())
+        compat.all_gather_single(self.flat, self.shard.clone())
         self.shard.grad = None
         return loss
 

@@ -136,10 +136,9 @@ def run(ctx, cfg: dict) -> dict:
             ex.step(inputs, targets)
         return go
 
-    bench = compare({v: stepper(model, ex) for v, (model, _, ex, _) in timed.items()}, warmup=cfg["warmup"],
-                    steps=cfg["bench_steps"], rounds=cfg["rounds"], sync=ctx.barrier,
-                    on_round=lambda done, total: ctx.progress(len(variants) + done / total, len(variants) + 1,
-                                                              "timing"))
+    with ctx.part(len(variants), len(variants) + 1, "timing"):
+        bench = compare({v: stepper(model, ex) for v, (model, _, ex, _) in timed.items()}, warmup=cfg["warmup"],
+                        steps=cfg["bench_steps"], rounds=cfg["rounds"], sync=ctx.barrier, on_round=ctx.progress)
     for _, _, _, off in timed.values():
         if off is not None:
             off.remove()

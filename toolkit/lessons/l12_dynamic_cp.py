@@ -25,6 +25,7 @@ from toolkit.context.dynamic_cp import (Plan, cp_size_for, pad_length, prebuilt_
 from toolkit.context.dcp_sim import corpus_lengths
 from toolkit.data import corpus
 from toolkit.models import GPT, preset
+from toolkit.runtime import compat
 from toolkit.runtime.bench import compare
 from toolkit.runtime.config import Param, common, require_ranks, resolve
 
@@ -120,7 +121,7 @@ def run(ctx, cfg: dict) -> dict:
     local = torch.tensor([[real[s], pad_length(real[s], 2 * world)] for s in mine], dtype=torch.long, device=dev)
     gathered = torch.empty(world * share * 2, dtype=torch.long, device=dev)
     with ctx.ledger.tag("gather-lengths"):
-        dist.all_gather_into_tensor(gathered, local.reshape(-1))
+        compat.all_gather_single(gathered, local.reshape(-1))
     real_g, padded = gathered.view(-1, 2)[:, 0].tolist(), gathered.view(-1, 2)[:, 1].tolist()
     samples = {s: sample_rows(s, real_g[s], padded[s], cfg["seed"]).to(dev) for s in mine}
     n_tokens = sum(real_g)

@@ -74,7 +74,7 @@ def run(ctx, cfg: dict) -> dict:
     for name, group in groups.items():
         ctx.ledger.name_group(group, name)
     out = {"rank": r, "ref_loss": setup.ref_loss, "runs": {}}
-    ticks, total = [0], 4
+    ticks, total = [0], 3
 
     def tick(msg):
         ticks[0] += 1
@@ -136,9 +136,9 @@ def run(ctx, cfg: dict) -> dict:
             ex.step(setup.inputs, setup.targets)
         return go
 
-    bench = compare({name: stepper(*timed[name]) for name in RUNS}, warmup=cfg["warmup"], steps=cfg["bench_steps"],
-                    rounds=cfg["rounds"], sync=ctx.barrier,
-                    on_round=lambda done, n: ctx.progress(2 + done / n, total, "timing"))
+    with ctx.part(2, total, "timing"):
+        bench = compare({name: stepper(*timed[name]) for name in RUNS}, warmup=cfg["warmup"],
+                        steps=cfg["bench_steps"], rounds=cfg["rounds"], sync=ctx.barrier, on_round=ctx.progress)
     for name in RUNS:
         _, ex, _ = timed[name]
         out["runs"][name]["bench"] = bench[name].to_dict()
@@ -148,7 +148,6 @@ def run(ctx, cfg: dict) -> dict:
             out["runs"][name]["timed_comm_spans"] = ex.comm_spans
     out["param_bytes"] = {"baseline": _param_bytes_baseline(setup, r, p),
                           "vocab": sum(q.numel() * q.element_size() for q in timed["vocab-2"][2].parameters())}
-    tick("timing")
     return out
 
 

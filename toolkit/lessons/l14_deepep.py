@@ -338,7 +338,7 @@ def timing(ctx, cfg: dict, x, ids, w, hop: TwoHop) -> dict:
             fn()
             sent[name] = sum(r.sent_bytes for r in ctx.ledger.records[mark:])
         times = compare(candidates, warmup=cfg["warmup"], steps=cfg["bench_steps"], rounds=cfg["rounds"],
-                        sync=ctx.barrier, on_round=lambda d, t: ctx.progress(5 + d / t, 6, "timing"))
+                        sync=ctx.barrier, on_round=ctx.progress)
     return {name: {"mean_s": times[name].mean_s, "sent_bytes": sent[name]} for name in candidates}
 
 
@@ -375,7 +375,8 @@ def run(ctx, cfg: dict) -> dict:
     ctx.progress(4, 6, "codecs")
     out["low_latency"] = low_latency(ctx, cfg, x, ids, w)
     ctx.progress(5, 6, "low latency")
-    out["timing"] = timing(ctx, cfg, x, ids, w, hop)
+    with ctx.part(5, 6, "timing"):
+        out["timing"] = timing(ctx, cfg, x, ids, w, hop)
     out["deepep_scale"] = deepep_scale() if ctx.rank == 0 else None
     out["spans"] = ctx.timeline.to_json()
     out["published"] = DEEPEP_PUBLISHED

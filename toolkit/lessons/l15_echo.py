@@ -25,6 +25,7 @@ from toolkit.models import GPT, preset
 from toolkit.moe import ExpertParallelMoE, expert_parallel
 from toolkit.moe.echo import (Echo, check_plan, enable_echo, expert_counts, expert_param_count, fit_cost_model,
                               flat_params, plan_clones, zipf_routing)
+from toolkit.runtime import compat
 from toolkit.runtime.bench import compare
 from toolkit.runtime.config import Param, common, require_divisible, require_ranks, resolve
 
@@ -93,7 +94,7 @@ def plan_section(ctx, cfg: dict) -> dict:
     R, E = ctx.world_size, cfg["n_expert"]
     mine = expert_counts(zipf_ids(cfg, ctx.rank), E)
     counts = torch.empty(R * E, dtype=mine.dtype)
-    dist.all_gather_single(counts, mine)
+    compat.all_gather_single(counts, mine)
     counts = counts.view(R, E)
     plan = plan_clones(counts, E // R, cfg["spare_slots"], None, cfg["min_tokens"])
     sweep = []
@@ -167,7 +168,7 @@ def layer_section(ctx, cfg: dict) -> dict:
     loads = {}
     for name, t in received.items():
         every = torch.empty(ctx.world_size, dtype=t.dtype)
-        dist.all_gather_single(every, t.reshape(1))
+        compat.all_gather_single(every, t.reshape(1))
         loads[name] = every.tolist()
     # the clones' weights, bitwise the home expert's (every rank holds the reference layer's weights)
     bitwise = all(torch.equal(row, flat_params(moe.experts[c.expert]))
@@ -220,7 +221,7 @@ def timing_section(ctx, cfg: dict) -> dict:
     rows = [{"budget": b, **stats[b], "wall_s": times[str(b)].mean_s, "cpu_s": statistics.median(cpu[b][-n:])}
             for b in cfg["budgets"]]
     every = torch.empty(ctx.world_size * len(rows), dtype=torch.float64)
-    dist.all_gather_single(every, torch.tensor([r["cpu_s"] for r in rows], dtype=torch.float64))
+    compat.all_gather_single(every, torch.tensor([r["cpu_s"] for r in rows], dtype=torch.float64))
     every = every.view(ctx.world_size, len(rows))
     for j, r in enumerate(rows):
         r["cpu_per_rank_s"] = every[:, j].tolist()

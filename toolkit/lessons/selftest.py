@@ -6,6 +6,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from toolkit.runtime import compat
+
 
 def run(ctx, cfg):
     """All-reduce a tensor and report what every rank saw."""
@@ -38,8 +40,8 @@ def ledger_ops(ctx, cfg):
     n, w, r = cfg.get("n", 8), ctx.world_size, ctx.rank
     x = torch.ones(n)
     dist.all_reduce(x)
-    dist.all_gather_into_tensor(torch.empty(n * w), torch.ones(n))
-    dist.reduce_scatter_tensor(torch.empty(n), torch.ones(n * w))
+    dist.all_gather_into_tensor(torch.empty(n * w), torch.ones(n))  # torch's own names: the ledger test
+    dist.reduce_scatter_tensor(torch.empty(n), torch.ones(n * w))    # (deprecated in torch 2.13, still there)
     dist.all_to_all_single(torch.empty(n * w), torch.ones(n * w))
     dist.broadcast(torch.ones(n), src=0)
     dist.reduce(torch.ones(n), dst=0)
@@ -51,9 +53,10 @@ def ledger_ops(ctx, cfg):
         ops = [dist.P2POp(dist.isend, torch.ones(n), (r + 1) % w), dist.P2POp(dist.irecv, torch.empty(n), (r - 1) % w)]
         for work in dist.batch_isend_irecv(ops):
             work.wait()
-    with ctx.ledger.tag("single"):  # the names FSDP2 calls in torch >= 2.10
-        dist.all_gather_single(torch.empty(n * w), torch.ones(n))
-        dist.reduce_scatter_single(torch.empty(n), torch.ones(n * w))
+    if compat.missing("single_collectives") is None:
+        with ctx.ledger.tag("single"):  # the new names (torch >= 2.13), counted under the old ones
+            dist.all_gather_single(torch.empty(n * w), torch.ones(n))
+            dist.reduce_scatter_single(torch.empty(n), torch.ones(n * w))
     handle = dist.all_reduce(torch.ones(n), async_op=True)
     handle.wait()
     grid = ctx.make_grid(tp=2) if w % 2 == 0 else None
@@ -78,3 +81,28 @@ def phased(ctx, cfg):
     except ValueError as exc:
         return {"rank": ctx.rank, "undeclared": str(exc)}
     return {"rank": ctx.rank, "undeclared": None}
+
+
+def nested(ctx, cfg):
+    """Phases ("setup", "work"); in "work" ``cfg["n"]`` pieces, each timing two candidates with
+    ``bench.compare`` that reports its own rounds. With ``cfg["parts"]`` each piece is a ``ctx.part``;
+    without, the pieces report ``progress(i, n)`` and the rounds then overwrite it (the bar's old bug)."""
+    from contextlib import nullcontext
+
+    from toolkit.runtime.bench import compare
+    with ctx.phase("setup"):
+        dist.barrier()
+    ctx.phase("work")
+
+    def round_done(done: int, total: int) -> None:
+        ctx.progress(done, total, "rounds")
+        time.sleep(0.3)  # longer than the launcher's poll and the rank's report interval: every report is seen
+
+    n, parts = cfg.get("n", 3), cfg.get("parts", True)
+    for i in range(n):
+        if not parts:
+            ctx.progress(i, n, f"piece {i}")
+        with ctx.part(i, n, f"piece {i}") if parts else nullcontext():
+            compare({"a": lambda: time.sleep(0.05), "b": lambda: time.sleep(0.05)}, warmup=0, steps=1, rounds=3,
+                    trim=0, sync=ctx.barrier, on_round=round_done)
+    return {"rank": ctx.rank}

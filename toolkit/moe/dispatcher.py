@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 from toolkit.comm import quant_a2a
+from toolkit.runtime import compat
 
 CODECS = quant_a2a.MODES  # "none" (the tensor as it is), "bf16", "int8", "int4", "fp8" (e4m3 bits as uint8)
 OVERFLOW = ("error", "drop")
@@ -321,7 +322,7 @@ class TokenDispatcher:
         mine = torch.cat([demand, kept, rows_to, torch.tensor(flags, device=dev)]).to(torch.int64)
         every = torch.empty(R * mine.numel(), dtype=torch.int64, device=dev)
         with self.phase("routing"):
-            dist.all_gather_single(every, mine, group=self.group)  # torch >= 2.10 name of all_gather_into_tensor
+            compat.all_gather_single(every, mine, group=self.group)
         every = every.view(R, -1)
         self._raise_if_bad(every[:, 2 * E + R:], every[:, :E])
         demand_all, counts = every[:, :E], every[:, E:2 * E]

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from toolkit.runtime import compat
 from toolkit.runtime.spread import t_975
 
 
@@ -349,7 +350,7 @@ class Echo:
         mine = torch.cat([torch.bincount(flat.clamp(0, E - 1), minlength=E), torch.tensor([int(bad)], device=ids.device)])
         every = torch.empty(self.ep * (E + 1), dtype=mine.dtype, device=ids.device)
         with self.phase("echo_counts"):
-            dist.all_gather_single(every, mine, group=self.group)  # torch >= 2.10 name of all_gather_into_tensor
+            compat.all_gather_single(every, mine, group=self.group)
         every = every.view(self.ep, E + 1)
         if int(every[:, E].sum()):  # an id out of range somewhere: the dispatcher's plan raises it on every rank
             self.last_plan = None

@@ -68,6 +68,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from toolkit.runtime import compat
+
 from .tensor import ColumnParallelLinear, RowParallelLinear, check_tp, qkv_rows
 
 MODES = ("bulk", "ring")
@@ -144,7 +146,7 @@ def all_gather_matmul(x: torch.Tensor, b: torch.Tensor, group=None, *, bias: tor
     if mode == "bulk" or tp == 1:
         start = trace.mark()
         with trace.span("wait"):
-            dist.all_gather_into_tensor(gathered.view(tp * m, k), x.contiguous(), group=group)
+            compat.all_gather_single(gathered.view(tp * m, k), x.contiguous(), group=group)
         trace.flight(start)
         with trace.span("gemm"):
             out = _mm(gathered.view(tp * m, k), b, bias)
@@ -220,7 +222,7 @@ def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, group=None, *, mode:
         out = partial.new_empty(m, b.shape[1])
         start = trace.mark()
         with trace.span("wait"):
-            dist.reduce_scatter_tensor(out, partial, group=group)
+            compat.reduce_scatter_single(out, partial, group=group)
         trace.flight(start)
         return out
     out = a.new_empty(m, b.shape[1])
@@ -274,14 +276,14 @@ class _AllGatherLinear(torch.autograd.Function):
             gathered = saved
         else:  # gather the input again, behind the dX GEMM
             gathered = saved.new_empty(tp * saved.shape[0], saved.shape[1])
-            gather = dist.all_gather_into_tensor(gathered, saved, group=ctx.group, async_op=True)
+            gather = compat.all_gather_single(gathered, saved, group=ctx.group, async_op=True)
         scatter = None
         if ctx.mode == "ring" and tp > 1:
             dx = matmul_reduce_scatter(grad, weight, ctx.group, mode="ring", tiles=ctx.tiles)  # [m, K]
         else:  # Megatron without flux: the dX GEMM, then its reduce-scatter in flight behind the dW GEMM
             partial = grad.mm(weight)  # [M, K]
             dx = partial.new_empty(partial.shape[0] // tp, partial.shape[1])
-            scatter = dist.reduce_scatter_tensor(dx, partial, group=ctx.group, async_op=True)
+            scatter = compat.reduce_scatter_single(dx, partial, group=ctx.group, async_op=True)
         if gather is not None:
             gather.wait()
         dw = grad.t().mm(gathered)

@@ -55,17 +55,14 @@ compute (FSDP2 adds those; ``benchmarks/bench_zero_vs_fsdp2.py`` measures what t
 from __future__ import annotations
 
 import functools
-import warnings
 from typing import Callable, Iterable
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from toolkit.runtime import compat
 from toolkit.runtime.memory import MemoryTracker
-
-# torch >= 2.10 renamed these two to all_gather_single / reduce_scatter_single; the ledger counts the old names
-warnings.filterwarnings("ignore", r".*(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated", FutureWarning)
 
 STAGES = (0, 1, 2, 3)
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
@@ -240,7 +237,7 @@ class _FlatUnit:
         """Blocking all-gather of the whole unit (used outside forward and backward, e.g. for checkpoints)."""
         full = torch.empty(self.padded, dtype=self.shard.dtype, device=self.shard.device)
         shard = self.shard.detach() if self.shard_source is None else self.shard_source()
-        dist.all_gather_into_tensor(full, shard, group=self.group)
+        compat.all_gather_single(full, shard, group=self.group)
         _classify(full, "param")
         return full
 
@@ -253,7 +250,7 @@ class _FlatUnit:
         full = torch.empty(self.padded, dtype=self.shard.dtype, device=self.shard.device)
         times = {"issued": owner._now() if owner else 0.0}
         shard = self.shard.detach() if self.shard_source is None else self.shard_source()
-        work = dist.all_gather_into_tensor(full, shard, group=self.group, async_op=True)
+        work = compat.all_gather_single(full, shard, group=self.group, async_op=True)
         if owner is not None and owner.timeline is not None:
             try:  # completion time, stamped by the process group's thread when the data has arrived
                 work.get_future().then(lambda _f: times.setdefault("done", owner._now()))
@@ -343,7 +340,7 @@ class _FlatUnit:
 
     def _reduce_scatter(self, grad: torch.Tensor) -> torch.Tensor:
         shard = torch.empty(self.shard_numel, dtype=grad.dtype, device=grad.device)  # [padded/n]
-        dist.reduce_scatter_tensor(shard, grad, group=self.group)
+        compat.reduce_scatter_single(shard, grad, group=self.group)
         return shard
 
     def reduce_scatter_grads(self) -> None:
@@ -353,7 +350,7 @@ class _FlatUnit:
 
     def all_gather_params(self) -> None:
         """Stages 1-2, after the step: every rank fetches the shards it did not update."""
-        dist.all_gather_into_tensor(self.full, self.shard.detach(), group=self.group)
+        compat.all_gather_single(self.full, self.shard.detach(), group=self.group)
 
 
 def _classify(t: torch.Tensor, category: str) -> None:

@@ -21,11 +21,12 @@ from .executor import ActivationMeter, PipelineExecutor, WeightGradStore, split_
 from .recompute import RecomputeQueue
 from .schedule import (SCHEDULES, TORCH_NAMES, Action, Schedule, dualpipev, fb, from_torch, gpipe, interleaved_1f1b,
                        interleaved_layout, linear_layout, make_schedule, one_f_one_b, schedule_options, torch_order,
-                       v_layout, zb_h1)
+                       torch_order_missing, v_layout, zb_h1)
 from .simulate import Costs, SimResult, closed_form_bubble, simulate
 
 __all__ = ["Action", "Schedule", "SCHEDULES", "TORCH_NAMES", "make_schedule", "fb", "gpipe",
-           "one_f_one_b", "interleaved_1f1b", "zb_h1", "dualpipev", "from_torch", "torch_order", "schedule_options",
+           "one_f_one_b", "interleaved_1f1b", "zb_h1", "dualpipev", "from_torch", "torch_order", "torch_order_missing",
+           "schedule_options",
            "linear_layout",
            "interleaved_layout", "v_layout", "Costs", "SimResult", "simulate", "closed_form_bubble",
            "PipelineExecutor", "WeightGradStore", "ActivationMeter", "split_weight_grads", "RecomputeQueue"]

@@ -305,7 +305,9 @@ def measure_schedules(ctx, setup: PipelineSetup, jobs: list[Job], *, warmup: int
     Per job, one checked step (``check_step``); then all jobs timed side by side with
     ``toolkit.runtime.bench.compare`` (``warmup`` untimed steps each, then ``rounds`` rounds of ``steps``
     steps, the order rotating), each on its own fresh copy. Returns one record per job, in order, and the
-    model of each checked step. A record holds ``check_step``'s fields and:
+    model of each checked step. Progress (``ctx.progress``) counts pipeline steps, checked, warm-up and timed,
+    over this call; wrap the call in ``ctx.part`` to make it one slice of a longer run. A record holds
+    ``check_step``'s fields and:
 
     - ``bench``: ``BenchResult`` fields (trimmed mean of the round means, median, std, stability, ...);
     - ``p2p``: per timed step, from the ledger: ``calls``, ``sent_bytes``, ``recv_bytes``, ``recv_open_s``
@@ -321,15 +323,21 @@ def measure_schedules(ctx, setup: PipelineSetup, jobs: list[Job], *, warmup: int
     if len({job.label for job in jobs}) != len(jobs):
         raise ValueError(f"jobs repeat: {[job.label for job in jobs]}")
     records, models = [], []
-    units = len(jobs) + rounds  # progress: one unit per checked job, then one per timing round
+    # progress in pipeline steps, the unit of time here: one checked step per job, then warm-up and rounds
+    per_round = len(jobs) * steps
+    units = len(jobs) * (1 + warmup) + rounds * per_round
     for i, job in enumerate(jobs):
         record, model = check_step(ctx, setup, job)
         records.append(record)
         models.append(model)
         ctx.progress(i + 1, units, "checked " + job.label)
     candidates = {job.label: _Candidate(ctx, setup, job, warmup) for job in jobs}
+
+    def timed(done: int, total: int) -> None:  # after the warm-up (done = 0), then after each round
+        ctx.progress(units - (total - done) * per_round, units, f"timing every schedule, round {done}/{total}")
+
     results = compare(candidates, warmup=warmup, steps=steps, rounds=rounds, trim=trim, sync=ctx.barrier,
-                      on_round=lambda done, total: ctx.progress(len(jobs) + done, units, "timing every schedule"))
+                      on_round=timed)
     for record, (label, candidate) in zip(records, candidates.items()):
         record["bench"] = results[label].to_dict()
         record.update(candidate.summary())

@@ -465,6 +465,14 @@ TORCH_NAMES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "Interleaved1F1B
                "dualpipev": "DualPipeV"}
 
 
+def torch_order_missing(name: str) -> str | None:
+    """Why ``torch_order(name, ...)`` cannot run on this torch (a sentence naming the release it needs), or
+    None when it can (torch >= 2.8; DualPipeV >= 2.9)."""
+    from toolkit.runtime import compat
+    torch_name = TORCH_NAMES.get(name, name)
+    return compat.missing("schedule_ops") or (compat.missing("dualpipev") if torch_name == "DualPipeV" else None)
+
+
 def torch_order(name: str, p: int, m: int) -> Schedule:
     """torch.distributed.pipelining's compute order for ``name`` (a key or value of ``TORCH_NAMES``) as a
     ``Schedule``, *not* checked (``from_torch`` is the checked one; ``compare_orders`` uses this).
@@ -472,13 +480,15 @@ def torch_order(name: str, p: int, m: int) -> Schedule:
     torch's ``FULL_BACKWARD`` is B, ``BACKWARD_INPUT`` I, ``OVERLAP_F_B`` FB; communication and
     ``REDUCE_GRAD`` entries are dropped. Multi-stage schedules get 2 stages per rank.
     """
-    from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
-    from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
-
     torch_name = TORCH_NAMES.get(name, name)
     if torch_name not in TORCH_NAMES.values():
         raise ValueError(f"schedule={name!r} has no torch counterpart here; allowed: {sorted(TORCH_NAMES)}")
-    single = issubclass(get_schedule_class(torch_name), PipelineScheduleSingle)
+    from toolkit.runtime import compat
+    compat.require("schedule_ops")
+    from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
+    from torch.distributed.pipelining.schedules import PipelineScheduleSingle
+
+    single = issubclass(compat.pipeline_schedule_class(torch_name), PipelineScheduleSingle)
     ops = get_schedule_ops(torch_name, p, m, num_stages_per_rank=1 if single else 2)
     kinds = {"F": "F", "B": "B", "I": "I", "W": "W"}
 

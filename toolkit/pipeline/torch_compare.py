@@ -19,6 +19,10 @@ checked in tests/test_schedules.py for torch 2.13:
 - GPipe, Interleaved1F1B: identical orders (for m a multiple of p).
 - ZBVZeroBubble: we have no generator of our own; ``from_torch("zbv", p, m)`` imports torch's order (checked)
   so the simulator and our executor can run it.
+
+Older torch (``toolkit.runtime.compat``): the orders need torch >= 2.8 (``torch_order_missing``), torch's
+runtime beside ours torch >= 2.7 (``runtime_missing``: 2.6 sums the micro-batches' gradients), DualPipeV
+torch >= 2.9 for both. Lessons ask these first, and say what they skipped.
 """
 from __future__ import annotations
 
@@ -27,7 +31,15 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
+from toolkit.runtime import compat
+
 from .schedule import TORCH_NAMES, Schedule, torch_order
+
+
+def runtime_missing(name: str) -> str | None:
+    """Why ``TorchPipeline(name, ...)`` cannot run on this torch (a sentence naming the release it needs), or
+    None when it can (torch >= 2.7; DualPipeV >= 2.9)."""
+    return compat.missing("pipeline_grad_mean") or (compat.missing("dualpipev") if name == "dualpipev" else None)
 
 
 def compare_orders(ours: Schedule, name: str | None = None) -> dict:
@@ -63,11 +75,14 @@ class TorchPipeline:
     def __init__(self, name: str, modules: dict[int, nn.Module], n_stages: int, m: int, loss_fn: Callable,
                  device: torch.device | str = "cpu", group=None):
         from torch.distributed.pipelining import PipelineStage
-        from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
+        from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
         if name not in TORCH_NAMES:
             raise ValueError(f"schedule={name!r} has no torch counterpart; allowed: {sorted(TORCH_NAMES)}")
-        cls = get_schedule_class(TORCH_NAMES[name])
+        reason = runtime_missing(name)
+        if reason:
+            raise compat.TorchFeatureMissing(reason)
+        cls = compat.pipeline_schedule_class(TORCH_NAMES[name])
         self.stage_ids = sorted(modules)
         stages = [PipelineStage(modules[s], s, n_stages, torch.device(device), group=group) for s in self.stage_ids]
         single = issubclass(cls, PipelineScheduleSingle)

@@ -70,6 +70,8 @@ class Context:
     _last_progress: float = field(default=0.0, repr=False)
     _phase: int = field(default=0, repr=False)
     _phase_name: str = field(default="", repr=False)
+    _parts: list = field(default_factory=list, repr=False)
+    """Open ``part`` blocks, outermost first: ``(lo, hi, message)``, lo and hi fractions of the phase."""
 
     def make_grid(self, **sizes: int) -> ProcessGrid:
         """Build (collectively, on every rank) a dp/pp/tp/cp/ep grid and label its groups in the ledger."""
@@ -93,6 +95,14 @@ class Context:
             dist.barrier()
 
     # -- progress: what the launcher's bar shows (rank 0's) ------------------------------------------------
+    #
+    #   phase "timing" (weight 3 of 4)   ├──────────────── the phase's share of the bar ────────────────┤
+    #   with ctx.part(1, 3, "1f1b"):                          ├──── part 1 of 3 ────┤
+    #       measure_schedules(...)                            │ its ctx.progress(done, total) fills this
+    #                                                         │ slice only; a part inside it, a slice of it
+    #
+    # Every report is one fraction of the current phase, so nested code (a harness that counts its own
+    # jobs and rounds, inside a lesson's loop) moves one bar forward and never past its slice.
     def phase(self, name: str) -> "_Phase":
         """Start phase ``name`` (declared in the lesson's ``PHASES``); ``progress`` then reports inside it.
 
@@ -105,23 +115,41 @@ class Context:
                 raise ValueError(f"phase {name!r} is not declared; PHASES declares {names}")
             self._phase = names.index(name)
         self._phase_name = name
+        self._parts.clear()
         self._report(0, 0, "" if self.phases else name, force=True)
         return _Phase(self)
 
-    def progress(self, done: int, total: int, message: str = "") -> None:
-        """Sub-progress inside the current phase (the whole run if no phases are declared): ``done`` of
-        ``total`` units, and what is being done. Cheap: call it in every long loop."""
-        if not self.phases and self._phase_name and not message:
+    def part(self, index: float, total: float, message: str = "", size: float = 1) -> "_Part":
+        """``with ctx.part(i, n, "what"):`` the block is units [i, i + size) of n of the current phase (or of
+        the enclosing part): its ``progress(done, total)`` calls fill that slice only, so code that reports
+        its own counts (``measure_schedules``, ``bench.compare``'s rounds) nests without its totals
+        replacing the caller's. Parts nest; ``message`` is shown before the inner messages."""
+        if not (0 <= index and size > 0 and index + size <= total):
+            raise ValueError(f"part({index}, {total}, size={size}) must lie within 0..{total}")
+        lo, hi = self._bounds()
+        return _Part(self, lo + (hi - lo) * index / total, lo + (hi - lo) * (index + size) / total, message)
+
+    def progress(self, done: float, total: float, message: str = "") -> None:
+        """Sub-progress inside the current part or phase (the whole run if no phases are declared): ``done``
+        of ``total`` units, and what is being done. Cheap: call it in every long loop."""
+        if not self.phases and self._phase_name and not message and not self._parts:
             message = self._phase_name
         self._report(done, total, message)
 
-    def _report(self, done: int, total: int, message: str, force: bool = False) -> None:
+    def _bounds(self) -> tuple[float, float]:
+        return self._parts[-1][:2] if self._parts else (0.0, 1.0)
+
+    def _report(self, done: float, total: float, message: str, force: bool = False) -> None:
         now = time.monotonic()
         if self.out_dir is None or (not force and now - self._last_progress < 0.2 and done < total):
             return
         self._last_progress = now
+        lo, hi = self._bounds()
+        fraction = lo + (hi - lo) * (min(max(done / total, 0.0), 1.0) if total else 0.0)
+        where = " · ".join(filter(None, [m for _, _, m in self._parts] + [message]))
         tmp = self.out_dir / f"progress.rank{self.rank}.tmp"
-        tmp.write_text(json.dumps({"phase": self._phase, "done": done, "total": total, "message": message}))
+        tmp.write_text(json.dumps({"phase": self._phase, "fraction": fraction, "done": done, "total": total,
+                                   "message": where}))
         tmp.replace(self.out_dir / f"progress.rank{self.rank}.json")
 
     def log(self, message: str) -> None:
@@ -139,7 +167,26 @@ class _Phase:
 
     def __exit__(self, *exc) -> None:
         if exc[0] is None and self.ctx._phase == self.index:
+            self.ctx._parts.clear()
             self.ctx._report(1, 1, "", force=True)
+
+
+class _Part:
+    """What ``ctx.part`` returns: a context that maps the progress reported inside it into [lo, hi]."""
+
+    def __init__(self, ctx: Context, lo: float, hi: float, message: str):
+        self.ctx, self.span = ctx, (lo, hi, message)
+
+    def __enter__(self) -> "_Part":
+        self.ctx._parts.append(self.span)
+        self.ctx._report(0, 0, "", force=True)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.ctx._parts and self.ctx._parts[-1] is self.span:
+            if exc[0] is None:
+                self.ctx._report(1, 1, "", force=True)
+            self.ctx._parts.pop()
 
 
 def _free_port() -> int:

@@ -23,10 +23,11 @@ never reads half a file. The whole process tree is killed (once) on failure, on 
 KeyboardInterrupt (the stop button in Jupyter), so no rank outlives its launch.
 
 Progress: a lesson module may declare ``PHASES = [("name", weight), ...]`` (or a function of the
-validated cfg returning that list); ``ctx.phase("name")`` starts a phase on a rank and ``ctx.progress(done,
-total, msg)`` is sub-progress inside it. The launcher shows rank 0's as one bar whose total is the sum of
-the weights (a widget in JupyterLab, plain lines under papermill, CI and scripts). Without ``PHASES`` the
-whole run is one phase.
+validated cfg returning that list); ``ctx.phase("name")`` starts a phase on a rank, ``ctx.progress(done,
+total, msg)`` is sub-progress inside it and ``with ctx.part(i, n, msg):`` gives a block (that may count its
+own units) slice i of n. The launcher shows rank 0's as one bar whose total is the sum of the weights (a
+widget in JupyterLab, plain lines under papermill, CI and scripts). Without ``PHASES`` the whole run is one
+phase.
 """
 from __future__ import annotations
 
@@ -415,11 +416,15 @@ class Progress:
     """One bar per launch: a widget in JupyterLab, plain lines under papermill, CI and scripts.
 
     The total is the sum of the phase weights, fixed before any rank starts (without phases: one phase
-    of weight 1). Rank 0 reports ``{"phase": i, "done", "total", "message"}``; the bar stands at
-    ``(weights of the phases before i + weight_i * done / total) / sum of weights`` and never moves back.
+    of weight 1). Rank 0 reports ``{"phase": i, "fraction": f, "done", "total", "message"}``, ``f`` its place
+    in phase i (``Context.part`` nests code that counts its own units into a slice of the phase; without
+    ``fraction``, ``done / total``); the bar stands at ``(weights of the phases before i + weight_i * f) /
+    sum of weights`` and never moves back. Plain lines come at each phase, every tenth of the bar (at most
+    one per 2 s) and, while nothing changes, every ``HEARTBEAT_S`` seconds, so a long step is not silence.
     """
 
     WIDTH = 1000  # widget resolution
+    HEARTBEAT_S = 30.0  # plain mode: the longest stretch without a line
 
     def __init__(self, title: str, mode: str, phases: list | None = None, out=None):
         self.title, self.start, self.last_line, self.last_key = title, time.monotonic(), -1e9, None
@@ -446,36 +451,56 @@ class Progress:
             self._print(f"starting; phases: {names}")
 
     def poll(self, tmp: Path) -> None:
-        """Read rank 0's progress file, if a new one is there."""
+        """Read rank 0's progress file, if a new one is there (plain mode: repeat the line after a silence)."""
         path = tmp / "progress.rank0.json"
         try:
             state = json.loads(path.read_text())
         except (FileNotFoundError, json.JSONDecodeError, OSError):
-            return
-        if state != self.state:
+            state = self.state
+        if state is not None and state != self.state:
             self.update(state)
+        elif self.mode == "plain" and time.monotonic() - self.last_line > self.HEARTBEAT_S:
+            elapsed = time.monotonic() - self.start
+            self._print(" ".join(filter(None, [f"{100 * self.fraction:3.0f}%", self._where(),
+                                               f"({elapsed:.1f}s, still working)"])))
+
+    def overall(self, state: dict) -> float:
+        """The fraction of the whole run that ``state`` (one report of rank 0) stands for."""
+        i = self._phase_of(state)
+        if "fraction" in state:
+            inside = state["fraction"]
+        else:
+            done, total = state.get("done", 0), state.get("total", 0)
+            inside = done / total if total else 0.0
+        before = sum(w for _, w in self.phases[:i])
+        return (before + self.phases[i][1] * min(max(inside, 0.0), 1.0)) / self.weight
 
     def update(self, state: dict) -> None:
         self.state = state
-        i = min(max(int(state.get("phase", 0)), 0), len(self.phases) - 1)
-        done, total = state.get("done", 0), state.get("total", 0)
-        inside = min(max(done / total, 0.0), 1.0) if total else 0.0
-        before = sum(w for _, w in self.phases[:i])
-        self.fraction = max(self.fraction, (before + self.phases[i][1] * inside) / self.weight)
+        self.fraction = max(self.fraction, self.overall(state))
         elapsed = time.monotonic() - self.start
-        name = self.phases[i][0]
-        where = " ".join(filter(None, [f"{name} ({i + 1}/{len(self.phases)})" if self.declared else "",
-                                       f"{done}/{total}" if total else "", state.get("message", "")]))
         if self.mode == "widget" and self.bar is not None:
             self.bar.value = int(round(self.fraction * self.WIDTH))
             self.bar.description = f"{100 * self.fraction:.0f}%"
-            self.label.value = f"{self.title} · {where} · {elapsed:.1f}s"
+            self.label.value = f"{self.title} · {self._where()} · {elapsed:.1f}s"
         elif self.mode == "plain":
-            key = (i, int(10 * self.fraction))
+            key = (self._phase_of(state), int(10 * self.fraction))
             if key[0] != (self.last_key or (None,))[0] or (key != self.last_key and
                                                            time.monotonic() - self.last_line > 2.0):
-                self._print(f"{100 * self.fraction:3.0f}% {where} ({elapsed:.1f}s)")
+                self._print(f"{100 * self.fraction:3.0f}% {self._where()} ({elapsed:.1f}s)")
                 self.last_key = key
+
+    def _phase_of(self, state: dict) -> int:
+        return min(max(int(state.get("phase", 0)), 0), len(self.phases) - 1)
+
+    def _where(self) -> str:
+        """Where rank 0 is: phase (i/n), its innermost count and message."""
+        if self.state is None:
+            return "starting the ranks"
+        state = self.state
+        i, done, total = self._phase_of(state), state.get("done", 0), state.get("total", 0)
+        return " ".join(filter(None, [f"{self.phases[i][0]} ({i + 1}/{len(self.phases)})" if self.declared else "",
+                                      f"{done:g}/{total:g}" if total else "", state.get("message", "")]))
 
     def close(self, status: str) -> None:
         elapsed = time.monotonic() - self.start

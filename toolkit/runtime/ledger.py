@@ -35,7 +35,8 @@ import torch.distributed.distributed_c10d as _c10d
 _TRACKED = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single",
             "broadcast", "all_gather", "reduce_scatter", "send", "recv", "isend", "irecv",
             "batch_isend_irecv", "barrier", "all_gather_single", "reduce_scatter_single", "reduce")
-# torch >= 2.10 spells the flat collectives *_single (FSDP2 calls those); they are recorded under the old names
+# torch >= 2.13 spells the flat collectives *_single (FSDP2 and toolkit.runtime.compat call those); they are
+# recorded under the old names, which every supported torch has
 ALIASES = {"all_gather_single": "all_gather_into_tensor", "reduce_scatter_single": "reduce_scatter_tensor"}
 
 

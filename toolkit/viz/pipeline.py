@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import plotly.graph_objects as go
 
-from toolkit.pipeline.schedule import SCHEDULES, from_torch, make_schedule
+from toolkit.pipeline.schedule import SCHEDULES, from_torch, make_schedule, torch_order_missing
 from toolkit.pipeline.simulate import Costs, SimResult, simulate
 
 from . import color_of, gantt, theme
@@ -89,7 +89,7 @@ def explorer(schedule: str = "dualpipev", p: int = 4, m: int = 8, costs: Costs |
 
     overlap = round((c.fb / (c.F + c.B)) * 20) / 20
     controls = {
-        "schedule": sorted(SCHEDULES) + ["torch:zbv"],
+        "schedule": sorted(SCHEDULES) + ([] if torch_order_missing("zbv") else ["torch:zbv"]),  # torch >= 2.8
         "p": grid([2, 3, 4, 6, 8], p),
         "m": grid([2, 4, 6, 8, 12, 16, 24, 32], m),
         "F": grid([0.5, 1.0, 1.5, 2.0], c.F),
