@@ -13,14 +13,18 @@
       6 watch out_dir:                               │ cwd and sys.path of the caller, init_process_group
           progress.rank0.json  ◄──────────────────── │ fn(ctx, cfg) -> rank{r}.json       (ctx.phase, ctx.progress)
           rank{r}.error.json   ◄──────────────────── │ exception    -> rank{r}.error.json
-          rank{r}.stack.txt    ◄──────────────────── │ watchdog dump before the deadline
-      7 collect
+          rank{r}.stack.txt    ◄──────────────────── │ past the deadline: every stack, then exit
+          rank{r}.crash.txt    ◄──────────────────── │ SIGSEGV, SIGBUS, SIGABRT: the Python stack
+      7 collect + torchrun's report in launch.log (exit status of each failed rank)
           ▼
-    [result of rank 0, ..., result of rank 3]    or LaunchError naming the failing rank
+    [result of rank 0, ..., result of rank 3]    or LaunchError: the root cause first (which rank, and the
+                                                 exception, "out of memory", the signal or the exit code),
+                                                 then the other ranks' failures as its consequences
 
 Every file a rank writes for the launcher is written to a temporary name and renamed, so the launcher
-never reads half a file. The whole process tree is killed (once) on failure, on timeout and on
-KeyboardInterrupt (the stop button in Jupyter), so no rank outlives its launch.
+never reads half a file. The whole process tree is killed (once) on timeout and on KeyboardInterrupt (the
+stop button in Jupyter). When the caller itself dies, the ranks see it and exit (``toolkit.runtime.worker``):
+no rank outlives its launch.
 
 Progress: a lesson module may declare ``PHASES = [("name", weight), ...]`` (or a function of the
 validated cfg returning that list); ``ctx.phase("name")`` starts a phase on a rank and ``ctx.progress(done,
@@ -32,6 +36,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -39,6 +44,7 @@ import sys
 import tempfile
 import time
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 from . import target as targets  # light: the standard library only
@@ -234,20 +240,29 @@ def check_phases(phases, cfg: dict) -> list[list]:
 
 # ---- 5. the spec the ranks read ----------------------------------------------------------------------------
 def prepare_out_dir(out_dir) -> Path:
+    """``out_dir`` (or a new temporary folder), created, emptied of a previous launch's rank files and tried
+    with a real file (permission bits do not tell root or a read-only mount): ValueError if it cannot be written."""
     tmp = Path(out_dir) if out_dir else Path(tempfile.mkdtemp(prefix="toolkit-"))
-    tmp.mkdir(parents=True, exist_ok=True)
-    for stale in list(tmp.glob("rank*")) + list(tmp.glob("progress.*")):
-        stale.unlink()
+    try:
+        tmp.mkdir(parents=True, exist_ok=True)
+        for stale in list(tmp.glob("rank*")) + list(tmp.glob("progress.*")):
+            stale.unlink()
+        with tempfile.TemporaryFile(dir=tmp):
+            pass
+    except OSError as exc:
+        raise ValueError(f"out_dir={str(out_dir)!r} cannot be written ({exc.strerror or exc}): the ranks write "
+                         "their results there; give a folder you can write, or leave out_dir out") from None
     return tmp
 
 
 def write_spec(tmp: Path, target, cfg: dict, backend: str, seed: int, threads: int, timeout_s: float,
                phases: list) -> Path:
+    import psutil
     spec = {"target": target.spec, "label": target.label, "cfg": cfg, "backend": backend, "seed": seed,
             "threads": threads, "timeout_s": timeout_s, "deadline": time.time() + timeout_s,
             "collective_timeout_s": max(5.0, timeout_s * 0.8), "out_dir": str(tmp.resolve()),
             "cwd": os.getcwd(), "sys_path": [os.path.abspath(p) if p else os.getcwd() for p in sys.path],
-            "phases": phases}
+            "phases": phases, "caller": {"pid": os.getpid(), "started": psutil.Process().create_time()}}
     spec_path = tmp / "spec.json"
     spec_path.write_text(json.dumps(spec))
     return spec_path
@@ -330,29 +345,151 @@ def kill_tree(pid: int, grace_s: float = 3.0) -> None:
 
 # ---- 7. results ---------------------------------------------------------------------------------------------
 def collect(tmp: Path, world_size: int, returncode: int, bar=None) -> RankResults:
-    """Every rank's result, or LaunchError naming the first rank that failed (with its traceback)."""
+    """Every rank's result, or LaunchError naming the rank that failed first and how (see ``failure``)."""
     log_path = tmp / "launch.log"
-    errors = sorted((json.loads(p.read_text()) for p in tmp.glob("rank*.error.json")), key=lambda e: e["time"])
-    missing = _unfinished(tmp, world_size)
-    if errors or missing or returncode != 0:
+    if returncode != 0 or _unfinished(tmp, world_size) or any(tmp.glob("rank*.error.json")):
         if bar:
             bar.close("failed")
-        if errors:
-            first = errors[0]
-            others = ", ".join(str(e["rank"]) for e in errors[1:])
-            raise LaunchError(
-                f"rank {first['rank']} of {world_size} failed with {first['type']}: {first['message']}"
-                + (f"\n(ranks {others} failed after it)" if others else "")
-                + f"\n--- traceback of rank {first['rank']} ---\n{first['traceback']}",
-                rank=first["rank"], traceback=first["traceback"], log=_tail(log_path))
-        raise LaunchError(f"launch exited with code {returncode}; ranks without a result: {missing}.\n"
-                          f"--- launcher log (tail) ---\n{_tail(log_path)}", rank=missing[0] if missing else None,
-                          log=_tail(log_path))
+        raise failure(tmp, world_size, returncode)
     results = RankResults(json.loads((tmp / f"rank{r}.json").read_text()) for r in range(world_size))
     results.log = log_path.read_text()
     if bar:
         bar.close("done")
     return results
+
+
+@dataclass
+class RankEnd:
+    """How one rank ended: what it wrote (a result, an exception) and what torchrun saw (its exit status)."""
+
+    rank: int
+    result: bool
+    error: dict | None  # rank{r}.error.json
+    exitcode: int | None  # from torchrun's report (negative: the signal); None when it reported none
+    stopped: bool  # torchrun stopped it (SIGTERM) after another rank had failed
+    crash: str  # the Python stack faulthandler wrote on a fatal signal (SIGSEGV, SIGBUS, SIGABRT...)
+
+    @property
+    def failed(self) -> bool:
+        return not self.result or self.error is not None or self.exitcode not in (None, 0)
+
+    @property
+    def silent(self) -> bool:
+        """Ended without a word of its own: a signal or an exit code, with no exception and not stopped."""
+        return self.failed and self.error is None and not self.stopped
+
+    def how(self) -> str:
+        """What happened to it, in words: the exception, out of memory, the signal by name, the exit code."""
+        if self.error is not None:
+            message = self.error["message"] or "(no message)"
+            if self.error.get("cause") == "out of memory":
+                return f"ran out of memory ({self.error['type']}: {message})"
+            return f"failed with {self.error['type']}: {message}"
+        if self.stopped:
+            return "was stopped by torchrun (SIGTERM) after the failure above"
+        if self.exitcode is not None and self.exitcode < 0:
+            try:
+                name = signal.Signals(-self.exitcode).name
+            except ValueError:
+                name = "an unnamed signal"
+            return f"was killed by {name} (signal {-self.exitcode}) with no result and no exception" + \
+                SIGNAL_HINTS.get(name, "")
+        if self.exitcode:
+            return (f"exited with code {self.exitcode} with no result and no exception (os._exit(), or exit() in "
+                    "native code)")
+        return "ended with no result and no exception (exit status not reported: os._exit(0)?)"
+
+
+SIGNAL_HINTS = {
+    "SIGKILL": ": what the kernel's out-of-memory killer sends (and `kill -9`); check the memory the ranks need",
+    "SIGSEGV": ": a crash in native code (its Python stack is below)",
+    "SIGBUS": ": a crash in native code, or a memory-mapped file that lost its disk space (its Python stack is below)",
+    "SIGABRT": ": native code aborted (its Python stack is below)",
+    "SIGTERM": ": stopped from outside the launch",
+}
+
+
+def failure(tmp: Path, world_size: int, returncode: int) -> LaunchError:
+    """The LaunchError of a failed launch: the root cause first, then the other ranks' failures as consequences.
+
+    The root cause is, in this order: a rank that ended silently (killed by a signal, or an exit code without an
+    exception, and not stopped by torchrun) — when a peer fails, a rank raises (gloo: "Connection reset by
+    peer") or is stopped, it does not die silently —, torchrun's first observed failure breaking ties; else
+    the earliest exception (ranks stamp theirs, so the time order is exact); else torchrun's root cause.
+    """
+    log = (tmp / "launch.log").read_text(errors="replace") if (tmp / "launch.log").exists() else ""
+    exitcodes, stopped, torchrun_root = torchrun_report(log)
+    ends = [RankEnd(r, (tmp / f"rank{r}.json").exists(), _read_json(tmp / f"rank{r}.error.json"), exitcodes.get(r),
+                    r in stopped, _read_text(tmp / f"rank{r}.crash.txt")) for r in range(world_size)]
+    failed = [e for e in ends if e.failed]
+    silent = [e for e in failed if e.silent]
+    raised = sorted((e for e in failed if e.error is not None), key=lambda e: e.error["time"])
+    root = (next((e for e in silent if e.rank == torchrun_root), silent[0]) if silent else
+            raised[0] if raised else next((e for e in failed if e.rank == torchrun_root), None))
+    tail = _tail(tmp / "launch.log")
+    if root is None:
+        return LaunchError(f"launch exited with code {returncode}; ranks without a result: "
+                           f"{_unfinished(tmp, world_size)}.\n--- launcher log (tail) ---\n{tail}", log=tail)
+    lines = [f"rank {root.rank} of {world_size} {root.how()}"]
+    others = [e for e in failed if e is not root]
+    if others:
+        lines.append("consequences on the other ranks:")
+        for e in sorted(others, key=lambda e: e.rank):
+            same = e.error is not None and root.error is not None and \
+                (e.error["type"], e.error["message"]) == (root.error["type"], root.error["message"])
+            lines.append(f"  rank {e.rank} " + (f"failed with the same {e.error['type']}" if same else
+                                                _first_line(e.how())))
+    trace = root.error["traceback"] if root.error else ""
+    if trace:
+        lines.append(f"--- traceback of rank {root.rank} ---\n{trace}")
+    if root.crash.strip():
+        lines.append(f"--- stack of rank {root.rank} when it crashed ---\n{root.crash.strip()}")
+    if not trace:
+        lines.append(f"--- launcher log (tail) ---\n{tail}")
+    return LaunchError("\n".join(lines), rank=root.rank, traceback=trace or root.crash, log=tail)
+
+
+_FAILURE = re.compile(r"rank\s*: (\d+) \(local_rank: \d+\)\s+exitcode\s*: (-?\d+) \(pid: (\d+)\)")
+_STOPPED = re.compile(r"Sending process (\d+) closing signal")
+_ONE_RANK = re.compile(r"CalledProcessError: Command .* (?:died with <Signals\.\w+: (\d+)>|"
+                       r"returned non-zero exit status (\d+))")
+
+
+def torchrun_report(log: str) -> tuple[dict[int, int], set[int], int | None]:
+    """From the launcher log: each failed rank's exit status (negative: the signal), the ranks torchrun stopped
+    after the first failure, and the rank torchrun names under "Root Cause (first observed failure)".
+
+    One rank runs without torchrun: accelerate's ``CalledProcessError`` line gives rank 0's status.
+    """
+    failures = [(int(r), int(code), int(pid)) for r, code, pid in _FAILURE.findall(log)]
+    closed = {int(pid) for pid in _STOPPED.findall(log)}
+    stopped = {r for r, _, pid in failures if pid in closed}
+    root_at = log.rfind("Root Cause (first observed failure)")
+    root = _FAILURE.search(log, root_at) if root_at >= 0 else None
+    exitcodes = {r: code for r, code, _ in failures}
+    single = _ONE_RANK.search(log)
+    if not failures and single:
+        exitcodes[0] = -int(single.group(1)) if single.group(1) else int(single.group(2))
+    return exitcodes, stopped, int(root.group(1)) if root else None
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace")
+    except OSError:
+        return ""
+
+
+def _first_line(text: str, width: int = 200) -> str:
+    line = text.strip().splitlines()[0] if text.strip() else ""
+    return line if len(line) <= width else line[:width - 3] + "..."
 
 
 def _unfinished(tmp: Path, world_size: int) -> list[int]:
