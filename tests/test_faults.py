@@ -174,3 +174,59 @@ def test_two_launches_at_once_from_two_processes(tmp_path):
     assert [json.loads(out.splitlines()[-1]) for out, _ in outs] == [[{"sum": 21.0}] * 2, [{"sum": 41.0}] * 2]
     for v in (10, 20):
         assert not launch_processes(tmp_path / str(v))
+
+
+# ---- reading torchrun's report (no processes) ---------------------------------------------------------------
+REPORT = """W1202 00:31:43.638000 5573 torch/distributed/elastic/multiprocessing/api.py:1028] Sending process 5593 closing signal SIGTERM
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+Failures:
+[1]:
+  time      : 2026-12-02_00:31:43
+  rank      : 0 (local_rank: 0)
+  exitcode  : -15 (pid: 5593)  (SIGTERM)
+  traceback : Signal 15 (SIGTERM) received by PID 5593
+------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-12-02_00:31:43
+  rank      : 1 (local_rank: 1)
+  exitcode  : -9 (pid: 5594)  (SIGKILL)
+  traceback : Signal 9 (SIGKILL) received by PID 5594
+"""
+
+
+def test_torchrun_report_gives_exit_statuses_the_stopped_ranks_and_its_root_cause():
+    from toolkit.runtime.launch import torchrun_report
+    assert torchrun_report(REPORT) == ({0: -15, 1: -9}, {0}, 1)
+    one_rank = "subprocess.CalledProcessError: Command '['python', '-m', 'x']' died with <Signals.SIGKILL: 9>."
+    assert torchrun_report(one_rank) == ({0: -9}, set(), None)
+    exit3 = "subprocess.CalledProcessError: Command '['python', '-m', 'x']' returned non-zero exit status 3."
+    assert torchrun_report(exit3) == ({0: 3}, set(), None)
+
+
+def test_a_silent_death_outranks_an_exception_torchrun_saw_first_and_a_rank_that_never_started_is_not_blamed(
+        tmp_path):
+    from toolkit.runtime.launch import failure
+    for r in (0, 1):
+        (tmp_path / f"rank{r}.stack.txt").write_text("")  # both started
+    (tmp_path / "rank0.error.json").write_text(json.dumps(
+        {"rank": 0, "time": 1.0, "type": "RuntimeError", "message": "Connection closed by peer", "cause": None,
+         "traceback": "..."}))
+    # both exits seen in one poll, in the same second: torchrun's report blames the lower rank
+    (tmp_path / "launch.log").write_text("""Failures:
+[1]:
+  rank      : 1 (local_rank: 1)
+  exitcode  : -9 (pid: 5594)  (SIGKILL)
+Root Cause (first observed failure):
+[0]:
+  rank      : 0 (local_rank: 0)
+  exitcode  : 1 (pid: 5593)
+""")
+    err = failure(tmp_path, 2, 1)
+    assert err.rank == 1 and str(err).startswith("rank 1 of 2 was killed by SIGKILL"), str(err)
+    assert "consequences on the other ranks:\n  rank 0 failed with RuntimeError: Connection closed by peer" in str(err)
+    for f in tmp_path.iterdir():
+        f.unlink()
+    (tmp_path / "launch.log").write_text("torch.distributed.DistNetworkError: The server socket has failed to bind.")
+    err = failure(tmp_path, 2, 1)
+    assert err.rank is None and str(err).startswith("launch exited with code 1; ranks without a result: [0, 1]")

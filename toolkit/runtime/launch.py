@@ -39,6 +39,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -57,7 +58,7 @@ BYTES_PER_RANK = 400 * 2**20  # a rank's resident memory before it does any work
 
 
 class LaunchError(RuntimeError):
-    """A rank raised, crashed or the launch timed out. ``rank`` is the first failing rank (or None)."""
+    """A rank raised, crashed or the launch timed out. ``rank`` is the root cause's rank (or None)."""
 
     def __init__(self, message: str, rank: int | None = None, traceback: str = "", log: str = ""):
         super().__init__(message)
@@ -262,7 +263,8 @@ def write_spec(tmp: Path, target, cfg: dict, backend: str, seed: int, threads: i
             "threads": threads, "timeout_s": timeout_s, "deadline": time.time() + timeout_s,
             "collective_timeout_s": max(5.0, timeout_s * 0.8), "out_dir": str(tmp.resolve()),
             "cwd": os.getcwd(), "sys_path": [os.path.abspath(p) if p else os.getcwd() for p in sys.path],
-            "phases": phases, "caller": {"pid": os.getpid(), "started": psutil.Process().create_time()}}
+            "phases": phases, "caller": {"host": socket.gethostname(), "pid": os.getpid(),
+                                         "started": psutil.Process().create_time()}}
     spec_path = tmp / "spec.json"
     spec_path.write_text(json.dumps(spec))
     return spec_path
@@ -367,6 +369,7 @@ class RankEnd:
     error: dict | None  # rank{r}.error.json
     exitcode: int | None  # from torchrun's report (negative: the signal); None when it reported none
     stopped: bool  # torchrun stopped it (SIGTERM) after another rank had failed
+    started: bool  # the worker got as far as opening its files
     crash: str  # the Python stack faulthandler wrote on a fatal signal (SIGSEGV, SIGBUS, SIGABRT...)
 
     @property
@@ -376,7 +379,7 @@ class RankEnd:
     @property
     def silent(self) -> bool:
         """Ended without a word of its own: a signal or an exit code, with no exception and not stopped."""
-        return self.failed and self.error is None and not self.stopped
+        return self.failed and self.error is None and not self.stopped and (self.started or self.exitcode is not None)
 
     def how(self) -> str:
         """What happened to it, in words: the exception, out of memory, the signal by name, the exit code."""
@@ -397,7 +400,9 @@ class RankEnd:
         if self.exitcode:
             return (f"exited with code {self.exitcode} with no result and no exception (os._exit(), or exit() in "
                     "native code)")
-        return "ended with no result and no exception (exit status not reported: os._exit(0)?)"
+        if not self.started:
+            return "did not start (see the launcher log)"
+        return "ended with no result and no exception (exit code 0: os._exit(0)?)"
 
 
 SIGNAL_HINTS = {
@@ -410,31 +415,24 @@ SIGNAL_HINTS = {
 
 
 def failure(tmp: Path, world_size: int, returncode: int) -> LaunchError:
-    """The LaunchError of a failed launch: the root cause first, then the other ranks' failures as consequences.
-
-    The root cause is, in this order: a rank that ended silently (killed by a signal, or an exit code without an
-    exception, and not stopped by torchrun) — when a peer fails, a rank raises (gloo: "Connection reset by
-    peer") or is stopped, it does not die silently —, torchrun's first observed failure breaking ties; else
-    the earliest exception (ranks stamp theirs, so the time order is exact); else torchrun's root cause.
-    """
-    log = (tmp / "launch.log").read_text(errors="replace") if (tmp / "launch.log").exists() else ""
-    exitcodes, stopped, torchrun_root = torchrun_report(log)
+    """The LaunchError of a failed launch: the root cause first (``root_cause``), then the other ranks'
+    failures as its consequences, then the root's traceback, or its crash stack and the launcher log."""
+    log = _read_text(tmp / "launch.log")
+    tail = "\n".join(log.splitlines()[-60:])
+    exitcodes, stopped, torchrun_first = torchrun_report(log)
     ends = [RankEnd(r, (tmp / f"rank{r}.json").exists(), _read_json(tmp / f"rank{r}.error.json"), exitcodes.get(r),
-                    r in stopped, _read_text(tmp / f"rank{r}.crash.txt")) for r in range(world_size)]
+                    r in stopped, (tmp / f"rank{r}.stack.txt").exists(), _read_text(tmp / f"rank{r}.crash.txt"))
+            for r in range(world_size)]
     failed = [e for e in ends if e.failed]
-    silent = [e for e in failed if e.silent]
-    raised = sorted((e for e in failed if e.error is not None), key=lambda e: e.error["time"])
-    root = (next((e for e in silent if e.rank == torchrun_root), silent[0]) if silent else
-            raised[0] if raised else next((e for e in failed if e.rank == torchrun_root), None))
-    tail = _tail(tmp / "launch.log")
+    root = root_cause(failed, torchrun_first)
     if root is None:
         return LaunchError(f"launch exited with code {returncode}; ranks without a result: "
                            f"{_unfinished(tmp, world_size)}.\n--- launcher log (tail) ---\n{tail}", log=tail)
     lines = [f"rank {root.rank} of {world_size} {root.how()}"]
-    others = [e for e in failed if e is not root]
-    if others:
+    if len(failed) > 1:
         lines.append("consequences on the other ranks:")
-        for e in sorted(others, key=lambda e: e.rank):
+    for e in failed:
+        if e is not root:
             same = e.error is not None and root.error is not None and \
                 (e.error["type"], e.error["message"]) == (root.error["type"], root.error["message"])
             lines.append(f"  rank {e.rank} " + (f"failed with the same {e.error['type']}" if same else
@@ -447,6 +445,25 @@ def failure(tmp: Path, world_size: int, returncode: int) -> LaunchError:
     if not trace:
         lines.append(f"--- launcher log (tail) ---\n{tail}")
     return LaunchError("\n".join(lines), rank=root.rank, traceback=trace or root.crash, log=tail)
+
+
+def root_cause(failed: list[RankEnd], torchrun_first: int | None) -> RankEnd | None:
+    """The failure the others follow from.
+
+    1. A rank that ended silently (a signal, or an exit code with no exception) and that torchrun did not stop:
+       a rank whose peer fails raises (gloo: "Connection closed by peer") or is stopped; it does not die
+       silently. Among several, torchrun's first observed failure (it polls every 0.1 s; its report's times
+       are whole seconds, so it cannot order two deaths closer than that).
+    2. Else the earliest exception: each rank stamps its own, so this order is exact.
+    3. Else torchrun's first observed failure.
+    """
+    silent = [e for e in failed if e.silent]
+    if silent:
+        return next((e for e in silent if e.rank == torchrun_first), silent[0])
+    raised = [e for e in failed if e.error is not None]
+    if raised:
+        return min(raised, key=lambda e: e.error["time"])
+    return next((e for e in failed if e.rank == torchrun_first), None)
 
 
 _FAILURE = re.compile(r"rank\s*: (\d+) \(local_rank: \d+\)\s+exitcode\s*: (-?\d+) \(pid: (\d+)\)")
