@@ -12,6 +12,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -230,3 +231,26 @@ Root Cause (first observed failure):
     (tmp_path / "launch.log").write_text("torch.distributed.DistNetworkError: The server socket has failed to bind.")
     err = failure(tmp_path, 2, 1)
     assert err.rank is None and str(err).startswith("launch exited with code 1; ranks without a result: [0, 1]")
+
+
+def test_torchruns_agent_killed_takes_every_rank_with_it(tmp_path):
+    """The ranks' parent dies (the kernel's OOM killer may pick it): the kernel kills them (PR_SET_PDEATHSIG)."""
+    out = tmp_path / "out"
+
+    def kill_the_agent() -> None:
+        end = time.monotonic() + 60
+        while not all((out / f"hanging{r}").exists() for r in (0, 1)) and time.monotonic() < end:
+            time.sleep(0.1)
+        for p in psutil.process_iter(["cmdline"]):
+            cmd = " ".join(p.info["cmdline"] or [])
+            if "accelerate.commands.launch" in cmd and str(out) in cmd:
+                p.kill()
+
+    killer = threading.Thread(target=kill_the_agent)
+    killer.start()
+    with pytest.raises(LaunchError) as info:
+        launch("fault_targets:hangs", 2, {}, timeout_s=TIMEOUT_S, progress="none", out_dir=out)
+    killer.join()
+    assert str(info.value).startswith("the launcher process (accelerate launch, torchrun's agent) was killed by "
+                                      "SIGKILL (signal 9), and every rank with it"), str(info.value)
+    assert not wait_gone(out, LEFT_WAIT_S)

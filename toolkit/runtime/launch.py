@@ -391,10 +391,7 @@ class RankEnd:
         if self.stopped:
             return "was stopped by torchrun (SIGTERM) after the failure above"
         if self.exitcode is not None and self.exitcode < 0:
-            try:
-                name = signal.Signals(-self.exitcode).name
-            except ValueError:
-                name = "an unnamed signal"
+            name = _signal_name(-self.exitcode)
             return f"was killed by {name} (signal {-self.exitcode}) with no result and no exception" + \
                 SIGNAL_HINTS.get(name, "")
         if self.exitcode:
@@ -424,6 +421,13 @@ def failure(tmp: Path, world_size: int, returncode: int) -> LaunchError:
                     r in stopped, (tmp / f"rank{r}.stack.txt").exists(), _read_text(tmp / f"rank{r}.crash.txt"))
             for r in range(world_size)]
     failed = [e for e in ends if e.failed]
+    if returncode < 0 and not exitcodes:  # torchrun's agent itself was killed: no report, its ranks died with it
+        raised = [f"  rank {e.rank} {_first_line(e.how())}" for e in failed if e.error is not None]
+        return LaunchError("\n".join(
+            [f"the launcher process (accelerate launch, torchrun's agent) was killed by {_signal_name(-returncode)} "
+             f"(signal {-returncode}), and every rank with it (a rank dies with its parent)"] +
+            (["exceptions the ranks had raised:"] + raised if raised else []) +
+            [f"--- launcher log (tail) ---\n{tail}"]), log=tail)
     root = root_cause(failed, torchrun_first)
     if root is None:
         return LaunchError(f"launch exited with code {returncode}; ranks without a result: "
@@ -488,6 +492,13 @@ def torchrun_report(log: str) -> tuple[dict[int, int], set[int], int | None]:
     if not failures and single:
         exitcodes[0] = -int(single.group(1)) if single.group(1) else int(single.group(2))
     return exitcodes, stopped, int(root.group(1)) if root else None
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return "an unnamed signal"
 
 
 def _read_json(path: Path) -> dict | None:
