@@ -1,5 +1,6 @@
 """Faults beyond a Python exception, on real processes: a rank killed, a rank that exits, out of memory, a full
-disk, a result JSON cannot hold, the caller killed, interrupted or frozen, two launches at once.
+disk, a result JSON cannot hold, the caller killed, interrupted or frozen, torchrun's agent killed, two launches
+at once.
 
 Each case checks what the user is told (the faulty rank, or the caller, and the cause) and that no process of
 the launch is left on the machine: every process whose command line carries the launch's out_dir (torchrun's

@@ -21,6 +21,7 @@ its Python stack in ``rank{r}.crash.txt``.
 from __future__ import annotations
 
 import ctypes
+import errno
 import faulthandler
 import json
 import os
@@ -70,7 +71,7 @@ def cause_of(exc: BaseException) -> str | None:
     """``"out of memory"`` when ``exc`` is one, whatever its class: ``MemoryError`` from Python, ``RuntimeError``
     from torch's CPU allocator ("can't allocate memory"), ``torch.OutOfMemoryError`` on CUDA, ENOMEM."""
     text = str(exc).lower()
-    if isinstance(exc, MemoryError) or getattr(exc, "errno", None) == 12 or "out of memory" in text or \
+    if isinstance(exc, MemoryError) or getattr(exc, "errno", None) == errno.ENOMEM or "out of memory" in text or \
             "can't allocate memory" in text or "bad_alloc" in text:
         return "out of memory"
     return None
