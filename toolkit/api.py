@@ -43,12 +43,14 @@ ENTRIES: list[Entry] = [
           "the launching process checks the arguments and the function; every rank then calls fn(ctx, cfg)",
           'def exp(ctx, cfg):\n    return {"rank": ctx.rank}\nresults = launch(exp, world_size=2)'),
     Entry("LaunchError", "toolkit.runtime.launch:LaunchError", AREAS[0],
-          "A rank raised or crashed: .rank is the first failing rank, .traceback its traceback, .log the launcher log.",
-          "-", "raised in the launching process; every rank has been killed",
+          "A rank raised or crashed: the message names the root cause first (rank; exception, out of memory, signal "
+          "or exit code), then the other ranks' failures; .rank is its rank, .traceback its traceback, .log the "
+          "launcher log.",
+          "-", "raised in the launching process; no rank is left",
           'try:\n    launch("my_module:exp", 2)\nexcept LaunchError as e:\n    print(e.rank, e.traceback)'),
     Entry("LaunchTimeout", "toolkit.runtime.launch:LaunchTimeout", AREAS[0],
           "The launch ran past timeout_s; .traceback holds the stack of every unfinished rank.",
-          "-", "raised in the launching process; every rank has been killed",
+          "-", "raised in the launching process; no rank is left",
           'try:\n    launch("my_module:exp", 2, timeout_s=30)\nexcept LaunchTimeout as e:\n    print(e.traceback)'),
     Entry("Context", "toolkit.runtime.context:Context", AREAS[0],
           "One rank's view: rank, world_size, device, backend, ledger, timeline, make_grid, phase/progress.",

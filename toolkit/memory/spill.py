@@ -184,7 +184,8 @@ class DiskSpill:
         off = -(-self.used // ALIGN) * ALIGN
         if off + n > self.capacity:
             raise OffloadIOError(0, f"activation spill: {n:,} more bytes do not fit in the {self.capacity:,} "
-                                 f"reserved (used {self.used:,}); reserve more (count the saved bytes first)")
+                                 f"reserved in {self.store.directory} (used {self.used:,}); reserve more (count the "
+                                 "saved bytes first)")
         raw = torch.empty(0, dtype=torch.uint8, device=t.device).set_(st)
         self.base[off:off + n].copy_(raw)
         if self.keep_copies:

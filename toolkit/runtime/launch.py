@@ -13,14 +13,18 @@
       6 watch out_dir:                               │ cwd and sys.path of the caller, init_process_group
           progress.rank0.json  ◄──────────────────── │ fn(ctx, cfg) -> rank{r}.json       (ctx.phase, ctx.progress)
           rank{r}.error.json   ◄──────────────────── │ exception    -> rank{r}.error.json
-          rank{r}.stack.txt    ◄──────────────────── │ watchdog dump before the deadline
-      7 collect
+          rank{r}.stack.txt    ◄──────────────────── │ past the deadline: every stack, then exit
+          rank{r}.crash.txt    ◄──────────────────── │ SIGSEGV, SIGBUS, SIGABRT: the Python stack
+      7 collect + torchrun's report in launch.log (exit status of each failed rank)
           ▼
-    [result of rank 0, ..., result of rank 3]    or LaunchError naming the failing rank
+    [result of rank 0, ..., result of rank 3]    or LaunchError: the root cause first (which rank, and the
+                                                 exception, "out of memory", the signal or the exit code),
+                                                 then the other ranks' failures as its consequences
 
 Every file a rank writes for the launcher is written to a temporary name and renamed, so the launcher
-never reads half a file. The whole process tree is killed (once) on failure, on timeout and on
-KeyboardInterrupt (the stop button in Jupyter), so no rank outlives its launch.
+never reads half a file. The whole process tree is killed (once) on timeout and on KeyboardInterrupt (the
+stop button in Jupyter). When the caller itself dies, the ranks see it and exit (``toolkit.runtime.worker``):
+no rank outlives its launch.
 
 Progress: a lesson module may declare ``PHASES = [("name", weight), ...]`` (or a function of the
 validated cfg returning that list); ``ctx.phase("name")`` starts a phase on a rank, ``ctx.progress(done,
@@ -33,13 +37,16 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import time
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 from . import target as targets  # light: the standard library only
@@ -52,7 +59,7 @@ BYTES_PER_RANK = 400 * 2**20  # a rank's resident memory before it does any work
 
 
 class LaunchError(RuntimeError):
-    """A rank raised, crashed or the launch timed out. ``rank`` is the first failing rank (or None)."""
+    """A rank raised, crashed or the launch timed out. ``rank`` is the root cause's rank (or None)."""
 
     def __init__(self, message: str, rank: int | None = None, traceback: str = "", log: str = ""):
         super().__init__(message)
@@ -254,20 +261,30 @@ def check_phases(phases, cfg: dict) -> list[list]:
 
 # ---- 5. the spec the ranks read ----------------------------------------------------------------------------
 def prepare_out_dir(out_dir) -> Path:
+    """``out_dir`` (or a new temporary folder), created, emptied of a previous launch's rank files and tried
+    with a real file (permission bits do not tell root or a read-only mount): ValueError if it cannot be written."""
     tmp = Path(out_dir) if out_dir else Path(tempfile.mkdtemp(prefix="toolkit-"))
-    tmp.mkdir(parents=True, exist_ok=True)
-    for stale in list(tmp.glob("rank*")) + list(tmp.glob("progress.*")):
-        stale.unlink()
+    try:
+        tmp.mkdir(parents=True, exist_ok=True)
+        for stale in list(tmp.glob("rank*")) + list(tmp.glob("progress.*")):
+            stale.unlink()
+        with tempfile.TemporaryFile(dir=tmp):
+            pass
+    except OSError as exc:
+        raise ValueError(f"out_dir={str(out_dir)!r} cannot be written ({exc.strerror or exc}): the ranks write "
+                         "their results there; give a folder you can write, or leave out_dir out") from None
     return tmp
 
 
 def write_spec(tmp: Path, target, cfg: dict, backend: str, seed: int, threads: int, timeout_s: float,
                phases: list, cluster: dict | None = None) -> Path:
+    import psutil
     spec = {"target": target.spec, "label": target.label, "cfg": cfg, "backend": backend, "seed": seed,
             "threads": threads, "timeout_s": timeout_s, "deadline": time.time() + timeout_s,
             "collective_timeout_s": max(5.0, timeout_s * 0.8), "out_dir": str(tmp.resolve()),
             "cwd": os.getcwd(), "sys_path": [os.path.abspath(p) if p else os.getcwd() for p in sys.path],
-            "phases": phases, "cluster": cluster}
+            "phases": phases, "cluster": cluster,
+            "caller": {"host": socket.gethostname(), "pid": os.getpid(), "started": psutil.Process().create_time()}}
     spec_path = tmp / "spec.json"
     spec_path.write_text(json.dumps(spec))
     return spec_path
@@ -350,29 +367,177 @@ def kill_tree(pid: int, grace_s: float = 3.0) -> None:
 
 # ---- 7. results ---------------------------------------------------------------------------------------------
 def collect(tmp: Path, world_size: int, returncode: int, bar=None) -> RankResults:
-    """Every rank's result, or LaunchError naming the first rank that failed (with its traceback)."""
+    """Every rank's result, or LaunchError naming the rank that failed first and how (see ``failure``)."""
     log_path = tmp / "launch.log"
-    errors = sorted((json.loads(p.read_text()) for p in tmp.glob("rank*.error.json")), key=lambda e: e["time"])
-    missing = _unfinished(tmp, world_size)
-    if errors or missing or returncode != 0:
+    if returncode != 0 or _unfinished(tmp, world_size) or any(tmp.glob("rank*.error.json")):
         if bar:
             bar.close("failed")
-        if errors:
-            first = errors[0]
-            others = ", ".join(str(e["rank"]) for e in errors[1:])
-            raise LaunchError(
-                f"rank {first['rank']} of {world_size} failed with {first['type']}: {first['message']}"
-                + (f"\n(ranks {others} failed after it)" if others else "")
-                + f"\n--- traceback of rank {first['rank']} ---\n{first['traceback']}",
-                rank=first["rank"], traceback=first["traceback"], log=_tail(log_path))
-        raise LaunchError(f"launch exited with code {returncode}; ranks without a result: {missing}.\n"
-                          f"--- launcher log (tail) ---\n{_tail(log_path)}", rank=missing[0] if missing else None,
-                          log=_tail(log_path))
+        raise failure(tmp, world_size, returncode)
     results = RankResults(json.loads((tmp / f"rank{r}.json").read_text()) for r in range(world_size))
     results.log = log_path.read_text()
     if bar:
         bar.close("done")
     return results
+
+
+@dataclass
+class RankEnd:
+    """How one rank ended: what it wrote (a result, an exception) and what torchrun saw (its exit status)."""
+
+    rank: int
+    result: bool
+    error: dict | None  # rank{r}.error.json
+    exitcode: int | None  # from torchrun's report (negative: the signal); None when it reported none
+    stopped: bool  # torchrun stopped it (SIGTERM) after another rank had failed
+    started: bool  # the worker got as far as opening its files
+    crash: str  # the Python stack faulthandler wrote on a fatal signal (SIGSEGV, SIGBUS, SIGABRT...)
+
+    @property
+    def failed(self) -> bool:
+        return not self.result or self.error is not None or self.exitcode not in (None, 0)
+
+    @property
+    def silent(self) -> bool:
+        """Ended without a word of its own: a signal or an exit code, with no exception and not stopped."""
+        return self.failed and self.error is None and not self.stopped and (self.started or self.exitcode is not None)
+
+    def how(self) -> str:
+        """What happened to it, in words: the exception, out of memory, the signal by name, the exit code."""
+        if self.error is not None:
+            message = self.error["message"] or "(no message)"
+            if self.error.get("cause") == "out of memory":
+                return f"ran out of memory ({self.error['type']}: {message})"
+            return f"failed with {self.error['type']}: {message}"
+        if self.stopped:
+            return "was stopped by torchrun (SIGTERM) after the failure above"
+        if self.exitcode is not None and self.exitcode < 0:
+            name = _signal_name(-self.exitcode)
+            return f"was killed by {name} (signal {-self.exitcode}) with no result and no exception" + \
+                SIGNAL_HINTS.get(name, "")
+        if self.exitcode:
+            return (f"exited with code {self.exitcode} with no result and no exception (os._exit(), or exit() in "
+                    "native code)")
+        if not self.started:
+            return "did not start (see the launcher log)"
+        return "ended with no result and no exception (exit code 0: os._exit(0)?)"
+
+
+SIGNAL_HINTS = {
+    "SIGKILL": ": what the kernel's out-of-memory killer sends (and `kill -9`); check the memory the ranks need",
+    "SIGSEGV": ": a crash in native code (its Python stack is below)",
+    "SIGBUS": ": a crash in native code, or a memory-mapped file that lost its disk space (its Python stack is below)",
+    "SIGABRT": ": native code aborted (its Python stack is below)",
+    "SIGTERM": ": stopped from outside the launch",
+}
+
+
+def failure(tmp: Path, world_size: int, returncode: int) -> LaunchError:
+    """The LaunchError of a failed launch: the root cause first (``root_cause``), then the other ranks'
+    failures as its consequences, then the root's traceback, or its crash stack and the launcher log."""
+    log = _read_text(tmp / "launch.log")
+    tail = "\n".join(log.splitlines()[-60:])
+    exitcodes, stopped, torchrun_first = torchrun_report(log)
+    ends = [RankEnd(r, (tmp / f"rank{r}.json").exists(), _read_json(tmp / f"rank{r}.error.json"), exitcodes.get(r),
+                    r in stopped, (tmp / f"rank{r}.stack.txt").exists(), _read_text(tmp / f"rank{r}.crash.txt"))
+            for r in range(world_size)]
+    failed = [e for e in ends if e.failed]
+    if returncode < 0 and not exitcodes:  # torchrun's agent itself was killed: no report, its ranks died with it
+        raised = [f"  rank {e.rank} {_first_line(e.how())}" for e in failed if e.error is not None]
+        return LaunchError("\n".join(
+            [f"the launcher process (accelerate launch, torchrun's agent) was killed by {_signal_name(-returncode)} "
+             f"(signal {-returncode}), and every rank with it (a rank dies with its parent)"] +
+            (["exceptions the ranks had raised:"] + raised if raised else []) +
+            [f"--- launcher log (tail) ---\n{tail}"]), log=tail)
+    root = root_cause(failed, torchrun_first)
+    if root is None:
+        return LaunchError(f"launch exited with code {returncode}; ranks without a result: "
+                           f"{_unfinished(tmp, world_size)}.\n--- launcher log (tail) ---\n{tail}", log=tail)
+    lines = [f"rank {root.rank} of {world_size} {root.how()}"]
+    if len(failed) > 1:
+        lines.append("consequences on the other ranks:")
+    for e in failed:
+        if e is not root:
+            same = e.error is not None and root.error is not None and \
+                (e.error["type"], e.error["message"]) == (root.error["type"], root.error["message"])
+            lines.append(f"  rank {e.rank} " + (f"failed with the same {e.error['type']}" if same else
+                                                _first_line(e.how())))
+    trace = root.error["traceback"] if root.error else ""
+    if trace:
+        lines.append(f"--- traceback of rank {root.rank} ---\n{trace}")
+    if root.crash.strip():
+        lines.append(f"--- stack of rank {root.rank} when it crashed ---\n{root.crash.strip()}")
+    if not trace:
+        lines.append(f"--- launcher log (tail) ---\n{tail}")
+    return LaunchError("\n".join(lines), rank=root.rank, traceback=trace or root.crash, log=tail)
+
+
+def root_cause(failed: list[RankEnd], torchrun_first: int | None) -> RankEnd | None:
+    """The failure the others follow from.
+
+    1. A rank that ended silently (a signal, or an exit code with no exception) and that torchrun did not stop:
+       a rank whose peer fails raises (gloo: "Connection closed by peer") or is stopped; it does not die
+       silently. Among several, torchrun's first observed failure (it polls every 0.1 s; its report's times
+       are whole seconds, so it cannot order two deaths closer than that).
+    2. Else the earliest exception: each rank stamps its own, so this order is exact.
+    3. Else torchrun's first observed failure.
+    """
+    silent = [e for e in failed if e.silent]
+    if silent:
+        return next((e for e in silent if e.rank == torchrun_first), silent[0])
+    raised = [e for e in failed if e.error is not None]
+    if raised:
+        return min(raised, key=lambda e: e.error["time"])
+    return next((e for e in failed if e.rank == torchrun_first), None)
+
+
+_FAILURE = re.compile(r"rank\s*: (\d+) \(local_rank: \d+\)\s+exitcode\s*: (-?\d+) \(pid: (\d+)\)")
+_STOPPED = re.compile(r"Sending process (\d+) closing signal")
+_ONE_RANK = re.compile(r"CalledProcessError: Command .* (?:died with <Signals\.\w+: (\d+)>|"
+                       r"returned non-zero exit status (\d+))")
+
+
+def torchrun_report(log: str) -> tuple[dict[int, int], set[int], int | None]:
+    """From the launcher log: each failed rank's exit status (negative: the signal), the ranks torchrun stopped
+    after the first failure, and the rank torchrun names under "Root Cause (first observed failure)".
+
+    One rank runs without torchrun: accelerate's ``CalledProcessError`` line gives rank 0's status.
+    """
+    failures = [(int(r), int(code), int(pid)) for r, code, pid in _FAILURE.findall(log)]
+    closed = {int(pid) for pid in _STOPPED.findall(log)}
+    stopped = {r for r, _, pid in failures if pid in closed}
+    root_at = log.rfind("Root Cause (first observed failure)")
+    root = _FAILURE.search(log, root_at) if root_at >= 0 else None
+    exitcodes = {r: code for r, code, _ in failures}
+    single = _ONE_RANK.search(log)
+    if not failures and single:
+        exitcodes[0] = -int(single.group(1)) if single.group(1) else int(single.group(2))
+    return exitcodes, stopped, int(root.group(1)) if root else None
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return "an unnamed signal"
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace")
+    except OSError:
+        return ""
+
+
+def _first_line(text: str, width: int = 200) -> str:
+    line = text.strip().splitlines()[0] if text.strip() else ""
+    return line if len(line) <= width else line[:width - 3] + "..."
 
 
 def _unfinished(tmp: Path, world_size: int) -> list[int]:

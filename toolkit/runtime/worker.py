@@ -3,40 +3,78 @@
 Reads the launch spec written by :func:`toolkit.runtime.launch.launch`, takes the caller's working
 directory and ``sys.path``, loads the target (an imported function or shipped source, see
 ``toolkit.runtime.target``), builds the rank's :class:`~toolkit.runtime.context.Context`, runs the
-function and writes ``rank{r}.json`` (the result) or ``rank{r}.error.json`` (the traceback) into the
-spec's ``out_dir`` — each written to a temporary name and renamed, so the launcher never reads half a
-file. A watchdog dumps every thread's stack to ``rank{r}.stack.txt`` shortly before the launcher's
-deadline, so a hung rank still tells where it hung.
+function and writes ``rank{r}.json`` (the result) or ``rank{r}.error.json`` (the exception, with
+``cause: "out of memory"`` when it is one) into the spec's ``out_dir`` — each written to a temporary name
+and renamed, so the launcher never reads half a file.
+
+A rank never outlives its launch, even when nobody is left to kill it::
+
+    caller (launch)  ──►  torchrun's agent  ──►  rank r
+    SIGKILLed, or a                              ├─ guard thread: the caller's pid is gone ──► exit at once
+    restarted kernel                             ├─ PR_SET_PDEATHSIG: the agent is gone ──► SIGKILL (the kernel)
+                                                 └─ faulthandler timer, deadline + 1 s: every thread's stack
+                                                    to rank{r}.stack.txt, then exit (a C thread: no GIL needed)
+
+so a hung rank still tells where it hung, and a crash in native code (SIGSEGV, SIGBUS, SIGABRT) leaves
+its Python stack in ``rank{r}.crash.txt``.
 """
 from __future__ import annotations
 
+import ctypes
+import errno
 import faulthandler
 import json
 import os
+import signal
+import socket
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
 
+DEADLINE_GRACE_S = 1.0  # a rank still running this long after the launch's deadline dumps its stacks and exits
+CALLER_POLL_S = 0.2
+CALLER_GONE_EXIT = 75  # the exit code of a rank whose caller vanished (no one is left to read its result)
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
-def to_jsonable(obj):
-    """Tensors, NumPy values, dataclasses and tuples -> plain JSON types."""
+
+def to_jsonable(obj, where: str = "result"):
+    """Tensors, NumPy values, dataclasses and tuples -> plain JSON types (NaN -> None).
+
+    Anything else is a ``TypeError`` naming where it sits in the result (``result['curve'][2]``) and its type.
+    """
     import dataclasses
 
     import torch
+    if obj is None or isinstance(obj, (bool, int, str)):
+        return obj
+    if isinstance(obj, float):
+        return None if obj != obj else obj
     if isinstance(obj, torch.Tensor):
         return obj.detach().cpu().tolist()
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return to_jsonable(dataclasses.asdict(obj))
+        return to_jsonable(dataclasses.asdict(obj), where)
     if isinstance(obj, dict):
-        return {str(k): to_jsonable(v) for k, v in obj.items()}
+        return {str(k): to_jsonable(v, f"{where}[{k!r}]") for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return [to_jsonable(v) for v in obj]
-    if hasattr(obj, "tolist"):  # numpy scalars/arrays
-        return obj.tolist()
-    if isinstance(obj, float) and obj != obj:
-        return None
-    return obj
+        return [to_jsonable(v, f"{where}[{i}]") for i, v in enumerate(obj)]
+    if hasattr(obj, "tolist") and hasattr(obj, "dtype"):  # NumPy scalars and arrays
+        return to_jsonable(obj.tolist(), where)
+    text = repr(obj)
+    raise TypeError(f"the function's result is not JSON-able: {where} is a {type(obj).__qualname__} "
+                    f"({text[:60] + '...' if len(text) > 60 else text}). Return numbers, strings, lists and dicts "
+                    "(tensors, NumPy values and dataclasses are converted)")
+
+
+def cause_of(exc: BaseException) -> str | None:
+    """``"out of memory"`` when ``exc`` is one, whatever its class: ``MemoryError`` from Python, ``RuntimeError``
+    from torch's CPU allocator ("can't allocate memory"), ``torch.OutOfMemoryError`` on CUDA, ENOMEM."""
+    text = str(exc).lower()
+    if isinstance(exc, MemoryError) or getattr(exc, "errno", None) == errno.ENOMEM or "out of memory" in text or \
+            "can't allocate memory" in text or "bad_alloc" in text:
+        return "out of memory"
+    return None
 
 
 def write_atomic(path: Path, text: str) -> None:
@@ -55,13 +93,50 @@ def adopt_caller(spec: dict) -> None:
     sys.path[:] = caller + [p for p in sys.path if p not in caller]
 
 
+def die_with_parent() -> None:
+    """Ask the kernel to SIGKILL this rank when its parent (torchrun's agent) dies, however it dies (Linux)."""
+    if sys.platform == "linux":
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def watch_caller(caller: dict, rank: int) -> None:
+    """A daemon thread that ends this rank as soon as the process that called ``launch`` is gone (killed, or a
+    restarted kernel): torchrun's agent runs in its own session and survives it, so nothing else would."""
+    import psutil
+    try:
+        proc = psutil.Process(caller["pid"])
+        reused = abs(proc.create_time() - caller["started"]) > 0.01  # another process took the caller's pid
+    except psutil.NoSuchProcess:
+        proc, reused = None, True
+
+    def gone() -> bool:
+        try:
+            return reused or not proc.is_running() or proc.status() == psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return True
+
+    def watch() -> None:
+        while not gone():
+            time.sleep(CALLER_POLL_S)
+        print(f"[rank {rank}] the process that called launch (pid {caller['pid']}) is gone: exiting",
+              file=sys.stderr, flush=True)
+        os._exit(CALLER_GONE_EXIT)
+
+    threading.Thread(target=watch, name="toolkit-caller-watch", daemon=True).start()
+
+
 def main(spec_path: str) -> int:
+    die_with_parent()
     spec = json.loads(Path(spec_path).read_text())
     out = Path(spec["out_dir"])
     rank = int(os.environ.get("RANK", 0))
-    stack_file = open(out / f"rank{rank}.stack.txt", "w")
-    # dump every thread's stack 2 s before the launcher's deadline (absolute: a rank may start late on a busy host)
-    faulthandler.dump_traceback_later(max(spec["deadline"] - time.time() - 2.0, 0.5), exit=False, file=stack_file)
+    if spec["caller"]["host"] == socket.gethostname():  # out_dir shared by machines: the caller's pid is local
+        watch_caller(spec["caller"], rank)
+    faulthandler.enable(open(out / f"rank{rank}.crash.txt", "w"))  # SIGSEGV, SIGBUS, SIGABRT...: the stack
+    # past the deadline: every stack, then exit (absolute: a rank may start late on a busy host; no cancel, so a
+    # rank that hangs while exiting ends too)
+    faulthandler.dump_traceback_later(max(spec["deadline"] + DEADLINE_GRACE_S - time.time(), 0.5), exit=True,
+                                      file=open(out / f"rank{rank}.stack.txt", "w"))
     try:
         adopt_caller(spec)
         from toolkit.runtime.context import init_context
@@ -81,12 +156,10 @@ def main(spec_path: str) -> int:
         return 0
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the notebook
         err = {"rank": rank, "time": time.time(), "type": type(exc).__name__, "message": str(exc),
-               "traceback": traceback.format_exc()}
+               "cause": cause_of(exc), "traceback": traceback.format_exc()}
         write_atomic(out / f"rank{rank}.error.json", json.dumps(err))
         print(err["traceback"], file=sys.stderr, flush=True)
         return 1
-    finally:
-        faulthandler.cancel_dump_traceback_later()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,257 @@
+"""Faults beyond a Python exception, on real processes: a rank killed, a rank that exits, out of memory, a full
+disk, a result JSON cannot hold, the caller killed, interrupted or frozen, torchrun's agent killed, two launches
+at once.
+
+Each case checks what the user is told (the faulty rank, or the caller, and the cause) and that no process of
+the launch is left on the machine: every process whose command line carries the launch's out_dir (torchrun's
+agent and each rank: ``... -m toolkit.runtime.worker OUT_DIR/spec.json``), whoever its parent now is.
+"""
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from toolkit import LaunchError, launch
+
+TESTS = Path(__file__).resolve().parent
+ROOT = TESTS.parent
+TIMEOUT_S = 30  # a failing launch ends long before; a loaded 2-core machine needs the margin to start 2 ranks
+LEFT_WAIT_S = 5.0  # the launch's promise: nothing is left this long after the caller dies, or after its deadline
+
+
+def launch_processes(out_dir: Path) -> list[str]:
+    """Command lines of the launch's processes still on the machine (zombies are gone already)."""
+    left = []
+    for p in psutil.process_iter(["cmdline", "status"]):
+        cmd = " ".join(p.info["cmdline"] or [])
+        if "toolkit.runtime.worker" in cmd and str(out_dir) in cmd and p.info["status"] != psutil.STATUS_ZOMBIE:
+            left.append(cmd)
+    return left
+
+
+def wait_gone(out_dir: Path, within_s: float) -> list[str]:
+    """Poll until no process of the launch is left, for at most ``within_s``; what is left then."""
+    end = time.monotonic() + within_s
+    while (left := launch_processes(out_dir)) and time.monotonic() < end:
+        time.sleep(0.1)
+    return left
+
+
+def failing(fn: str, tmp_path: Path, **cfg) -> LaunchError:
+    """Launch ``fault_targets:fn`` on 2 ranks, expecting LaunchError; nothing of it may be left."""
+    with pytest.raises(LaunchError) as info:
+        launch(f"fault_targets:{fn}", 2, cfg, timeout_s=TIMEOUT_S, progress="none", out_dir=tmp_path / "out")
+    assert not wait_gone(tmp_path / "out", LEFT_WAIT_S)
+    return info.value
+
+
+def caller(tmp_path: Path, fn: str, timeout_s: float = TIMEOUT_S, **cfg) -> subprocess.Popen:
+    """A Python process that calls launch and prints the results as JSON (what a notebook kernel is)."""
+    code = (f"import json, sys; sys.path.insert(0, {str(TESTS)!r})\n"
+            "from toolkit import launch\n"
+            f"res = launch('fault_targets:{fn}', 2, {cfg!r}, timeout_s={timeout_s}, progress='none', "
+            f"out_dir={str(tmp_path / 'out')!r})\n"
+            "print(json.dumps(list(res)))\n")
+    return subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
+def hanging(tmp_path: Path, timeout_s: float = TIMEOUT_S) -> subprocess.Popen:
+    """A caller whose 2 ranks have started and hang."""
+    proc = caller(tmp_path, "hangs", timeout_s)
+    end = time.monotonic() + 60
+    while not all((tmp_path / "out" / f"hanging{r}").exists() for r in (0, 1)):
+        assert proc.poll() is None and time.monotonic() < end, proc.communicate()
+        time.sleep(0.1)
+    return proc
+
+
+# ---- a rank ------------------------------------------------------------------------------------------------
+def test_a_rank_killed_by_sigkill_is_the_root_cause_not_its_peer(tmp_path):
+    err = failing("killed", tmp_path)
+    message = str(err)
+    assert err.rank == 1 and message.startswith("rank 1 of 2 was killed by SIGKILL (signal 9)"), message
+    assert "out-of-memory killer" in message
+    consequences = message.split("consequences on the other ranks:")[1]
+    assert consequences.lstrip().startswith("rank 0 "), message  # its gloo error is listed second, as a consequence
+
+
+def test_a_rank_that_exits_without_a_result(tmp_path):
+    err = failing("exits", tmp_path)
+    assert err.rank == 1 and str(err).startswith("rank 1 of 2 exited with code 3 with no result and no exception")
+
+
+def test_a_result_json_cannot_hold_names_the_rank_the_key_and_the_type(tmp_path):
+    err = failing("returns_a_set", tmp_path)
+    assert err.rank == 1
+    assert str(err).startswith("rank 1 of 2 failed with TypeError: the function's result is not JSON-able: "
+                               "result['curve']['points'] is a set ({1, 2})"), str(err)
+
+
+def test_out_of_memory_is_named_whatever_the_exception_class(tmp_path):
+    err = failing("out_of_memory", tmp_path)
+    assert err.rank == 1 and str(err).startswith("rank 1 of 2 ran out of memory ("), str(err)
+    assert "RuntimeError" in str(err)  # torch's allocator raises RuntimeError, not MemoryError
+
+
+@pytest.mark.parametrize("fn, what", [("nvme_disk_full", r"nvme-optimizer: write of [\d,]+ bytes in "),
+                                      ("spill_disk_full", r"activation-spill: reserving 1,048,576 bytes in ")])
+def test_a_full_disk_under_offload_names_the_path_and_the_bytes(tmp_path, fn, what):
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    err = failing(fn, tmp_path, dir=str(disk))
+    first = str(err).splitlines()[0]
+    assert err.rank == 1 and first.startswith("rank 1 of 2 failed with OffloadIOError"), first
+    assert re.search(what + re.escape(str(disk)) + " failed: File too large", first), first
+
+
+def test_a_config_validate_passed_that_fails_at_run_time(tmp_path):
+    with pytest.raises(ValueError, match="rows must be a positive int, got 0"):
+        launch("fault_targets:reshape_rows", 2, {"rows": 0}, progress="none", out_dir=tmp_path / "out")
+    err = failing("reshape_rows", tmp_path, rows=5)
+    assert str(err).startswith(f"rank {err.rank} of 2 failed with RuntimeError: shape '[5, -1]' is invalid for input "
+                               "of size 12"), str(err)
+    assert "view(cfg[\"rows\"], -1)" in err.traceback
+
+
+@pytest.mark.parametrize("make", [lambda p: p / "a-file" / "out", lambda p: p / "a-file"])
+def test_an_out_dir_that_cannot_be_written_is_refused_before_launch(tmp_path, make):
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(ValueError, match="out_dir=.* cannot be written"):
+        launch("fault_targets:all_reduce", 2, {"value": 1}, progress="none", out_dir=make(tmp_path))
+    assert not launch_processes(tmp_path)
+
+
+# ---- the caller ----------------------------------------------------------------------------------------------
+def test_the_caller_killed_leaves_no_rank(tmp_path):
+    proc = hanging(tmp_path)
+    proc.kill()  # a restarted kernel, a killed papermill job
+    proc.communicate()
+    assert not wait_gone(tmp_path / "out", LEFT_WAIT_S)
+    log = (tmp_path / "out" / "launch.log").read_text()
+    assert f"the process that called launch (pid {proc.pid}) is gone: exiting" in log
+
+
+def test_sigint_to_the_caller_raises_keyboard_interrupt_and_leaves_no_rank(tmp_path):
+    proc = hanging(tmp_path)
+    proc.send_signal(signal.SIGINT)  # JupyterLab's stop button
+    _, err = proc.communicate(timeout=60)
+    assert "KeyboardInterrupt" in err
+    assert not wait_gone(tmp_path / "out", LEFT_WAIT_S)
+
+
+def test_a_frozen_caller_ranks_end_at_the_deadline_with_their_stacks(tmp_path):
+    timeout_s = 20  # how long this case takes: the ranks outlive nothing
+    proc = caller(tmp_path, "hangs", timeout_s)
+    end = time.monotonic() + 60
+    while not (tmp_path / "out" / "launch.log").exists():  # torchrun's agent is started
+        assert proc.poll() is None and time.monotonic() < end, proc.communicate()
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGSTOP)  # alive, but it will never kill its ranks
+    try:
+        spec = json.loads((tmp_path / "out" / "spec.json").read_text())
+        assert not wait_gone(tmp_path / "out", spec["deadline"] - time.time() + LEFT_WAIT_S)
+    finally:
+        proc.kill()
+        proc.communicate()
+    hung = [r for r in (0, 1) if (tmp_path / "out" / f"hanging{r}").exists()]
+    assert hung, "no rank got to hang before the deadline (the machine is too loaded for this case)"
+    for r in hung:  # each dumped its stack on its way out
+        assert "in hangs" in (tmp_path / "out" / f"rank{r}.stack.txt").read_text()
+
+
+def test_two_launches_at_once_from_two_processes(tmp_path):
+    procs = [caller(tmp_path / str(v), "all_reduce", 2 * TIMEOUT_S, value=v) for v in (10, 20)]
+    outs = [p.communicate(timeout=4 * TIMEOUT_S) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert [json.loads(out.splitlines()[-1]) for out, _ in outs] == [[{"sum": 21.0}] * 2, [{"sum": 41.0}] * 2]
+    for v in (10, 20):
+        assert not launch_processes(tmp_path / str(v))
+
+
+# ---- reading torchrun's report (no processes) ---------------------------------------------------------------
+REPORT = """W1202 00:31:43.638000 5573 torch/distributed/elastic/multiprocessing/api.py:1028] Sending process 5593 closing signal SIGTERM
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+Failures:
+[1]:
+  time      : 2026-12-02_00:31:43
+  rank      : 0 (local_rank: 0)
+  exitcode  : -15 (pid: 5593)  (SIGTERM)
+  traceback : Signal 15 (SIGTERM) received by PID 5593
+------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-12-02_00:31:43
+  rank      : 1 (local_rank: 1)
+  exitcode  : -9 (pid: 5594)  (SIGKILL)
+  traceback : Signal 9 (SIGKILL) received by PID 5594
+"""
+
+
+def test_torchrun_report_gives_exit_statuses_the_stopped_ranks_and_its_root_cause():
+    from toolkit.runtime.launch import torchrun_report
+    assert torchrun_report(REPORT) == ({0: -15, 1: -9}, {0}, 1)
+    one_rank = "subprocess.CalledProcessError: Command '['python', '-m', 'x']' died with <Signals.SIGKILL: 9>."
+    assert torchrun_report(one_rank) == ({0: -9}, set(), None)
+    exit3 = "subprocess.CalledProcessError: Command '['python', '-m', 'x']' returned non-zero exit status 3."
+    assert torchrun_report(exit3) == ({0: 3}, set(), None)
+
+
+def test_a_silent_death_outranks_an_exception_torchrun_saw_first_and_a_rank_that_never_started_is_not_blamed(
+        tmp_path):
+    from toolkit.runtime.launch import failure
+    for r in (0, 1):
+        (tmp_path / f"rank{r}.stack.txt").write_text("")  # both started
+    (tmp_path / "rank0.error.json").write_text(json.dumps(
+        {"rank": 0, "time": 1.0, "type": "RuntimeError", "message": "Connection closed by peer", "cause": None,
+         "traceback": "..."}))
+    # both exits seen in one poll, in the same second: torchrun's report blames the lower rank
+    (tmp_path / "launch.log").write_text("""Failures:
+[1]:
+  rank      : 1 (local_rank: 1)
+  exitcode  : -9 (pid: 5594)  (SIGKILL)
+Root Cause (first observed failure):
+[0]:
+  rank      : 0 (local_rank: 0)
+  exitcode  : 1 (pid: 5593)
+""")
+    err = failure(tmp_path, 2, 1)
+    assert err.rank == 1 and str(err).startswith("rank 1 of 2 was killed by SIGKILL"), str(err)
+    assert "consequences on the other ranks:\n  rank 0 failed with RuntimeError: Connection closed by peer" in str(err)
+    for f in tmp_path.iterdir():
+        f.unlink()
+    (tmp_path / "launch.log").write_text("torch.distributed.DistNetworkError: The server socket has failed to bind.")
+    err = failure(tmp_path, 2, 1)
+    assert err.rank is None and str(err).startswith("launch exited with code 1; ranks without a result: [0, 1]")
+
+
+def test_torchruns_agent_killed_takes_every_rank_with_it(tmp_path):
+    """The ranks' parent dies (the kernel's OOM killer may pick it): the kernel kills them (PR_SET_PDEATHSIG)."""
+    out = tmp_path / "out"
+
+    def kill_the_agent() -> None:
+        end = time.monotonic() + 60
+        while not all((out / f"hanging{r}").exists() for r in (0, 1)) and time.monotonic() < end:
+            time.sleep(0.1)
+        for p in psutil.process_iter(["cmdline"]):
+            cmd = " ".join(p.info["cmdline"] or [])
+            if "accelerate.commands.launch" in cmd and str(out) in cmd:
+                p.kill()
+
+    killer = threading.Thread(target=kill_the_agent)
+    killer.start()
+    with pytest.raises(LaunchError) as info:
+        launch("fault_targets:hangs", 2, {}, timeout_s=TIMEOUT_S, progress="none", out_dir=out)
+    killer.join()
+    assert str(info.value).startswith("the launcher process (accelerate launch, torchrun's agent) was killed by "
+                                      "SIGKILL (signal 9), and every rank with it"), str(info.value)
+    assert not wait_gone(out, LEFT_WAIT_S)
