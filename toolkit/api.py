@@ -85,6 +85,26 @@ ENTRIES: list[Entry] = [
           "every rank calls it with the same candidates; sync=ctx.barrier lines the ranks up per block",
           'res = compare({"baseline": step_a, "technique": step_b}, warmup=1, steps=3, rounds=5,\n'
           '              sync=ctx.barrier)\nspeedup = res["baseline"].mean_s / res["technique"].mean_s'),
+    Entry("verdict", "toolkit.runtime.bench:verdict", AREAS[0],
+          "Is B faster than A? Faster / slower / within noise, from the paired rounds of a compare, with the interval.",
+          "a, b: BenchResults (or to_dict(), or one per rank: each round's slowest); returns Verdict(word, ratio, "
+          "low, high, rounds, paired, clock)",
+          "in the notebook (or any process) on the results the ranks returned",
+          'res = compare({"baseline": step_a, "technique": step_b}, sync=ctx.barrier)\n'
+          'v = verdict(res["baseline"], res["technique"])\nprint(v.text())  # "technique 0.82x ...: faster"'),
+    Entry("cluster", "toolkit.runtime.cluster:cluster", AREAS[0],
+          "A target cluster for the emulator and the cost models: GPU, NVLink/IB/PCIe links, disk, placement.",
+          "a preset name (h100-ib400, a100-ib200, pcie-100gbe) and fields to replace; returns a checked Cluster",
+          "anywhere; launch(..., cluster=...) carries it to every rank",
+          'c = cluster("h100-ib400", ranks_per_node=2)  # two nodes for a 4-rank launch\nprint(c.describe())\n'
+          'launch("my_module:exp", 4, cluster=c)'),
+    Entry("Emulator", "toolkit.runtime.emulator:Emulator", AREAS[0],
+          "A rank's virtual clock on an emulated cluster: ops timed by the GPU's roofline, transfers by α-β.",
+          "ctx.emulator.now() in seconds; scaled(flops=, bytes=) times ops as a bigger model's; graph_replay(); "
+          "report() per op and per transfer",
+          "built on every rank by launch(..., cluster=); results stay bitwise those of the run without it",
+          'def exp(ctx, cfg):\n    t0 = ctx.emulator.now(); step()\n'
+          '    return {"step_on_h100_s": ctx.emulator.now() - t0}'),
     Entry("Param", "toolkit.runtime.config:Param", AREAS[0],
           "One configuration knob: type, meaning, allowed range or choices; drives validation and bad-input tests.",
           "-", "used in the launching process by validate(cfg, world_size), before any rank starts",
