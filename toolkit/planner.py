@@ -397,6 +397,12 @@ MODELS: dict[str, Workload] = {
 Table 1), one sequence of 4096 per micro-batch."""
 
 
+def dense_layer_op(tokens: int, hidden: int, ffn: int, elem: int = 2) -> dict[str, float]:
+    """One transformer layer's forward on one rank: ``gemm_flops`` of its projections and MLP, 2·M·(4·D² + 2·D·F)
+    (attention scores left out), and ``wire_bytes`` of the activation a pipeline stage hands on, M·D·elem."""
+    return {"gemm_flops": 2.0 * tokens * (4 * hidden * hidden + 2 * hidden * ffn), "wire_bytes": float(tokens * hidden * elem)}
+
+
 def tp_mlp_op(tokens: int, hidden: int, ffn: int, tp: int, elem: int = 2) -> dict[str, float]:
     """fc1's all-gather + GEMM (fc2's GEMM + reduce-scatter is its mirror: the same numbers) on one rank of a
     sequence-parallel TP group: ``gemm_flops`` = 2·M·D·F/tp, ``wire_bytes`` = (tp−1)/tp·M·D·elem (the ledger's

@@ -26,14 +26,16 @@ from toolkit.runtime.config import Param, common, require_divisible, resolve
 
 SCHEDULES = ("1f1b", "zb-h1", "interleaved", "dualpipev")
 PARAMS = {**common("model", "n_layer", "m", "micro_batch", "warmup", "bench_steps", "rounds"),
-          "schedules": Param(list, "schedules run beside DualPipeV's variants", of=str, choices=SCHEDULES)}
+          "schedules": Param(list, "schedules run beside DualPipeV's variants", of=str, choices=SCHEDULES),
+          "stands_for": Param(str, "the real model whose layers the emulated cluster times the toy's as (the "
+                                   "workload-matched mode)", choices=("llama2-7b", "llama2-13b", "llama2-70b"))}
 PRESETS = {
     "smoke": {"model": "smoke", "n_layer": 4, "m": 4, "micro_batch": 2, "warmup": 1, "bench_steps": 1, "rounds": 3,
-              "schedules": list(SCHEDULES)},
+              "schedules": list(SCHEDULES), "stands_for": "llama2-7b"},
     "default": {"model": "default", "n_layer": 4, "m": 8, "micro_batch": 4, "warmup": 1, "bench_steps": 2,
-                "rounds": 5, "schedules": list(SCHEDULES)},
+                "rounds": 5, "schedules": list(SCHEDULES), "stands_for": "llama2-7b"},
     "full": {"model": "full", "n_layer": 12, "m": 16, "micro_batch": 2, "warmup": 3, "bench_steps": 5, "rounds": 5,
-             "schedules": list(SCHEDULES)},
+             "schedules": list(SCHEDULES), "stands_for": "llama2-13b"},
 }
 
 
@@ -62,9 +64,35 @@ def run(ctx, cfg: dict) -> dict:
         jobs.append(Job(dpv, impl="torch"))                         # torch's ScheduleDualPipeV
     runs, _ = measure_schedules(ctx, setup, jobs, warmup=cfg["warmup"], steps=cfg["bench_steps"],
                                 rounds=cfg["rounds"])
-    return {"rank": ctx.rank, "p": p, "m": m, "model": vars(setup.model_cfg), "ref_loss": setup.ref_loss,
+    return {"rank": ctx.rank, "emulated": emulated(ctx, cfg, setup, [j for j in jobs if j.impl == "ours"]), "p": p, "m": m, "model": vars(setup.model_cfg), "ref_loss": setup.ref_loss,
             "runs": runs, "orders": {name: make_schedule(name, p, m).to_strings() for name in cfg["schedules"]},
             "torch_missing": torch_missing,  # None, or why this torch cannot run / list torch's DualPipeV
             "torch_order_identical": (compare_orders(dpv, "dualpipev")["identical"]
                                       if torch_missing["order"] is None else None),
             "attention_modules": [name for name, _ in setup.base.blocks[0].attn.named_children()]}
+
+
+def emulated(ctx, cfg: dict, setup: PipelineSetup, jobs: list[Job]) -> dict | None:
+    """Our schedules once more on the emulated cluster, matched to ``cfg["stands_for"]`` (its layers' GEMMs and
+    its activations between stages; ``toolkit.planner.dense_layer_op``): per job the step time, the time a rank
+    waited for its receives (exposed p2p) and each link's busy time, all virtual. The same ops run at the toy's
+    own shapes in ``runs`` (their virtual times ride along in ``bench["virtual"]``)."""
+    from toolkit import planner
+    emu = ctx.emulator
+    if emu is None:
+        return None
+    mc, real = setup.model_cfg, planner.MODELS[cfg["stands_for"]]
+    toy = planner.dense_layer_op(cfg["micro_batch"] * mc.seq_len, mc.d_model, mc.d_ff, emu.cluster.float_bytes)
+    scales = planner.matched_scales(toy, planner.dense_layer_op(real.seq_len * real.micro_batch, real.hidden,
+                                                                real.ffn_hidden or 4 * real.hidden))
+    with emu.scaled(**scales):
+        records, _ = measure_schedules(ctx, setup, jobs, warmup=0, steps=1, rounds=1, trim=0)
+    out = {"cluster": emu.cluster.name, "gpu": emu.cluster.gpu.name, "link": emu.cluster.intra.name,
+           "stands_for": cfg["stands_for"], "scales": scales, "jobs": []}
+    for job, rec in zip(jobs, records):
+        out["jobs"].append({"schedule": rec["schedule"], "fb_overlap": rec["fb_overlap"], "meta": rec["meta"],
+                            "step_s": rec["bench"]["virtual"]["mean_s"], "exposed_recv_s": rec["exposed_recv_vs"],
+                            "exposed_wire_s": rec["exposed_wire_vs"],
+                            "op_seconds": rec["op_vseconds"], "spans": rec["spans"],
+                            "link_busy_s": emu.link_busy("pipeline:" + job.label)})
+    return out

@@ -358,8 +358,9 @@ class PipelineExecutor:
                         "pair": self._pair is not None}
                 if self.timeline is not None:
                     wait["start"] = start - self.timeline.origin
-                if vstart is not None:
-                    wait["vseconds"] = self._vnow() - vstart  # on the emulated cluster's clock
+                if vstart is not None:  # on the emulated cluster's clock: the wait, and its part with bytes in flight
+                    wait["vseconds"] = self._vnow() - vstart
+                    wait["vwire_s"] = getattr(work, "exposed", (0.0, 0.0))[1]
                 self.waits.append(wait)
 
     def _vnow(self) -> float | None:

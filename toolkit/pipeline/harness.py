@@ -267,6 +267,7 @@ class _Candidate:
         if any("vstart" in s for st in self.steps for s in st["spans"]):  # the emulated cluster's clock
             out.update(self._op_times("vstart", "vend", "op_vseconds"))
             out["exposed_recv_vs"] = statistics.median([sum(w["vseconds"] for w in st["waits"]) for st in self.steps])
+            out["exposed_wire_vs"] = statistics.median([sum(w["vwire_s"] for w in st["waits"]) for st in self.steps])
         exposed = [sum(w["seconds"] for w in st["waits"]) for st in self.steps]
         by_msg: dict[tuple, list[float]] = defaultdict(list)
         for st in self.steps:

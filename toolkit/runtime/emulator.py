@@ -340,10 +340,14 @@ class Emulator:
         """The transfer of ``rec`` is waited for: this thread's stream waits for its virtual completion (a
         barrier also blocks the host)."""
         with self._side():
-            done = msg.value()
+            start, done = msg.interval()
         rec["done"] = done
+        before = self.now()
         waited = self.wait_until(done)
-        rec["exposed"] = waited if rec["exposed"] is None else rec["exposed"] + waited
+        # the part of the wait during which the bytes were on the wire (the rest: waiting for the peer to send)
+        wire = max(0.0, done - max(start, before)) if waited > 0 else 0.0
+        rec["exposed"] = (rec["exposed"] or 0.0) + waited
+        rec["exposed_wire"] = rec.get("exposed_wire", 0.0) + wire
         if rec["op"] == "barrier":
             self.synchronize()
 
@@ -380,7 +384,7 @@ class Emulator:
         end, rec = self._transfer(op, [r for r in self.ranks_of(group) if r != self.rank],
                                   self._virtual_bytes(sent, tensors[0] if tensors else None), tag)
         with self._side():
-            stamp = torch.tensor([end], dtype=torch.float64)
+            stamp = torch.tensor([end, rec["start"]], dtype=torch.float64)
             msg = _ClockMessage(dist.all_reduce(stamp, op=dist.ReduceOp.MAX, group=group, async_op=True), stamp)
         return self._returned(work, rec, msg, is_async)
 
@@ -397,8 +401,8 @@ class Emulator:
         dst, msg_tag = self._p2p_args(args, kwargs, "dst", group)
         end, rec = self._transfer(op, [dst], self._virtual_bytes(sent, _tensors((args, kwargs))[0]), tag)
         with self._side():
-            stamp = torch.tensor([end], dtype=torch.float64)
-            msg = _ClockMessage(dist.isend(stamp, dst, group=group, tag=msg_tag), stamp, end)
+            stamp = torch.tensor([end, rec["start"]], dtype=torch.float64)
+            msg = _ClockMessage(dist.isend(stamp, dst, group=group, tag=msg_tag), stamp)
         return self._returned(work, rec, msg, is_async)
 
     def on_recv(self, op: str, group, args, kwargs, work, is_async: bool, tag: str):
@@ -411,7 +415,7 @@ class Emulator:
             src = work  # a blocking recv returns the sender's rank
         rec = self._record(op, tag)
         with self._side():
-            stamp = torch.zeros(1, dtype=torch.float64)
+            stamp = torch.zeros(2, dtype=torch.float64)
             msg = _ClockMessage(dist.irecv(stamp, src, group=group, tag=msg_tag), stamp)
         return self._returned(work, rec, msg, is_async)
 
@@ -424,16 +428,16 @@ class Emulator:
                 if sending:
                     end, rec = self._transfer("isend", [p.peer], self._virtual_bytes(
                         p.tensor.numel() * p.tensor.element_size(), p.tensor), tag)
-                    stamp = torch.tensor([end], dtype=torch.float64)
+                    stamp = torch.tensor([end, rec["start"]], dtype=torch.float64)
                 else:
-                    end, rec = None, self._record("irecv", tag)
-                    stamp = torch.zeros(1, dtype=torch.float64)
+                    rec = self._record("irecv", tag)
+                    stamp = torch.zeros(2, dtype=torch.float64)
             side_ops.append(dist.P2POp(p.op, stamp, p.peer, p.group, p.tag))
-            pending.append((rec, stamp, end))
+            pending.append((rec, stamp))
         with self._side():
             side_works = dist.batch_isend_irecv(side_ops)
-        return [EmulatedWork(self, work, rec, _ClockMessage(side, stamp, end))
-                for work, side, (rec, stamp, end) in zip(works, side_works, pending)]
+        return [EmulatedWork(self, work, rec, _ClockMessage(side, stamp))
+                for work, side, (rec, stamp) in zip(works, side_works, pending)]
 
     # ---- DDP: its C++ reducer is seen only through a comm hook --------------------------------------------------
     def ddp_hook(self, state, bucket):  # no annotations: DDP checks them against Future[Tensor] objects
@@ -455,6 +459,14 @@ class Emulator:
                 "comm_s": sum(c["local_end"] - c["start"] for c in self.comms if c["local_end"] is not None),
                 "exposed_s": sum(c["exposed"] or 0.0 for c in self.comms),
                 "cpu_s": sum(r["cpu_s"] for r in self.ops.values())}
+
+    def link_busy(self, tag: str | None = None) -> dict[str, float]:
+        """Seconds each of this rank's links carried transfers (issued under ledger ``tag``, or all)."""
+        busy: dict[str, float] = defaultdict(float)
+        for c in self.comms:
+            if c["local_end"] is not None and (tag is None or c["tag"] == tag):
+                busy[c["link"]] += c["local_end"] - c["start"]
+        return dict(busy)
 
     def report(self) -> dict:
         """JSON-able: the cluster, the totals, per-op rows (calls, FLOPs, bytes, modelled and CPU seconds) and
@@ -485,18 +497,23 @@ class _Clock:
 
 
 class _ClockMessage:
-    """The side message that carries a transfer's virtual end: one this rank sent (``end`` known here), or one
-    received or reduced into ``stamp``."""
+    """The side message that carries a transfer's virtual [end, start]: one this rank sent (known here), or one
+    received, or reduced (MAX over the group) into ``stamp``."""
 
-    def __init__(self, work, stamp: torch.Tensor, end: float | None = None):
-        self.work, self.stamp, self.end = work, stamp, end
+    def __init__(self, work, stamp: torch.Tensor):
+        self.work, self.stamp = work, stamp
 
     def ready(self) -> bool:
         return self.work.is_completed()
 
-    def value(self) -> float:
+    def interval(self) -> tuple[float, float]:
+        """(start, end) of the transfer on the wire (a collective's: its latest start and latest end)."""
         self.work.wait()
-        return self.end if self.end is not None else self.stamp.item()
+        end, start = self.stamp.tolist()
+        return start, end
+
+    def value(self) -> float:
+        return self.interval()[1]
 
 
 class EmulatedWork:
@@ -517,6 +534,11 @@ class EmulatedWork:
             return False
         with self._emu._side():
             return self._msg.value() <= self._emu.now()
+
+    @property
+    def exposed(self) -> tuple[float, float]:
+        """(seconds this op's waits moved the clock, the part of them with its bytes on the wire)."""
+        return self._rec["exposed"] or 0.0, self._rec.get("exposed_wire", 0.0)
 
     def get_future(self):
         return self._work.get_future()
