@@ -37,6 +37,7 @@ OPS = ("AG+GEMM", "GEMM+RS")
 def main() -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from toolkit import launch
+    from toolkit.parallel.tp_overlap import overlap_ceiling
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--world-size", type=int, default=2)
@@ -68,7 +69,7 @@ def main() -> int:
                  for c in ("comm", "gemm", "bulk", "ring", "tiled ring", "ring comm")}
             ov = {v: (t["comm"] + t["gemm"] - t[v]) / t["comm"] for v in ("ring", "tiled ring", "bulk")}
             ov_own = (t["ring comm"] + t["gemm"] - t["ring"]) / t["ring comm"]
-            ceiling = {n: min(1.0, (1 - 1 / (args.world_size * k)) * t["gemm"] / t["comm"])
+            ceiling = {n: overlap_ceiling(args.world_size, t["gemm"], t["comm"], k)
                        for n, k in (("ring", 1), ("tiled ring", tiles))}
             ok &= ov["tiled ring"] >= TARGET
             shapes = " ".join(f"{k}{v}" for k, v in results[0]["ops"][op]["shapes"].items())

@@ -144,6 +144,14 @@ def test_closed_forms():
     assert tp_overlap.bytes_per_layer(8, 4, 2, keep_gathered=False) == {"forward": 4 * 64, "backward": 6 * 64}
     assert tp_overlap.bytes_per_layer(8, 4, 4, keep_gathered=True) == {"forward": 4 * 96, "backward": 4 * 96}
     assert tp_overlap.kept_bytes_per_layer(8, 4, 4) == 2 * 6 * 4 * 4
+    # the ring leaves the last chunk's GEMM uncovered, the tiled ring the last tile's; never more than all
+    assert tp_overlap.overlap_ceiling(2, 1.0, 1.0) == 0.5 and tp_overlap.overlap_ceiling(4, 2.0, 3.0) == 0.5
+    assert tp_overlap.overlap_ceiling(2, 1.0, 1.0, tiles=4) == 0.875
+    assert tp_overlap.overlap_ceiling(2, 10.0, 1.0) == 1.0
+    with pytest.raises(ValueError, match="tiles must be an int >= 1"):
+        tp_overlap.overlap_ceiling(2, 1.0, 1.0, tiles=0)
+    with pytest.raises(ValueError, match="tp must be a positive int"):
+        tp_overlap.overlap_ceiling(0, 1.0, 1.0)
 
 
 def test_bad_input_names_the_parameter():

@@ -370,7 +370,7 @@ class Composed:
         """Inside the block, record what the router decided, per (stage, micro-batch) and MoE layer: yields a dict
         ``{(stage, mb): [(rows its experts receive, pairs sent to other ranks, rows received from other ranks),
         ...]}`` filled as the forwards run (a stage's forwards come in micro-batch order in every schedule here).
-        The planner's memory and bytes models take it as an input (``toolkit.planner_tiny``)."""
+        The memory and bytes models of the run take it as an input (``toolkit.compose_bytes``)."""
         from toolkit.moe import ExpertParallelMoE
         rows: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
 

@@ -44,7 +44,7 @@ and grads, each unit padded to a multiple of the ranks, each disk region to 4 Ki
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 
 @dataclass
@@ -244,10 +244,6 @@ def validate_memory_model(n_params: int, dp: int, measured: dict[str, dict[str, 
     return rows
 
 
-def as_dicts(w: Workload, c: Cluster) -> dict:
-    return {"workload": asdict(w), "cluster": asdict(c)}
-
-
 # ---- choosing a configuration: layout, micro-batches, schedule, checkpointing, offload ----------------------------
 @dataclass
 class Links:
@@ -378,6 +374,3 @@ def explain(rows: list[dict], c: Cluster, headroom: float = 0.9) -> list[str]:
             out.append(f"{key} {value} instead of {best[key]}: at best {verdict}")
     return out
 
-
-# the composed tiny run of lesson 17: the same categories, counted tensor by tensor for the toolkit's own GPT
-from toolkit.planner_tiny import composed_bytes, composed_memory  # noqa: E402

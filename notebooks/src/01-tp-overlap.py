@@ -173,8 +173,8 @@ for op in ("AG+GEMM", "GEMM+RS"):
                   "tiled ring (ms)": t["tiled ring"] * 1e3, "ring comm (ms)": t["ring comm"] * 1e3,
                   "overlap ring": ops[0]["overlap"]["ring"], "overlap tiled": ops[0]["overlap"]["tiled ring"],
                   "vs own messages": ops[0]["overlap_own_messages"], "overlap bulk": ops[0]["overlap"]["bulk"],
-                  "ceiling ring": min(1.0, (world_size - 1) / world_size * t["gemm"] / t["comm"]),
-                  "ceiling tiled": min(1.0, (1 - 1 / (world_size * r0["tiles"])) * t["gemm"] / t["comm"])})
+                  "ceiling ring": tp_overlap.overlap_ceiling(world_size, t["gemm"], t["comm"]),
+                  "ceiling tiled": tp_overlap.overlap_ceiling(world_size, t["gemm"], t["comm"], r0["tiles"])})
 display(viz.bars(rows, x="op", y="ms", color="candidate", title="The fused ops against their parts (slowest rank)",
                  text_format=".2f"))
 display(viz.table(table, title="Rank 0: overlap = (T_comm + T_gemm − T_fused) / T_comm (measured)",
@@ -258,7 +258,7 @@ def resolved(op: str, o: dict) -> str:
     """The ring's overlap of ``op`` against this run's noise floor: bulk hides nothing by construction, so
     its reading (and the ceiling of the decomposition) say what the measurement can resolve."""
     ring, floor = o["overlap"]["ring"], abs(o["overlap"]["bulk"])
-    ceiling = min(1.0, (world_size - 1) / world_size * o["mean_s"]["gemm"] / o["mean_s"]["comm"])
+    ceiling = tp_overlap.overlap_ceiling(world_size, o["mean_s"]["gemm"], o["mean_s"]["comm"])
     verdict = ("above the ceiling of the decomposition, so timing noise" if ring > ceiling + floor else
                "within the noise floor" if abs(ring) <= floor else "beyond the noise floor")
     return (f"{op} ring {ring:.2f} ({o['overlap_own_messages']:.2f} against the ring's own messages), bulk "
@@ -296,7 +296,7 @@ display(Markdown(f"""
   the bytes are moved by gloo's threads over loopback TCP, on the same cores that run the GEMMs: the
   all-gather alone moved {mb_ag:.2f} MB per rank in {ag['mean_s']['comm'] * 1e3:.2f} ms
   ({mb_ag / ag['mean_s']['comm'] / 1e3:.2f} GB/s) against a GEMM of {ag['mean_s']['gemm'] * 1e3:.2f} ms, so the
-  ceiling above is {min(1.0, (world_size - 1) / world_size * ag['mean_s']['gemm'] / ag['mean_s']['comm']):.2f},
+  ceiling above is {tp_overlap.overlap_ceiling(world_size, ag['mean_s']['gemm'], ag['mean_s']['comm']):.2f},
   and a message is hidden only while a core is free to move it. `benchmarks/bench_tp_overlap.py` checks the overlap target
   (≥ 0.5 at the default preset on 2 ranks) and reports it; it is not asserted here.
 - **Tiles.** {tiles_text}

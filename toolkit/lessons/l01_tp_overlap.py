@@ -27,8 +27,8 @@ from toolkit.data import batches
 from toolkit.models import GPT, lm_loss, preset
 from toolkit.parallel.tensor import check_tp
 from toolkit.parallel.tp_overlap import (SequenceParallelStack, all_gather_matmul, allreduce_sequence_parallel_grads,
-                                         bytes_per_layer, kept_bytes_per_layer, matmul_reduce_scatter, shard_tokens,
-                                         tile_rows)
+                                         bytes_per_layer, kept_bytes_per_layer, matmul_reduce_scatter, overlap_ceiling,
+                                         shard_tokens, tile_rows)
 from toolkit.pipeline.executor import ActivationMeter
 from toolkit.runtime.bench import compare
 from toolkit.runtime.config import Param, common, resolve
@@ -360,6 +360,5 @@ def emulated_link(m: int = 1024, k: int = 256, n: int = 512, tiles: int = 4, lin
     t = {name: r.mean_s for name, r in res.items()}
     return {"shapes": {"own": [m, k], "w": [k, n]}, "tiles": tiles, "link_ratio": link_ratio, "mean_s": t,
             "overlap": {v: overlap_fraction(t["comm"], t["gemm"], t[v]) for v in ("bulk", "ring", "tiled ring")},
-            "ceiling": {v: min(1.0, (1 - 1 / (2 * k_)) * t["gemm"] / t["comm"])
-                        for v, k_ in (("ring", 1), ("tiled ring", tiles))},
+            "ceiling": {v: overlap_ceiling(2, t["gemm"], t["comm"], k_) for v, k_ in (("ring", 1), ("tiled ring", tiles))},
             "max_diff_vs_bulk": diff}

@@ -27,7 +27,6 @@ from toolkit.pipeline import vocab_passes as vx
 from toolkit.pipeline.executor import PipelineExecutor
 from toolkit.pipeline.harness import Job, PipelineSetup, check_step
 from toolkit.pipeline.schedule import one_f_one_b
-from toolkit.pipeline.simulate import simulate
 from toolkit.runtime.bench import compare, measure
 from toolkit.runtime.config import Param, common, require_divisible, require_ranks, resolve
 from toolkit.runtime.timeline import Timeline

@@ -62,7 +62,7 @@ def run(ctx, cfg: dict) -> dict:
     # all dp·m micro-batches and the one-process reference over them; this replica runs its own m
     setup = PipelineSetup.build(cfg["model"], m=dp * m, micro_batch=cfg["micro_batch"], n_layer=cfg["n_layer"],
                                 seed=cfg["seed"], device=ctx.device)
-    mc, base = setup.model_cfg, setup.base
+    mc = setup.model_cfg
     inputs, targets = setup.inputs[d * m:(d + 1) * m], setup.targets[d * m:(d + 1) * m]
 
     def executor(separate: bool, timeline=None):

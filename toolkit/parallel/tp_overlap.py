@@ -433,3 +433,18 @@ def kept_bytes_per_layer(tokens: int, d_model: int, tp: int, elem: int = 4) -> i
     """Extra activation bytes held per layer by keeping the gathered inputs of qkv and fc1 (instead of
     each rank's own tokens): 2 × (tp-1)/tp·M·D·b."""
     return 2 * (tokens - tokens // tp) * d_model * elem
+
+
+def overlap_ceiling(tp: int, t_gemm: float, t_comm: float, tiles: int = 1) -> float:
+    """The most of the communication a ring can hide behind its GEMMs, as a fraction of ``t_comm``::
+
+        min(1, (1 - 1/(tp·tiles)) · T_gemm / T_comm)
+
+    The ring passes each of the tp chunks on while it multiplies the one it holds, so every GEMM but the last
+    chunk's covers a transfer; the tiled ring (``tiles`` row tiles per chunk) leaves only the last tile's GEMM
+    uncovered. The bound of the overlap fraction (T_comm + T_gemm - T_fused) / T_comm at these times.
+    """
+    check_tp(tp)
+    if not isinstance(tiles, int) or isinstance(tiles, bool) or tiles < 1:
+        raise ValueError(f"tiles must be an int >= 1, got {tiles!r}")
+    return min(1.0, (1 - 1 / (tp * tiles)) * t_gemm / t_comm) if t_comm > 0 else float("nan")
