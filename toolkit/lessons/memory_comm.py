@@ -1,9 +1,8 @@
-"""Lesson 00b's communication sections, per rank: what the ranks send beside the training step, and when.
+"""Lesson 00b's communication sections, per rank (``l00b_memory``'s docstring says what each one measures)::
 
-    side_channel  per-micro-batch top-k predictions gathered on rank 0: blocking all_gather vs a gloo side
-                  channel waited at the end of the step, on micro-batches of unequal length; the training
-                  thread's time in communication counts the gradient all-reduce in both modes
-    buckets       DDP bucket sizes swept on an emulated link (and on the real one): exposed comm, step time
+    side_channel  values sent to rank 0 beside the training step: a blocking all_gather per micro-batch vs a
+                  side channel (``toolkit.comm.side_channel``) waited at the end of the step
+    buckets       DDP's bucket size swept on an emulated link (``toolkit.comm.bucketing``) and the real one
 
 Each takes ``(ctx, cfg)`` with ``l00b_memory``'s resolved cfg.
 """

@@ -1,16 +1,12 @@
-"""Lesson 00b's memory sections, per rank: the optimizer state and the activations moved off the device.
+"""Lesson 00b's memory sections, per rank (``l00b_memory``'s docstring says what each one measures)::
 
-    offload       the toolkit's ZeRO stage ``stage`` with AdamW state in memory, in host memory (``cpu``: master +
-                  moments, update on the host; ``stream``: moments streamed to the device per shard), on disk
-                  (``nvme``; ``nvme_params`` also the parameter shards), FSDP2 with and without
-                  ``CPUOffloadPolicy``: bitwise equality, bytes by category and place, bytes moved, step time
-    nvme_buffers  the disk offload's optimizer step for a grid of buffer_count x buffer_size: exposed I/O,
-                  AdamW time, I/O calls, resident host bytes
-    spill         the article's MappedCheckpoint measured, and DiskSpill: checkpointed segments' saved
-                  tensors in a file-backed mapping, grads vs plain checkpointing
+    offload       one training run per place of the optimizer state: ZeRO with AdamW on the device, in host
+                  memory (cpu, stream) or on disk (nvme, nvme_params), FSDP2 with and without CPU offload;
+                  each variant is a ``DataParallelTrainer`` (``toolkit.parallel.trainer``) with its optimizer
+    nvme_buffers  the disk offload's optimizer step alone, over a grid of staging buffer counts and sizes
+    spill         the saved tensors of checkpointed segments in a file-backed mapping (``DiskSpill``)
 
-Each takes ``(ctx, cfg)`` with ``l00b_memory``'s resolved cfg; every variant is a ``DataParallelTrainer``
-(``toolkit.parallel.trainer``) with its optimizer.
+Each takes ``(ctx, cfg)`` with ``l00b_memory``'s resolved cfg.
 """
 from __future__ import annotations
 
