@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from toolkit import launch  # noqa: E402
 
-VARIANTS = {"zero3": {"kind": "zero", "stage": 3}, "fsdp2": {"kind": "fsdp2"}}  # DataParallelTrainer arguments
+VARIANTS = {"zero3": {"kind": "zero", "stage": 3}, "fsdp2": {"kind": "fsdp2", "reshard": True}}  # DataParallelTrainer
 
 
 def rank_main(ctx, cfg):

@@ -39,7 +39,7 @@ from toolkit.runtime.timeline import Timeline
 SECTIONS = ("data_parallel", "zero3_prefetch", "tensor_parallel")
 DP_VARIANTS = {"ddp": {"kind": "ddp"}, "zero0": {"kind": "zero", "stage": 0}, "zero1": {"kind": "zero", "stage": 1},
                "zero2": {"kind": "zero", "stage": 2}, "zero3": {"kind": "zero", "stage": 3},
-               "fsdp2": {"kind": "fsdp2"}, "fsdp2_keep": {"kind": "fsdp2", "reshard": False}}
+               "fsdp2": {"kind": "fsdp2", "reshard": True}, "fsdp2_keep": {"kind": "fsdp2", "reshard": False}}
 """variant -> ``DataParallelTrainer`` arguments ("fsdp2_keep": FSDP2 with ``reshard_after_forward=False``)."""
 PREFETCH_STEPS = 2
 """Steps both ZeRO-3 variants train (their losses and parameters compared bit for bit) before the recorded one."""

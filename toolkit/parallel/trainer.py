@@ -10,8 +10,9 @@ holds which bytes and what crosses the wire::
     zero    toolkit's ZeroDataParallel, stage 0-3 (``zero.py``)           by stage: see ``memory_per_rank``
     fsdp2   torch ``fully_shard`` per unit (``default_units``) and on    params, grads, AdamW state sharded:
             the whole model; ``reshard=False`` keeps the gathered        every parameter's dim 0 cut as
-            parameters from forward to backward; ``cpu_offload``         torch.chunk does (ceil(d/n) rows each,
-            keeps the shards on the host (``CPUOffloadPolicy``)          stored padded)
+            parameters from forward to backward (True re-gathers         torch.chunk does (ceil(d/n) rows each,
+            them; None: torch's default); ``cpu_offload`` keeps the      stored padded)
+            shards on the host (``CPUOffloadPolicy``)
 
     trainer = DataParallelTrainer("zero", base, group, stage=3)
     loss = trainer.fwd_bwd(x, y); trainer.step()         # every rank of ``group``, in step
@@ -46,13 +47,14 @@ class DataParallelTrainer:
         group: the data-parallel process group (default: the world).
         optimizer: ``params -> Optimizer`` (default AdamW, lr 1e-3).
         stage: ZeRO stage 0-3 (``kind="zero"`` only).
-        reshard: FSDP2's ``reshard_after_forward`` (``kind="fsdp2"`` only).
+        reshard: FSDP2's ``reshard_after_forward`` (``kind="fsdp2"`` only; None: torch's default, True for the
+            units, False for the root, which holds no parameters of its own here).
         cpu_offload: FSDP2's ``CPUOffloadPolicy`` (``kind="fsdp2"`` only).
     """
 
     def __init__(self, kind: str, base: nn.Module, group=None,
                  optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer] = adamw, stage: int = 0,
-                 reshard: bool = True, cpu_offload: bool = False):
+                 reshard: bool | None = None, cpu_offload: bool = False):
         if kind not in KINDS:
             raise ValueError(f"kind={kind!r} is not known; allowed: {KINDS}")
         self.kind, self.group, self.zero = kind, group or dist.group.WORLD, None
@@ -65,9 +67,7 @@ class DataParallelTrainer:
         elif kind == "ddp":
             from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
             from torch.nn.parallel import DistributedDataParallel as DDP
-            device = next(model.parameters()).device
-            self.model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
-                             process_group=self.group, gradient_as_bucket_view=True)
+            self.model = DDP(model, process_group=self.group, gradient_as_bucket_view=True)
             self.model.register_comm_hook(self.group, allreduce_hook)  # divide by n, then sum: as the C++ reducer
             self.optimizer = optimizer(list(self.model.parameters()))
         else:
@@ -117,7 +117,7 @@ class DataParallelTrainer:
 
             ddp     all_reduce 2(n-1)/n·4Ψ                              memory_per_rank(0, Ψ, n)
             zero    ZeroDataParallel.closed_forms()
-            fsdp2   all_gather (2 with reshard, else 1)·(n-1)/n·4Ψ'     memory_per_rank(3, Ψ', n), AdamW state
+            fsdp2   all_gather (1 if reshard=False, else 2)·(n-1)/n·4Ψ' memory_per_rank(3, Ψ', n), AdamW state
                     reduce_scatter (n-1)/n·4Ψ'                          8 B per element of this rank's chunk
                     (Ψ' = Ψ with every dim 0 padded to n·ceil(d/n))
         """
@@ -131,7 +131,7 @@ class DataParallelTrainer:
         psi = sum(c * n * row for c, _, row in self._chunks)
         mine = sum(max(0, min(c, d - r * c)) * row for c, d, row in self._chunks)  # the unpadded shard
         gather = (n - 1) * psi * 4 // n
-        return {"bytes": {"all_gather_into_tensor": (2 if self.reshard else 1) * gather,
+        return {"bytes": {"all_gather_into_tensor": (1 if self.reshard is False else 2) * gather,
                           "reduce_scatter_tensor": gather},
                 "memory": {**memory_per_rank(3, psi, n), "optim": 2 * 4 * mine}}
 

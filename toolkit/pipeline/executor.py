@@ -373,12 +373,13 @@ class PipelineExecutor:
             hook.bind(self)
 
     # -- what hooks call ----------------------------------------------------------------------------
-    def forward_context(self, a: Action) -> ContextManager:
+    @contextlib.contextmanager
+    def forward_context(self, a: Action):
         """Every hook's ``forward_context(a)``, the first hook's outermost."""
-        stack = contextlib.ExitStack()
-        for hook in self.hooks:
-            stack.enter_context(hook.forward_context(a))
-        return stack
+        with contextlib.ExitStack() as stack:
+            for hook in self.hooks:
+                stack.enter_context(hook.forward_context(a))
+            yield
 
     def hold(self, key: Key, tensors: list[torch.Tensor]) -> None:
         """Count ``tensors`` as activations held by ``key`` (when the meter is on)."""
