@@ -51,10 +51,9 @@ import torch
 import torch.nn as nn
 
 from toolkit.pipeline.executor import ExecutorHook, key_of
-from toolkit.pipeline.schedule import Action
+from toolkit.pipeline.schedule import Action, Key
 from toolkit.runtime.memory import MemoryTracker
 
-Key = tuple[int, int, int]  # (stage, micro-batch, chunk)
 
 # module name (suffix, inside a stage) -> the policy name of what it saves
 KINDS = {"embed": "embed", "ln1": "ln1", "attn.qkv": "qkv", "attn.core": "core", "attn.proj": "proj", "ln2": "ln2",
