@@ -39,6 +39,7 @@ OPS = ("AG+GEMM", "GEMM+RS")
 def main() -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from toolkit import launch
+    from toolkit.parallel.tp_overlap import overlap_ceiling
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--world-size", type=int, default=2)
@@ -71,7 +72,7 @@ def main() -> int:
                  for c in ("comm", "gemm", "bulk", "ring", "tiled ring", "ring comm")}
             ov = {v: (t["comm"] + t["gemm"] - t[v]) / t["comm"] for v in ("ring", "tiled ring", "bulk")}
             ov_own = (t["ring comm"] + t["gemm"] - t["ring"]) / t["ring comm"]
-            ceiling = {n: min(1.0, (1 - 1 / (args.world_size * k)) * t["gemm"] / t["comm"])
+            ceiling = {n: overlap_ceiling(args.world_size, t["gemm"], t["comm"], k)
                        for n, k in (("ring", 1), ("tiled ring", tiles))}
             ok &= ov["tiled ring"] >= TARGET
             shapes = " ".join(f"{k}{v}" for k, v in results[0]["ops"][op]["shapes"].items())
@@ -92,7 +93,7 @@ def main() -> int:
                 o = point[op]
                 marks = []
                 for v, tiles in (("ring", 1), ("tiled ring", e["tiles"])):
-                    c = overlap_ceiling(args.world_size, tiles, o["mean_s"]["gemm"], o["mean_s"]["comm"])
+                    c = overlap_ceiling(args.world_size, o["mean_s"]["gemm"], o["mean_s"]["comm"], tiles)
                     marks.append(f"{v} {o['overlap'][v]:5.2f} / ceiling {c:4.2f} "
                                  f"({'met' if o['overlap'][v] >= 0.8 * c else 'missed'})")
                 print(f"  GEMM x{point['factor']:<6g} {op:8s} T_gemm/T_comm {o['ratio']:6.2f}: " + ", ".join(marks))

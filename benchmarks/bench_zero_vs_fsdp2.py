@@ -23,24 +23,26 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from toolkit import launch  # noqa: E402
 
-VARIANTS = ("zero3", "fsdp2")
+VARIANTS = {"zero3": {"kind": "zero", "stage": 3}, "fsdp2": {"kind": "fsdp2", "reshard": True}}  # DataParallelTrainer
 
 
 def rank_main(ctx, cfg):
     """Per rank: build both, warm up, then alternate timed rounds; return round means and ledger totals."""
+    import functools
+
     import torch
-    import torch.distributed as dist
 
     from toolkit.data import batches
     from toolkit.models import GPT, preset
-    from toolkit.lessons.parallel_demos import DPVariant, count_single_collectives
+    from toolkit.parallel.trainer import DataParallelTrainer
+    from toolkit.parallel.zero import adamw
     from toolkit.runtime.bench import measure
-    count_single_collectives(ctx.ledger)
     torch.manual_seed(0)
     base = GPT(preset(cfg["preset"])).to(ctx.device)
     x, y = (t.to(ctx.device) for t in next(batches(cfg["batch_size"], base.cfg.seq_len, 1, rank=ctx.rank,
                                                       world=ctx.world_size)))
-    trainers = {v: DPVariant(v, base, dist.group.WORLD, 1e-4) for v in VARIANTS}
+    optimizer = functools.partial(adamw, lr=1e-4)
+    trainers = {v: DataParallelTrainer(base=base, optimizer=optimizer, **kw) for v, kw in VARIANTS.items()}
     steps = {v: (lambda t=t: (t.fwd_bwd(x, y), t.step())) for v, t in trainers.items()}
     rounds: dict[str, list[float]] = {v: [] for v in VARIANTS}
     for r in range(cfg["rounds"]):

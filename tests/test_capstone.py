@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from toolkit import launch, planner
+from toolkit import compose_bytes, launch, planner
 from toolkit.compose import LOSS_RTOL, TECHNIQUES, ComposeConfig, chain, loss_rtol
 from toolkit.lessons import l17_capstone as lesson
 from toolkit.report import MIME, collect, record, results_html, write_results
@@ -57,7 +57,7 @@ def test_memory_model_within_5_percent_of_every_rank(run):
             continue
         for rank, r in enumerate(runs[name]):
             rows = {(x["stage"], x["mb"]): x["layers"] for x in r["routing"]}
-            pred = planner.composed_memory(c, results[rank]["coords"]["pp"], rows)
+            pred = compose_bytes.composed_memory(c, results[rank]["coords"]["pp"], rows)
             meas = r["memory"]["peak"]
             assert abs(pred["total"] / meas["total"] - 1) <= 0.05, (name, rank, pred, meas)
             assert pred["param"] == meas["param"] == r["param_bytes"]  # exact by construction
@@ -74,7 +74,7 @@ def test_bytes_model_equals_the_ledger(run):
             continue
         for rank, r in enumerate(runs[name]):
             rows = {(x["stage"], x["mb"]): x["layers"] for x in r["routing"]}
-            model = planner.composed_bytes(c, results[rank]["coords"]["pp"], rows, r["edgc_ranks"])
+            model = compose_bytes.composed_bytes(c, results[rank]["coords"]["pp"], rows, r["edgc_ranks"])
             got = {}
             for b in r["bytes"]:
                 got[b["op"]] = got.get(b["op"], 0) + b["sent_bytes"]
@@ -106,7 +106,7 @@ def test_each_technique_buys_what_it_should(run):
 
 
 def test_vocabulary_parallelism_composes_with_offload_int8_and_edgc():
-    """VocabExecutor and OffloadingExecutor in one class (cooperative hooks), with int8 all-to-all and EDGC in
+    """The VocabPasses and Offload hooks on one executor (a list of hooks), with int8 all-to-all and EDGC in
     bf16: every loss stays within its tolerance (no NaN from a vocabulary shard whose gradient is zero)."""
     cfg = lesson.validate({"preset": "smoke", "techniques": ["vocab_parallel", "bf16_residual", "offload",
                                                              "int8_a2a", "edgc"], "branch": [], "rounds": 1}, WORLD)
@@ -178,12 +178,12 @@ def test_precision_tolerance_is_keyed_on_the_step_before():
 # ---- the planner ---------------------------------------------------------------------------------------------------
 def test_memory_model_follows_the_schedule_and_precision():
     c = ComposeConfig()
-    fp32, bf16 = planner.composed_memory(c, 0), planner.composed_memory(c.replace(precision="bf16"), 0)
-    res = planner.composed_memory(c.replace(precision="bf16_residual"), 0)
+    fp32, bf16 = compose_bytes.composed_memory(c, 0), compose_bytes.composed_memory(c.replace(precision="bf16"), 0)
+    res = compose_bytes.composed_memory(c.replace(precision="bf16_residual"), 0)
     n_params = fp32["param"] // 4
     assert bf16["param"] * 2 == fp32["param"] and bf16["optim"] - res["optim"] == 2 * n_params
-    off = planner.composed_memory(c.replace(precision="bf16_residual", offload="all", schedule="dualpipev"), 0)
-    dual = planner.composed_memory(c.replace(precision="bf16_residual", schedule="dualpipev"), 0)
+    off = compose_bytes.composed_memory(c.replace(precision="bf16_residual", offload="all", schedule="dualpipev"), 0)
+    dual = compose_bytes.composed_memory(c.replace(precision="bf16_residual", schedule="dualpipev"), 0)
     assert off["act"] < dual["act"] and off["static"] == dual["static"]
 
 

@@ -129,56 +129,84 @@ def test_lesson_03_bad_input_names_the_parameter():
 
 
 def test_hooks_run_for_every_op_including_i_w_r_and_both_halves_of_an_fb():
-    """One hook interface: a subclass overriding the hooks sees every op; no op can be skipped silently."""
+    """A list of hooks: each one sees every op (none is skipped silently), the first hook is the outermost
+    (list order going in, reverse order coming out), and an op nothing runs is refused."""
     import contextlib
 
-    from toolkit.pipeline import Action, Schedule, linear_layout
+    from toolkit.pipeline import Action, ExecutorHook, Recompute, Schedule, linear_layout
 
-    class Spy(PipelineExecutor):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            self.seen = []
+    seen = []
 
+    class Spy(ExecutorHook):
+        def __init__(self, name):
+            self.name = name
+
+        def step_begin(self, inputs, targets):
+            seen.append((self.name, "step_begin", ""))
+
+        @contextlib.contextmanager
         def forward_context(self, a):
-            self.seen.append(("forward_context", str(a)))
-            return contextlib.nullcontext()
+            seen.append((self.name, "enter", str(a)))
+            yield
+            seen.append((self.name, "exit", str(a)))
 
         def before_backward(self, a):
-            self.seen.append(("before_backward", str(a)))
+            seen.append((self.name, "before_backward", str(a)))
 
         def after_backward(self, a):
-            self.seen.append(("after_backward", str(a)))
+            seen.append((self.name, "after_backward", str(a)))
 
         def after_op(self, a):
-            self.seen.append(("after_op", str(a)))
+            seen.append((self.name, "after_op", str(a)))
 
         def after_action(self, action):
-            self.seen.append(("after_action", str(action)))
+            seen.append((self.name, "after_action", str(action)))
+
+        def step_end(self, loss):
+            seen.append((self.name, "step_end", ""))
+            return loss
+
+    def pair(first: tuple, second: tuple) -> bool:
+        """``first`` is seen, and ``second`` right after it."""
+        i = seen.index(first)
+        return seen[i + 1] == second
 
     cfg = preset("smoke", n_layer=2)
     inputs, targets = gpt_micro_batches(2, 1, cfg.seq_len)
     with_r = Schedule("gpipe-r", [[Action("F", 0, 0), Action("F", 0, 1), Action("R", 0, 0), Action("B", 0, 0),
                                    Action("B", 0, 1)]], linear_layout(1), 2, checkpointed=frozenset({(0, 0, 0)})).check()
     for schedule in (dualpipev(1, 2), with_r):
+        seen.clear()
         torch.manual_seed(0)
         model = GPT(cfg)
-        spy = Spy(schedule, 0, gpt_stages(model, schedule, 0), lm_loss, (1, cfg.seq_len, cfg.d_model))
-        spy.step(inputs, targets)
+        hooks = ([Recompute()] if schedule.checkpointed else []) + [Spy("outer"), Spy("inner")]
+        ex = PipelineExecutor(schedule, 0, gpt_stages(model, schedule, 0), lm_loss, (1, cfg.seq_len, cfg.d_model),
+                              hooks=hooks)
+        ex.step(inputs, targets)
         parts = [p for a in schedule.ranks[0] for p in a.parts]
         assert {op for op in "FBIWR" if any(p.op == op for p in parts)} == (
             {"F", "B", "I", "W"} if schedule.name == "dualpipev" else {"F", "B", "R"})
+        assert seen[:2] == [("outer", "step_begin", ""), ("inner", "step_begin", "")]
+        assert seen[-2:] == [("inner", "step_end", ""), ("outer", "step_end", "")]
         for p in parts:
-            assert ("after_op", str(p)) in spy.seen, p
+            assert pair(("inner", "after_op", str(p)), ("outer", "after_op", str(p))), p
             if p.op in ("F", "R"):
-                assert ("forward_context", str(p)) in spy.seen, p
+                assert pair(("outer", "enter", str(p)), ("inner", "enter", str(p))), p
+                assert pair(("inner", "exit", str(p)), ("outer", "exit", str(p))), p
             if p.op in ("B", "I"):
-                i = spy.seen.index(("before_backward", str(p)))
-                assert spy.seen[i + 1] == ("after_backward", str(p))
-        assert [x for x in spy.seen if x[0] == "after_action"] == [("after_action", str(a)) for a in schedule.ranks[0]]
+                assert pair(("outer", "before_backward", str(p)), ("inner", "before_backward", str(p))), p
+                assert pair(("inner", "before_backward", str(p)), ("inner", "after_backward", str(p))), p
+                assert pair(("inner", "after_backward", str(p)), ("outer", "after_backward", str(p))), p
+        for who in ("outer", "inner"):
+            assert [x[2] for x in seen if x[:2] == (who, "after_action")] == [str(a) for a in schedule.ranks[0]]
         assert any(a.op == "FB" for a in schedule.ranks[0]) == (schedule.name == "dualpipev")
     unknown = Schedule("custom", [[Action("F", 0, 0), Action("X", 0, 0), Action("B", 0, 0)]], linear_layout(1), 1)
-    with pytest.raises(ValueError, match="no method for ops \\['X'\\]"):
+    with pytest.raises(ValueError, match="nothing runs ops \\['X'\\]"):
         PipelineExecutor(unknown, 0, {0: torch.nn.Identity()}, lm_loss, (1, 1, 1))
+    with pytest.raises(ValueError, match="checkpoints forwards: pass hooks=\\[Recompute\\(\\)\\]"):
+        PipelineExecutor(with_r, 0, {0: torch.nn.Identity()}, lm_loss, (1, 1, 1))
+    with pytest.raises(ValueError, match="Recompute runs op 'R', which is already run"):
+        PipelineExecutor(with_r, 0, {0: torch.nn.Identity()}, lm_loss, (1, 1, 1), hooks=[Recompute(), Recompute()])
 
 
 # -- DualPipeV's F&B: overlapped for real ---------------------------------------------------------------

@@ -8,7 +8,8 @@ import torch.nn as nn
 from toolkit import launch
 from toolkit.lessons import l10_recompute_bubbles as l10
 from toolkit.pipeline import Action, Costs, interleaved_1f1b, make_schedule, one_f_one_b, simulate, zb_h1
-from toolkit.pipeline.recompute import RecomputeQueue, with_recompute
+from toolkit.pipeline.recompute import RecomputeQueue
+from toolkit.pipeline.schedule import with_recompute
 
 
 @pytest.fixture(scope="module")

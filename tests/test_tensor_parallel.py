@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from toolkit import launch
 from toolkit.models import GPT, GPTConfig, preset
-from toolkit.lessons.parallel_demos import validate_tensor_parallel
+from toolkit.lessons import foundations_parallel as parallel
 from toolkit.parallel.tensor import check_tp, qkv_rows, tensor_parallel_attention, tensor_parallel_mlp
 from toolkit.parallel.zero import ZeroDataParallel
 
@@ -22,8 +22,8 @@ SINGLE_TOL, TORCH_TOL = 1e-5, 1e-6
 
 def demo_and_errors(ctx, cfg):
     """Rank program: the TP demo, then the ValueErrors the constructors raise inside a real tp group."""
-    from toolkit.lessons.parallel_demos import run_tensor_parallel
-    out = {"demo": run_tensor_parallel(ctx, {"preset": "smoke"}), "errors": {}}
+    cfg = parallel.validate({"preset": "smoke"}, ctx.world_size)
+    out = {"demo": parallel.tensor_parallel(ctx, cfg, preset("smoke")), "errors": {}}
     group = dist.group.WORLD
     cases = {"n_head": lambda: tensor_parallel_attention(GPT(GPTConfig(d_model=33, n_head=3)).blocks[0].attn, group),
              "d_ff": lambda: tensor_parallel_mlp(GPT(GPTConfig(d_model=32, n_head=2, d_ff=33)).blocks[0].mlp, group),
@@ -94,12 +94,11 @@ def test_check_tp(tp, sizes, name):
         check_tp(tp, **sizes)
 
 
-@pytest.mark.parametrize("cfg,world_size,name", [({"overrides": {"n_head": 4}}, 3, "n_head"),
-                                                  ({"overrides": {"d_ff": 65}}, 2, "d_ff"),
-                                                  ({"batch_size": 0}, 2, "batch_size"), ({"preset": "x"}, 2, "preset")])
+@pytest.mark.parametrize("cfg,world_size,name", [({"model": "smoke"}, 3, "n_head"), ({"batch": 0}, 2, "batch"),
+                                                  ({"preset": "x"}, 2, "preset")])
 def test_demo_config_errors_name_the_parameter(cfg, world_size, name):
     with pytest.raises(ValueError, match=name):
-        validate_tensor_parallel(cfg, world_size)
+        parallel.validate(cfg, world_size)
 
 
 def test_qkv_rows_cover_every_head_once():

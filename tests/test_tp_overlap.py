@@ -126,7 +126,7 @@ def test_the_matched_run_has_the_real_workloads_ratio_and_the_ring_hides_the_all
         ratio = (flops / h100.gpu.bf16_flops + h100.gpu.launch_s) / (h100.intra.latency_s + wire / h100.intra.bytes_per_s)
         assert e["matched"]["AG+GEMM"]["ratio"] == pytest.approx(ratio, rel=0.01)
         ag = e["matched"]["AG+GEMM"]
-        ceiling = tp_overlap.overlap_ceiling(2, 1, ag["mean_s"]["gemm"], ag["mean_s"]["comm"])
+        ceiling = tp_overlap.overlap_ceiling(2, ag["mean_s"]["gemm"], ag["mean_s"]["comm"])
         assert ag["overlap"]["ring"] >= 0.8 * ceiling  # deterministic: virtual time
         assert [p["factor"] for p in e["sweep"]] == [0.25, 1.0, 4.0]
         assert {s["kind"] for s in e["spans"]["ring+keep"]} >= {"gemm", "wait", "comm"}
@@ -151,15 +151,21 @@ def test_overlap_fraction_and_ceiling():
     assert tp_overlap.overlap_fraction(2.0, 3.0, 3.0) == 1.0  # the whole comm hidden
     assert tp_overlap.overlap_fraction(2.0, 3.0, 5.0) == 0.0  # none
     assert tp_overlap.overlap_fraction(2.0, 3.0, 6.0) == -0.5  # worse than bulk
-    assert tp_overlap.overlap_ceiling(2, 1, 1.0, 1.0) == 0.5  # the own chunk's half of the GEMM
-    assert tp_overlap.overlap_ceiling(2, 4, 1.0, 1.0) == 0.875  # all but the last of 8 tiles
-    assert tp_overlap.overlap_ceiling(4, 1, 4.0, 1.0) == 1.0
+    assert tp_overlap.overlap_ceiling(2, 1.0, 1.0) == 0.5  # the own chunk's half of the GEMM
 
 
 def test_closed_forms():
     assert tp_overlap.bytes_per_layer(8, 4, 2, keep_gathered=False) == {"forward": 4 * 64, "backward": 6 * 64}
     assert tp_overlap.bytes_per_layer(8, 4, 4, keep_gathered=True) == {"forward": 4 * 96, "backward": 4 * 96}
     assert tp_overlap.kept_bytes_per_layer(8, 4, 4) == 2 * 6 * 4 * 4
+    # the ring leaves the last chunk's GEMM uncovered, the tiled ring the last tile's; never more than all
+    assert tp_overlap.overlap_ceiling(2, 1.0, 1.0) == 0.5 and tp_overlap.overlap_ceiling(4, 2.0, 3.0) == 0.5
+    assert tp_overlap.overlap_ceiling(2, 1.0, 1.0, tiles=4) == 0.875
+    assert tp_overlap.overlap_ceiling(2, 10.0, 1.0) == 1.0
+    with pytest.raises(ValueError, match="tiles must be an int >= 1"):
+        tp_overlap.overlap_ceiling(2, 1.0, 1.0, tiles=0)
+    with pytest.raises(ValueError, match="tp must be a positive int"):
+        tp_overlap.overlap_ceiling(0, 1.0, 1.0)
 
 
 def test_bad_input_names_the_parameter():

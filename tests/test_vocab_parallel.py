@@ -9,6 +9,8 @@ import torch
 from toolkit import launch
 from toolkit.lessons import l13_vocab_parallel as lesson
 from toolkit.pipeline import vocab_parallel as vp
+from toolkit.pipeline import vocab_passes as vx
+from toolkit.pipeline.executor import PipelineExecutor
 from toolkit.pipeline.schedule import one_f_one_b
 from toolkit.pipeline.simulate import simulate
 
@@ -85,6 +87,8 @@ def test_extra_collectives_bytes_from_the_ledger(results):
             assert comm["input:all_reduce"] == ring(N * D * 4) and comm["input:broadcast"] == N * D * 4
             assert comm["x:broadcast"] == N * D * 4 and comm["c0:all_reduce"] == ring(N * 4) + ring(2 * N * 4)
             assert comm[f"{last}:all_reduce"] == ring(N * D * 4)
+            closed = vp.collective_bytes(P, N, D, alg)  # the technique's closed form, as the notebook uses it
+            assert closed == {k: b for k, b in comm.items() if k in closed} and len(closed) == 5
             inner = 0 < r["rank"] < P - 1
             assert comm["world:isend"] == N * D * 4 * (2 if inner else 1)
 
@@ -96,12 +100,18 @@ def test_algorithm_2_state_keeps_g_and_h():
     assert vp.state_bytes(two) - vp.state_bytes(one) == 2 * 6 * 4 * 4  # G_i and H_i, [N, D] each
 
 
-def test_executor_bad_input():
+def test_vocab_passes_bad_input():
+    groups = dict.fromkeys(vx.GROUPS)
     with pytest.raises(ValueError, match="runs a VocabSchedule"):
-        vp.VocabExecutor(one_f_one_b(2, 2), 0, None, (1, 2, 4), {})
-    costs = vp.StageCosts([{"F": 1, "B": 2, "S": 1, "T": 1}] * 2)
+        PipelineExecutor(one_f_one_b(2, 2), 0, {0: torch.nn.Identity()}, None, (1, 2, 4),
+                         hooks=[vx.VocabPasses(None, groups)])
     with pytest.raises(ValueError, match=r"groups lacks \['c0', 'c1', 'dx', 'input', 'x'\]"):
-        vp.VocabExecutor(vp.vocab_1f1b(2, 2, 2, costs), 0, None, (1, 2, 4), {})
+        vx.VocabPasses(None, {})
+    costs = vp.StageCosts([{"F": 1, "B": 2, "S": 1, "T": 1}] * 2)
+    with pytest.raises(ValueError, match=r"nothing runs ops \['S', 'T'\]"):
+        PipelineExecutor(vp.vocab_1f1b(2, 2, 2, costs), 0, {0: torch.nn.Identity()}, None, (1, 2, 4))
+    with pytest.raises(ValueError, match="algorithm=3"):
+        vp.collective_bytes(2, 4, 8, 3)
 
 
 def test_parameters_balanced(results):

@@ -13,7 +13,7 @@ import torch.nn as nn
 
 from toolkit import launch
 from toolkit.models import GPT, preset
-from toolkit.lessons.parallel_demos import validate_dp_zero_fsdp
+from toolkit.lessons import foundations_parallel as parallel
 from toolkit.parallel.zero import ZeroDataParallel, check_stage, default_units
 
 N = 2
@@ -22,16 +22,17 @@ ODD = {"d_model": 33, "n_head": 3}  # unit sizes not divisible by 2: exercises t
 
 
 def both_models(ctx, cfg):
-    """Rank program: the demo on the smoke GPT, then on a GPT with odd sizes (padding), ledger reset between;
-    then ZeRO-3 with and without prefetch."""
-    from toolkit.lessons.parallel_demos import run_dp_zero_fsdp, run_zero3_prefetch
-    smoke = run_dp_zero_fsdp(ctx, {"preset": "smoke", "steps": STEPS, "timing": False})
+    """Rank program: lesson 00's data-parallel section on the smoke GPT, then on a GPT with odd sizes (padding),
+    ledger reset between; then ZeRO-3 with and without prefetch."""
+    smoke = parallel.validate({"preset": "smoke", "dp_steps": STEPS, "dp_timing": []}, ctx.world_size)
+    out = {"smoke": parallel.data_parallel(ctx, smoke, preset("smoke"))}
     ctx.ledger.reset()
-    odd = run_dp_zero_fsdp(ctx, {"preset": "smoke", "overrides": ODD, "steps": 2, "timing": False,
-                                 "variants": ["ddp", "zero1", "zero2", "zero3", "fsdp2"]})
+    odd = {**smoke, "dp_steps": 2, "dp_variants": ["ddp", "zero1", "zero2", "zero3", "fsdp2"]}
+    out["odd"] = parallel.data_parallel(ctx, odd, preset("smoke", **ODD))
     ctx.ledger.reset()
-    prefetch = run_zero3_prefetch(ctx, {"preset": "smoke", "bench": {"warmup": 0, "steps": 1, "rounds": 1, "trim": 0}})
-    return {"smoke": smoke, "odd": odd, "prefetch": prefetch}
+    timing = {**smoke, "warmup": 0, "bench_steps": 1, "rounds": 1}
+    out["prefetch"] = parallel.zero3_prefetch(ctx, timing, preset("smoke"))
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -195,14 +196,13 @@ def test_default_units_rejects_root_parameters():
 
 
 @pytest.mark.parametrize("cfg,world_size,name", [
-    ({"preset": "huge"}, 2, "preset"), ({"overrides": {"d_modell": 8}}, 2, "overrides"),
-    ({"overrides": {"d_model": 30, "n_head": 4}}, 2, "d_model"), ({"steps": 0}, 2, "steps"),
-    ({"batch_size": 1.5}, 2, "batch_size"), ({"variants": ["ddp", "zero4"]}, 2, "variants"),
-    ({"variants": []}, 2, "variants"), ({"variants": ["ddp"], "timing": ["zero3"]}, 2, "timing"),
+    ({"preset": "huge"}, 2, "preset"), ({"dp_steps": 1}, 2, "dp_steps"), ({"batch": 1.5}, 2, "batch"),
+    ({"dp_variants": ["ddp", "zero4"]}, 2, "dp_variants"), ({"dp_variants": []}, 2, "dp_variants"),
+    ({"dp_variants": ["ddp"], "dp_timing": ["zero3"]}, 2, "dp_timing"), ({"dp_batch": 4}, 2, "dp_batch"),
     ({}, 1, "world_size")])
 def test_demo_config_errors_name_the_parameter(cfg, world_size, name):
     with pytest.raises(ValueError, match=name):
-        validate_dp_zero_fsdp(cfg, world_size)
-    assert validate_dp_zero_fsdp({}, 2)["variants"] == ["ddp", "zero0", "zero1", "zero2", "zero3", "fsdp2",
+        parallel.validate(cfg, world_size)
+    assert parallel.validate({}, 2)["dp_variants"] == ["ddp", "zero0", "zero1", "zero2", "zero3", "fsdp2",
                                                        "fsdp2_keep"]
-    assert validate_dp_zero_fsdp({"variants": ["zero3", "ddp"]}, 2)["variants"] == ["ddp", "zero3"]
+    assert parallel.validate({"dp_variants": ["zero3", "ddp"], "dp_timing": []}, 2)["dp_variants"] == ["ddp", "zero3"]

@@ -168,21 +168,30 @@ ENTRIES: list[Entry] = [
           "every rank of the pipeline calls step() with the same schedule; each runs only its own actions",
           'exe = PipelineExecutor(s, ctx.rank, mine, loss_fn, act_shape=(8, 64), timeline=ctx.timeline)\n'
           'loss = exe.step(inputs, targets)     # lists of m micro-batches\nfor p in params: p.grad  # as one process'),
-    Entry("with_recompute", "toolkit.pipeline.recompute:with_recompute", AREAS[2],
+    Entry("ExecutorHook", "toolkit.pipeline.executor:ExecutorHook", AREAS[2],
+          "One extension of PipelineExecutor: override the points you need (forward_context, before_backward, "
+          "after_backward, after_op, after_action, step_begin/step_end, stage_fn, ops); the rest are no-ops.",
+          "PipelineExecutor(..., hooks=[h1, h2]): called in list order going in, reverse order coming out",
+          "the hooks of every rank's executor run on that rank, around its own ops",
+          'class Count(ExecutorHook):\n    def after_op(self, a): self.n = getattr(self, "n", 0) + 1\n'
+          'PipelineExecutor(s, ctx.rank, mine, loss_fn, act_shape, hooks=[Count()]).step(inputs, targets)'),
+    Entry("with_recompute", "toolkit.pipeline.schedule:with_recompute", AREAS[2],
           "Checkpoint some forwards of a 1F1B/interleaved schedule; recompute inline or in the bubble (R actions). "
           "Policy 'cap' (at most keep held) or 'cooldown' (bubble-aware: backwards in the rank's cool-down).",
           "Schedule of F and B actions -> Schedule with .checkpointed and R actions (gradients bitwise unchanged)",
-          "pure schedule arithmetic, the same on every rank; the executor runs the R actions",
+          "pure schedule arithmetic, the same on every rank; the executor runs it with hooks=[Recompute()]",
           's = with_recompute(interleaved_1f1b(4, 8, v=2), "bubble", policy="cooldown")\n'
           'print(s.table(), sorted(s.checkpointed))\nsimulate(s, Costs(0.5, 1, 0.5)).peak_mb'),
-    Entry("VocabExecutor", "toolkit.pipeline.vocab_parallel:VocabExecutor", AREAS[2],
-          "Vocabulary parallelism run for real: vocab_1f1b's S/T actions on every rank, C0 on a comm thread, "
-          "every collective async in micro-batch order per group.",
+    Entry("VocabPasses", "toolkit.pipeline.vocab_passes:VocabPasses", AREAS[2],
+          "Vocabulary parallelism run for real, as an executor hook: vocab_1f1b's S/T actions on every rank, C0 "
+          "on a comm thread, every collective async in micro-batch order per group.",
           "VocabStage(model, rank, p) (its blocks + rows [lo, hi) of both tables); act_shape [B, T, D]; "
-          "step(inputs, targets) -> mean loss on every rank",
+          "the executor's step(inputs, targets) -> mean loss on every rank",
           "every rank builds the groups (vocab_groups) and steps the same VocabSchedule",
-          'groups = vocab_groups(list(range(ctx.world_size)))\nstage = VocabStage(model, ctx.rank, ctx.world_size)\n'
-          'loss = VocabExecutor(vocab_1f1b(p, m, 2, costs), ctx.rank, stage, (B, T, D), groups).step(xs, ys)'),
+          'stage = VocabStage(model, ctx.rank, ctx.world_size)\n'
+          'hooks = [VocabPasses(stage, vocab_groups(list(range(ctx.world_size))))]\n'
+          'loss = PipelineExecutor(vocab_1f1b(p, m, 2, costs), ctx.rank, {ctx.rank: stage}, None, (B, T, D), '
+          'hooks=hooks).step(xs, ys)'),
     # ---- quantization and compressed communication ------------------------------------------------------------
     Entry("quantize_blockwise", "toolkit.quant:quantize_blockwise", AREAS[3],
           "Symmetric block-wise int8/int4 quantization: integer payload + one fp32 scale per block.",
@@ -281,13 +290,13 @@ ENTRIES: list[Entry] = [
           'off = ActivationOffloader({0: model}, [("F", (0, 0, 0)), ("B", (0, 0, 0))], policy="all")\n'
           'with off.forward((0, 0, 0)):\n    loss = model(x).sum()\n'
           'off.backward_begin((0, 0, 0)); loss.backward(); off.backward_end((0, 0, 0))'),
-    Entry("OffloadingExecutor", "toolkit.memory.offload:OffloadingExecutor", AREAS[4],
-          "The pipeline executor with an ActivationOffloader's hooks around every forward and backward; "
+    Entry("Offload", "toolkit.memory.offload:Offload", AREAS[4],
+          "The pipeline executor's hook for an ActivationOffloader, around every forward and backward; "
           "long_lived(order, k) picks the micro-batches worth offloading (backward more than k actions away).",
-          "PipelineExecutor's arguments + offloader=ActivationOffloader(modules, order, groups=long_lived(order, 1))",
+          "Offload(ActivationOffloader(modules, order, groups=long_lived(order, 1))), in PipelineExecutor's hooks",
           "every rank of the pipeline steps the same schedule; each offloads by its own action order",
           'order = schedule_order(s, ctx.rank)\noff = ActivationOffloader(mine, order, groups=long_lived(order, 1))\n'
-          'OffloadingExecutor(s, ctx.rank, mine, loss_fn, act_shape, offloader=off).step(inputs, targets)'),
+          'PipelineExecutor(s, ctx.rank, mine, loss_fn, act_shape, hooks=[Offload(off)]).step(inputs, targets)'),
     Entry("OffloadAdamW", "toolkit.memory.optim_offload:OffloadAdamW", AREAS[4],
           "AdamW with its state in (pinned) host memory: 'cpu' = master+m+v on the host, host update "
           "(ZeRO-Offload); 'stream' = m, v streamed to the device per shard on a side stream.",
@@ -336,7 +345,7 @@ ENTRIES: list[Entry] = [
     Entry("s_pass", "toolkit.pipeline.vocab_parallel:s_pass", AREAS[4],
           "Vocabulary-parallel head, S pass: local logits and softmax statistics of this rank's rows.",
           "x [N, D], weight [V/p, D], target [N] -> SState (then c0 -> loss [N], dx_fused -> dX [N, D], t_pass -> dW)",
-          "local; c0, dx_fused and c1 are all-reduces every rank of the group calls",
+          "local; c0 and dx_fused are all-reduces every rank of the group calls",
           'st = s_pass(x, w, target, lo, algorithm=2)\nloss = c0(st).mean()             # per-token loss, all-reduced\n'
           'dx = dx_fused(st, 1 / len(target)); t_pass(st, w, 1 / len(target), algorithm=2)'),
     # ---- models and data --------------------------------------------------------------------------------------

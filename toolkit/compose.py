@@ -13,16 +13,17 @@ before it made::
                   (moe_overlap is refused: toolkit.moe.overlap runs a whole model, not a stage)
     3 pipeline    make_schedule(1f1b | dualpipev) + split_stages + PipelineExecutor       toolkit.pipeline
                   this rank keeps only its stages; p2p inside the pp group
-                  vocab_parallel: vocab_1f1b + VocabStage + VocabExecutor (the output layer and the
-                  embedding split over every pipeline rank)
+                  vocab_parallel: vocab_1f1b + VocabStage + the VocabPasses hook (the output layer and
+                  the embedding split over every pipeline rank)
     4 DP comm     the replicated gradients of each stage averaged over dp                 toolkit.comm
                   dp_comm="allreduce": PowerSGDReducer at rank None (one flat all-reduce per stage)
                   dp_comm="edgc": EDGC, low rank per stage from the gradient's entropy
                   expert gradients are divided by dp instead (they already hold every replica's tokens)
     5 optimizer   precision="fp32": torch AdamW;  "bf16": MasterAdamW (bf16 weights, fp32 master);
                   "bf16_residual": ReuseAdamW (bf16 weights + int16 residual = the fp32 master)  toolkit.memory
-    6 memory      offload != "none": ActivationOffloader hooks around every forward/backward   toolkit.memory
-                  of the executor (the rank's action order comes from the schedule)
+    6 memory      offload != "none": the Offload hook, ActivationOffloader around every      toolkit.memory
+                  forward/backward of the executor (the rank's action order comes from the schedule)
+                  The executor's hooks are a list in this order: [VocabPasses, Offload].
 
     Composed.step(inputs, targets):
         zero grads ─► pipeline step (F, B, W; p2p; EP all-to-alls) ─► experts / dp ─► DP comm ─► optimizer
@@ -319,7 +320,7 @@ class Composed:
             from toolkit.moe import expert_parallel
             _, experts = expert_parallel(model, grid.group("ep"), codec=cfg.a2a_codec, block=cfg.a2a_block)
             expert_ids = {id(p) for p in experts}
-        # 3 pipeline: the schedule, this rank's stages, the executor (with 6's hooks when offloading)
+        # 3 pipeline: the schedule, this rank's stages, the executor (with 6's hook when offloading)
         schedule, modules, executor, offloader = _pipeline(cfg, model, grid, pp_rank, device, timeline)
         params = [p for mod in modules.values() for p in mod.parameters()]
         params = list({id(p): p for p in params}.values())
@@ -347,10 +348,10 @@ class Composed:
                 if p.grad is not None:
                     p.grad.div_(dp)
         if self.reducer is not None:
-            if hasattr(self.reducer, "sync"):
+            if self.cfg.dp_comm == "edgc":  # EDGC: the rank of each stage from its gradients' entropy
                 rec = self.reducer.sync(self.steps)
                 self.history.append({"step": self.steps, "ranks": list(rec["ranks"])})
-            else:
+            else:  # PowerSGDReducer at rank None: one flat all-reduce per stage
                 self.reducer.reduce_()
         self.optimizer.step()
         self.steps += 1
@@ -369,7 +370,7 @@ class Composed:
         """Inside the block, record what the router decided, per (stage, micro-batch) and MoE layer: yields a dict
         ``{(stage, mb): [(rows its experts receive, pairs sent to other ranks, rows received from other ranks),
         ...]}`` filled as the forwards run (a stage's forwards come in micro-batch order in every schedule here).
-        The planner's memory and bytes models take it as an input (``toolkit.planner_tiny``)."""
+        The memory and bytes models of the run take it as an input (``toolkit.compose_bytes``)."""
         from toolkit.moe import ExpertParallelMoE
         rows: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
 
@@ -397,42 +398,39 @@ class Composed:
 
 
 def _pipeline(cfg: ComposeConfig, model: nn.Module, grid, pp_rank: int, device, timeline):
-    """The schedule, this rank's stage modules, the executor (and the offloader whose hooks it calls)."""
+    """The schedule, this rank's stage modules, the executor with its hooks (vocabulary passes, then offload),
+    and the offloader."""
     from toolkit.models import lm_loss, split_stages
+    from toolkit.pipeline.executor import PipelineExecutor
     from toolkit.pipeline.schedule import make_schedule
     peers, group = grid.ranks("pp"), grid.group("pp")
     mcfg = model.cfg
     act_shape = (cfg.micro_batch, mcfg.seq_len, mcfg.d_model)
-    kwargs = dict(dtype=cfg.dtype, device=device, peers=peers, group=group, timeline=timeline)
+    hooks = []
     if cfg.vocab_parallel:
-        from toolkit.pipeline import vocab_parallel as vp
+        from toolkit.pipeline import vocab_passes as vx
         schedule = vocab_schedule(cfg)
         groups = None
         for members in pipeline_groups(grid):  # collective: every rank makes every pipeline's groups, in order
-            made = vp.vocab_groups(members)
+            made = vx.vocab_groups(members)
             if members == peers:
                 groups = made
-        modules = {pp_rank: vp.VocabStage(model, pp_rank, cfg.pp)}
-        base, extra = vp.VocabExecutor, (act_shape, groups)
+        stage = vx.VocabStage(model, pp_rank, cfg.pp)
+        modules, loss_fn = {pp_rank: stage}, None  # the vocabulary passes compute the loss
+        hooks.append(vx.VocabPasses(stage, groups))
     else:
         schedule = make_schedule(cfg.schedule, cfg.pp, cfg.m)
         stages = split_stages(model, schedule.n_stages)
-        modules = {s: stages[s] for s in schedule.stages_of(pp_rank)}
-        base, extra = None, (lm_loss, act_shape)
+        modules, loss_fn = {s: stages[s] for s in schedule.stages_of(pp_rank)}, lm_loss
     offloader = None
     if cfg.offload != "none":
-        from toolkit.memory.offload import ActivationOffloader, OffloadingExecutor, long_lived, schedule_order
+        from toolkit.memory.offload import ActivationOffloader, Offload, long_lived, schedule_order
         order = schedule_order(schedule, pp_rank)
         offloader = ActivationOffloader(modules, order, policy=cfg.offload,
                                         groups=long_lived(order, cfg.offload_skip_within))
-        cls = OffloadingExecutor if base is None else type("OffloadingVocabExecutor", (OffloadingExecutor, base), {})
-        executor = cls(schedule, pp_rank, modules if base is None else modules[pp_rank], *extra,
-                       offloader=offloader, **kwargs)
-    elif base is None:
-        from toolkit.pipeline.executor import PipelineExecutor
-        executor = PipelineExecutor(schedule, pp_rank, modules, *extra, **kwargs)
-    else:
-        executor = base(schedule, pp_rank, modules[pp_rank], *extra, **kwargs)
+        hooks.append(Offload(offloader))
+    executor = PipelineExecutor(schedule, pp_rank, modules, loss_fn, act_shape, dtype=cfg.dtype, device=device,
+                                peers=peers, group=group, timeline=timeline, hooks=hooks)
     return schedule, modules, executor, offloader
 
 

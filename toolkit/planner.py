@@ -44,7 +44,7 @@ and grads, each unit padded to a multiple of the ranks, each disk region to 4 Ki
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 
 @dataclass
@@ -250,10 +250,6 @@ def validate_memory_model(n_params: int, dp: int, measured: dict[str, dict[str, 
     return rows
 
 
-def as_dicts(w: Workload, c: Cluster) -> dict:
-    return {"workload": asdict(w), "cluster": asdict(c)}
-
-
 # ---- choosing a configuration: layout, micro-batches, schedule, checkpointing, offload ----------------------------
 @dataclass
 class Links:
@@ -432,6 +428,3 @@ def op_times(op: dict[str, float], hw, link: str = "intra") -> dict[str, float]:
     comm = getattr(hw, link).seconds(op["wire_bytes"])
     return {"gemm_s": gemm, "comm_s": comm, "ratio": gemm / comm}
 
-
-# the composed tiny run of lesson 17: the same categories, counted tensor by tensor for the toolkit's own GPT
-from toolkit.planner_tiny import composed_bytes, composed_memory  # noqa: E402

@@ -6,24 +6,24 @@ from __future__ import annotations
 
 
 def _step(setup, policy: str):
-    from toolkit.memory.offload import ActivationOffloader
+    from toolkit.memory.offload import ActivationOffloader, Offload, schedule_order
     from toolkit.models import lm_loss
-    from toolkit.pipeline import gpipe
-    try:  # the offloading executor is moving from lesson 08 into toolkit.memory.offload
-        from toolkit.memory.offload import OffloadingExecutor
-    except ImportError:
-        from toolkit.lessons.l08_activation_offload import OffloadingExecutor
+    from toolkit.pipeline import ExecutorHook, PipelineExecutor, gpipe
+
+    class Pinned(ExecutorHook):
+        """After every action: whether each host copy the offloader holds is in pinned memory."""
+
+        def after_action(self, action) -> None:
+            pinned.extend(s.host.is_pinned() for g in off._live.values() for grp in g.values() for s in grp.stored
+                          if s.host is not None)
 
     schedule = gpipe(1, setup.m)
     model = setup.fresh()
     modules = setup.stages(model, schedule, 0)
-    order = [(p.op, (p.stage, p.mb, p.chunk)) for a in schedule.ranks[0] for p in a.parts if p.op in "FBI"]
-    off = ActivationOffloader(modules, order, policy=policy)
+    off = ActivationOffloader(modules, schedule_order(schedule, 0), policy=policy)
     pinned: list[bool] = []
-    ex = OffloadingExecutor(schedule, 0, modules, lm_loss, setup.act_shape, device=setup.device, offloader=off,
-                            on_action=lambda a: pinned.extend(s.host.is_pinned() for g in off._live.values()
-                                                              for grp in g.values() for s in grp.stored
-                                                              if s.host is not None))
+    ex = PipelineExecutor(schedule, 0, modules, lm_loss, setup.act_shape, device=setup.device,
+                          hooks=[Offload(off), Pinned()])
     ex.step(setup.inputs, setup.targets)
     off.synchronize()
     off.remove()

@@ -31,7 +31,7 @@ from typing import Optional
 world_size: int = 2
 preset: str = os.environ.get("TOOLKIT_PRESET", "default")  # smoke | default | full
 backend: str = "auto"  # auto | gloo | nccl
-nvme_path: str = ""  # directory for the disk offload and the spill (empty: the system temp directory)
+nvme_path: Optional[str] = None  # directory for the disk offload and the spill (None: the system temp directory)
 stage: Optional[int] = None  # ZeRO stage 1, 2 or 3 the offload runs on (None: the preset's, 3)
 buffer_count: Optional[int] = None  # disk offload staging buffers in flight (None: the preset's)
 latency_ratio: Optional[float] = None  # emulated link latency per call / backward time (None: the preset's)
@@ -51,9 +51,8 @@ from toolkit.memory.optim_offload import OffloadAdamW
 from toolkit.memory.spill import DiskSpill
 from toolkit.planner import Workload, memory_per_gpu, offload_per_gpu
 
-cfg = {"preset": preset, "nvme_path": nvme_path or None}
-cfg.update({k: v for k, v in {"stage": stage, "buffer_count": buffer_count, "latency_ratio": latency_ratio,
-                              "comm_ratio": comm_ratio, "links": links}.items() if v is not None})
+cfg = {"preset": preset, "nvme_path": nvme_path, "stage": stage, "buffer_count": buffer_count,  # None: the preset's
+       "latency_ratio": latency_ratio, "comm_ratio": comm_ratio, "links": links}
 results = launch("l00b_memory", world_size, cfg, backend=backend, timeout_s=timeout_s)
 r0 = results[0]
 off = r0["offload"]

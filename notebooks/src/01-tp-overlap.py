@@ -177,8 +177,8 @@ for op in ("AG+GEMM", "GEMM+RS"):
                   "tiled ring (ms)": t["tiled ring"] * 1e3, "ring comm (ms)": t["ring comm"] * 1e3,
                   "overlap ring": ops[0]["overlap"]["ring"], "overlap tiled": ops[0]["overlap"]["tiled ring"],
                   "vs own messages": ops[0]["overlap_own_messages"], "overlap bulk": ops[0]["overlap"]["bulk"],
-                  "ceiling ring": tp_overlap.overlap_ceiling(world_size, 1, t["gemm"], t["comm"]),
-                  "ceiling tiled": tp_overlap.overlap_ceiling(world_size, r0["tiles"], t["gemm"], t["comm"])})
+                  "ceiling ring": tp_overlap.overlap_ceiling(world_size, t["gemm"], t["comm"]),
+                  "ceiling tiled": tp_overlap.overlap_ceiling(world_size, t["gemm"], t["comm"], r0["tiles"])})
 display(viz.bars(rows, x="op", y="ms", color="candidate", title="The fused ops against their parts (slowest rank)",
                  text_format=".2f"))
 display(viz.table(table, title="Rank 0: overlap = (T_comm + T_gemm − T_fused) / T_comm (measured)",
@@ -228,9 +228,9 @@ else:
             t = ops[op]["mean_s"]
             table.append({"view": view, "op": op, "T_gemm / T_comm": t["gemm"] / t["comm"],
                           "overlap ring": ops[op]["overlap"]["ring"],
-                          "ceiling ring": tp_overlap.overlap_ceiling(world_size, 1, t["gemm"], t["comm"]),
+                          "ceiling ring": tp_overlap.overlap_ceiling(world_size, t["gemm"], t["comm"]),
                           "overlap tiled": ops[op]["overlap"]["tiled ring"],
-                          "ceiling tiled": tp_overlap.overlap_ceiling(world_size, r0["tiles"], t["gemm"], t["comm"])})
+                          "ceiling tiled": tp_overlap.overlap_ceiling(world_size, t["gemm"], t["comm"], r0["tiles"])})
     display(viz.table(table, title="Emulated (virtual time): overlap = (T_comm + T_gemm − T_fused) / T_comm, and "
                                    "each ring's ceiling (formula)",
                       formats={k: ".2f" for k in table[0] if k not in ("view", "op")}))
@@ -322,7 +322,7 @@ tiles_text = "With tiles = 1 the tiled ring is the ring." if extra == 0 else (
 if E is not None:
     M_ops, tp_ = E["matched"], world_size
     meets = {(op, v): M_ops[op]["overlap"][v] >= 0.8 * tp_overlap.overlap_ceiling(
-        tp_, 1 if v == "ring" else r0["tiles"], M_ops[op]["mean_s"]["gemm"], M_ops[op]["mean_s"]["comm"])
+        tp_, M_ops[op]["mean_s"]["gemm"], M_ops[op]["mean_s"]["comm"], 1 if v == "ring" else r0["tiles"])
         for op in lesson.OPS for v in ("ring", "tiled ring")}
     rs_left_us = (M_ops["GEMM+RS"]["mean_s"]["ring"] - M_ops["GEMM+RS"]["mean_s"]["gemm"]) * 1e6
     pays = [p["AG+GEMM"]["ratio"] for p in E["sweep"]

@@ -40,13 +40,14 @@
 
 # %% tags=["parameters"]
 import os
+from typing import Optional
 
 world_size: int = 2  # expert-parallel ranks
 preset: str = os.environ.get("TOOLKIT_PRESET", "default")  # smoke | default | full
 backend: str = "auto"  # auto | gloo | nccl
 cluster: str = "h100-ib400"  # emulated cluster under the run: h100-ib400 | a100-ib200 | pcie-100gbe | none
-n_expert: int = 0  # experts per MoE layer, a multiple of world_size (0: the preset's)
-d_ff: int = 0  # hidden size of each expert (0: the preset's)
+n_expert: Optional[int] = None  # experts per MoE layer, a multiple of world_size (None: the preset's)
+d_ff: Optional[int] = None  # hidden size of each expert (None: the preset's)
 timeout_s: int = 600
 
 # %% [markdown]
@@ -79,7 +80,7 @@ from IPython.display import Markdown, display
 
 from toolkit import launch, viz
 
-cfg = {"preset": preset} | ({"n_expert": n_expert} if n_expert else {}) | ({"d_ff": d_ff} if d_ff else {})
+cfg = {"preset": preset, "n_expert": n_expert, "d_ff": d_ff}  # None: the preset's value
 results = launch("l02_moe_overlap", world_size, cfg, backend=backend, timeout_s=timeout_s, cluster=cluster)
 r0 = results[0]
 c, mc = r0["config"], r0["model"]

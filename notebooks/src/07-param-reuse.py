@@ -45,11 +45,12 @@
 
 # %% tags=["parameters"]
 import os
+from typing import Optional
 
 world_size: int = 2
 preset: str = os.environ.get("TOOLKIT_PRESET", "default")  # smoke | default | full
 backend: str = "auto"  # auto | gloo | nccl
-steps: int = 0  # 0: the preset decides (smoke 20, default 40, full 1000)
+steps: Optional[int] = None  # None: the preset's (smoke 20, default 40, full 1000)
 timeout_s: int = 900
 
 # %% [markdown]
@@ -122,7 +123,7 @@ from IPython.display import Markdown, display
 from toolkit import launch, viz
 from toolkit.report import headline
 
-cfg = {"preset": preset} | ({"steps": steps} if steps else {})
+cfg = {"preset": preset, "steps": steps}  # None: the preset's value
 results = launch("l07_param_reuse", world_size, cfg, backend=backend, timeout_s=timeout_s)
 r0 = results[0]
 print(f"preset {preset}: GPT d_model={r0['model']['d_model']}, {r0['model']['n_layer']} layers, "

@@ -46,19 +46,20 @@
 
 # %% tags=["parameters"]
 import os
+from typing import Optional
 
 world_size: int = 2
 preset: str = os.environ.get("TOOLKIT_PRESET", "default")  # smoke | default | full
 backend: str = "auto"  # auto | gloo | nccl
-policies: list = ["all", "attention", "mlp", "norms", "qkv", "core", "proj", "ln1", "ln2", "fc1", "act", "fc2"]
+policies: Optional[list] = None  # offload policies or module kinds to run (None: the preset's, every one)
 timeout_s: int = 900
 
 # %% [markdown]
 # ## The code that matters
 #
-# `toolkit/memory/offload.py` (the offloader, and `OffloadingExecutor`: the pipeline executor with the
-offloader's hooks around every forward and backward). The pack hook files each saved tensor under its group, one entry per storage
-# (the q, k, v views of one qkv tensor are one storage, copied once):
+# `toolkit/memory/offload.py` (the offloader, and `Offload`: the pipeline executor's hook that calls the
+# offloader around every forward and backward). The pack hook files each saved tensor under its group, one
+# entry per storage (the q, k, v views of one qkv tensor are one storage, copied once):
 
 # %%
 import inspect
@@ -86,7 +87,7 @@ print(inspect.getsource(offload.ActivationOffloader._unpack))
 # ## The run
 #
 # `world_size` ranks run the tiny GPT as a pipeline, one stage per rank, with the 1F1B schedule through
-# `OffloadingExecutor` (real processes, activations and gradients sent point to point). Every variant
+# the pipeline executor with the `Offload` hook (real processes, activations and gradients sent point to point). Every variant
 # runs the same step on the same micro-batches: `none` (the baseline, counted the same way), one run per
 # policy, `all-long-lived` (section 5), and `torch.autograd.graph.save_on_cpu` (PyTorch's own offload: synchronous, no prefetch, not pipeline
 # aware). *Resident* bytes are the saved activations on the device, each storage once, from when autograd

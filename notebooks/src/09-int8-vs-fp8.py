@@ -42,12 +42,13 @@
 
 # %% tags=["parameters"]
 import os
+from typing import Optional
 
 world_size: int = 2
 preset: str = os.environ.get("TOOLKIT_PRESET", "default")  # smoke | default | full
 backend: str = "auto"  # auto | gloo | nccl
-blocks: list = [32, 64, 128, 256, 0]  # block sizes to compare; 0: one scale per tensor
-train_fmts: list = ["bf16", "bf16@1", "int8", "fp8_e4m3", "int4"]  # "bf16@1": bf16, another seed
+blocks: Optional[list] = None  # block sizes to compare, 0 for one scale per tensor (None: the preset's)
+train_fmts: Optional[list] = None  # training runs, "bf16@1" is bf16 with another seed (None: the preset's)
 timeout_s: int = 900
 
 # %% [markdown]
@@ -91,6 +92,7 @@ results = launch("l09_int8_vs_fp8", world_size, {"preset": preset, "blocks": blo
                  backend=backend, timeout_s=timeout_s)
 r0 = results[0]
 rows, kappa, curves = r0["rows"], r0["kappa"], r0["curves"]
+blocks, train_fmts = r0["config"]["blocks"], r0["config"]["train_fmts"]  # as the run resolved them
 print(f"{world_size} ranks did {r0['tasks_per_rank']} tasks; preset {preset}: model {r0['config']['model']}, "
       f"synthetic {r0['config']['rows']}×{r0['config']['channels']}, GEMM M,K,N = {r0['config']['gemm']}; "
       f"wall {results.wall_s:.1f} s")

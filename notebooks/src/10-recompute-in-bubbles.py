@@ -36,7 +36,8 @@ from toolkit import launch, viz
 from toolkit.report import headline
 from toolkit.lessons import l10_recompute_bubbles as lesson
 from toolkit.pipeline import Costs, interleaved_1f1b, one_f_one_b, simulate
-from toolkit.pipeline.recompute import RecomputeQueue, cap_policy, cooldown_policy
+from toolkit.pipeline.recompute import RecomputeQueue
+from toolkit.pipeline.schedule import cap_policy, cooldown_policy
 from toolkit.pipeline.simulate import MeasuredCosts, timeline_bubble
 from toolkit.viz.pipeline import memory_steps, schedule_gantt
 

@@ -111,12 +111,12 @@ print(s1.seq1f1b(p, p, k).table())
 # ## 4 · The run: 1F1B and Seq1F1B on real processes
 #
 # One launch runs, on every rank, the unsplit reference, then 1F1B (k = 1) and Seq1F1B with both partitions
-# through `Seq1F1BExecutor`, the pipeline engine's executor taught about chunks (message lengths per chunk,
-# the chunked stage, per-chunk loss). Its `ActivationMeter` counts every tensor autograd saves, plus the
-# cached K/V and the filed dK/dV.
+# through the pipeline executor with the `SequenceChunks` hook, which teaches it about chunks (message lengths
+# per chunk, the chunked stage, per-chunk loss). Its `ActivationMeter` counts every tensor autograd saves,
+# plus the cached K/V and the filed dK/dV.
 
 # %%
-print(inspect.getsource(s1.Seq1F1BExecutor.stage_fn))
+print(inspect.getsource(s1.SequenceChunks.stage_fn))
 results = launch("l11_seq1f1b", world_size, cfg, backend=backend, timeout_s=timeout_s)
 runs = list(results[0]["runs"])
 print(f"wall {results.wall_s:.1f} s; runs: {runs}")

@@ -23,12 +23,13 @@
 
 # %% tags=["parameters"]
 import os
+from typing import Optional
 
 world_size: int = 4
 preset: str = os.environ.get("TOOLKIT_PRESET", "default")  # smoke | default | full
 backend: str = "auto"  # auto | gloo | nccl
 timeout_s: int = 600
-sim_gbs: int = 0  # sequences per global batch in the simulation, 0 means 2048 as in the blog (512 at smoke)
+sim_gbs: Optional[int] = None  # sequences per global batch in the simulation (None: 2048 as in the blog, 512 at smoke)
 sim_cap: int = 8192  # tokens per rank per micro-batch in the simulation
 
 # %%
@@ -282,7 +283,7 @@ display(viz.gantt([s for r in results for s in r["spans"]], color_by="kind", lab
 # σ = 1.2) — *an assumption*, not CommonCrawl data.
 
 # %%
-setup = dcp_sim.Setup(cap=sim_cap, gbs=sim_gbs or (512 if preset == "smoke" else 2048))
+setup = dcp_sim.Setup(cap=sim_cap, gbs=sim_gbs if sim_gbs is not None else (512 if preset == "smoke" else 2048))
 hw = dcp_sim.Hardware()
 max_len = setup.dcp * setup.cap
 dists = {"GitHub-like (corpus)": dcp_sim.corpus_lengths(setup.gbs, max_len),

@@ -47,6 +47,7 @@ from IPython.display import Markdown, display
 from toolkit import launch, viz
 from toolkit.lessons import l13_vocab_parallel as lesson
 from toolkit.pipeline import vocab_parallel as vp
+from toolkit.pipeline import vocab_passes as vx
 from toolkit.pipeline.schedule import one_f_one_b
 from toolkit.pipeline.simulate import simulate
 from toolkit.report import headline
@@ -80,15 +81,16 @@ for fn in (vp.s_pass, vp.c0, vp.dx_fused, vp.t_pass):
 # finished. The placement needs the op costs: the lesson first times every pass on every rank, gathers the
 # times, and every rank builds the same action lists from them. Those lists, as run below:
 #
-# `VocabExecutor` is the pipeline executor with two more ops (S and T, by method name) and the collectives
-# around them. It issues every collective asynchronously, one process group per stream of collectives, and in
-# micro-batch order within each group on every rank, so they match although each rank's action order differs.
-# C0 (and Algorithm 2's dX all-reduce) run on a comm thread, the CPU counterpart of the paper's side stream:
+# `VocabPasses` is a hook of the pipeline executor (`toolkit.pipeline.vocab_passes`): two more ops (S and T)
+# and the collectives around them. It issues every collective asynchronously, one process group per stream of
+# collectives, and in micro-batch order within each group on every rank, so they match although each rank's
+# action order differs. C0 (and Algorithm 2's dX all-reduce) run on a comm thread, the CPU counterpart of the
+# paper's side stream:
 
 # %%
-print(inspect.getdoc(vp.VocabExecutor))
-print(inspect.getsource(vp.VocabExecutor.vocab_s))
-print(inspect.getsource(vp.VocabExecutor.vocab_t))
+print(inspect.getdoc(vx.VocabPasses))
+print(inspect.getsource(vx.VocabPasses.vocab_s))
+print(inspect.getsource(vx.VocabPasses.vocab_t))
 
 # %% [markdown]
 # ## 3 · The run
@@ -97,7 +99,7 @@ print(inspect.getsource(vp.VocabExecutor.vocab_t))
 # rank in turn, the others waiting, times its passes for one micro-batch (rank 0 also calibrates this CPU for
 # the cost model of section 8). Then one checked step each of the baseline (1F1B, embedding on stage 0, head
 # on stage p−1, through `PipelineExecutor`) and of vocabulary parallelism with Algorithms 1 and 2 (the
-# schedules above, through `VocabExecutor`); then all three timed side by side (`bench.compare`).
+# schedules above, through the executor with `VocabPasses`); then all three timed side by side (`bench.compare`).
 
 # %%
 results = launch("l13_vocab_parallel", world_size, cfg, backend=backend, timeout_s=timeout_s)
@@ -156,14 +158,12 @@ for name in vocab_runs:
 # micro-batch, D hidden; ring all-reduce 2(p−1)/p·S, broadcast S). The baseline sends only the activations and
 # gradients between neighbours (`world`); vocabulary parallelism adds the input layer (all-reduce of the
 # partial embeddings, broadcast of dE), the broadcast of X, C0 (3N numbers in two all-reduces) and the dX
-# all-reduce (Algorithm 2's fused one, or Algorithm 1's C1).
+# all-reduce (Algorithm 2's fused one, or Algorithm 1's C1). The closed form of each is
+# `vocab_parallel.collective_bytes`.
 
 # %%
 N, D = cfg["micro_batch"] * cfg["seq_len"], cfg["d_model"]
-ring = lambda s: 2 * (p - 1) * s // p
-expected = {"input:all_reduce": ring(N * D * 4), "input:broadcast": N * D * 4, "x:broadcast": N * D * 4,
-            "c0:all_reduce": ring(N * 4) + ring(2 * N * 4), "dx:all_reduce": ring(N * D * 4),
-            "c1:all_reduce": ring(N * D * 4)}
+expected = {name: vp.collective_bytes(p, N, D, algorithm=int(name[-1])) for name in vocab_runs}  # closed form
 rows = [{"group:op": key, "run": name, "bytes": b} for name in vocab_runs
         for key, b in r0["runs"][name]["comm"].items() if b]
 viz.bars(rows, x="group:op", y="bytes", color="run", title="Bytes rank 0 sent per micro-batch, by group (ledger)",
@@ -172,13 +172,13 @@ viz.bars(rows, x="group:op", y="bytes", color="run", title="Bytes rank 0 sent pe
 # %%
 # NBVAL_CHECK_OUTPUT
 for name in vocab_runs:
-    comm = {k: b for k, b in r0["runs"][name]["comm"].items() if k in expected}
-    print(name, comm, "all as predicted:", all(comm[k] == expected[k] for k in comm))
+    comm = {k: b for k, b in r0["runs"][name]["comm"].items() if k in expected[name]}
+    print(name, comm, "all as predicted:", comm == expected[name])
 
 # %%
 for name in vocab_runs:
-    comm = {k: b for k, b in r0["runs"][name]["comm"].items() if k in expected}
-    assert all(comm[k] == expected[k] for k in comm) and len(comm) == 5, comm
+    comm = {k: b for k, b in r0["runs"][name]["comm"].items() if k in expected[name]}
+    assert comm == expected[name] and len(comm) == 5, comm
 
 # %% [markdown]
 # ## 5 · Memory: p + 1 and p + 2, measured

@@ -42,10 +42,11 @@
 
 # %% tags=["parameters"]
 import os
+from typing import Optional
 
 world_size: int = 4
 pp: int = 2  # pipeline ranks (the data-parallel size is world_size // pp)
-n_layer: int = 0  # 0 keeps the preset's; DualPipeV needs a multiple of 2·pp
+n_layer: Optional[int] = None  # None: the preset's; DualPipeV needs a multiple of 2·pp
 preset: str = os.environ.get("TOOLKIT_PRESET", "default")  # smoke | default | full
 backend: str = "auto"  # auto | gloo | nccl
 timeout_s: int = 600
@@ -71,13 +72,13 @@ from toolkit.report import headline
 print(inspect.getsource(cuda_graphs.OpCounter))
 
 # %% [markdown]
-# Separating the DP all-reduce: the pipeline executor's `after_op` hook fires after every single op; when it
+# Separating the DP all-reduce: the `DataParallelSeparation` hook's `after_op` fires after every single op; when it
 # is the last B, I or W of a stage on this rank, that stage's gradients are final and their all-reduce leaves
 # (`async_op=True`). The step waits for all of them at its end. "Plain" issues the same all-reduces, on the
 # same buffers, after the step.
 
 # %%
-print(inspect.getsource(dp_separate.DataParallelPipelineExecutor.after_op))
+print(inspect.getsource(dp_separate.DataParallelSeparation.after_op))
 print(inspect.getsource(dp_separate.last_grad_ops))
 
 # %% [markdown]
@@ -87,7 +88,7 @@ print(inspect.getsource(dp_separate.last_grad_ops))
 # replicas), DualPipeV over the pp ranks of each replica, each replica on its own micro-batches of real text.
 
 # %%
-run_cfg = {"preset": preset, "pp": pp, "dp": max(1, world_size // pp), **({"n_layer": n_layer} if n_layer else {})}
+run_cfg = {"preset": preset, "pp": pp, "dp": max(1, world_size // pp), "n_layer": n_layer}  # None: the preset's
 cfg = lesson.validate(run_cfg, world_size)  # a bad combination stops here, before any process starts
 results = launch("l16_cuda_graphs", world_size, run_cfg, backend=backend, timeout_s=timeout_s)
 r0 = results[0]

@@ -36,7 +36,7 @@ import inspect
 
 from IPython.display import Markdown, display
 
-from toolkit import compose, launch, planner, viz
+from toolkit import compose, compose_bytes, launch, planner, viz
 from toolkit.compose import LOSS_RTOL, TECHNIQUES, ComposeConfig, Composed, loss_rtol
 from toolkit.lessons import l17_capstone as lesson
 from toolkit.report import headline
@@ -57,7 +57,7 @@ base = configs[0][1]
 # ```
 #  1 model      GPT(preset, n_expert); bf16 compute weights when precision is bf16
 #  2 experts    expert_parallel(model, ep group, codec)            int8 all-to-all: codec="int8"
-#  3 pipeline   make_schedule(1f1b | dualpipev) + PipelineExecutor  (vocabulary: VocabExecutor)
+#  3 pipeline   make_schedule(1f1b | dualpipev) + PipelineExecutor  (vocabulary: the VocabPasses hook)
 #  4 DP comm    PowerSGDReducer (plain all-reduce) | EDGC, one bucket per stage; experts / dp
 #  5 optimizer  AdamW (fp32) | MasterAdamW (bf16 + fp32 master) | ReuseAdamW (+ int16 residual)
 #  6 memory     ActivationOffloader hooks in the executor (pipeline-aware: by lifetime)
@@ -172,7 +172,7 @@ for name, _, against in configs[1:]:
 # ## 5 · Memory per rank, measured and predicted
 #
 # The tensor peak of each rank over one training step, by category, measured by `MemoryTracker`; beside it the
-# planner's model of the same rank (`toolkit.planner.composed_memory`): parameters, gradients and optimizer
+# planner's model of the same rank (`toolkit.compose_bytes.composed_memory`): parameters, gradients and optimizer
 # state counted from the model's shapes and each precision's bytes per parameter, activations counted per MoE
 # layer tensor by tensor and walked along the rank's schedule (held micro-batches, deferred weight gradients,
 # offloaded groups), plus each op's working set. Its only input from the run is the router's decision (rows
@@ -184,7 +184,7 @@ pred, meas, rows = {}, {}, []
 for name, c, _ in configs:
     for rank, run in enumerate(runs[name]):
         routing = {(x["stage"], x["mb"]): x["layers"] for x in run["routing"]}
-        p = planner.composed_memory(c, results[rank]["coords"]["pp"], routing) if not c.vocab_parallel else None
+        p = compose_bytes.composed_memory(c, results[rank]["coords"]["pp"], routing) if not c.vocab_parallel else None
         m_ = run["memory"]["peak"]
         pred[(name, rank)], meas[(name, rank)] = p, m_
         rows.append({"configuration": name, "rank": rank, **{k: m_[k] / 1024 for k in ("param", "grad", "optim", "act")},
@@ -219,7 +219,7 @@ for name in names:
 # What each rank put on the wire in the measured step (the ledger counts every call), by operation: the
 # pipeline's point-to-point sends, the experts' all-to-alls (dispatch and combine, forward and backward) with
 # the plan's small count exchange (all-gather), the data-parallel all-reduce (EDGC: its low-rank factors plus
-# the uncompressed vectors). Beside it the planner's bytes model (`toolkit.planner.composed_bytes`).
+# the uncompressed vectors). Beside it the planner's bytes model (`toolkit.compose_bytes.composed_bytes`).
 
 # %%
 brows, byte_ratio = [], {}
@@ -229,7 +229,7 @@ for name, c, _ in configs:
         for b in run["bytes"]:
             got[b["op"]] = got.get(b["op"], 0) + b["sent_bytes"]
         routing = {(x["stage"], x["mb"]): x["layers"] for x in run["routing"]}
-        model = planner.composed_bytes(c, results[rank]["coords"]["pp"], routing, run["edgc_ranks"]) \
+        model = compose_bytes.composed_bytes(c, results[rank]["coords"]["pp"], routing, run["edgc_ranks"]) \
             if not c.vocab_parallel else {}
         for op in sorted(set(got) | set(model)):
             brows.append({"configuration": name, "rank": rank, "op": op, "measured B": got.get(op, 0),

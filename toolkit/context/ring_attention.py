@@ -300,38 +300,3 @@ def causal_pairs(length: int, cp: int, balanced: bool = True) -> list[int]:
         size = length // cp
         rows = [list(range(j * size, (j + 1) * size)) for j in range(cp)]
     return [sum(p + 1 for p in r) for r in rows]
-
-
-def selfcheck(ctx, cfg: dict) -> dict:
-    """Run on every rank of a job whose world is one CP group: ring attention on random packed sequences
-    against ``packed_causal_attention`` in one process, forward and backward, and the bytes it sent.
-
-    cfg: ``lengths`` (each a multiple of 2·world), ``heads``, ``head_dim``, ``dtype`` ("float32"/"float64"),
-    ``seed``. Returns max absolute differences (out, dq, dk, dv), ledger bytes per direction and the closed form.
-    """
-    cp = ctx.world_size
-    lengths = cfg.get("lengths", [8 * cp, 2 * cp, 12 * cp])
-    heads, head_dim = cfg.get("heads", 2), cfg.get("head_dim", 8)
-    dtype = getattr(torch, cfg.get("dtype", "float32"))
-    gen = torch.Generator().manual_seed(cfg.get("seed", 0))  # the same full tensors on every rank
-    n = sum(lengths)
-    dev = ctx.device
-    full = [torch.randn(heads, n, head_dim, generator=gen, dtype=dtype).to(dev).requires_grad_() for _ in range(3)]
-    grad_out = torch.randn(heads, n, head_dim, generator=gen, dtype=dtype).to(dev)
-    ref = packed_causal_attention(*full, lengths)
-    ref_grads = torch.autograd.grad(ref, full, grad_out)
-    layout = CPLayout(lengths, cp)
-    idx = layout.coords(dist.get_rank() if cp > 1 else 0, dev)[2]
-    mine = [x.detach()[:, idx].clone().requires_grad_() for x in full]
-    group = dist.group.WORLD if cp > 1 else None
-    with ctx.ledger.tag("ring-forward"):
-        out = ring_attention(*mine, layout, group)
-    with ctx.ledger.tag("ring-backward"):
-        out.backward(grad_out[:, idx])
-    diff = {"out": (out.detach() - ref.detach()[:, idx]).abs().max().item()}
-    for name, x, g in zip(("dq", "dk", "dv"), mine, ref_grads):
-        diff[name] = (x.grad - g[:, idx]).abs().max().item()
-    sent = {d: ctx.ledger.total("sent_bytes", tag=f"ring-{d}") for d in ("forward", "backward")}
-    return {"rank": ctx.rank, "cp": cp, "lengths": lengths, "tokens_per_rank": layout.tokens_per_rank,
-            "max_abs_diff": diff, "sent_bytes": sent,
-            "closed_form": ring_bytes(layout.tokens_per_rank, heads * head_dim, cp, full[0].element_size())}

@@ -4,6 +4,7 @@ Sections (each returns plain numbers under its own key):
     data_parallel  DDP vs the toolkit's ZeRO-0/1/2/3 vs FSDP2: losses, bytes/step, memory/rank (toolkit.parallel)
     zero3_prefetch ZeRO-3 with and without prefetching the next unit's all-gather: timelines, exposed wait
     tensor_parallel  Megatron column/row-parallel block vs one process vs torch's parallelize_module
+                   (these three are ``foundations_parallel``; its knobs and presets are part of this lesson's)
     pipeline       GPipe and 1F1B on one stage per rank (toolkit.pipeline): loss and grads vs one process,
                    real timelines, bubble fraction, peak activation bytes
     checkpointing  activation bytes kept for backward and fwd+bwd time per checkpoint policy; grads equal
@@ -24,22 +25,18 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from toolkit.comm.bandwidth import environment_report, probe
 from toolkit.data import batches
 from toolkit.memory.checkpointing import POLICIES, apply_checkpointing, saved_activation_bytes
+from toolkit.lessons import foundations_parallel as parallel
 from toolkit.models import GPT, preset
-from toolkit.lessons.parallel_demos import (DP_VARIANTS, run_dp_zero_fsdp, run_tensor_parallel, run_zero3_prefetch,
-                                            validate_dp_zero_fsdp, validate_tensor_parallel, validate_zero3_prefetch)
 from toolkit.precision import MODES, train
 from toolkit.runtime.bench import comm_efficiency_ratio, measure, memory_volatility
 from toolkit.runtime.config import Param, common, require_ranks, resolve
 from toolkit.runtime.memory import MemoryTracker
 
-SECTIONS = ("data_parallel", "zero3_prefetch", "tensor_parallel", "pipeline", "checkpointing", "precision",
-            "bandwidth", "bench")
+SECTIONS = (*parallel.SECTIONS, "pipeline", "checkpointing", "precision", "bandwidth", "bench")
 PARAMS = {
-    **common("model", "n_layer", "seq_len", "batch", "m", "warmup", "bench_steps", "rounds"),
+    **parallel.PARAMS,  # model, n_layer, seq_len, batch, lr, seed, warmup, bench_steps, rounds, dp_*
+    **common("m"),
     "sections": Param(list, "the parts of the lesson to run", of=str, choices=SECTIONS),
-    "dp_steps": Param(int, "training steps of each data-parallel variant (DDP, ZeRO, FSDP2)", ge=2),
-    "dp_timing": Param(list, "data-parallel variants whose step time is measured", of=str, choices=DP_VARIANTS,
-                       nonempty=False),
     "precision_model": Param(str, "toolkit.models size preset of the mixed-precision section (bf16/fp16 matmuls "
                              "are slow on CPUs without AVX-512)", choices=("smoke", "default", "full")),
     "precision_steps": Param(int, "training steps of each mixed-precision recipe", ge=1),
@@ -49,18 +46,12 @@ PARAMS = {
 # default: what a 2-core CPU runs within the course's time budget (every section, shorter sweeps and
 # fewer timed steps than `full`; every figure keeps its points)
 PRESETS = {
-    "smoke": {"model": "smoke", "n_layer": 2, "seq_len": 32, "batch": 4, "precision_model": "smoke",
-              "precision_steps": 8, "dp_steps": 3, "dp_timing": ["ddp", "zero3", "fsdp2"], "m": 4, "warmup": 1,
-              "bench_steps": 3, "rounds": 3, "probe_sizes": [2**10, 2**14, 2**18], "probe_iters": 3,
-              "sections": list(SECTIONS)},
-    "default": {"model": "default", "n_layer": 2, "seq_len": 64, "batch": 8, "precision_model": "smoke",
-                "precision_steps": 40, "dp_steps": 3, "dp_timing": ["zero3", "fsdp2"], "m": 8, "warmup": 2,
-                "bench_steps": 4, "rounds": 5, "probe_sizes": [2**k for k in range(10, 23, 2)], "probe_iters": 5,
-                "sections": list(SECTIONS)},
-    "full": {"model": "full", "n_layer": 12, "seq_len": 1024, "batch": 8, "precision_model": "full",
-             "precision_steps": 300, "dp_steps": 10, "dp_timing": list(DP_VARIANTS), "m": 16, "warmup": 10,
-             "bench_steps": 50, "rounds": 5, "probe_sizes": [2**k for k in range(10, 31, 2)], "probe_iters": 20,
-             "sections": list(SECTIONS)},
+    "smoke": {**parallel.PRESETS["smoke"], "precision_model": "smoke", "precision_steps": 8, "m": 4,
+              "probe_sizes": [2**10, 2**14, 2**18], "probe_iters": 3, "sections": list(SECTIONS)},
+    "default": {**parallel.PRESETS["default"], "precision_model": "smoke", "precision_steps": 40, "m": 8,
+                "probe_sizes": [2**k for k in range(10, 23, 2)], "probe_iters": 5, "sections": list(SECTIONS)},
+    "full": {**parallel.PRESETS["full"], "precision_model": "full", "precision_steps": 300, "m": 16,
+             "probe_sizes": [2**k for k in range(10, 31, 2)], "probe_iters": 20, "sections": list(SECTIONS)},
 }
 # the progress bar's phases: one per section run, weighted by its rough share of the run time at the default
 # preset (CPU seconds per rank, measured)
@@ -79,38 +70,15 @@ def validate(cfg: dict, world_size: int) -> dict:
     if "pipeline" in sections and out["m"] < world_size:
         raise ValueError(f"m={out['m']} micro-batches must be >= the {world_size} pipeline stages "
                          "(1F1B needs at least one micro-batch per stage)")
-    if "data_parallel" in sections:
-        validate_dp_zero_fsdp(_dp_cfg(out), world_size)
-    if "zero3_prefetch" in sections:
-        validate_zero3_prefetch(_z3_cfg(out), world_size)
-    if "tensor_parallel" in sections:
-        validate_tensor_parallel(_tp_cfg(out), world_size)
-    return out
-
-
-def _sizes(cfg: dict) -> dict:
-    return {"preset": cfg["model"], "overrides": {"n_layer": cfg["n_layer"], "seq_len": cfg["seq_len"]}}
-
-
-def _dp_cfg(cfg: dict) -> dict:
-    return {**_sizes(cfg), "steps": cfg["dp_steps"], "batch_size": cfg["batch"], "timing": cfg["dp_timing"]}
-
-
-def _z3_cfg(cfg: dict) -> dict:
-    return {**_sizes(cfg), "batch_size": cfg["batch"],
-            "bench": {"warmup": cfg["warmup"], "steps": cfg["bench_steps"], "rounds": cfg["rounds"]}}
-
-
-def _tp_cfg(cfg: dict) -> dict:
-    return {**_sizes(cfg), "batch_size": cfg["batch"]}
+    return parallel.check(out, world_size, sections)
 
 
 def run(ctx, cfg: dict) -> dict:
-    model_cfg = preset(cfg["model"], n_layer=cfg["n_layer"], seq_len=cfg["seq_len"])
+    model_cfg = parallel.model_config(cfg)
     out = {"rank": ctx.rank, "world_size": ctx.world_size, "model": vars(model_cfg)}
-    steps = {"data_parallel": lambda: run_dp_zero_fsdp(ctx, _dp_cfg(cfg)),
-             "zero3_prefetch": lambda: run_zero3_prefetch(ctx, _z3_cfg(cfg)),
-             "tensor_parallel": lambda: run_tensor_parallel(ctx, _tp_cfg(cfg)),
+    steps = {"data_parallel": lambda: parallel.data_parallel(ctx, cfg, model_cfg),
+             "zero3_prefetch": lambda: parallel.zero3_prefetch(ctx, cfg, model_cfg),
+             "tensor_parallel": lambda: parallel.tensor_parallel(ctx, cfg, model_cfg),
              "pipeline": lambda: pipeline(ctx, cfg, model_cfg),
              "checkpointing": lambda: checkpointing(ctx, cfg, model_cfg),
              "precision": lambda: precision(ctx, cfg, model_cfg),

@@ -293,8 +293,8 @@ def emulated(ctx, group, block, tokens: int, cfg: dict, stacks: dict, step) -> d
         for op in OPS:
             t = point[op]["mean_s"]
             point[op]["ratio"] = t["gemm"] / t["comm"]
-            point[op]["ceiling"] = {"ring": overlap_ceiling(tp, 1, t["gemm"], t["comm"]),
-                                    "tiled ring": overlap_ceiling(tp, cfg["tiles"], t["gemm"], t["comm"])}
+            point[op]["ceiling"] = {"ring": overlap_ceiling(tp, t["gemm"], t["comm"]),
+                                    "tiled ring": overlap_ceiling(tp, t["gemm"], t["comm"], cfg["tiles"])}
     with emu.scaled(**scales):  # the whole step, matched
         def timed(stack):
             def one():

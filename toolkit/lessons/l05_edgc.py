@@ -288,9 +288,15 @@ def _params(shapes, gen) -> list[torch.nn.Parameter]:
     return ps
 
 
+INVARIANT_SHAPES = [(24, 16), (16,), (8, 40), (40, 8)]
+"""Gradient shapes of the invariants: matrices both ways round and a vector (never compressed)."""
+CONSERVATION_STEPS = 6
+"""Steps over which error feedback must conserve the sum of the gradients."""
+
+
 def invariants(ctx, cfg: dict) -> dict:
     """Exact at full rank; error feedback conserves the sum; off == plain; rank disagreement is an error."""
-    shapes = cfg.get("shapes", [(24, 16), (16,), (8, 40), (40, 8)])
+    shapes = INVARIANT_SHAPES
     gen = torch.Generator().manual_seed(100 + ctx.rank)  # each rank its own gradients
     out = {}
 
@@ -315,7 +321,7 @@ def invariants(ctx, cfg: dict) -> dict:
     red = PowerSGDReducer([ps], [1])
     sum_in = [torch.zeros(s, dtype=torch.float64) for s in shapes]
     sum_out = [torch.zeros(s, dtype=torch.float64) for s in shapes]
-    for _ in range(cfg.get("conservation_steps", 6)):
+    for _ in range(CONSERVATION_STEPS):
         for p, si in zip(ps, sum_in):
             p.grad = torch.randn(p.shape, generator=gen)
             si += p.grad.double()

@@ -181,11 +181,17 @@ def run(ctx, cfg: dict) -> dict:
 
 # ---- invariants on random tensors (the tests launch this) -------------------------------------------
 
+INVARIANT_SHARD = 4096
+"""Elements of each rank's shard in the invariants."""
+QWD_STEPS = 5
+"""Steps of the weights' random walk over which the qWD replicas must stay bitwise equal."""
+
+
 def invariants(ctx, cfg: dict) -> dict:
     """H·H = 32·I; quantization off == plain reduce-scatter / all-gather; qWD replicas bitwise equal."""
-    nodes = cfg.get("nodes", 2)
+    nodes = cfg["nodes"]
     topo = make_topology(nodes, ctx.ledger)
-    W, S = ctx.world_size, cfg.get("shard", 4096)
+    W, S = ctx.world_size, INVARIANT_SHARD
     gen = torch.Generator().manual_seed(50 + ctx.rank)
     out = {}
 
@@ -209,7 +215,7 @@ def invariants(ctx, cfg: dict) -> dict:
     replica = (torch.randn(W * S) * 0.02).bfloat16().float()
     master = replica[ctx.rank * S:(ctx.rank + 1) * S].clone()
     identical, worst = [], []
-    for _ in range(cfg.get("qwd_steps", 5)):
+    for _ in range(QWD_STEPS):
         master += torch.randn(S, generator=gen) * 1e-3
         all_gather_qwd(replica, master)
         identical.append(_replicas_identical(ctx, replica))

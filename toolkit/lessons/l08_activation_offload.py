@@ -1,7 +1,7 @@
 """Lesson 08, per rank: pipeline-aware activation offload under 1F1B on p = world_size ranks.
 
-The tiny GPT is cut into p stages and run with the 1F1B schedule through ``OffloadingExecutor``
-(``toolkit.memory.offload``: the pipeline executor with the offloader's hooks). Each variant runs the same
+The tiny GPT is cut into p stages and run with the 1F1B schedule through the pipeline executor with the
+offloader's hook (``toolkit.memory.offload.Offload``). Each variant runs the same
 step on the same micro-batches::
 
     none            nothing moves (the baseline; its saved bytes are counted the same way)
@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import torch
 
-from toolkit.memory.offload import (ALL_KINDS, POLICIES, ActivationOffloader, OffloadingExecutor, long_lived,
+from toolkit.memory.offload import (ALL_KINDS, POLICIES, ActivationOffloader, Offload, SaveOnCPU, long_lived,
                                     resolve_policy, schedule_order)
 from toolkit.models import lm_loss, preset
+from toolkit.pipeline.executor import ExecutorHook, PipelineExecutor
 from toolkit.pipeline.harness import PipelineSetup
 from toolkit.pipeline.schedule import one_f_one_b
 from toolkit.runtime.bench import compare
@@ -61,6 +62,17 @@ def validate(cfg: dict, world_size: int) -> dict:
     return cfg
 
 
+class ResidentBytes(ExecutorHook):
+    """After every action: the offloader's resident (``act``) and host bytes, appended to ``trace``."""
+
+    def __init__(self, offloader: ActivationOffloader, trace: list[dict]):
+        self.offloader, self.trace = offloader, trace
+
+    def after_action(self, action) -> None:
+        now = self.offloader.meter.current()
+        self.trace.append({"action": str(action), "act": now["act"], "host": now["host"]})
+
+
 def run(ctx, cfg: dict) -> dict:
     p, rank = ctx.world_size, ctx.rank
     setup = PipelineSetup.build(cfg["model"], m=cfg["m"], micro_batch=cfg["micro_batch"], n_layer=cfg["n_layer"],
@@ -71,28 +83,23 @@ def run(ctx, cfg: dict) -> dict:
     inputs, targets = setup.inputs, setup.targets
     variants = ["none"] + [v for v in cfg["policies"] if v != "none"] + [LONG_LIVED, "save_on_cpu"]
 
-    def make(variant: str, on_action=None):
-        """(model, modules, executor, offloader) of ``variant`` on a fresh copy of the model."""
+    def make(variant: str, trace: list | None = None):
+        """(model, modules, executor, offloader) of ``variant`` on a fresh copy of the model; with ``trace``,
+        the offloader's bytes after every action are appended to it."""
         model = setup.fresh()
         modules = setup.stages(model, schedule, rank)
-        off = None
-        if variant not in ("save_on_cpu",):
-            groups = long if variant == LONG_LIVED else None
+        off, hooks = None, [SaveOnCPU()]
+        if variant != "save_on_cpu":
             off = ActivationOffloader(modules, order, policy="all" if variant == LONG_LIVED else variant,
-                                      groups=groups, prefetch=cfg["prefetch"])
-        ctx_fn = (lambda key: torch.autograd.graph.save_on_cpu(pin_memory=ctx.device.type == "cuda")) \
-            if variant == "save_on_cpu" else None
-        ex = OffloadingExecutor(schedule, rank, modules, lm_loss, setup.act_shape, device=ctx.device, offloader=off,
-                                forward_context=ctx_fn, on_action=on_action)
+                                      groups=long if variant == LONG_LIVED else None, prefetch=cfg["prefetch"])
+            hooks = [Offload(off)] + ([ResidentBytes(off, trace)] if trace is not None else [])
+        ex = PipelineExecutor(schedule, rank, modules, lm_loss, setup.act_shape, device=ctx.device, hooks=hooks)
         return model, modules, ex, off
 
     rows, samples, reference = [], {}, None
     for i, variant in enumerate(variants):
         trace: list[dict] = []
-        model, modules, ex, off = make(variant)
-        if off is not None:
-            ex.on_action = lambda a, off=off, trace=trace: trace.append(
-                {"action": str(a), "act": off.meter.current()["act"], "host": off.meter.current()["host"]})
+        model, modules, ex, off = make(variant, trace)
         if ctx.device.type == "cuda":
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()

@@ -39,7 +39,6 @@ PRESETS = {
     "full": {"model": "full", "n_layer": 16, "m": 16, "micro_batch": 2, "keep": 2, "v": 2, "warmup": 3,
              "bench_steps": 5, "rounds": 5},
 }
-MODES = ("none", "inline", "bubble")
 
 
 def schedules(p: int, cfg: dict) -> dict[str, object]:

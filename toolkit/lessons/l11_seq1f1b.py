@@ -1,9 +1,9 @@
 """Lesson 11: Seq1F1B. Per rank (p ranks = p pipeline stages of the tiny GPT)::
 
     reference        the whole GPT on one process over all micro-batches: loss and every gradient
-    1f1b             1F1B on whole sequences (k = 1)                        ┐ real P2P through
-    seq1f1b-tokens   Seq1F1B, k chunks of equal length                      │ seq1f1b.Seq1F1BExecutor (the
-    seq1f1b-compute  Seq1F1B, k chunks of equal FLOPs (earlier ones longer) ┘ pipeline executor + chunks)
+    1f1b             1F1B on whole sequences (k = 1)                        ┐ real P2P through the pipeline
+    seq1f1b-tokens   Seq1F1B, k chunks of equal length                      │ executor with the
+    seq1f1b-compute  Seq1F1B, k chunks of equal FLOPs (earlier ones longer) ┘ seq1f1b.SequenceChunks hook
 
 For each run: loss and max |grad - reference| on this rank's stage, the peak number of chunks whose
 activations this rank held (counted), the peak bytes of saved activations (the executor's
@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from toolkit.pipeline import seq1f1b as s1
+from toolkit.pipeline.executor import PipelineExecutor
 from toolkit.pipeline.harness import PipelineSetup
 from toolkit.runtime.config import Param, common, require_divisible, require_ranks, resolve
 
@@ -67,17 +68,20 @@ def run(ctx, cfg: dict) -> dict:
     runs = [("1f1b", 1, "equal_tokens")] + [(RUN_NAME[name], k, name) for name in cfg["partitions"]]
 
     def executor(kk: int, lengths: list[int], **kwargs):
+        """(model, schedule, executor, its chunks hook) on a fresh copy of the model."""
         model = setup.fresh()
         schedule = s1.seq1f1b(p, m, kk)
         stage = setup.stages(model, schedule, r)[r]
-        return model, schedule, s1.Seq1F1BExecutor(schedule, r, stage, lengths, mcfg.n_head, cfg["micro_batch"],
-                                                   mcfg.d_model, device=ctx.device, **kwargs)
+        chunks = s1.SequenceChunks(stage, lengths, mcfg.n_head)
+        ex = PipelineExecutor(schedule, r, {r: stage}, None, setup.act_shape, device=ctx.device, hooks=[chunks],
+                              **kwargs)
+        return model, schedule, ex, chunks
 
     # One untimed step first: gloo opens its point-to-point connections on first use.
     executor(1, [mcfg.seq_len])[2].step(setup.inputs, setup.targets)
     for done, (name, kk, partition) in enumerate(runs):
         lengths = s1.partition(mcfg.seq_len, kk, partition, a, b)
-        model, schedule, ex = executor(kk, lengths, timeline=ctx.timeline, meter=True)
+        model, schedule, ex, chunks = executor(kk, lengths, timeline=ctx.timeline, meter=True)
         ctx.barrier()
         n_spans = len(ctx.timeline.spans)
         t0 = time.perf_counter()
@@ -90,7 +94,7 @@ def run(ctx, cfg: dict) -> dict:
             span.meta["run"] = name
         out["lengths"][name] = lengths
         out["runs"][name] = {"k": kk, "loss": loss.item(), "max_grad_diff": setup.grad_diff(model, schedule, r),
-                             "peak_chunks": ex.peak_chunks, "peak_mb": ex.peak_chunks / kk,
+                             "peak_chunks": chunks.peak_chunks, "peak_mb": chunks.peak_chunks / kk,
                              "act_peak_bytes": ex.meter.peak, "wall_s": wall, "memory": ex.memory,
                              "p2p_bytes": ctx.ledger.total("sent_bytes", tag=name)}
         ctx.progress(done + 1, len(runs), name)

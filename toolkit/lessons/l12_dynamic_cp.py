@@ -194,7 +194,7 @@ def run(ctx, cfg: dict) -> dict:
     bench = compare({name: (lambda name=name: step(name)) for name in plans}, warmup=cfg["warmup"],
                     steps=cfg["bench_steps"], rounds=cfg["rounds"], sync=ctx.barrier, on_round=ctx.progress)
     ctx.phase("selfcheck")
-    selfcheck = ra.selfcheck(ctx, {"lengths": [8 * world, 2 * world, 12 * world], "seed": cfg["seed"]})
+    selfcheck = ring_selfcheck(ctx, [8 * world, 2 * world, 12 * world], cfg["seed"])
     return {"rank": rank, "world": world, "cfg": cfg, "model": vars(model_cfg), "n_tokens": n_tokens,
             "lengths": real_g, "padded": padded, "plans": {k: p.to_json() for k, p in plans.items()},
             "need": [cp_size_for(n, cfg["cap"], cfg["min_cp"]) for n in padded],
@@ -204,6 +204,36 @@ def run(ctx, cfg: dict) -> dict:
             "tokens_per_mb": {k: [len(mb["rows"]) for mb in shards[k]] for k in plans},
             "bench": {k: v.to_dict() for k, v in bench.items()},
             "spans": [s for s in ctx.timeline.to_json() if s["kind"] in plans], "selfcheck": selfcheck}
+
+
+def ring_selfcheck(ctx, lengths: list[int], seed: int, heads: int = 2, head_dim: int = 8) -> dict:
+    """Every rank, the whole world one CP group: ring attention on random packed sequences (``lengths``, each a
+    multiple of 2·world) against ``packed_causal_attention`` in one process, forward and backward (fp32), and
+    the bytes it sent. Returns max absolute differences (out, dq, dk, dv), ledger bytes per direction and the
+    closed form (``ring_bytes``)."""
+    cp, dtype = ctx.world_size, torch.float32
+    gen = torch.Generator().manual_seed(seed)  # the same full tensors on every rank
+    n = sum(lengths)
+    dev = ctx.device
+    full = [torch.randn(heads, n, head_dim, generator=gen, dtype=dtype).to(dev).requires_grad_() for _ in range(3)]
+    grad_out = torch.randn(heads, n, head_dim, generator=gen, dtype=dtype).to(dev)
+    ref = ra.packed_causal_attention(*full, lengths)
+    ref_grads = torch.autograd.grad(ref, full, grad_out)
+    layout = ra.CPLayout(lengths, cp)
+    idx = layout.coords(dist.get_rank() if cp > 1 else 0, dev)[2]
+    mine = [x.detach()[:, idx].clone().requires_grad_() for x in full]
+    group = dist.group.WORLD if cp > 1 else None
+    with ctx.ledger.tag("ring-forward"):
+        out = ra.ring_attention(*mine, layout, group)
+    with ctx.ledger.tag("ring-backward"):
+        out.backward(grad_out[:, idx])
+    diff = {"out": (out.detach() - ref.detach()[:, idx]).abs().max().item()}
+    for name, x, g in zip(("dq", "dk", "dv"), mine, ref_grads):
+        diff[name] = (x.grad - g[:, idx]).abs().max().item()
+    sent = {d: ctx.ledger.total("sent_bytes", tag=f"ring-{d}") for d in ("forward", "backward")}
+    return {"rank": ctx.rank, "cp": cp, "lengths": lengths, "tokens_per_rank": layout.tokens_per_rank,
+            "max_abs_diff": diff, "sent_bytes": sent,
+            "closed_form": ra.ring_bytes(layout.tokens_per_rank, heads * head_dim, cp, full[0].element_size())}
 
 
 def plans_of(result: dict) -> dict[str, Plan]:

@@ -7,8 +7,9 @@
     schedules     ``vocab_1f1b(p, m, algorithm, measured costs)``: the simulator places the S and T passes
                   into 1F1B; every rank builds the same action lists from the same gathered times
     1f1b          baseline: embedding on stage 0, head + loss on stage p-1, 1F1B through ``PipelineExecutor``
-    vocab-1/-2    both tables split in p row blocks, the same action lists run by ``VocabExecutor``: S/T on
-                  every rank, C0 on a comm thread, async collectives (Algorithm 1: C1; Algorithm 2: fused dX)
+    vocab-1/-2    both tables split in p row blocks, the same action lists run by the executor with the
+                  ``VocabPasses`` hook: S/T on every rank, C0 on a comm thread, async collectives
+                  (Algorithm 1: C1; Algorithm 2: fused dX)
     one checked step of each: loss, gradients against the reference, activation bytes, waits, collectives;
     then all three timed side by side (``toolkit.runtime.bench.compare``).
 """
@@ -22,9 +23,10 @@ import torch.distributed as dist
 
 from toolkit.models.gpt import lm_loss, split_stages
 from toolkit.pipeline import vocab_parallel as vp
+from toolkit.pipeline import vocab_passes as vx
+from toolkit.pipeline.executor import PipelineExecutor
 from toolkit.pipeline.harness import Job, PipelineSetup, check_step
 from toolkit.pipeline.schedule import one_f_one_b
-from toolkit.pipeline.simulate import simulate
 from toolkit.runtime.bench import compare, measure
 from toolkit.runtime.config import Param, common, require_divisible, require_ranks, resolve
 from toolkit.runtime.timeline import Timeline
@@ -70,7 +72,7 @@ def run(ctx, cfg: dict) -> dict:
     r, p = ctx.rank, ctx.world_size
     setup = setup_of(cfg, ctx.device)
     m = setup.m
-    groups = vp.vocab_groups(list(range(p)))
+    groups = vx.vocab_groups(list(range(p)))
     for name, group in groups.items():
         ctx.ledger.name_group(group, name)
     out = {"rank": r, "ref_loss": setup.ref_loss, "runs": {}}
@@ -106,14 +108,15 @@ def run(ctx, cfg: dict) -> dict:
                            "peak_act_bytes": record["peak_act_bytes"]}
     for alg in vp.ALGORITHMS:
         name = f"vocab-{alg}"
-        model, stage, ex = _vocab_executor(ctx, setup, schedules[name], groups, meter=True)
+        model, stage, ex, passes = _vocab_executor(ctx, setup, schedules[name], groups, meter=True)
         with ctx.ledger.tag(name):
             loss = ex.step(setup.inputs, setup.targets)
         out["runs"][name] = {
-            "loss": loss, "max_grad_diff": vocab_grad_diff(model, stage, setup.reference),
-            "peak_act_bytes": ex.meter.peak, "peak_vocab_bytes": ex.vocab_meter.peak, "peak_total": ex.peak_total,
-            "peak_held": ex.peak_held, "forward_bytes": ex.forward_bytes, "waits": ex.waits,
-            "comm_spans": ex.comm_spans, "collectives": ex.collectives, "comm": _comm_per_mb(ctx, name, m)}
+            "loss": loss, "max_grad_diff": vx.vocab_grad_diff(model, stage, setup.reference),
+            "peak_act_bytes": ex.meter.peak, "peak_vocab_bytes": passes.vocab_meter.peak,
+            "peak_total": passes.peak_total, "peak_held": passes.peak_held, "forward_bytes": passes.forward_bytes,
+            "waits": ex.waits, "comm_spans": passes.comm_spans, "collectives": passes.collectives,
+            "comm": _comm_per_mb(ctx, name, m)}
     tick("checked steps")
 
     # All three timed side by side, round-robin, each on a fresh copy; spans of each one's last step.
@@ -122,10 +125,11 @@ def run(ctx, cfg: dict) -> dict:
         t.origin = ctx.timeline.origin  # aligned across ranks by the launch barrier
         return t
 
-    timed = {"1f1b": (*setup.executor(schedules["1f1b"], r, timeline=timeline()), None)}
+    timed = {"1f1b": (*setup.executor(schedules["1f1b"], r, timeline=timeline()), None, None)}
     for alg in vp.ALGORITHMS:
-        model, stage, ex = _vocab_executor(ctx, setup, schedules[f"vocab-{alg}"], groups, timeline=timeline())
-        timed[f"vocab-{alg}"] = (model, ex, stage)
+        model, stage, ex, passes = _vocab_executor(ctx, setup, schedules[f"vocab-{alg}"], groups,
+                                                   timeline=timeline())
+        timed[f"vocab-{alg}"] = (model, ex, stage, passes)
 
     def stepper(model, ex, stage):
         def go():
@@ -137,40 +141,29 @@ def run(ctx, cfg: dict) -> dict:
         return go
 
     with ctx.part(2, total, "timing"):
-        bench = compare({name: stepper(*timed[name]) for name in RUNS}, warmup=cfg["warmup"],
+        bench = compare({name: stepper(*timed[name][:3]) for name in RUNS}, warmup=cfg["warmup"],
                         steps=cfg["bench_steps"], rounds=cfg["rounds"], sync=ctx.barrier, on_round=ctx.progress)
     for name in RUNS:
-        _, ex, _ = timed[name]
+        _, ex, _, passes = timed[name]
         out["runs"][name]["bench"] = bench[name].to_dict()
         out["runs"][name]["spans"] = ex.timeline.to_json()  # the last timed step
         out["runs"][name]["timed_waits"] = ex.waits
-        if name != "1f1b":
-            out["runs"][name]["timed_comm_spans"] = ex.comm_spans
+        if passes is not None:
+            out["runs"][name]["timed_comm_spans"] = passes.comm_spans
     out["param_bytes"] = {"baseline": _param_bytes_baseline(setup, r, p),
                           "vocab": sum(q.numel() * q.element_size() for q in timed["vocab-2"][2].parameters())}
     return out
 
 
 def _vocab_executor(ctx, setup: PipelineSetup, schedule, groups, **kwargs):
-    """(model, stage, executor): a fresh copy of the model, this rank's ``VocabStage`` of it, its executor."""
+    """(model, stage, executor, its vocabulary hook): a fresh copy of the model, this rank's ``VocabStage`` of
+    it, the pipeline executor with the ``VocabPasses`` hook."""
     model = setup.fresh()
-    stage = vp.VocabStage(model, ctx.rank, ctx.world_size)
-    ex = vp.VocabExecutor(schedule, ctx.rank, stage, setup.act_shape, groups, device=ctx.device, **kwargs)
-    return model, stage, ex
-
-
-def vocab_grad_diff(model, stage: vp.VocabStage, reference) -> float:
-    """Largest |grad - reference grad| over what this rank owns: its blocks (and pos / ln_f, shared with
-    ``model``) and its rows of the two tables (``stage.tok``, ``stage.out``)."""
-    ref = dict(reference.named_parameters())
-    mine = {id(q) for q in stage.parameters()}
-    worst = 0.0
-    for name, q in model.named_parameters():
-        if id(q) in mine:
-            worst = max(worst, (q.grad - ref[name].grad).abs().max().item())
-    for own, name in ((stage.tok, "embed.tok.weight"), (stage.out, "head.out.weight")):
-        worst = max(worst, (own.grad - ref[name].grad[stage.lo:stage.hi]).abs().max().item())
-    return worst
+    stage = vx.VocabStage(model, ctx.rank, ctx.world_size)
+    passes = vx.VocabPasses(stage, groups)
+    ex = PipelineExecutor(schedule, ctx.rank, {ctx.rank: stage}, None, setup.act_shape, device=ctx.device,
+                          hooks=[passes], **kwargs)
+    return model, stage, ex, passes
 
 
 def _comm_per_mb(ctx, tag: str, m: int) -> dict:

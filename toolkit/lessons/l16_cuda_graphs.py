@@ -20,7 +20,8 @@ import torch.distributed as dist
 
 from toolkit.graphs import audit, count_ops, dispatch_cost
 from toolkit.models import GPT, lm_loss
-from toolkit.pipeline.dp_separate import DataParallelPipelineExecutor, last_grad_ops
+from toolkit.pipeline.dp_separate import DataParallelSeparation, last_grad_ops
+from toolkit.pipeline.executor import PipelineExecutor
 from toolkit.pipeline.harness import PipelineSetup, grads_bitwise_equal
 from toolkit.pipeline.schedule import make_schedule
 from toolkit.runtime.bench import compare
@@ -61,26 +62,28 @@ def run(ctx, cfg: dict) -> dict:
     # all dp·m micro-batches and the one-process reference over them; this replica runs its own m
     setup = PipelineSetup.build(cfg["model"], m=dp * m, micro_batch=cfg["micro_batch"], n_layer=cfg["n_layer"],
                                 seed=cfg["seed"], device=ctx.device)
-    mc, base = setup.model_cfg, setup.base
+    mc = setup.model_cfg
     inputs, targets = setup.inputs[d * m:(d + 1) * m], setup.targets[d * m:(d + 1) * m]
 
     def executor(separate: bool, timeline=None):
+        """(model, executor, its data-parallel hook) on a fresh copy of the model."""
         model = setup.fresh()
-        ex = DataParallelPipelineExecutor(schedule, r, setup.stages(model, schedule, r), lm_loss, setup.act_shape,
-                                          device=ctx.device, peers=grid.ranks("pp"), group=grid.group("pp"),
-                                          timeline=timeline, dp_group=grid.group("dp"), separate=separate)
-        return model, ex
+        sep = DataParallelSeparation(grid.group("dp"), separate)
+        ex = PipelineExecutor(schedule, r, setup.stages(model, schedule, r), lm_loss, setup.act_shape,
+                              device=ctx.device, peers=grid.ranks("pp"), group=grid.group("pp"), timeline=timeline,
+                              hooks=[sep])
+        return model, ex, sep
 
     # -- one checked step per variant ------------------------------------------------------------------
     runs, models = {}, {}
     for name in VARIANTS:
-        model, ex = executor(name == "separated")
+        model, ex, sep = executor(name == "separated")
         with ctx.ledger.tag(name):
             loss = ex.step(inputs, targets)
         runs[name] = {"loss": loss, "grad_max_diff": setup.grad_diff(model, schedule, r),
                       "dp_bytes": ctx.ledger.total("sent_bytes", tag=name, op="all_reduce"),
                       "p2p_bytes": ctx.ledger.total("sent_bytes", tag=name, op="isend"),
-                      "reduces": [{k: v for k, v in x.items() if k in ("stage", "bytes")} for x in ex.reduces]}
+                      "reduces": [{k: v for k, v in x.items() if k in ("stage", "bytes")} for x in sep.reduces]}
         models[name] = model
     bitwise = grads_bitwise_equal(models["plain"], models["separated"],
                                   setup.stages(models["plain"], schedule, r).values())
@@ -92,23 +95,23 @@ def run(ctx, cfg: dict) -> dict:
     for name in VARIANTS:
         tl = Timeline(ctx.rank)
         tl.origin = ctx.timeline.origin
-        model, ex = executor(name == "separated", tl)
+        model, ex, sep = executor(name == "separated", tl)
         ctx.barrier()
         start = tl.now()
         ex.step(inputs, targets)
         end = tl.now()
         spans = tl.to_json()
-        for x in ex.reduces:
+        for x in sep.reduces:
             spans.append({"rank": ctx.rank, "kind": "DP all-reduce", "start": x["issued"], "end": x["done_by"],
                           "meta": {"stage": x["stage"], "lane": "dp"}})
-        reduces = [{**x, "before_end_s": end - x["issued"]} for x in ex.reduces]
-        traced[name] = {"spans": spans, "step_s": end - start, "waits_s": sum(x["waited_s"] for x in ex.reduces),
+        reduces = [{**x, "before_end_s": end - x["issued"]} for x in sep.reduces]
+        traced[name] = {"spans": spans, "step_s": end - start, "waits_s": sum(x["waited_s"] for x in sep.reduces),
                         "reduces": reduces}
     ctx.progress(2, 5, "timing")
     timed = {name: executor(name == "separated") for name in VARIANTS}
 
     def stepper(name):
-        model, ex = timed[name]
+        model, ex, _ = timed[name]
 
         def one():
             model.zero_grad(set_to_none=True)
@@ -120,7 +123,7 @@ def run(ctx, cfg: dict) -> dict:
                         rounds=cfg["rounds"], sync=ctx.barrier)
     exposed = {}
     for name in VARIANTS:  # the DP wait at the end of the last timed step
-        exposed[name] = sum(x["waited_s"] for x in timed[name][1].reduces)
+        exposed[name] = sum(x["waited_s"] for x in timed[name][2].reduces)
 
     # -- what a graph would remove: ops and host cost per chunk of this rank's stages ------------------------
     ctx.progress(3, 5, "op counts")

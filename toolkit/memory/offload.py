@@ -23,7 +23,7 @@ Pipeline awareness (the rank's action order comes from the schedule):
 - which micro-batches offload at all (``groups``): ``long_lived`` keeps those whose backward comes within k
   actions of their forward (the last rank of 1F1B: every one), as production systems do.
 
-``OffloadingExecutor`` is the pipeline executor with these hooks around every forward and backward.
+``Offload`` is the pipeline executor's hook that calls these around every forward and backward.
 
 Policies name the modules whose saved tensors may leave (``KINDS``): a storage leaves only if every
 module that saved it is in the policy. Parameters and stage inputs (leaves that require grad, held by
@@ -45,15 +45,15 @@ from __future__ import annotations
 import contextlib
 import weakref
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import ContextManager, Iterable
 
 import torch
 import torch.nn as nn
 
-from toolkit.pipeline.executor import PipelineExecutor, key_of
+from toolkit.pipeline.executor import ExecutorHook, key_of
+from toolkit.pipeline.schedule import Action, Key
 from toolkit.runtime.memory import MemoryTracker
 
-Key = tuple[int, int, int]  # (stage, micro-batch, chunk)
 
 # module name (suffix, inside a stage) -> the policy name of what it saves
 KINDS = {"embed": "embed", "ln1": "ln1", "attn.qkv": "qkv", "attn.core": "core", "attn.proj": "proj", "ln2": "ln2",
@@ -421,43 +421,35 @@ def long_lived(order: list[tuple[str, Key]], skip_within: int) -> set[Key]:
 
 
 # ------------------------------------------------------------------------------------------------
-# The pipeline executor with an offloader's hooks
+# The executor hooks
 # ------------------------------------------------------------------------------------------------
 
-class OffloadingExecutor(PipelineExecutor):
-    """``PipelineExecutor`` with an ``ActivationOffloader``'s hooks around every forward and backward (B and I
-    alike, also as halves of an F&B): ``forward_context`` enters ``offloader.forward(key)``, ``before_backward``
-    and ``after_backward`` call ``backward_begin`` / ``backward_end``.
+class Offload(ExecutorHook):
+    """The pipeline executor's hook for an ``ActivationOffloader``: around every forward (F, not R: an R
+    rebuilds activations right before their backward, nothing to send away) ``offloader.forward(key)``, around
+    every backward (B and I alike, also as halves of an F&B) ``backward_begin`` / ``backward_end``::
 
-    ``forward_context`` (a function of the key) wraps each forward instead when there is no offloader (e.g.
-    ``torch.autograd.graph.save_on_cpu``); ``on_action(action)`` runs after each scheduled action (sampling).
+        PipelineExecutor(schedule, rank, modules, loss_fn, act_shape, hooks=[Offload(offloader)])
     """
 
-    def __init__(self, *args, offloader: ActivationOffloader | None = None, forward_context=None, on_action=None,
-                 **kwargs):
-        super().__init__(*args, **kwargs)
-        self.offloader, self.context_fn, self.on_action = offloader, forward_context, on_action
+    def __init__(self, offloader: ActivationOffloader):
+        self.offloader = offloader
 
-    # Each hook also calls the next class's (cooperative), so another executor's hooks still run when a class
-    # combines both, e.g. ``type("X", (OffloadingExecutor, VocabExecutor), {})`` (toolkit.compose).
-    def forward_context(self, a):
-        if a.op != "F":  # an R rebuilds activations right before their backward: nothing to send away
-            return super().forward_context(a)
-        if self.offloader:
-            return self.offloader.forward(key_of(a))
-        return self.context_fn(key_of(a)) if self.context_fn else super().forward_context(a)
+    def forward_context(self, a: Action) -> ContextManager:
+        return self.offloader.forward(key_of(a)) if a.op == "F" else contextlib.nullcontext()
 
-    def before_backward(self, a) -> None:
-        super().before_backward(a)
-        if self.offloader:
-            self.offloader.backward_begin(key_of(a))
+    def before_backward(self, a: Action) -> None:
+        self.offloader.backward_begin(key_of(a))
 
-    def after_backward(self, a) -> None:
-        if self.offloader:
-            self.offloader.backward_end(key_of(a))
-        super().after_backward(a)
+    def after_backward(self, a: Action) -> None:
+        self.offloader.backward_end(key_of(a))
 
-    def after_action(self, action) -> None:
-        super().after_action(action)
-        if self.on_action:
-            self.on_action(action)
+
+class SaveOnCPU(ExecutorHook):
+    """torch's ``save_on_cpu`` around every forward: every saved tensor to the host, back when its backward
+    unpacks it (no prefetch, not pipeline aware; the baseline lesson 08 compares with)."""
+
+    def forward_context(self, a: Action) -> ContextManager:
+        if a.op != "F":
+            return contextlib.nullcontext()
+        return torch.autograd.graph.save_on_cpu(pin_memory=self.executor.device.type == "cuda")

@@ -178,12 +178,6 @@ def all_gather_matmul(x: torch.Tensor, b: torch.Tensor, group=None, *, bias: tor
     return out, gathered.view(tp * m, k) if keep_gathered else None
 
 
-def overlap_ceiling(tp: int, tiles: int, t_gemm: float, t_comm: float) -> float:
-    """The most of a transfer a ring can hide: every chunk's (tile's) GEMM but the last one covers a message, so
-    min(1, (1 − 1/(tp·tiles)) · T_gemm / T_comm) (formula; per-message costs, which tiles multiply, not counted)."""
-    return min(1.0, (1 - 1 / (tp * tiles)) * t_gemm / t_comm) if t_comm > 0 else 1.0
-
-
 def overlap_fraction(t_comm: float, t_gemm: float, t_fused: float) -> float:
     """(T_comm + T_gemm − T_fused) / T_comm: 1 = the communication is fully hidden, 0 = not at all."""
     return (t_comm + t_gemm - t_fused) / t_comm if t_comm > 0 else float("nan")
@@ -462,3 +456,19 @@ def kept_bytes_per_layer(tokens: int, d_model: int, tp: int, elem: int = 4) -> i
     """Extra activation bytes held per layer by keeping the gathered inputs of qkv and fc1 (instead of
     each rank's own tokens): 2 × (tp-1)/tp·M·D·b."""
     return 2 * (tokens - tokens // tp) * d_model * elem
+
+
+def overlap_ceiling(tp: int, t_gemm: float, t_comm: float, tiles: int = 1) -> float:
+    """The most of the communication a ring can hide behind its GEMMs, as a fraction of ``t_comm``::
+
+        min(1, (1 - 1/(tp·tiles)) · T_gemm / T_comm)
+
+    The ring passes each of the tp chunks on while it multiplies the one it holds, so every GEMM but the last
+    chunk's covers a transfer; the tiled ring (``tiles`` row tiles per chunk) leaves only the last tile's GEMM
+    uncovered. The bound of the overlap fraction (T_comm + T_gemm - T_fused) / T_comm at these times (formula;
+    the per-message costs that tiles multiply are not counted).
+    """
+    check_tp(tp)
+    if not isinstance(tiles, int) or isinstance(tiles, bool) or tiles < 1:
+        raise ValueError(f"tiles must be an int >= 1, got {tiles!r}")
+    return min(1.0, (1 - 1 / (tp * tiles)) * t_gemm / t_comm) if t_comm > 0 else float("nan")

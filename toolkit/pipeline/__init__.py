@@ -7,8 +7,12 @@
                                ├─► executor.py    real p2p run on p processes -> loss, grads, timeline, bytes
                                └─► torch_compare  torch.distributed.pipelining on the same stages
     harness.py    the tiny GPT as a pipeline, set up once (PipelineSetup), checked and timed runs of schedules
-    recompute.py  checkpointed forward + recompute queue (recompute in the bubble)
-    seq1f1b.py, vocab_parallel.py   Seq1F1B and vocabulary parallelism, built on the same model
+    extensions of the executor, each an ExecutorHook passed in its list of hooks:
+    recompute.py  checkpointed forward + recompute queue (recompute in the bubble; the R op)
+    seq1f1b.py    Seq1F1B: sequence chunks (its schedule, and the SequenceChunks hook)
+    vocab_parallel.py, vocab_passes.py   vocabulary parallelism: the maths, schedule and simulation; the
+                  VocabPasses hook that runs the S and T passes and the input layer
+    dp_separate.py  the data-parallel all-reduce issued per stage as soon as its gradients are final
 
 Quick look, no processes needed::
 
@@ -17,11 +21,11 @@ Quick look, no processes needed::
     print(s.table())
     print(simulate(s, Costs(F=1, B=2, W=1, FB=2.5)).summary())
 """
-from .executor import ActivationMeter, PipelineExecutor, WeightGradStore, split_weight_grads
-from .recompute import RecomputeQueue
+from .executor import ActivationMeter, ExecutorHook, PipelineExecutor, WeightGradStore, split_weight_grads
+from .recompute import Recompute, RecomputeQueue
 from .schedule import (SCHEDULES, TORCH_NAMES, Action, Schedule, dualpipev, fb, from_torch, gpipe, interleaved_1f1b,
                        interleaved_layout, linear_layout, make_schedule, one_f_one_b, schedule_options, torch_order,
-                       torch_order_missing, v_layout, zb_h1)
+                       torch_order_missing, v_layout, with_recompute, zb_h1)
 from .simulate import Costs, SimResult, closed_form_bubble, simulate
 
 __all__ = ["Action", "Schedule", "SCHEDULES", "TORCH_NAMES", "make_schedule", "fb", "gpipe",
@@ -29,4 +33,5 @@ __all__ = ["Action", "Schedule", "SCHEDULES", "TORCH_NAMES", "make_schedule", "f
            "schedule_options",
            "linear_layout",
            "interleaved_layout", "v_layout", "Costs", "SimResult", "simulate", "closed_form_bubble",
-           "PipelineExecutor", "WeightGradStore", "ActivationMeter", "split_weight_grads", "RecomputeQueue"]
+           "with_recompute", "PipelineExecutor", "ExecutorHook", "WeightGradStore", "ActivationMeter",
+           "split_weight_grads", "Recompute", "RecomputeQueue"]

@@ -19,6 +19,9 @@ same buffers in the same order, so the sums are the same bits.
 Why outside the graph: a captured region replays exactly the kernels it recorded, on the buffers and the
 communicator it recorded; DDP's hooks fire during capture only. Issued from the host between replays, the
 reduce is free to start when the stage is done and to overlap whatever the schedule runs next.
+
+``DataParallelSeparation`` is the executor hook that does it:
+``PipelineExecutor(..., hooks=[DataParallelSeparation(grid.group("dp"), separate=True)])``.
 """
 from __future__ import annotations
 
@@ -27,7 +30,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from .executor import PipelineExecutor
+from .executor import ExecutorHook
 from .schedule import Action
 
 GRAD_OPS = ("B", "I", "W")
@@ -44,10 +47,10 @@ def last_grad_ops(schedule, rank: int) -> dict[int, int]:
     return last
 
 
-class DataParallelPipelineExecutor(PipelineExecutor):
-    """``PipelineExecutor`` that also averages the stage gradients over ``dp_group`` in each step.
+class DataParallelSeparation(ExecutorHook):
+    """The executor hook that averages the stage gradients over ``dp_group`` in each step.
 
-    Args (besides ``PipelineExecutor``'s):
+    Args:
         dp_group: the replicas of this pipeline rank (``ProcessGrid.group("dp")``).
         separate: issue each stage's all-reduce (``async_op=True``) right after its last gradient op and wait
             at the end of the step; False: all-reduce every stage after the pipeline step (plain).
@@ -57,18 +60,21 @@ class DataParallelPipelineExecutor(PipelineExecutor):
     reduce was seen complete (an upper bound of its end), and the seconds the step blocked on it at the end.
     """
 
-    def __init__(self, *args, dp_group=None, separate: bool = True, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, dp_group=None, separate: bool = True):
         self.dp_group, self.separate = dp_group, separate
         self.dp = dist.get_world_size(dp_group) if dist.is_initialized() else 1
-        self._last = last_grad_ops(self.schedule, self.rank)
         self.reduces: list[dict] = []
 
+    def bind(self, executor) -> None:
+        super().bind(executor)
+        self._last = last_grad_ops(executor.schedule, executor.rank)
+
     def _clock(self) -> float:
-        return self.timeline.now() if self.timeline is not None else time.perf_counter()
+        timeline = self.executor.timeline
+        return timeline.now() if timeline is not None else time.perf_counter()
 
     def _issue(self, stage: int) -> None:
-        grads = [p.grad for p in self.modules[stage].parameters()]
+        grads = [p.grad for p in self.executor.modules[stage].parameters()]
         flat = torch.cat([g.reshape(-1) for g in grads])
         work = dist.all_reduce(flat, group=self.dp_group, async_op=True)
         rec = {"stage": stage, "bytes": flat.numel() * flat.element_size(), "issued": self._clock(),
@@ -83,6 +89,9 @@ class DataParallelPipelineExecutor(PipelineExecutor):
                 rec["done_by"] = now
 
     # -- hooks --------------------------------------------------------------------------------------------
+    def step_begin(self, inputs, targets) -> None:
+        self._op_index, self._pending, self.reduces = 0, [], []
+
     def after_op(self, a: Action) -> None:
         self._op_index += 1
         if self.separate and self._last.get(a.stage) == self._op_index - 1:
@@ -92,10 +101,7 @@ class DataParallelPipelineExecutor(PipelineExecutor):
         if self._pending:
             self._poll()
 
-    # -- the step -----------------------------------------------------------------------------------------
-    def step(self, inputs, targets):
-        self._op_index, self._pending, self.reduces = 0, [], []
-        loss = super().step(inputs, targets)
+    def step_end(self, loss):
         if not self.separate:
             for stage in sorted(self._last, key=self._last.get):  # the same order as the separated issues
                 self._issue(stage)
@@ -114,4 +120,4 @@ class DataParallelPipelineExecutor(PipelineExecutor):
         return loss
 
 
-__all__ = ["DataParallelPipelineExecutor", "last_grad_ops"]
+__all__ = ["DataParallelSeparation", "last_grad_ops"]

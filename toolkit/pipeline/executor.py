@@ -13,7 +13,7 @@ so the order in which ranks post them cannot mismatch them::
     out = stage_s(x)   (+ loss / m on the last stage)     isend(x.grad) to stage s-1's rank (or hand off)
     isend(out) to stage s+1's rank (or hand off)          I: weight grads queued in the WeightGradStore
     keep (x, out) for the backward                        W: pop and run them (zero-bubble split)
-    R  = rebuild a checkpointed forward's activations (``recompute.RecomputeQueue``)
+    R  = rebuild a checkpointed forward's activations (the ``Recompute`` hook, recompute.py)
 
 F&B (an ``FB`` action: DualPipe's F of one micro-batch with the B of another) is overlapped: each half
 waits for its own input only when it starts, and the first half's output leaves (``isend``) before the
@@ -26,31 +26,42 @@ the compute stream after them, without blocking the host. ``fb_overlap=False`` r
                                    └── g_B arriving ──┘└── out_F leaving ──┘
     fb_overlap=False   wait(x_F) wait(g_B) ─ F ─ isend(out_F) ─ B ─ isend(dx_B)
 
-Extending it: one hook interface
---------------------------------
-A subclass overrides methods, never a table of functions. Ops are dispatched by *method name*
-(``OPS``: F -> ``forward``, B and I -> ``backward``, W -> ``weight``, R -> ``recompute``), so an override
-of ``backward`` runs for every B and every I, also as the half of an F&B. A new op is one more entry in
-``OPS`` naming a method; an op with no entry raises instead of being skipped. Around the ops, these hooks
-(all no-ops here) run for every op, whatever its action::
+Extending it: a list of hooks
+-----------------------------
+An extension is an ``ExecutorHook``: an object with the methods below, each a no-op on the base class, so
+a hook overrides only the points it needs. The executor takes a list of them and composing extensions is
+writing that list, ``PipelineExecutor(..., hooks=[VocabPasses(stage, groups), Offload(offloader)])``.
+``ops()`` adds ops by name (``Recompute``: R; ``VocabPasses``: S and T); an op that neither the executor
+(F, B, I, W) nor a hook runs raises when the executor is built, instead of being skipped. The points, in
+the order a step meets them::
 
-    step()
-     └ for each action of this rank (F, B, I, W, R, or FB = its two halves in order):
-         post irecvs of this action and the next
-         run_action(action)
-          ├ for each single op a (each half of an FB):
-          │    wait for a's inputs                                   (before the pair if fb_overlap=False)
-          │    forward(a)     F  ─ with forward_context(a): stage_fn(a)(x)   ─ isend / hand off the output
-          │    recompute(a)   R  ─ with forward_context(a): rebuild the graph of a checkpointed forward
-          │    backward(a)    B, I ─ before_backward(a) ─ autograd backward ─ after_backward(a)
-          │                        ─ isend / hand off the input gradient
-          │    weight(a)      W  ─ run the dW queued by a's I
-          │    after_op(a)                                           every single op, F&B halves too
-          └ after_action(action)                                     once per scheduled action
-     └ wait for the sends still in flight; check nothing is left over
+    step(inputs, targets)
+     ├ step_begin(inputs, targets)
+     ├ for each action of this rank (F, B, I, W, a hook's op, or FB = its two halves in order):
+     │    post irecvs of this action and the next (a message's shape: recv_shape(msg, shape))
+     │    for each single op a (each half of an FB):
+     │       wait for a's inputs                                  (before the pair if fb_overlap=False)
+     │       F      with forward_context(a): stage_fn(a, fn)(x)  ─ isend / hand off the output
+     │       B, I   before_backward(a) ─ autograd backward ─ after_backward(a) ─ isend / hand off dX
+     │       W      run the dW queued by a's I
+     │       other  the hook's op (ops()); Recompute's R enters forward_context(a) too
+     │       after_op(a)                                          every single op, F&B halves too
+     │    after_action(action)                                    once per scheduled action
+     ├ wait for the sends still in flight; check that nothing is left over
+     └ step_end(loss) -> loss                  (step_failed() instead when the step raised)
 
-    other override points: recv_shape(msg) (messages of other shapes), stage_fn(a) (what a forward computes,
-    including the loss on the last stage), hold(key, tensors) (count tensors as a key's activations).
+Order, fixed: the first hook of the list is the outermost, as in nested ``with`` blocks. Going in
+(``step_begin``, entering ``forward_context``, ``before_backward``) the hooks run in list order; coming out
+(leaving ``forward_context``, ``after_backward``, ``after_op``, ``after_action``, ``step_end``,
+``step_failed``) in reverse list order. ``stage_fn(a, fn)`` and ``recv_shape(msg, shape)`` are chained the
+same way: a hook receives what the hooks after it made of the executor's own, and the first hook's result
+is used. ``bind(executor)`` runs once, when the executor is built; a hook reads the executor's state from it
+(``schedule``, ``rank``, ``modules``, ``meter``, ``saved``; ``inputs`` and ``targets`` during a step) and
+calls its helpers (``hold``, ``recording``, ``forward_context``).
+
+The toolkit's extensions are hooks: ``Recompute`` (recompute.py: checkpointed forwards and the R op),
+``SequenceChunks`` (seq1f1b.py), ``VocabPasses`` (vocab_passes.py), ``DataParallelSeparation``
+(dp_separate.py) and ``Offload`` (toolkit.memory.offload).
 
 Deferred weight gradients (``WeightGradStore``, as in DeepSeek's DualPipe): ``split_weight_grads``
 swaps each ``nn.Linear`` for a ``SplitLinear``. A forward whose backward will be an I runs inside
@@ -72,18 +83,14 @@ import contextlib
 import contextvars
 import time
 from collections import defaultdict
-from typing import Callable, ContextManager, Iterable
+from typing import Callable, ContextManager, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
-from .recompute import RecomputeQueue
-from .schedule import Action, Schedule
-
-Key = tuple[int, int, int]  # (stage, micro-batch, sequence chunk)
+from .schedule import Action, Key, Schedule
 
 
 def key_of(a: Action) -> Key:
@@ -246,6 +253,56 @@ class ActivationMeter:
 
 
 # ------------------------------------------------------------------------------------------------
+# Hooks
+# ------------------------------------------------------------------------------------------------
+class ExecutorHook:
+    """One extension of ``PipelineExecutor``; every method is a no-op here (module docstring: where each
+    runs, and in which order when there are several hooks)."""
+
+    def bind(self, executor: "PipelineExecutor") -> None:
+        """Called once, when ``executor`` is built with this hook."""
+        self.executor = executor
+
+    def ops(self) -> dict[str, Callable[[Action], None]]:
+        """The ops this hook runs, ``{op: function(action)}`` (e.g. ``{"R": self.recompute}``)."""
+        return {}
+
+    def recv_shape(self, msg: Action, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """Shape of the incoming activation or gradient ``msg`` (``shape``: what the executor would use)."""
+        return shape
+
+    def stage_fn(self, a: Action, fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+        """What the forward ``a`` computes, given what it would compute otherwise (``fn``)."""
+        return fn
+
+    def step_begin(self, inputs: list[torch.Tensor], targets: list[torch.Tensor]) -> None:
+        """Before the first action of a step."""
+
+    def forward_context(self, a: Action) -> ContextManager:
+        """Entered around the compute of every F (and of Recompute's R; ``a.op`` tells which)."""
+        return contextlib.nullcontext()
+
+    def before_backward(self, a: Action) -> None:
+        """Before the autograd backward of every B and I."""
+
+    def after_backward(self, a: Action) -> None:
+        """After the autograd backward of every B and I (before its input gradient is sent)."""
+
+    def after_op(self, a: Action) -> None:
+        """After every single op: F, B, I, W, a hook's op, and each half of an F&B."""
+
+    def after_action(self, action: Action) -> None:
+        """After every scheduled action (once for an F&B, after both halves)."""
+
+    def step_end(self, loss: float | None) -> float | None:
+        """After the last send of a step completed; returns the step's loss (``loss``: the executor's)."""
+        return loss
+
+    def step_failed(self) -> None:
+        """The step raised: release what ``step_begin`` started, without waiting for other ranks."""
+
+
+# ------------------------------------------------------------------------------------------------
 # The executor
 # ------------------------------------------------------------------------------------------------
 class PipelineExecutor:
@@ -256,7 +313,8 @@ class PipelineExecutor:
         rank: this rank's position in the pipeline (0..p-1).
         modules: ``{stage: module}`` for the stages ``schedule.stage_rank`` puts on this rank.
         loss_fn: ``loss_fn(output_of_last_stage, target) -> scalar``; each micro-batch's loss is divided
-            by m, so the gradients are those of the mean loss over the batch.
+            by m, so the gradients are those of the mean loss over the batch (None when a hook's
+            ``stage_fn`` computes the loss).
         act_shape, dtype: shape and dtype of the activation between stages (one micro-batch).
         peers: global rank of each pipeline rank (default: pipeline rank = global rank).
         timeline: a ``toolkit.runtime.Timeline``; each single op becomes a span (kind = op; the halves of
@@ -266,30 +324,41 @@ class PipelineExecutor:
         fb_overlap: overlap the halves of an F&B with each other's communication (module docstring).
         trace: keep ``trace``, the order of this rank's posts, waits, ops and sends in the last step
             (``[("post" | "wait" | "op" | "send", "3F1"), ...]``; messages are named by their receive).
+        hooks: the extensions, ``ExecutorHook`` objects, in the order the module docstring describes.
 
     After a step, ``waits`` lists the receives this rank waited for (``{"msg", "stage", "mb", "chunk",
     "seconds", "pair"}``: seconds blocked, ``pair`` whether the receive feeds a half of an F&B; plus ``"start"``
-    on the timeline's clock when there is a timeline): the exposed communication. Subclass through the hooks described in the module docstring.
+    on the timeline's clock when there is a timeline): the exposed communication. Hooks may add theirs.
     """
 
-    OPS: dict[str, str] = {"F": "forward", "B": "backward", "I": "backward", "W": "weight", "R": "recompute"}
-    """op -> name of the method that runs it (a subclass adds ops here, by method *name*)."""
-
-    def __init__(self, schedule: Schedule, rank: int, modules: dict[int, nn.Module], loss_fn: Callable,
+    def __init__(self, schedule: Schedule, rank: int, modules: dict[int, nn.Module], loss_fn: Callable | None,
                  act_shape: tuple[int, ...], dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
                  peers: list[int] | None = None, group=None, timeline=None, meter: bool = False,
-                 fb_overlap: bool = True, trace: bool = False):
+                 fb_overlap: bool = True, trace: bool = False, hooks: Sequence[ExecutorHook] = ()):
         if sorted(modules) != schedule.stages_of(rank):
             raise ValueError(f"rank {rank} got stages {sorted(modules)}, schedule puts {schedule.stages_of(rank)} here")
-        unknown = sorted({part.op for a in schedule.ranks[rank] for part in a.parts} - set(self.OPS))
-        if unknown:
-            raise ValueError(f"{type(self).__name__} has no method for ops {unknown} of schedule "
-                             f"{schedule.name!r}; it runs {sorted(self.OPS)} (add them to OPS)")
         self.schedule, self.rank, self.modules, self.loss_fn = schedule, rank, modules, loss_fn
         self.act_shape, self.dtype, self.device = tuple(act_shape), dtype, torch.device(device)
         self.peers = peers or list(range(schedule.p))
         self.group, self.timeline, self.fb_overlap = group, timeline, fb_overlap
         self.last = schedule.n_stages - 1
+        self.hooks = list(hooks)
+        self.ops: dict[str, Callable[[Action], None]] = {"F": self.forward, "B": self.backward, "I": self.backward,
+                                                         "W": self.weight}
+        for hook in self.hooks:
+            for op, fn in hook.ops().items():
+                if op in self.ops:
+                    raise ValueError(f"{type(hook).__name__} runs op {op!r}, which is already run "
+                                     f"({self.ops[op].__qualname__})")
+                self.ops[op] = fn
+        if schedule.checkpointed and "R" not in self.ops:
+            raise ValueError(f"schedule {schedule.name!r} checkpoints forwards: pass hooks=[Recompute()] "
+                             "(toolkit.pipeline.recompute), which checkpoints them and rebuilds their activations")
+        unknown = sorted({part.op for a in schedule.ranks[rank] for part in a.parts} - set(self.ops))
+        if unknown:
+            raise ValueError(f"nothing runs ops {unknown} of schedule {schedule.name!r}: the executor runs F, B, I "
+                             f"and W, the hooks {[type(h).__name__ for h in self.hooks]} run "
+                             f"{sorted(set(self.ops) - set('FBIW'))}")
         self.weight_grads = WeightGradStore()
         self._split = {key_of(x) for a in schedule.ranks[rank] for x in a.parts if x.op == "I"}
         if self._split:
@@ -300,23 +369,26 @@ class PipelineExecutor:
         self.memory: list[tuple[float, int]] = []
         self.waits: list[dict] = []
         self.trace: list[tuple[str, str]] | None = [] if trace else None
+        for hook in self.hooks:
+            hook.bind(self)
 
-    # -- hooks: override in a subclass (they run for every op; see the module docstring) ---------------
-    def forward_context(self, a: Action) -> ContextManager:
-        """Entered around the compute of every F and R (``a.op`` tells which); e.g. saved-tensor hooks."""
-        return contextlib.nullcontext()
+    # -- what hooks call ----------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def forward_context(self, a: Action):
+        """Every hook's ``forward_context(a)``, the first hook's outermost."""
+        with contextlib.ExitStack() as stack:
+            for hook in self.hooks:
+                stack.enter_context(hook.forward_context(a))
+            yield
 
-    def before_backward(self, a: Action) -> None:
-        """Called before the autograd backward of every B and I."""
+    def hold(self, key: Key, tensors: list[torch.Tensor]) -> None:
+        """Count ``tensors`` as activations held by ``key`` (when the meter is on)."""
+        if self.meter:
+            self.meter.hold(key, tensors)
 
-    def after_backward(self, a: Action) -> None:
-        """Called after the autograd backward of every B and I (before its input gradient is sent)."""
-
-    def after_op(self, a: Action) -> None:
-        """Called after every single op: F, B, I, W, R, and each half of an F&B."""
-
-    def after_action(self, action: Action) -> None:
-        """Called after every scheduled action (once for an F&B, after both halves)."""
+    def recording(self, key: Key) -> ContextManager:
+        """Count every tensor autograd saves inside the block as held by ``key`` (when the meter is on)."""
+        return self.meter.recording(key) if self.meter else contextlib.nullcontext()
 
     # -- messages ---------------------------------------------------------------------------------
     # A message is named by its receive (``Schedule.recvs``): RECV_F(s, mb, c) is stage s's input activation,
@@ -326,8 +398,11 @@ class PipelineExecutor:
         return (((msg.op == "RECV_B") * s.n_stages + msg.stage) * s.m + msg.mb) * s.k + msg.chunk
 
     def recv_shape(self, msg: Action) -> tuple[int, ...]:
-        """Shape of an incoming activation or gradient (override for sequence chunks of varying length)."""
-        return self.act_shape
+        """Shape of an incoming activation or gradient: ``act_shape``, unless a hook says otherwise."""
+        shape = self.act_shape
+        for hook in reversed(self.hooks):
+            shape = hook.recv_shape(msg, shape)
+        return shape
 
     def _source(self, msg: Action) -> int:
         return self.schedule.stage_rank[msg.stage - 1 if msg.op == "RECV_F" else msg.stage + 1]
@@ -388,58 +463,42 @@ class PipelineExecutor:
 
     # -- the ops ----------------------------------------------------------------------------------
     def stage_fn(self, a: Action) -> Callable[[torch.Tensor], torch.Tensor]:
-        """What the forward of ``a`` computes: the stage module, plus loss / m on the last stage."""
+        """What the forward of ``a`` computes: the stage module, plus loss / m on the last stage, as the
+        hooks' ``stage_fn`` change it."""
         module = self.modules[a.stage]
         if a.stage != self.last:
-            return module
-        target, m = self._targets[a.mb], self.schedule.m
-        return lambda x: self.loss_fn(module(x), target) / m
-
-    def hold(self, key: Key, tensors: list[torch.Tensor]) -> None:
-        """Count ``tensors`` as activations held by ``key`` (when the meter is on)."""
-        if self.meter:
-            self.meter.hold(key, tensors)
-
-    def _recording(self, key: Key) -> ContextManager:
-        return self.meter.recording(key) if self.meter else contextlib.nullcontext()
+            fn = module
+        else:
+            target, m = self.targets[a.mb], self.schedule.m
+            fn = lambda x: self.loss_fn(module(x), target) / m  # noqa: E731
+        for hook in reversed(self.hooks):
+            fn = hook.stage_fn(a, fn)
+        return fn
 
     def forward(self, a: Action) -> None:
         """F: the stage's forward on its input; the output goes to the next stage (or the loss is kept)."""
         key = key_of(a)
-        x = self._inputs[a.mb] if a.stage == 0 else self._take(Action("RECV_F", *key)).requires_grad_()
+        x = self.inputs[a.mb] if a.stage == 0 else self._take(Action("RECV_F", *key)).requires_grad_()
         fn = self.stage_fn(a)
-        with self.forward_context(a):
-            if key in self.schedule.recomputed:  # activations rebuilt later by an R action
-                out = self._recompute.forward(key, fn, x)
-                self.hold(key, [self._recompute.input_of(key)])
-            elif key in self.schedule.checkpointed:  # recomputed inside the backward
-                out = checkpoint(fn, x, use_reentrant=False)
-                self._saved[key] = (x, out)
-                self.hold(key, [x])
-            else:
-                with self._recording(key):
-                    out = fn(x)
-                self._saved[key] = (x, out)
+        with self.forward_context(a), self.recording(key):
+            out = fn(x)
+        self.saved[key] = (x, out)
         if a.stage == self.last:
             self._losses.append(out.detach())
         else:
             self._give(Action("RECV_F", a.stage + 1, a.mb, a.chunk), out.detach())
 
-    def recompute(self, a: Action) -> None:
-        """R: rebuild the activations of a checkpointed forward (no gradient needed yet)."""
-        key = key_of(a)
-        with self.forward_context(a), self._recording(key):
-            self._saved[key] = self._recompute.recompute(key)
-
     def backward(self, a: Action) -> None:
         """B (dX and dW) or I (dX now, dW queued for its W); the input gradient goes to the previous stage."""
         key = key_of(a)
-        x, out = self._saved.pop(key)
+        x, out = self.saved.pop(key)
         grad = None if a.stage == self.last else self._take(Action("RECV_B", *key))
-        self.before_backward(a)
+        for hook in self.hooks:
+            hook.before_backward(a)
         with self.weight_grads.deferring() if a.op == "I" else contextlib.nullcontext():
             torch.autograd.backward(out, grad)
-        self.after_backward(a)
+        for hook in reversed(self.hooks):
+            hook.after_backward(a)
         if self.meter:
             self.meter.release(key)
         if a.op == "I":
@@ -460,7 +519,7 @@ class PipelineExecutor:
         """Run single op ``a`` (its inputs have arrived) and record its span."""
         start, vstart = time.perf_counter(), self._vnow()
         with self.weight_grads.splitting() if key_of(a) in self._split else contextlib.nullcontext():
-            getattr(self, self.OPS[a.op])(a)
+            self.ops[a.op](a)
         self._log("op", a)
         if self.timeline is not None:
             if self.device.type == "cuda":  # spans measure the kernels, not their launch; the compute stream
@@ -481,27 +540,43 @@ class PipelineExecutor:
         for a in action.parts:
             self._wait_recvs(a)  # F&B, overlapped: the second half's input arrived while the first computed
             self.run_op(a)
-            self.after_op(a)
+            for hook in reversed(self.hooks):
+                hook.after_op(a)
         self._pair = None
-        self.after_action(action)
+        for hook in reversed(self.hooks):
+            hook.after_action(action)
 
     # -- the step ---------------------------------------------------------------------------------
     def step(self, inputs: list[torch.Tensor], targets: list[torch.Tensor]) -> float | None:
         """One training step over the m micro-batches: accumulates gradients into ``.grad`` (not zeroed
         here). ``inputs[mb]`` are stage 0's inputs, ``targets[mb]`` the last stage's; a rank only reads
-        the ones its stages use. Returns the mean loss on the rank holding the last stage, else None."""
-        self._inputs, self._targets = inputs, targets
-        self._saved: dict[Key, tuple[torch.Tensor, torch.Tensor]] = {}
+        the ones its stages use. Returns the mean loss on the rank holding the last stage, else None
+        (a hook's ``step_end`` may return another)."""
+        self.inputs, self.targets = inputs, targets
+        self.saved: dict[Key, tuple[torch.Tensor, torch.Tensor]] = {}  # (input, output) of each F until its B
         self._local: dict[Action, torch.Tensor] = {}
         self._inbox: dict[Action, tuple] = {}
         self._outbox: list[tuple] = []
         self._losses: list[torch.Tensor] = []
-        self._recompute = RecomputeQueue()
         self._pair: Action | None = None
         self.memory, self.waits = [], []
         if self.trace is not None:
             self.trace = []
         self.weight_grads.clear()
+        for hook in self.hooks:
+            hook.step_begin(inputs, targets)
+        try:
+            self._run_actions()
+        except BaseException:
+            for hook in reversed(self.hooks):
+                hook.step_failed()
+            raise
+        loss = float(sum(self._losses)) if self._losses else None
+        for hook in reversed(self.hooks):
+            loss = hook.step_end(loss)
+        return loss
+
+    def _run_actions(self) -> None:
         acts = self.schedule.ranks[self.rank]
         step_start = time.perf_counter()
         for i, action in enumerate(acts):
@@ -511,20 +586,18 @@ class PipelineExecutor:
             self.run_action(action)
             if self.meter:
                 self.memory.append((time.perf_counter() - step_start, self.meter.live))
-            self._outbox = [(w, t) for w, t in self._outbox if not _finished(w)]
+            self._outbox = [(w, t) for w, t in self._outbox if not completed(w)]
         for work, _ in self._outbox:
             work.wait()
-        leftovers = len(self._saved) + len(self._inbox) + len(self._local) + len(self._recompute)
+        leftovers = len(self.saved) + len(self._inbox) + len(self._local)
         if leftovers or self.weight_grads.pending:
             raise RuntimeError(f"rank {self.rank}: step ended with {leftovers} unconsumed tensors and "
                                f"{self.weight_grads.pending} pending W: the schedule is inconsistent")
-        return float(sum(self._losses)) if self._losses else None
 
 
-def _finished(work) -> bool:
-    """True (and the send closed, so the ledger times it) if an isend has completed."""
+def completed(work) -> bool:
+    """True (and the send closed, so the ledger times it) if an async op has completed."""
     if work.is_completed():
         work.wait()
         return True
     return False
-

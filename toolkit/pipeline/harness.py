@@ -34,6 +34,7 @@ import torch
 import torch.nn as nn
 
 from .executor import PipelineExecutor
+from .recompute import Recompute
 from .schedule import Schedule
 
 IMPLS = ("ours", "torch")
@@ -142,11 +143,13 @@ class PipelineSetup:
     def executor(self, schedule: Schedule, rank: int, model: nn.Module | None = None, **kwargs
                  ) -> tuple[nn.Module, PipelineExecutor]:
         """(model, executor) for ``rank``: a fresh copy of the base (or ``model``) cut for ``schedule``;
-        ``kwargs`` go to ``PipelineExecutor`` (meter, timeline, fb_overlap, ...)."""
+        ``kwargs`` go to ``PipelineExecutor`` (meter, timeline, fb_overlap, hooks, ...). A schedule that
+        checkpoints forwards gets the ``Recompute`` hook first."""
         from toolkit.models import lm_loss
         model = self.fresh() if model is None else model
+        hooks = [*([Recompute()] if schedule.checkpointed else []), *kwargs.pop("hooks", ())]
         ex = PipelineExecutor(schedule, rank, self.stages(model, schedule, rank), lm_loss, self.act_shape,
-                              device=self.device, **kwargs)
+                              device=self.device, hooks=hooks, **kwargs)
         return model, ex
 
     def torch_runner(self, schedule: Schedule, rank: int, model: nn.Module | None = None):

@@ -17,17 +17,20 @@ in flight). The schedule says where, with an ``R`` action right before the backw
 
 The RNG state is saved at the checkpointed forward and restored for the recompute inside
 ``torch.random.fork_rng``, so dropout masks repeat exactly and the global RNG stream is untouched.
+
+Which forwards are checkpointed and where their R goes is a schedule transformation
+(``schedule.with_recompute``, policies ``cap`` and ``cooldown``); this module runs it: ``RecomputeQueue`` holds
+the checkpointed forwards, ``Recompute`` is the executor hook that uses it.
 """
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Callable
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
-from .schedule import Action, Schedule
-
-Key = tuple[int, int, int]  # (stage, micro-batch, sequence chunk)
+from .executor import ExecutorHook, key_of
+from .schedule import Action, Key
 
 
 def _rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -74,85 +77,47 @@ class RecomputeQueue:
         return len(self._pending)
 
 
-# ------------------------------------------------------------------------------------------------
-# Which forwards to checkpoint, and where their recompute goes (a schedule transformation)
-# ------------------------------------------------------------------------------------------------
-MODES = ("none", "inline", "bubble")
-POLICIES = ("cap", "cooldown")
+class Recompute(ExecutorHook):
+    """The executor hook that runs a schedule's checkpointed forwards (``Schedule.checkpointed``)::
 
+        F of a key with an R (``Schedule.recomputed``)   no activations kept, queued for its R: only the
+                                                        input stays (``RecomputeQueue``)
+        R                                               rebuild them (inside the forward_context of the hooks)
+        F of another checkpointed key                   ``torch.utils.checkpoint``: the backward recomputes
 
-def _held_peak(order: list[Action], checkpointed: set[Key]) -> int:
-    """Most stage-chunks of activations a rank holds at once, walking its order, when the forwards of
-    ``checkpointed`` keep nothing and rebuild their activations right before their backward."""
-    held = peak = 0
-    for a in order:
-        key = (a.stage, a.mb, a.chunk)
-        held += 1 if (a.op == "F" and key not in checkpointed) or (a.op == "B" and key in checkpointed) else 0
-        peak = max(peak, held)
-        held -= 1 if a.op == "B" else 0
-    return peak
-
-
-def cap_policy(order: list[Action], keep: int) -> set[Key]:
-    """Checkpoint as few forwards as the cap needs: walking the rank's order, a forward keeps its
-    activations unless that would break ``keep`` even if every later forward were checkpointed."""
-    mine: set[Key] = set()
-    undecided = {(a.stage, a.mb, a.chunk) for a in order if a.op == "F"}
-    for a in order:
-        if a.op == "F":
-            key = (a.stage, a.mb, a.chunk)
-            undecided.discard(key)
-            if _held_peak(order, mine | undecided) > keep:
-                mine.add(key)
-    return mine
-
-
-def cooldown_policy(order: list[Action]) -> set[Key]:
-    """Bubble-aware: checkpoint exactly the forwards whose backward the rank runs in its cool-down (the backwards
-    after the one paired with its last forward), where it waits for each gradient to come back down the pipeline. Their recompute then fits
-    in that wait instead of delaying anything. Under interleaved stages these include early warm-up chunks
-    (long-lived: their backward comes last), so the peak drops too; under plain 1F1B the peak is reached
-    before the cool-down and stays."""
-    last_f = max(i for i, a in enumerate(order) if a.op == "F")
-    tail = [a for a in order[last_f + 1:] if a.op == "B"][1:]  # the first pairs with the last forward (steady)
-    return {(a.stage, a.mb, a.chunk) for a in tail}
-
-
-def with_recompute(schedule: Schedule, mode: str, policy: str = "cap", keep: int | None = None) -> Schedule:
-    """``schedule`` with some forwards checkpointed and their activations rebuilt before their backward.
-
-    ``mode``: ``"none"`` (unchanged), ``"inline"`` (the backward recomputes after its gradient arrived,
-    ``torch.utils.checkpoint``) or ``"bubble"`` (an R action right before the backward: it needs no gradient,
-    so it runs while the rank waits for one). ``policy``: which forwards, per rank: ``"cap"`` (``cap_policy``:
-    at most ``keep`` stage-chunks held, default ceil(p/2) micro-batches' worth) or ``"cooldown"``
-    (``cooldown_policy``; takes no ``keep``). Works on schedules of single F and B actions (GPipe, 1F1B,
-    interleaved 1F1B).
+    ``PipelineExecutor`` refuses a schedule that checkpoints forwards without this hook.
     """
-    if mode not in MODES:
-        raise ValueError(f"recompute={mode!r}; allowed: {MODES}")
-    if policy not in POLICIES:
-        raise ValueError(f"policy={policy!r}; allowed: {POLICIES}")
-    if policy == "cooldown" and keep is not None:
-        raise ValueError(f"policy='cooldown' picks the forwards from the schedule and takes no keep (got keep={keep})")
-    ops = {part.op for acts in schedule.ranks for a in acts for part in a.parts}
-    if not ops <= {"F", "B"} or schedule.checkpointed:
-        raise ValueError(f"{schedule.name}: recompute needs a schedule of F and B actions only, without "
-                         f"checkpointing yet (it has {sorted(ops)})")
-    if policy == "cap":
-        keep = -(-schedule.p // 2) * schedule.stages_per_rank * schedule.k if keep is None else keep
-        if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
-            raise ValueError(f"keep must be an int >= 1, got {keep!r}")
-    if mode == "none":
-        return schedule
-    ranks, ckpt = [], set()
-    for order in schedule.ranks:
-        mine = cap_policy(order, keep) if policy == "cap" else cooldown_policy(order)
-        ckpt |= mine
-        if mode == "bubble":
-            order = [x for a in order for x in
-                     ([Action("R", a.stage, a.mb, a.chunk), a] if a.op == "B" and (a.stage, a.mb, a.chunk) in mine
-                      else [a])]
-        ranks.append(list(order))
-    name = f"{schedule.name}-recompute-{mode}" + ("-cooldown" if policy == "cooldown" else "")
-    return replace(schedule, name=name, ranks=ranks, checkpointed=frozenset(ckpt),
-                   meta={**schedule.meta, "recompute": mode, "policy": policy, "keep": keep}).check()
+
+    def ops(self) -> dict[str, Callable[[Action], None]]:
+        return {"R": self.recompute}
+
+    def step_begin(self, inputs, targets) -> None:
+        self.queue = RecomputeQueue()
+
+    def stage_fn(self, a: Action, fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+        key, ex = key_of(a), self.executor
+        if key in ex.schedule.recomputed:  # activations rebuilt later by an R action
+            def queued(x: torch.Tensor) -> torch.Tensor:
+                out = self.queue.forward(key, fn, x)
+                ex.hold(key, [self.queue.input_of(key)])
+                return out
+            return queued
+        if key in ex.schedule.checkpointed:  # recomputed inside the backward
+            def inline(x: torch.Tensor) -> torch.Tensor:
+                out = checkpoint(fn, x, use_reentrant=False)
+                ex.hold(key, [x])
+                return out
+            return inline
+        return fn
+
+    def recompute(self, a: Action) -> None:
+        """R: rebuild the activations of a checkpointed forward (no gradient needed yet)."""
+        key, ex = key_of(a), self.executor
+        with ex.forward_context(a), ex.recording(key):
+            ex.saved[key] = self.queue.recompute(key)
+
+    def step_end(self, loss: float | None) -> float | None:
+        if len(self.queue):
+            raise RuntimeError(f"rank {self.executor.rank}: step ended with {len(self.queue)} checkpointed "
+                               "forwards never recomputed: the schedule is inconsistent")
+        return loss

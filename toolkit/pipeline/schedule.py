@@ -46,7 +46,7 @@ Dependencies (``Schedule.deps``), each naming the action that must finish first:
     R(s, mb, c)   <- F(s, mb, c)
 
 Generators (all return a checked ``Schedule``): ``gpipe``, ``one_f_one_b`` and ``interleaved_1f1b`` (both
-optionally with recompute inline or in the bubbles, ``recompute.with_recompute``), ``zb_h1``, ``dualpipev``
+optionally with recompute inline or in the bubbles, ``with_recompute``), ``zb_h1``, ``dualpipev``
 (DeepSeek's eight steps), and ``from_torch`` (any schedule torch.distributed.pipelining defines, e.g. ZBVZeroBubble), all reachable by
 name through ``make_schedule``.
 """
@@ -54,12 +54,13 @@ from __future__ import annotations
 
 import inspect
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 
 COMPUTE_OPS = ("F", "B", "I", "W", "FB", "R")
 COMM_OPS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")  # F = activation (forward), B = gradient (backward)
 BACKWARD_OPS = ("B", "I")  # the ops that carry the input gradient to the previous stage
+Key = tuple[int, int, int]  # (stage, micro-batch, sequence chunk)
 
 
 @dataclass(frozen=True)
@@ -283,7 +284,7 @@ def _one_f_one_b_order(p: int, m: int, r: int, backward: str = "B") -> list[Acti
 def one_f_one_b(p: int, m: int, recompute: str = "none", keep: int | None = None, policy: str = "cap") -> Schedule:
     """1F1B (PipeDream-flush): bubble (p-1)(F+B), rank r holds p-r micro-batches.
 
-    ``recompute`` checkpoints forwards (``recompute.with_recompute``): with ``policy="cap"`` so that each rank
+    ``recompute`` checkpoints forwards (``with_recompute``): with ``policy="cap"`` so that each rank
     holds at most ``keep`` micro-batches' activations at once (default ``ceil(p/2)``), counting the one a
     recompute rebuilds; with ``policy="cooldown"`` exactly those whose backward runs in the rank's cool-down.
 
@@ -292,7 +293,6 @@ def one_f_one_b(p: int, m: int, recompute: str = "none", keep: int | None = None
     - ``"bubble"``: an explicit ``R`` right before the backward; it needs no gradient, so it runs while the
       rank would wait for one (cool-down bubbles, gradient in flight): recompute in the bubble (RiPipe).
     """
-    from .recompute import with_recompute
 
     _need("p", p, 1)
     _need("m", m, p, " (1F1B needs at least p micro-batches)")
@@ -311,9 +311,8 @@ def interleaved_1f1b(p: int, m: int, v: int = 2, recompute: str = "none", keep: 
 
     Rank r warms up with (v-1)p + 2(p-r-1) forwards. The k-th forward runs stage chunk (k // p) % v of
     micro-batch (k // pv) * p + k % p; backwards walk the chunks in reverse. Needs m % p == 0. ``recompute``,
-    ``keep`` (stage-chunks held) and ``policy`` as for ``one_f_one_b`` (``recompute.with_recompute``).
+    ``keep`` (stage-chunks held) and ``policy`` as for ``one_f_one_b`` (``with_recompute``).
     """
-    from .recompute import with_recompute
 
     return with_recompute(_interleaved(p, m, v), recompute, policy, keep)
 
@@ -456,6 +455,90 @@ def dualpipev(p: int, m: int, pair: bool = True) -> Schedule:
 
 def _listed(x) -> list[Action]:
     return x if isinstance(x, list) else [x]
+
+
+# ------------------------------------------------------------------------------------------------
+# Which forwards to checkpoint, and where their recompute goes (a schedule transformation)
+# ------------------------------------------------------------------------------------------------
+RECOMPUTE_MODES = ("none", "inline", "bubble")
+RECOMPUTE_POLICIES = ("cap", "cooldown")
+
+
+def _held_peak(order: list[Action], checkpointed: set[Key]) -> int:
+    """Most stage-chunks of activations a rank holds at once, walking its order, when the forwards of
+    ``checkpointed`` keep nothing and rebuild their activations right before their backward."""
+    held = peak = 0
+    for a in order:
+        key = (a.stage, a.mb, a.chunk)
+        held += 1 if (a.op == "F" and key not in checkpointed) or (a.op == "B" and key in checkpointed) else 0
+        peak = max(peak, held)
+        held -= 1 if a.op == "B" else 0
+    return peak
+
+
+def cap_policy(order: list[Action], keep: int) -> set[Key]:
+    """Checkpoint as few forwards as the cap needs: walking the rank's order, a forward keeps its
+    activations unless that would break ``keep`` even if every later forward were checkpointed."""
+    mine: set[Key] = set()
+    undecided = {(a.stage, a.mb, a.chunk) for a in order if a.op == "F"}
+    for a in order:
+        if a.op == "F":
+            key = (a.stage, a.mb, a.chunk)
+            undecided.discard(key)
+            if _held_peak(order, mine | undecided) > keep:
+                mine.add(key)
+    return mine
+
+
+def cooldown_policy(order: list[Action]) -> set[Key]:
+    """Bubble-aware: checkpoint exactly the forwards whose backward the rank runs in its cool-down (the backwards
+    after the one paired with its last forward), where it waits for each gradient to come back down the pipeline. Their recompute then fits
+    in that wait instead of delaying anything. Under interleaved stages these include early warm-up chunks
+    (long-lived: their backward comes last), so the peak drops too; under plain 1F1B the peak is reached
+    before the cool-down and stays."""
+    last_f = max(i for i, a in enumerate(order) if a.op == "F")
+    tail = [a for a in order[last_f + 1:] if a.op == "B"][1:]  # the first pairs with the last forward (steady)
+    return {(a.stage, a.mb, a.chunk) for a in tail}
+
+
+def with_recompute(schedule: Schedule, mode: str, policy: str = "cap", keep: int | None = None) -> Schedule:
+    """``schedule`` with some forwards checkpointed and their activations rebuilt before their backward.
+
+    ``mode``: ``"none"`` (unchanged), ``"inline"`` (the backward recomputes after its gradient arrived,
+    ``torch.utils.checkpoint``) or ``"bubble"`` (an R action right before the backward: it needs no gradient,
+    so it runs while the rank waits for one). ``policy``: which forwards, per rank: ``"cap"`` (``cap_policy``:
+    at most ``keep`` stage-chunks held, default ceil(p/2) micro-batches' worth) or ``"cooldown"``
+    (``cooldown_policy``; takes no ``keep``). Works on schedules of single F and B actions (GPipe, 1F1B,
+    interleaved 1F1B).
+    """
+    if mode not in RECOMPUTE_MODES:
+        raise ValueError(f"recompute={mode!r}; allowed: {RECOMPUTE_MODES}")
+    if policy not in RECOMPUTE_POLICIES:
+        raise ValueError(f"policy={policy!r}; allowed: {RECOMPUTE_POLICIES}")
+    if policy == "cooldown" and keep is not None:
+        raise ValueError(f"policy='cooldown' picks the forwards from the schedule and takes no keep (got keep={keep})")
+    ops = {part.op for acts in schedule.ranks for a in acts for part in a.parts}
+    if not ops <= {"F", "B"} or schedule.checkpointed:
+        raise ValueError(f"{schedule.name}: recompute needs a schedule of F and B actions only, without "
+                         f"checkpointing yet (it has {sorted(ops)})")
+    if policy == "cap":
+        keep = -(-schedule.p // 2) * schedule.stages_per_rank * schedule.k if keep is None else keep
+        if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
+            raise ValueError(f"keep must be an int >= 1, got {keep!r}")
+    if mode == "none":
+        return schedule
+    ranks, ckpt = [], set()
+    for order in schedule.ranks:
+        mine = cap_policy(order, keep) if policy == "cap" else cooldown_policy(order)
+        ckpt |= mine
+        if mode == "bubble":
+            order = [x for a in order for x in
+                     ([Action("R", a.stage, a.mb, a.chunk), a] if a.op == "B" and (a.stage, a.mb, a.chunk) in mine
+                      else [a])]
+        ranks.append(list(order))
+    name = f"{schedule.name}-recompute-{mode}" + ("-cooldown" if policy == "cooldown" else "")
+    return replace(schedule, name=name, ranks=ranks, checkpointed=frozenset(ckpt),
+                   meta={**schedule.meta, "recompute": mode, "policy": policy, "keep": keep}).check()
 
 
 # ------------------------------------------------------------------------------------------------

@@ -29,10 +29,11 @@ paper's ``uniform_comp``) balances the cumulative FLOPs C(t) = a*t + b*t(t+1)/2,
 Schedule (``seq1f1b``, actions of ``toolkit.pipeline.schedule``): rank r runs min(p-r-2+k, m*k) warm-up
 forwards in (micro-batch, chunk) order, then alternates one F with one B, the B walking each micro-batch's
 chunks in reverse, then drains the remaining B. Bubble (p-1)(F+B)/k; rank r holds (p-r-1+k)/k
-micro-batches of activations (rank 0: 1+(p-1)/k versus p for 1F1B). ``Seq1F1BExecutor`` runs it for real.
+micro-batches of activations (rank 0: 1+(p-1)/k versus p for 1F1B). The pipeline executor runs it for real with the ``SequenceChunks`` hook.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
 
@@ -40,7 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from toolkit.models.gpt import Block, GPTConfig, Stage
-from toolkit.pipeline.executor import PipelineExecutor, key_of
+from toolkit.pipeline.executor import ExecutorHook, key_of
 from toolkit.pipeline.schedule import Action, Schedule, linear_layout
 
 PARTITIONS = ("equal_tokens", "equal_compute")
@@ -315,56 +316,63 @@ def peak_formula(p: int, r: int, k: int) -> float:
 
 
 # ---------------------------------------------------------------------------------------------
-# Running a schedule for real: the pipeline executor, taught about sequence chunks
+# Running a schedule for real: the pipeline executor's hook for sequence chunks
 # ---------------------------------------------------------------------------------------------
-class Seq1F1BExecutor(PipelineExecutor):
-    """``PipelineExecutor`` for schedules over sequence chunks (``Schedule.k > 1``).
+class SequenceChunks(ExecutorHook):
+    """The pipeline executor's hook for schedules over sequence chunks (``Schedule.k > 1``)::
 
-    Changes to the plain executor: chunk c of a micro-batch is tokens [start_c, end_c) (its activation
-    messages have that length); the stage runs through ``ChunkedStage`` (KV prefix cache, position
-    offset); the last stage's loss of a chunk is its summed cross-entropy / (tokens per micro-batch * m),
-    so the chunks add up to the mean loss; after each backward the chunk's cache is freed. With the
-    ``meter`` on, the cached K/V and the dK/dV filed for a chunk count as that chunk's activations.
+        chunks = SequenceChunks(stage, lengths, n_head)
+        PipelineExecutor(schedule, rank, {rank: stage}, None, (micro_batch, sum(lengths), d_model), hooks=[chunks])
+
+    What changes: chunk c of a micro-batch is tokens [start_c, end_c) (its activation messages have that
+    length); the stage runs through ``ChunkedStage`` (KV prefix cache, position offset); the last stage's loss
+    of a chunk is its summed cross-entropy / (tokens per micro-batch * m), so the chunks add up to the mean
+    loss (the executor's ``loss_fn`` is not used); after each backward the chunk's cache is freed. With the
+    executor's ``meter`` on, the cached K/V and the dK/dV filed for a chunk count as that chunk's activations.
     ``peak_chunks`` counts the chunks whose activations were held at once.
     """
 
-    def __init__(self, schedule: Schedule, rank: int, stage: Stage, lengths: list[int], n_head: int,
-                 micro_batch: int, d_model: int, **kwargs):
-        if len(lengths) != schedule.k:
-            raise ValueError(f"lengths has {len(lengths)} chunks, the schedule {schedule.k}")
+    def __init__(self, stage: Stage, lengths: list[int], n_head: int):
         self.chunked, self.bounds, self.seq_len = ChunkedStage(stage, n_head), chunk_bounds(lengths), sum(lengths)
-        super().__init__(schedule, rank, {rank: stage}, _chunk_loss, (micro_batch, self.seq_len, d_model), **kwargs)
         self.held_chunks = self.peak_chunks = 0
 
-    def recv_shape(self, msg: Action) -> tuple[int, ...]:
+    def bind(self, executor) -> None:
+        if len(self.bounds) != executor.schedule.k:
+            raise ValueError(f"lengths has {len(self.bounds)} chunks, the schedule {executor.schedule.k}")
+        super().bind(executor)
+
+    def recv_shape(self, msg: Action, shape: tuple[int, ...]) -> tuple[int, ...]:
         s, e = self.bounds[msg.chunk]
-        return (self.act_shape[0], e - s, self.act_shape[2])
+        return (shape[0], e - s, shape[2])
 
-    def stage_fn(self, a: Action):
-        s, e = self.bounds[a.chunk]
-        scale = 1.0 / (self.act_shape[0] * self.seq_len)  # the executor divides by m
+    def stage_fn(self, a: Action, fn):
+        ex, (s, e) = self.executor, self.bounds[a.chunk]
+        scale = 1.0 / (ex.act_shape[0] * self.seq_len)  # the mean over the micro-batch's tokens
 
-        def fn(x: torch.Tensor) -> torch.Tensor:
+        def chunk_fn(x: torch.Tensor) -> torch.Tensor:
             y = self.chunked.forward(a.mb, a.chunk, x[:, s:e] if a.stage == 0 else x, s)
-            if a.stage == self.last:
-                y = self.loss_fn(y, self._targets[a.mb][:, s:e]) * scale / self.schedule.m
+            if a.stage == ex.last:
+                y = _chunk_loss(y, ex.targets[a.mb][:, s:e]) * scale / ex.schedule.m
             return y
 
-        return fn
+        return chunk_fn
 
-    def forward(self, a: Action) -> None:
-        super().forward(a)
-        self.held_chunks += 1
-        self.peak_chunks = max(self.peak_chunks, self.held_chunks)
-        self.hold(key_of(a), self.chunked.held(a.mb, a.chunk))
+    @contextlib.contextmanager
+    def forward_context(self, a: Action):
+        yield
+        if a.op == "F":  # the forward is done: its chunk's cache is held until its backward
+            self.held_chunks += 1
+            self.peak_chunks = max(self.peak_chunks, self.held_chunks)
+            self.executor.hold(key_of(a), self.chunked.held(a.mb, a.chunk))
 
     def after_backward(self, a: Action) -> None:  # every B (and I): free the chunk's cache
+        ex = self.executor
         self.chunked.done(a.mb, a.chunk)
         self.held_chunks -= 1
-        if self.meter:  # release this chunk's bytes first: the meter tracks storages by address, and the dK/dV
-            self.meter.release(key_of(a))  # filed below may reuse the address of one it freed (its popped dK)
+        if ex.meter:  # release this chunk's bytes first: the meter tracks storages by address, and the dK/dV
+            ex.meter.release(key_of(a))  # filed below may reuse the address of one it freed (its popped dK)
         for c in range(a.chunk):  # dK/dV this backward filed for earlier chunks
-            self.hold((a.stage, a.mb, c), self.chunked.held(a.mb, c))
+            ex.hold((a.stage, a.mb, c), self.chunked.held(a.mb, c))
 
 
 def _chunk_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

@@ -53,7 +53,8 @@ class Param:
     of: type | None = None
     """Type of a list's items."""
     nullable: bool = False
-    """``None`` is allowed (meaning "the lesson picks")."""
+    """``None`` is allowed as the knob's value, meaning "the lesson picks" (a preset sets it; given as ``None`` in
+    a cfg, a knob takes the preset's value, see ``resolve``)."""
     nonempty: bool = True
     """A list must have at least one item."""
 
@@ -133,9 +134,10 @@ def common(*names: str) -> dict[str, Param]:
 def resolve(cfg: dict, presets: dict[str, dict], params: dict[str, Param]) -> dict:
     """``{**presets[name], **cfg, "preset": name}`` after checking every key and value.
 
-    ``name`` is ``cfg["preset"]`` (default ``"default"``). Raises ValueError for an unknown preset, a key
-    not in ``params`` (naming the allowed ones and the closest match), and any value ``Param.check``
-    rejects. Every preset must give a value for every parameter (a lesson's own bug otherwise).
+    ``name`` is ``cfg["preset"]`` (default ``"default"``). A knob given as ``None`` takes the preset's value:
+    the one way a notebook says "the preset's" (``steps: Optional[int] = None``). Raises ValueError for an
+    unknown preset, a key not in ``params`` (naming the allowed ones and the closest match), and any value
+    ``Param.check`` rejects. Every preset must give a value for every parameter (a lesson's own bug otherwise).
     """
     if not isinstance(cfg, dict):
         raise ValueError(f"cfg must be a dict, got {type(cfg).__name__}")
@@ -148,7 +150,7 @@ def resolve(cfg: dict, presets: dict[str, dict], params: dict[str, Param]) -> di
                  for k in unknown]
         raise ValueError(f"unknown cfg key{'s' if len(unknown) > 1 else ''} {', '.join(hints)}; "
                          f"allowed: {sorted(params)}")
-    out = {**presets[name], **cfg, "preset": name}
+    out = {**presets[name], **{k: v for k, v in cfg.items() if v is not None}, "preset": name}
     missing = [k for k in params if k not in out]
     if missing:
         raise ValueError(f"preset {name!r} gives no value for {missing} (a bug in the lesson's PRESETS)")

@@ -54,9 +54,13 @@ class Target:
 
 
 def lessons() -> list[str]:
-    """The lesson programs in ``toolkit.lessons`` (names ``lNN_...``), found without importing them."""
-    import toolkit.lessons as pkg
-    return sorted(m.name for m in pkgutil.iter_modules(pkg.__path__) if m.name[:1] == "l" and m.name[1:3].isdigit())
+    """The lesson programs in ``LESSON_PACKAGE`` (names ``lNN_...``), found by the package's module path: the
+    runtime imports no lesson, nor the lessons package, to list them."""
+    spec = importlib.util.find_spec(LESSON_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        return []
+    return sorted(m.name for m in pkgutil.iter_modules(spec.submodule_search_locations)
+                  if m.name[:1] == "l" and m.name[1:3].isdigit())
 
 
 def resolve(what) -> Target:

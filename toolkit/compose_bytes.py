@@ -1,4 +1,5 @@
-"""The planner's model of the composed tiny run (lesson 17), tensor by tensor — a model, checked by measurement.
+"""The bytes of the composed tiny run (``toolkit.compose``, lesson 17) per rank, in memory and on the wire, tensor
+by tensor: a model, checked by measurement.
 
 For a large model ``toolkit.planner``'s formulas are the usual approximations. For the toolkit's own tiny MoE
 GPT the same categories can be written down exactly and checked against ``MemoryTracker`` (memory) and the
@@ -75,16 +76,6 @@ def tiny_groups(cfg, tokens: int, elem: int, rows: list | None, first: bool, las
     if last:
         groups += [(2 * N * D * elem + 2 * N * elem, 0), (4 * N * V, 0)]  # head: ln_f, out; the loss: log-softmax
     return groups
-
-
-def tiny_layer_bytes(cfg, tokens: int, elem: int, rows: float | None = None) -> float:
-    """Saved bytes of one transformer block for one micro-batch of ``tokens`` tokens (the module docstring);
-    ``rows``: rows this rank's experts receive (default: the balanced N·k)."""
-    return sum(a + b for a, b in tiny_groups(cfg, tokens, elem, [rows], True, False))
-
-
-def tiny_head_bytes(cfg, tokens: int, elem: int) -> float:
-    return sum(a + b for a, b in tiny_groups(cfg, tokens, elem, [], True, True))
 
 
 def tiny_deferred_bytes(cfg, tokens: int, elem: int, rows: list, last: bool) -> float:

@@ -1,20 +1,25 @@
-"""Per-rank programs that run the parallel techniques (``toolkit.parallel``) beside their references and
-return plain numbers: experiments, not techniques, so they live with the lesson programs.
+"""Lesson 00's parallelism sections, per rank: each technique of ``toolkit.parallel`` beside its reference.
 
-Lesson 00 calls them inside ``run(ctx, cfg)``; tests launch them directly::
+    data_parallel    DDP vs the toolkit's ZeRO-0/1/2/3 vs FSDP2 (``DataParallelTrainer``): losses, bytes/step,
+                     memory/rank, each against its closed form
+    zero3_prefetch   ZeRO-3 with and without prefetching the next unit's all-gather: timelines, exposed wait
+    tensor_parallel  Megatron column/row-parallel block vs one process vs torch's parallelize_module
 
-    launch("parallel_demos:run_dp_zero_fsdp", 2, {"preset": "smoke", "steps": 3})
-    launch("parallel_demos:run_tensor_parallel", 2, {"preset": "smoke"})
-    launch("parallel_demos:run_zero3_prefetch", 2, {"preset": "smoke"})
+``l00_foundations`` runs them with its other sections; its ``PARAMS`` and ``PRESETS`` include these, and
+its ``validate`` calls ``check`` for the sections it runs. Each section takes the lesson's cfg and the GPT
+(``model_config(cfg)``, or any ``GPTConfig``: the tests pass odd sizes)::
+
+    cfg = validate({"preset": "smoke"}, world_size)        # before any process starts
+    data_parallel(ctx, cfg, model_config(cfg))              # on every rank
 
 Bytes come from ``ctx.ledger`` (sent bytes per rank, the ledger's ring convention), memory from the
-storages the tensors live in, step times from ``toolkit.runtime.bench.measure``.
+storages the tensors live in, step times from ``toolkit.runtime.bench``.
 """
 from __future__ import annotations
 
 import copy
+import functools
 import gc
-import math
 from collections import defaultdict
 
 import torch
@@ -23,12 +28,64 @@ import torch.nn as nn
 
 from toolkit.data import batches
 from toolkit.models import GPT, GPTConfig, preset
+from toolkit.parallel.tensor import check_tp, qkv_rows, tensor_parallel_block
+from toolkit.parallel.trainer import DataParallelTrainer
+from toolkit.parallel.zero import ZeroDataParallel, adamw
 from toolkit.runtime.bench import compare, measure
+from toolkit.runtime.config import Param, common, require_ranks, resolve
 from toolkit.runtime.memory import MemoryTracker
 from toolkit.runtime.timeline import Timeline
 
-from toolkit.parallel.tensor import check_tp, qkv_rows, tensor_parallel_block
-from toolkit.parallel.zero import ZeroDataParallel, adamw, default_units, memory_per_rank, optimizer_state, storage_bytes
+SECTIONS = ("data_parallel", "zero3_prefetch", "tensor_parallel")
+DP_VARIANTS = {"ddp": {"kind": "ddp"}, "zero0": {"kind": "zero", "stage": 0}, "zero1": {"kind": "zero", "stage": 1},
+               "zero2": {"kind": "zero", "stage": 2}, "zero3": {"kind": "zero", "stage": 3},
+               "fsdp2": {"kind": "fsdp2", "reshard": True}, "fsdp2_keep": {"kind": "fsdp2", "reshard": False}}
+"""variant -> ``DataParallelTrainer`` arguments ("fsdp2_keep": FSDP2 with ``reshard_after_forward=False``)."""
+PREFETCH_STEPS = 2
+"""Steps both ZeRO-3 variants train (their losses and parameters compared bit for bit) before the recorded one."""
+
+PARAMS = {
+    **common("model", "n_layer", "seq_len", "batch", "lr", "seed", "warmup", "bench_steps", "rounds"),
+    "dp_steps": Param(int, "training steps of each data-parallel variant (DDP, ZeRO, FSDP2)", ge=2),
+    "dp_variants": Param(list, "data-parallel variants trained side by side (DDP, when in, is the reference)",
+                         of=str, choices=tuple(DP_VARIANTS)),
+    "dp_timing": Param(list, "data-parallel variants whose step time is measured", of=str,
+                       choices=tuple(DP_VARIANTS), nonempty=False),
+}
+_SHARED = {"lr": 1e-3, "seed": 0, "dp_variants": list(DP_VARIANTS)}
+PRESETS = {
+    "smoke": {"model": "smoke", "n_layer": 2, "seq_len": 32, "batch": 4, "dp_steps": 3,
+              "dp_timing": ["ddp", "zero3", "fsdp2"], "warmup": 1, "bench_steps": 3, "rounds": 3, **_SHARED},
+    "default": {"model": "default", "n_layer": 2, "seq_len": 64, "batch": 8, "dp_steps": 3,
+                "dp_timing": ["zero3", "fsdp2"], "warmup": 2, "bench_steps": 4, "rounds": 5, **_SHARED},
+    "full": {"model": "full", "n_layer": 12, "seq_len": 1024, "batch": 8, "dp_steps": 10,
+             "dp_timing": list(DP_VARIANTS), "warmup": 10, "bench_steps": 50, "rounds": 5, **_SHARED},
+}
+
+
+def model_config(cfg: dict) -> GPTConfig:
+    """The GPT of ``cfg``: the ``model`` preset with ``n_layer`` and ``seq_len``."""
+    return preset(cfg["model"], n_layer=cfg["n_layer"], seq_len=cfg["seq_len"])
+
+
+def validate(cfg: dict, world_size: int) -> dict:
+    """``resolve`` against this module's table, then ``check`` every section. Runs before any process starts."""
+    return check(resolve(cfg, PRESETS, PARAMS), world_size, SECTIONS)
+
+
+def check(cfg: dict, world_size: int, sections) -> dict:
+    """The cross-checks of ``sections`` on a resolved ``cfg``; ValueError naming the parameter."""
+    require_ranks(world_size, 2, "data and tensor parallelism")
+    if "data_parallel" in sections:
+        untimed = [v for v in cfg["dp_timing"] if v not in cfg["dp_variants"]]
+        if untimed:
+            raise ValueError(f"dp_timing={cfg['dp_timing']!r}: {untimed} not among dp_variants={cfg['dp_variants']!r}")
+        cfg["dp_variants"] = [v for v in DP_VARIANTS if v in cfg["dp_variants"]]  # "ddp" first: the reference
+    if "tensor_parallel" in sections:
+        mc = model_config(cfg)
+        check_tp(world_size, n_head=mc.n_head, d_ff=mc.d_ff)
+    return cfg
+
 
 def _per_step(ledger, tag: str, steps: int, field: str = "sent_bytes") -> dict[str, float]:
     out: dict[str, float] = defaultdict(int)
@@ -38,183 +95,48 @@ def _per_step(ledger, tag: str, steps: int, field: str = "sent_bytes") -> dict[s
     return {op: v / steps if v % steps else v // steps for op, v in sorted(out.items())}
 
 
-# ---- configuration (checked before any process starts) ------------------------------------------------
-
-DP_VARIANTS = ("ddp", "zero0", "zero1", "zero2", "zero3", "fsdp2", "fsdp2_keep")
-DP_DEFAULTS = {"preset": "smoke", "overrides": {}, "steps": 3, "batch_size": 4, "lr": 1e-3, "seed": 0, "timing": True,
-               "bench": {"warmup": 1, "steps": 2, "rounds": 3, "trim": 1}, "variants": list(DP_VARIANTS)}
-TP_DEFAULTS = {"preset": "smoke", "overrides": {}, "batch_size": 4, "seed": 0}
-Z3_DEFAULTS = {"preset": "smoke", "overrides": {}, "batch_size": 4, "lr": 1e-3, "seed": 0, "steps": 2,
-               "bench": {"warmup": 1, "steps": 2, "rounds": 3, "trim": 1}}
-
-
-def _positive_ints(cfg: dict, *keys: str) -> None:
-    for key in keys:
-        if not isinstance(cfg[key], int) or isinstance(cfg[key], bool) or cfg[key] < 1:
-            raise ValueError(f"{key} must be a positive int, got {cfg[key]!r}")
-
-
-def _model_cfg(cfg: dict) -> GPTConfig:
-    """The GPT size of ``cfg``; ValueError naming an unknown preset, override field or bad size."""
-    fields = set(GPTConfig.__dataclass_fields__)
-    if not isinstance(cfg["overrides"], dict) or set(cfg["overrides"]) - fields:
-        raise ValueError(f"overrides={cfg['overrides']!r}: must be a dict of GPTConfig fields {sorted(fields)}")
-    return preset(cfg["preset"], **cfg["overrides"])
-
-
-def validate_dp_zero_fsdp(cfg: dict, world_size: int) -> dict:
-    """``cfg`` with :data:`DP_DEFAULTS` filled in; ValueError naming the bad parameter. Runs before launch."""
-    cfg = {**DP_DEFAULTS, **cfg}
-    _model_cfg(cfg)
-    _positive_ints(cfg, "steps", "batch_size")
-    unknown = [v for v in cfg["variants"] if v not in DP_VARIANTS]
-    if unknown or not cfg["variants"]:
-        raise ValueError(f"variants={cfg['variants']!r}: need a non-empty subset of {DP_VARIANTS}")
-    cfg["variants"] = [v for v in DP_VARIANTS if v in cfg["variants"]]  # "ddp" first: the reference
-    timing = cfg["timing"]
-    if not isinstance(timing, bool) and not (isinstance(timing, list) and set(timing) <= set(cfg["variants"])):
-        raise ValueError(f"timing={timing!r}: True, False or a list of the variants to time")
-    if world_size < 2:
-        raise ValueError(f"world_size={world_size}: data parallelism needs at least 2 ranks")
-    return cfg
-
-
-def validate_zero3_prefetch(cfg: dict, world_size: int) -> dict:
-    """``cfg`` with :data:`Z3_DEFAULTS` filled in; ValueError naming the bad parameter. Runs before launch."""
-    cfg = {**Z3_DEFAULTS, **cfg, "bench": {**Z3_DEFAULTS["bench"], **cfg.get("bench", {})}}
-    _model_cfg(cfg)
-    _positive_ints(cfg, "steps", "batch_size")
-    if world_size < 2:
-        raise ValueError(f"world_size={world_size}: ZeRO-3 needs at least 2 ranks to shard over")
-    return cfg
-
-
-def validate_tensor_parallel(cfg: dict, world_size: int) -> dict:
-    """``cfg`` with :data:`TP_DEFAULTS` filled in; tp = ``world_size`` must divide n_head and d_ff."""
-    cfg = {**TP_DEFAULTS, **cfg}
-    model = _model_cfg(cfg)
-    _positive_ints(cfg, "batch_size")
-    check_tp(world_size, n_head=model.n_head, d_ff=model.d_ff)
-    return cfg
-
-
 # ---- data parallel: DDP, ZeRO 0-3, FSDP2 ------------------------------------------------------------
 
+def data_parallel(ctx, cfg: dict, model_cfg: GPTConfig) -> dict:
+    """Train the GPT with every variant of ``dp_variants`` side by side on the same data; measure each.
 
-class DPVariant:
-    """One data-parallel variant: ``loss = fwd_bwd(x, y)``, ``step()``, memory and full parameters."""
-
-    def __init__(self, name: str, base: nn.Module, group, lr: float):
-        if name not in DP_VARIANTS:
-            raise ValueError(f"variant={name!r} is not known; allowed: {DP_VARIANTS}")
-        self.name, n = name, dist.get_world_size(group)
-        model = copy.deepcopy(base)
-        factory = lambda ps: adamw(ps, lr=lr)  # noqa: E731
-        if name.startswith("zero"):
-            self.zero = ZeroDataParallel(model, factory, stage=int(name[-1]), group=group)
-            self.model, self.optimizer = self.zero, self.zero.optimizer
-            forms = self.zero.closed_forms()
-            self.closed_bytes, self.closed_memory = forms["bytes"], forms["memory"]
-        elif name == "ddp":
-            from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-            from torch.nn.parallel import DistributedDataParallel as DDP
-            # the default C++ reducer calls the process group directly; the stock Python hook does the
-            # same all-reduce (divide by n, then sum) through dist.all_reduce, where the ledger sees it
-            self.model = DDP(model, process_group=group, gradient_as_bucket_view=True)
-            self.model.register_comm_hook(group, allreduce_hook)
-            self.optimizer = factory(list(self.model.parameters()))
-            psi = sum(p.numel() for p in model.parameters())
-            self.closed_bytes = {"all_reduce": 2 * (n - 1) * psi * 4 // n}
-            self.closed_memory = memory_per_rank(0, psi, n)
-        else:
-            from torch.distributed.device_mesh import DeviceMesh
-            from torch.distributed.fsdp import fully_shard
-            mesh = DeviceMesh.from_group(group, next(model.parameters()).device.type)
-            reshard, r = name == "fsdp2", dist.get_rank(group)
-            # FSDP2 cuts every parameter's dim 0 as torch.chunk does (ceil(d/n) rows each, the last ranks
-            # get fewer) and stores the shard padded; the optimizer's state follows the unpadded shard
-            chunks = [(math.ceil(p.shape[0] / n), p.shape[0], p[0].numel()) for p in model.parameters()]
-            psi = sum(c * n * row for c, _, row in chunks)
-            mine = sum(max(0, min(c, d - r * c)) * row for c, d, row in chunks)
-            for unit in default_units(model):
-                fully_shard(unit, mesh=mesh, reshard_after_forward=reshard)
-            fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
-            self.model, self.optimizer = model, factory(list(model.parameters()))
-            ag = (n - 1) * psi * 4 // n
-            self.closed_bytes = {"all_gather_into_tensor": (2 if reshard else 1) * ag, "reduce_scatter_tensor": ag}
-            self.closed_memory = {**memory_per_rank(3, psi, n), "optim": 2 * 4 * mine}
-
-    def fwd_bwd(self, x: torch.Tensor, y: torch.Tensor) -> float:
-        loss = self.model(x, y)
-        loss.backward()
-        return loss.item()
-
-    def step(self) -> None:
-        if self.name.startswith("zero"):
-            self.zero.step()
-        else:
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-
-    def memory(self) -> dict[str, int]:
-        """Bytes at rest on this rank right after backward, by category (distinct storages)."""
-        if self.name.startswith("zero"):
-            return self.zero.memory_by_category()
-        params = list(self.model.parameters())
-        return {"params": storage_bytes(params), "grads": storage_bytes([p.grad for p in params]),
-                "optim": storage_bytes(optimizer_state(self.optimizer))}
-
-    def full_parameters(self) -> dict[str, torch.Tensor]:
-        if self.name.startswith("zero"):
-            return self.zero.full_parameters()
-        module = self.model.module if self.name == "ddp" else self.model
-        return {name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
-                for name, p in module.named_parameters()}
-
-
-def run_dp_zero_fsdp(ctx, cfg: dict) -> dict:
-    """Train the tiny GPT with DDP, ZeRO stages 0-3 and FSDP2 side by side on the same data; measure each.
-
-    cfg (defaults in :data:`DP_DEFAULTS`, checked by :func:`validate_dp_zero_fsdp`): ``preset`` ("smoke" |
-    "default" | "full"), ``overrides`` (GPTConfig fields), ``steps``, ``batch_size`` per rank, ``lr``, ``seed``,
-    ``timing`` (measure step times: True, False or a list of variants), ``bench`` (``measure`` arguments),
-    ``variants`` (a subset of ``DP_VARIANTS``, run in that order: "ddp" is torch's DistributedDataParallel,
-    "zero0".."zero3" this toolkit's ZeroDataParallel, "fsdp2" ``fully_shard`` per unit, "fsdp2_keep" the
-    same with ``reshard_after_forward=False``). Data parallel over all ranks.
+    cfg (``PARAMS``): ``dp_steps``, ``batch`` per rank, ``lr``, ``seed``, ``dp_variants`` (run in
+    ``DP_VARIANTS`` order: "ddp" is torch's DistributedDataParallel, "zero0".."zero3" the toolkit's
+    ZeroDataParallel, "fsdp2" ``fully_shard`` per unit, "fsdp2_keep" the same with
+    ``reshard_after_forward=False``), ``dp_timing`` (the variants whose step time is measured with
+    ``warmup``, ``bench_steps``, ``rounds``). Data parallel over all ranks.
 
     Returns (per rank; v = variant name, op = ledger op name):
-        ``world_size``, ``preset``, ``steps``, ``variants``: the run.
+        ``world_size``, ``steps``, ``variants``: the run.
         ``numel``: Ψ, parameters of the model. ``embed_numel``: parameters of the embedding unit.
         ``loss[v]``: list of this rank's micro-batch loss at each step.
-        ``max_abs_diff_vs_ddp[v]``: max |p - p_ddp| over all parameters after ``steps`` steps (0.0 = bitwise;
+        ``max_abs_diff_vs_ddp[v]``: max |p - p_ddp| over all parameters after the steps (0.0 = bitwise;
             present when "ddp" is among the variants).
         ``bytes_per_step[v]``: bytes this rank sent per step (ledger), all ops.
         ``bytes_per_step_by_op[v][op]``, ``calls_per_step_by_op[v][op]``: the same split by op.
-        ``bytes_closed_form[v][op]``: what the formulas of ``toolkit.parallel.zero`` predict.
+        ``bytes_closed_form[v][op]``: what the formulas predict (``DataParallelTrainer.closed_forms``).
         ``memory[v]``: {"params", "grads", "optim"} bytes at rest right after backward (distinct storages;
             AdamW's 0-dim step counters left out). ``memory_closed_form[v]``: the formulas' prediction.
         ``peak_memory[v]``: MemoryTracker over one whole step: {"param", "grad", "optim", "act", "comm", "host",
             "total"} bytes at the moment of the highest total; ``max_memory_by_category[v]``: each one's own max.
         ``step_time_s[v]``: trimmed mean step time (timed variants only); ``step_time_stability[v]``: std/mean.
     """
-    cfg = validate_dp_zero_fsdp(cfg, ctx.world_size)
-    steps, variants = cfg["steps"], cfg["variants"]
-    timed = variants if cfg["timing"] is True else cfg["timing"] or []
-    bench = {**DP_DEFAULTS["bench"], **cfg["bench"]}
-    group = dist.group.WORLD
+    steps, variants, timed = cfg["dp_steps"], cfg["dp_variants"], cfg["dp_timing"]
+    timing = {"warmup": cfg["warmup"], "steps": cfg["bench_steps"], "rounds": cfg["rounds"]}
+    optimizer = functools.partial(adamw, lr=float(cfg["lr"]))
     torch.manual_seed(cfg["seed"])
-    base = GPT(_model_cfg(cfg)).to(ctx.device)
-    data = [(x.to(ctx.device), y.to(ctx.device)) for x, y in batches(cfg["batch_size"], base.cfg.seq_len, steps + 1,
+    base = GPT(model_cfg).to(ctx.device)
+    data = [(x.to(ctx.device), y.to(ctx.device)) for x, y in batches(cfg["batch"], base.cfg.seq_len, steps + 1,
                                                                      seed=cfg["seed"], rank=ctx.rank,
                                                                      world=ctx.world_size)]
-    work = len(variants) * (steps + 1) + len(timed) * (bench["warmup"] + bench["steps"] * bench["rounds"])
+    work = len(variants) * (steps + 1) + len(timed) * (timing["warmup"] + timing["steps"] * timing["rounds"])
     out: dict = defaultdict(dict)
-    out.update(world_size=ctx.world_size, preset=cfg["preset"], steps=steps, variants=variants,
+    out.update(world_size=ctx.world_size, steps=steps, variants=variants,
                numel=sum(p.numel() for p in base.parameters()),
                embed_numel=sum(p.numel() for p in base.embed.parameters()))
     reference, done = None, 0
     for name in variants:
-        trainer = DPVariant(name, base, group, float(cfg["lr"]))
+        trainer = DataParallelTrainer(base=base, optimizer=optimizer, **DP_VARIANTS[name])
         losses = []
         with ctx.ledger.tag(name):
             for i, (x, y) in enumerate(data[:steps]):
@@ -230,12 +152,13 @@ def run_dp_zero_fsdp(ctx, cfg: dict) -> dict:
             reference = params
         if reference is not None:
             out["max_abs_diff_vs_ddp"][name] = max((params[k] - reference[k]).abs().max().item() for k in reference)
+        closed = trainer.closed_forms()
         out["loss"][name] = losses
         out["bytes_per_step_by_op"][name] = _per_step(ctx.ledger, name, steps)
         out["calls_per_step_by_op"][name] = _per_step(ctx.ledger, name, steps, "calls")
         out["bytes_per_step"][name] = sum(out["bytes_per_step_by_op"][name].values())
-        out["bytes_closed_form"][name] = trainer.closed_bytes
-        out["memory"][name], out["memory_closed_form"][name] = mem, trainer.closed_memory
+        out["bytes_closed_form"][name] = closed["bytes"]
+        out["memory"][name], out["memory_closed_form"][name] = mem, closed["memory"]
         with ctx.ledger.tag(f"{name}/peak"), MemoryTracker(trainer.model, trainer.optimizer, every_op=False) as mt:
             trainer.fwd_bwd(*data[steps])
             trainer.step()
@@ -244,9 +167,9 @@ def run_dp_zero_fsdp(ctx, cfg: dict) -> dict:
         if name in timed:
             x, y = data[0]
             with ctx.ledger.tag(f"{name}/timing"):
-                res = measure(lambda: (trainer.fwd_bwd(x, y), trainer.step()), **bench,
+                res = measure(lambda: (trainer.fwd_bwd(x, y), trainer.step()), **timing,
                               on_step=lambda d, t, base_done=done: ctx.progress(base_done + d, work, f"{name} timing"))
-            done += bench["warmup"] + bench["steps"] * bench["rounds"]
+            done += timing["warmup"] + timing["steps"] * timing["rounds"]
             out["step_time_s"][name], out["step_time_stability"][name] = res.mean_s, res.throughput_stability
         del trainer, params
         gc.collect()  # DDP with a Python comm hook must be gone before the process group is destroyed
@@ -255,15 +178,15 @@ def run_dp_zero_fsdp(ctx, cfg: dict) -> dict:
 
 # ---- ZeRO-3 with and without prefetch ------------------------------------------------------------------
 
-def run_zero3_prefetch(ctx, cfg: dict) -> dict:
+def zero3_prefetch(ctx, cfg: dict, model_cfg: GPTConfig) -> dict:
     """ZeRO-3 (``toolkit.parallel.zero``) with and without prefetching the next unit's all-gather, side by side.
 
     Both train ``steps`` steps from the same init on the same data (losses and parameters must agree bit for
     bit: prefetch changes *when* a gather is issued, not what it brings), then record one step each on a
     timeline aligned across ranks, then are timed round-robin (``toolkit.runtime.bench.compare``).
 
-    cfg (defaults in :data:`Z3_DEFAULTS`, checked by :func:`validate_zero3_prefetch`): ``preset``,
-    ``overrides``, ``batch_size``, ``lr``, ``seed``, ``steps``, ``bench`` (``compare`` arguments).
+    cfg (``PARAMS``): ``batch``, ``lr``, ``seed``, ``warmup``, ``bench_steps``, ``rounds``; both train
+    ``PREFETCH_STEPS`` steps. ``model_cfg``: the GPT.
 
     Returns (per rank; v = "no prefetch" | "prefetch"):
         ``units``: [{"name", "numel"}] in forward order. ``losses[v]``: this rank's loss at each step.
@@ -274,12 +197,12 @@ def run_zero3_prefetch(ctx, cfg: dict) -> dict:
         ``wait_s_per_step[v]``: time blocked on gathers (exposed communication), mean over the timed steps.
         ``step_s[v]``, ``step_stability[v]``: trimmed mean step time and std/mean (``compare``).
     """
-    cfg = validate_zero3_prefetch(cfg, ctx.world_size)
+    steps = PREFETCH_STEPS
     torch.manual_seed(cfg["seed"])
-    base = GPT(_model_cfg(cfg)).to(ctx.device)
-    data = [(x.to(ctx.device), y.to(ctx.device)) for x, y in batches(cfg["batch_size"], base.cfg.seq_len,
-                                                                     cfg["steps"] + 1, seed=cfg["seed"],
-                                                                     rank=ctx.rank, world=ctx.world_size)]
+    base = GPT(model_cfg).to(ctx.device)
+    data = [(x.to(ctx.device), y.to(ctx.device)) for x, y in batches(cfg["batch"], base.cfg.seq_len, steps + 1,
+                                                                     seed=cfg["seed"], rank=ctx.rank,
+                                                                     world=ctx.world_size)]
     names = {False: "no prefetch", True: "prefetch"}
     factory = lambda ps: adamw(ps, lr=float(cfg["lr"]))  # noqa: E731
     zdp = {names[pf]: ZeroDataParallel(copy.deepcopy(base), factory, stage=3, prefetch=pf) for pf in (False, True)}
@@ -294,7 +217,7 @@ def run_zero3_prefetch(ctx, cfg: dict) -> dict:
 
     for v, z in zdp.items():
         with ctx.ledger.tag(f"zero3/{v}"):
-            out["losses"][v] = [step(z, x, y) for x, y in data[:cfg["steps"]]]
+            out["losses"][v] = [step(z, x, y) for x, y in data[:steps]]
     with ctx.ledger.tag("check"):
         full = {v: z.full_parameters() for v, z in zdp.items()}
     out["bitwise_equal"] = (out["losses"]["prefetch"] == out["losses"]["no prefetch"]
@@ -306,7 +229,7 @@ def run_zero3_prefetch(ctx, cfg: dict) -> dict:
         z.timeline, z.trace[:] = Timeline(ctx.rank), []
         first = len(ctx.ledger.records)
         with ctx.ledger.tag(f"zero3/{v}/recorded"):
-            step(z, *data[cfg["steps"]])
+            step(z, *data[steps])
         out["trace"][v] = [list(e) for e in z.trace]
         out["ledger_order"][v] = [[r.is_async, r.sent_bytes] for r in ctx.ledger.records[first:]
                                   if r.op == "all_gather_into_tensor"]
@@ -325,10 +248,9 @@ def run_zero3_prefetch(ctx, cfg: dict) -> dict:
 
     for z in zdp.values():
         z.timeline = Timeline(ctx.rank)
-    bench = cfg["bench"]
     with ctx.ledger.tag("zero3/timing"):
-        res = compare({v: timed(v) for v in zdp}, warmup=bench["warmup"], steps=bench["steps"],
-                      rounds=bench["rounds"], trim=bench["trim"], sync=ctx.barrier)
+        res = compare({v: timed(v) for v in zdp}, warmup=cfg["warmup"], steps=cfg["bench_steps"],
+                      rounds=cfg["rounds"], sync=ctx.barrier)
     for v, z in zdp.items():
         waits = sum(s.end - s.start for s in z.timeline.spans if s.kind == "wait")
         out["wait_s_per_step"][v] = waits / calls[v]
@@ -359,14 +281,13 @@ def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.detach() - b.detach()).abs().max().item()
 
 
-def run_tensor_parallel(ctx, cfg: dict) -> dict:
+def tensor_parallel(ctx, cfg: dict, model_cfg: GPTConfig) -> dict:
     """One transformer block (and the whole tiny GPT) split over all ranks by tensor parallelism.
 
     The single-process block, this toolkit's Megatron-style TP block and torch's ``parallelize_module``
     block get the same weights, input x and output gradient dy (seeded identically on every rank).
 
-    cfg (defaults in :data:`TP_DEFAULTS`, checked by :func:`validate_tensor_parallel`): ``preset``, ``overrides``,
-    ``batch_size``, ``seed``. tp = world size.
+    cfg (``PARAMS``): ``batch``, ``seed``; ``model_cfg``: the GPT. tp = world size.
 
     Returns (per rank):
         ``tp``; ``shape``: [B, T, D] of the activations.
@@ -388,11 +309,10 @@ def run_tensor_parallel(ctx, cfg: dict) -> dict:
             whole GPT with every block tensor-parallel, one forward on a real batch.
     """
     from torch.distributed.tensor.debug import CommDebugMode
-    cfg = validate_tensor_parallel(cfg, ctx.world_size)
-    seed, bs = cfg["seed"], cfg["batch_size"]
+    seed, bs = cfg["seed"], cfg["batch"]
     group, n = dist.group.WORLD, ctx.world_size
     torch.manual_seed(seed)
-    model = GPT(_model_cfg(cfg)).to(ctx.device)
+    model = GPT(model_cfg).to(ctx.device)
     T, D = model.cfg.seq_len, model.cfg.d_model
     block = model.blocks[0]
     x = torch.randn(bs, T, D, device=ctx.device)  # [B,T,D], the same on every rank
