@@ -186,7 +186,8 @@ display(Markdown(
 # the experts' GEMMs and the all-to-alls have the real ratio. This is the **forward-with-forward** form of the
 # overlap (two micro-batches' forwards interleaved, one backward over both); the form training uses — one
 # micro-batch's forward under another's backward, Megatron's combined 1F1B and DualPipe's F&B — is not built here
-# yet, and its target (exposed all-to-all ≤ 0.3× serial) belongs to it.
+# yet, and the project's target for the exposed all-to-all (`≤ 0.3 × serial`, a target, not a measurement)
+# belongs to it.
 
 # %%
 E = r0["emulated"]
