@@ -278,7 +278,12 @@ class Emulator:
         """The ops inside run as one CUDA graph replay: the host pays one launch for all of them, none per op."""
         self._replay_depth += 1
         if self._replay_depth == 1:
-            self._clock().host += self.cluster.gpu.launch_s
+            launch = self.cluster.gpu.launch_s
+            self._clock().host += launch
+            with self._lock:
+                row = self.ops["cuda graph replay"]
+                row["calls"] += 1
+                row["launch_s"] += launch
         try:
             yield self
         finally:
