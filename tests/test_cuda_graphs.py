@@ -95,7 +95,7 @@ def test_graph_replay_on_the_emulated_cluster_removes_launches_and_separation_th
         runs = r["emulated"]["runs"]
         for dp in ("plain", "separated"):
             eager, graphed = runs[f"eager · {dp}"], runs[f"graphed · {dp}"]
-            assert eager["launch_s"] > 10 * graphed["launch_s"] and graphed["step_s"] < eager["step_s"]
+            assert eager["launch_s"] > 4 * graphed["launch_s"] and graphed["step_s"] < eager["step_s"]
         assert runs["eager · separated"]["dp_wait_s"] <= runs["eager · plain"]["dp_wait_s"]
         assert runs["graphed · plain"]["dp_wait_s"] > 0  # the reduce left for the end is waited for
 
