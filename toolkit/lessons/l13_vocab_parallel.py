@@ -25,10 +25,10 @@ from toolkit.models.gpt import lm_loss, split_stages
 from toolkit.pipeline import vocab_parallel as vp
 from toolkit.pipeline import vocab_passes as vx
 from toolkit.pipeline.executor import PipelineExecutor
-from toolkit.pipeline.harness import Job, PipelineSetup, check_step
+from toolkit.pipeline.harness import Job, PipelineSetup, check_stage_per_rank, check_step
 from toolkit.pipeline.schedule import one_f_one_b
 from toolkit.runtime.bench import compare, measure
-from toolkit.runtime.config import Param, common, require_divisible, require_ranks, resolve
+from toolkit.runtime.config import Param, common, resolve
 from toolkit.runtime.timeline import Timeline
 
 WORLD_SIZE = 4
@@ -50,13 +50,8 @@ RUNS = ("1f1b", "vocab-1", "vocab-2")
 
 def validate(cfg: dict, world_size: int) -> dict:
     cfg = resolve(cfg, PRESETS, PARAMS)
-    p = world_size
-    require_ranks(p, 2, "vocabulary parallelism (one pipeline stage per rank)")
-    vp.shard_rows(cfg["vocab_size"], p, 0)  # raises, naming vocab_size, unless p divides it
-    require_divisible("n_layer", cfg["n_layer"], p, "world_size", "layers per stage")
-    if cfg["m"] < p:
-        raise ValueError(f"m={cfg['m']} micro-batches is fewer than the {p} stages; need m >= {p}")
-    require_divisible("d_model", cfg["d_model"], cfg["n_head"], "n_head", "heads split the hidden size")
+    check_stage_per_rank(cfg, world_size, "vocabulary parallelism (one pipeline stage per rank)")
+    vp.shard_rows(cfg["vocab_size"], world_size, 0)  # raises, naming vocab_size, unless p divides it
     return cfg
 
 
