@@ -344,8 +344,8 @@ else:
                         "matched: simulated (ms)": 1e3 * predicted["matched"][n],
                         "rank 0 waited for receives (ms)": 1e3 * results[0]["emulated"]["runs"][n]["exposed_recv_s"]}
                        for n in names],
-                      title=f"Emulated {E['gpu']}, one stage per node over {E['link']}, matched to {E['stands_for']} "
-                            "(virtual time), beside the simulated step from its op times and hop",
+                      title=f"Emulated step (virtual time) beside the simulated one from its op times and hop: "
+                            f"{E['gpu']}, one stage per node over {E['link']}, matched to {E['stands_for']}",
                       formats={"toy shapes: emulated (µs)": ".1f", "matched: emulated (ms)": ".3f",
                                "× no recompute": ".4f", "matched: simulated (ms)": ".3f",
                                "rank 0 waited for receives (ms)": ".2f"}))
