@@ -244,7 +244,7 @@ display(Markdown("Measured on this machine, all ranks, against no offload: " + "
         x["variant"] == v for x in timed)) + "."))
 
 # %% [markdown]
-# ## 4b · On an emulated H100 node: the copies on the host link
+# ## 4b · On an emulated cluster: the copies on the host link
 #
 # On this CPU a copy is a memcpy on the cores that compute, so section 4 measures what copying costs a CPU, not
 # whether a GPU's copy engines hide it. The launch also ran on an **emulated cluster** (the `cluster` parameter,
@@ -336,7 +336,7 @@ for r in results:
 # %%
 # NBVAL_CHECK_OUTPUT
 for r in results:
-    print(f"rank {r['rank']}: holds at most {r['in_flight']} forwards, one saves {r['chunk_bytes']:,} B that could "
+    print(f"rank {r['rank']}: forwards held at its peak {r['in_flight']}, one saves {r['chunk_bytes']:,} B that could "
           f"leave, budget {r['budget_bytes']:,} B per forward")
 print(f"{'rank':>4} {'policy':>15} {'groups':>6} {'resident peak':>14} {'offloaded':>10} {'reloaded':>10}  grads equal")
 for r, rows in zip(results, by_rank):
@@ -446,8 +446,9 @@ emulated, emulated_ok = "", None
 if E is not None:
     emulated = (f"{E['gpu']}, copies on {E['host_link']} (`{E['cluster']}`), the toy timed as {E['stands_for']}'s "
                 f"layers: every module offloaded takes {M['all']['verdict'].ratio:.3f}× the step without offload "
-                f"({M['all']['verdict'].word}; {M['all']['late']} late reloads, {1e3 * M['all']['wait_s']:.1f} ms waited; the D2H engine busy "
-                f"{1e3 * M['all']['d2h_s']:.1f} ms against a {1e3 * M['none']['step_s']:.1f} ms step without offload); "
+                f"({M['all']['verdict'].word}; {M['all']['late']} late reloads, {1e3 * M['all']['wait_s']:.1f} ms "
+                f"waited; the D2H engine busy {1e3 * M['all']['d2h_s']:.1f} ms against a "
+                f"{1e3 * M['none']['step_s']:.1f} ms step without offload); "
                 f"per-rank budget {M['all-budget']['verdict'].ratio:.3f}×, attention only "
                 f"{M['attention']['verdict'].ratio:.3f}×, torch's save_on_cpu {M['save_on_cpu']['verdict'].ratio:.2f}×")
     # "negligible" read as at most 5 % slower than no offload

@@ -56,7 +56,8 @@ PRESETS = {
                 "policies": DEFAULT_POLICIES, "prefetch": True, "skip_within": 1, "warmup": 1, "bench_steps": 2,
                 "rounds": 3, "stands_for": "llama2-7b"},
     "full": {"model": "full", "n_layer": 12, "seq_len": 1024, "m": 16, "micro_batch": 4, "policies": DEFAULT_POLICIES,
-             "prefetch": True, "skip_within": 1, "warmup": 2, "bench_steps": 5, "rounds": 3, "stands_for": "llama2-13b"},
+             "prefetch": True, "skip_within": 1, "warmup": 2, "bench_steps": 5, "rounds": 3,
+             "stands_for": "llama2-13b"},
 }
 
 

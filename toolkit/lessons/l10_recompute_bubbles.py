@@ -113,8 +113,9 @@ def emulated(ctx, cfg: dict, setup: PipelineSetup, jobs: list[Job]) -> dict:
     link = emu.cluster.link_between([0, 1], ctx.world_size)  # between neighbouring stages
     with emu.scaled(**scales):
         records, _ = measure_schedules(ctx, setup, jobs, warmup=0, steps=1, rounds=1, trim=0)
-    return {"cluster": emu.cluster.name, "gpu": emu.cluster.gpu.name, "link": link.name, "stands_for": cfg["stands_for"],
-            "scales": scales, "hop_s": {"toy": link.seconds(toy["wire_bytes"]), "matched": link.seconds(real_op["wire_bytes"])},
+    return {"cluster": emu.cluster.name, "gpu": emu.cluster.gpu.name, "link": link.name,
+            "stands_for": cfg["stands_for"], "scales": scales,
+            "hop_s": {"toy": link.seconds(toy["wire_bytes"]), "matched": link.seconds(real_op["wire_bytes"])},
             "runs": {job.schedule.name: {"step_s": rec["bench"]["virtual"]["mean_s"], "bench": rec["bench"]["virtual"],
                                          "op_seconds": rec["op_vseconds"], "exposed_recv_s": rec["exposed_recv_vs"],
                                          "spans": rec["spans"]}
