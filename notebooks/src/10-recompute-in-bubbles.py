@@ -365,6 +365,9 @@ else:
         return f"{1 - (t[bubble] - t[base]) / extra:.0%}" if extra > 0 else "all (inline costs nothing either)"
 
     chunk_f = {base: MeasuredCosts(em_ops["matched"][base]).mean().F for base in pairs}
+    per_stage = MeasuredCosts(em_ops["matched"]["1f1b"])  # F + B of each 1F1B stage: the slowest sets the pace
+    work = {st: per_stage.seconds("F", st) + per_stage.seconds("B", st) for st in range(p)}
+    slowest = max(work, key=work.get)
     i_b, i_i = "interleaved-recompute-bubble-cooldown", "interleaved-recompute-inline-cooldown"
     display(Markdown(
         f"Matched to **{E['stands_for']}** ({E['scales']['flops']:,.0f}× the FLOPs, {E['scales']['bytes']:,.0f}× the "
@@ -378,7 +381,12 @@ else:
         f"{against('matched', '1f1b-recompute-bubble-cooldown', '1f1b').ratio:.4f}×, interleaved cool-down "
         f"{against('matched', i_b, 'interleaved').ratio:.4f}×: the bubble placement hides "
         f"{hidden('1f1b', '1f1b-recompute-inline', '1f1b-recompute-bubble')} (1F1B cap) and "
-        f"{hidden('interleaved', i_i, i_b)} (interleaved cool-down) of what the recompute costs inline. The simulator, "
+        f"{hidden('interleaved', i_i, i_b)} (interleaved cool-down) of what the recompute costs inline. "
+        + (f"In 1F1B stage {slowest} has the most work per micro-batch (F + B {1e3 * work[slowest]:.2f} ms against "
+           f"{1e3 * min(work.values()):.2f} ms on the lightest stage), so in the steady state the other ranks wait for "
+           "it every step as well: a rank's waits are not only the warm-up and the cool-down. "
+           if work[slowest] > min(work.values()) else "The 1F1B stages carry equal work per micro-batch. ")
+        + "The simulator, "
         f"fed the same op times and hop, predicts {1e3 * predicted['matched'][i_b]:.3f} ms for the interleaved "
         f"cool-down in the bubble against {1e3 * em_step['matched'][i_b]:.3f} ms emulated; inline it charges each "
         f"recompute a whole forward ({1e3 * predicted['matched'][i_i]:.3f} against {1e3 * em_step['matched'][i_i]:.3f} "
