@@ -429,6 +429,13 @@ def moe_layer_op(tokens: int, hidden: int, ffn: int, top_k: int, ep: int, elem: 
     return {"gemm_flops": 4.0 * tokens * top_k * hidden * ffn, "wire_bytes": (ep - 1) / ep * tokens * top_k * hidden * elem}
 
 
+def dp_grad_op(params: float, tokens: int, elem: int = 2) -> dict[str, float]:
+    """One data-parallel rank's backward and the gradient its all-reduce carries: ``gemm_flops`` = 4·Ψ·tokens (dX
+    and dW, twice the forward's 2·Ψ·tokens) and ``wire_bytes`` = Ψ·elem (the gradient; a ring all-reduce sends
+    2(n−1)/n of it, the same factor for a toy and its real model)."""
+    return {"gemm_flops": 4.0 * params * tokens, "wire_bytes": float(params * elem)}
+
+
 def matched_scales(toy: dict[str, float], real: dict[str, float]) -> dict[str, float]:
     """The emulator's ``scaled(flops=, bytes=)`` factors that time a toy op as its real counterpart: real / toy
     GEMM FLOPs and real / toy activation bytes (``tp_mlp_op``-style dicts; the wire carries activations, so its
