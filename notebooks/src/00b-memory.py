@@ -396,9 +396,9 @@ else:
         bars = [{"rank": 0, "kind": "forward + backward", "start": 0.0, "end": pick["backward_end_s"], "meta": {}}]
         bars += [{"rank": 0, "kind": "bucket", "start": s["start"], "end": s["end"], "meta": {"mb": s["bucket"]}}
                  for s in pick["spans"]]
-        display(viz.gantt(bars, title=f"bucket_cap_mb = {pick['bucket_mb']}: "
-                          f"{rows_by_cap[pick['bucket_mb']]['buckets']} buckets on the link (rank 0, virtual time)",
-                          label="mb", time_unit="us"))
+        count = rows_by_cap[pick["bucket_mb"]]["buckets"]
+        display(viz.gantt(bars, title=f"bucket_cap_mb = {pick['bucket_mb']}: {count} bucket{'s' * (count != 1)} on "
+                          "the link (rank 0, virtual time)", label="mb", time_unit="us"))
 
 # %%
 if E is not None:
@@ -424,7 +424,7 @@ if E is not None:
         + (")." if best_s == best_e else f"; {steps_v[best_e] * 1e6:.1f} µs at the exposed optimum): every bucket "
            f"also costs the host a kernel launch ({E['launch_s'] * 1e6:.0f} µs on this GPU) for its division by "
            "the world size, on the step's path when the kernels are as short as the toy's.")
-        + f" On {E['intra']['name']} (one node, closed form) every bucket size leaves "
+        + f" Within one node, over {E['intra']['name']} (closed form), every bucket size leaves "
         f"{min(r['closed_form_intra_exposed_s'] for r in em) * 1e6:.1f} to "
         f"{max(r['closed_form_intra_exposed_s'] for r in em) * 1e6:.1f} µs exposed (α = "
         f"{E['intra']['latency_s'] * 1e6:.0f} µs). The closed form assumes gradients at a steady rate; where it "
@@ -476,7 +476,7 @@ if E is not None:
         f"({opt['inter']['exposed_s'] * 1e3:.1f} ms exposed; {at25['exposed_s'] * 1e3:.1f} ms at "
         f"{at25['bucket_mb']} MiB, near DDP's default 25 MB; {cf[-1]['exposed_s'] * 1e3:.0f} ms in one bucket) "
         f"on {link['name']}, and at {opt['intra']['bucket_mb']} MiB "
-        f"({opt['intra']['exposed_s'] * 1e3:.2f} ms) on {E['intra']['name']}"
+        f"({opt['intra']['intra_exposed_s'] * 1e3:.2f} ms) on {E['intra']['name']}"
         + (f", where the whole all-reduce ({cf[-1]['intra_exposed_s'] * 1e3:.0f} ms) is shorter than backward: "
            "small buckets leave little more than the last one exposed." if cf[-1]["intra_exposed_s"] < M["backward_s"]
            else ".")))

@@ -225,12 +225,8 @@ def buckets(ctx, cfg: dict) -> dict:
                             "closed_form_intra_exposed_s": closed_form(cap, backward_m, scales["bytes"], hw.intra)})
     grad = real_op["wire_bytes"]
     E["matched"] = {"stands_for": cfg["stands_for"], "scales": scales, "backward_s": backward_m,
-                    "backward_gemm_s": real_op["gemm_flops"] / hw.gpu.bf16_flops,
-                    "grad_bytes": grad, "rows": matched,
-                    "closed_form_real": [{"bucket_mb": mb, **{name: steady_exposed(
-                        _equal_buckets(grad, mb * 2**20), backward_m, n, on.latency_s, on.bytes_per_s)
-                        for name, on in (("exposed_s", link), ("intra_exposed_s", hw.intra))}}
-                        for mb in REAL_BUCKET_MB if mb * 2**20 < 2 * grad]}
+                    "backward_gemm_s": real_op["gemm_flops"] / hw.gpu.bf16_flops, "grad_bytes": grad,
+                    "rows": matched, "closed_form_real": _closed_form_sweep(grad, backward_m, n, link, hw.intra)}
     out["emulated"] = E
     return out
 
@@ -239,10 +235,20 @@ REAL_BUCKET_MB = [2 ** i for i in range(0, 19)]
 """Bucket sizes (MiB) of the closed form at the real model's scale: 1 MiB up to one bucket for the gradient."""
 
 
-def _equal_buckets(total: float, size: float) -> list[float]:
-    """``total`` bytes in buckets of ``size`` (the last one smaller)."""
-    full, rest = divmod(total, size)
-    return [size] * int(full) + ([rest] if rest else [])
+def _closed_form_sweep(grad_bytes: float, backward_s: float, n: int, link: Link, intra: Link) -> list[dict]:
+    """``steady_exposed`` of a ``grad_bytes`` gradient cut into equal buckets of each ``REAL_BUCKET_MB`` (the last
+    one smaller), on ``link`` and on ``intra``, up to the first size that holds the whole gradient."""
+    from toolkit.comm.bucketing import steady_exposed
+    rows = []
+    for mb in REAL_BUCKET_MB:
+        full, rest = divmod(grad_bytes, mb * 2**20)
+        sizes = [mb * 2**20] * int(full) + ([rest] if rest else [])
+        rows.append({"bucket_mb": mb, "exposed_s": steady_exposed(sizes, backward_s, n, link.latency_s,
+                                                                  link.bytes_per_s),
+                     "intra_exposed_s": steady_exposed(sizes, backward_s, n, intra.latency_s, intra.bytes_per_s)})
+        if len(sizes) == 1:
+            break
+    return rows
 
 
 def _link(link) -> dict:
