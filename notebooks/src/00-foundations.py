@@ -29,13 +29,14 @@ timeout_s: int = 600
 # %%
 import inspect
 import json
+from dataclasses import replace
 
 from IPython.display import Markdown, display
 
 from toolkit import launch, viz
 from toolkit.comm.bandwidth import check_nccl_settings, parse_exports
 from toolkit.memory import checkpointing
-from toolkit.planner import Cluster, Workload, plan
+from toolkit.planner import Workload, plan
 
 results = launch("l00_foundations", world_size, {"preset": preset}, backend=backend, timeout_s=timeout_s)
 r0 = results[0]
@@ -568,24 +569,28 @@ print(f"gradient all-reduce bytes sent per rank per step: {b['allreduce_sent_byt
 # ## 8 · A decision guide: DP, TP, PP, ZeRO from model size and hardware
 #
 # A **cost model** (not a measurement) of memory per GPU and step time for every (dp, tp, pp, ZeRO stage) that
-# divides the cluster. Change the workload and the cluster below; the table is re-ranked. The memory formulas
-# are the same ones the ZeRO section checks against real bytes.
+# divides the cluster. The hardware is the `h100-ib400` preset of section 6b (`toolkit.runtime.cluster`: its
+# GPU's bf16 peak and memory, NVLink inside a node of 8, InfiniBand between nodes); what the model assumes about
+# the software is `planner.Assumptions()` (`mfu=0.45`, `dp_overlap=0.7`: the share of the DP all-reduce hidden
+# behind backward). Change the workload and the cluster below; the table is re-ranked. The memory formulas are
+# the same ones the ZeRO section checks against real bytes.
 #
 # The article says a 10B model's fp32 gradients (40 GB) mean "640 GB moved per all-reduce on 16 GPUs". A ring
 # all-reduce sends `2(n−1)/n × 40 GB = 75 GB` *per GPU* (`16 × 75 GB = 1.2 TB` summed over 16 GPUs): the
 # article's number is neither.
 
 # %%
-w, c = Workload(params=7e9, layers=32, hidden=4096, heads=32, seq_len=4096), Cluster(gpus=64)
-top = plan(w, c)[:8]
+h100 = make_cluster("h100-ib400")
+top = plan(Workload(params=7e9, layers=32, hidden=4096, heads=32, seq_len=4096), h100, gpus=64)[:8]
 viz.table([{k: v for k, v in row.items() if k in ("dp", "tp", "pp", "zero", "memory_gb", "fits", "step_s")}
            for row in top], title="7B, seq 4096, 64 × H100 (cost model): fastest configurations that fit",
           formats={"memory_gb": ".1f", "step_s": ".2f"}).show()
 
 # %%
 def _plan_table(params_b: float, gpus: int, memory_gb: int, inter_gbps: float, seq_len: int):
-    rows = plan(Workload(params=params_b * 1e9, seq_len=seq_len), Cluster(gpus=gpus, memory_gb=memory_gb,
-                                                                         inter_gbps=inter_gbps))[:8]
+    hw = make_cluster(h100, gpu=replace(h100.gpu, memory_bytes=memory_gb * 1e9),
+                      inter=replace(h100.inter, bytes_per_s=inter_gbps * 1e9))
+    rows = plan(Workload(params=params_b * 1e9, seq_len=seq_len), hw, gpus)[:8]
     keep = ("dp", "tp", "pp", "zero", "memory_gb", "fits", "step_s")
     return viz.table([{k: v for k, v in row.items() if k in keep} for row in rows],
                      formats={"memory_gb": ".1f", "step_s": ".2f"},
@@ -593,9 +598,9 @@ def _plan_table(params_b: float, gpus: int, memory_gb: int, inter_gbps: float, s
 
 
 viz.explore(_plan_table, {"params_b": [1.0, 3.0, 7.0, 13.0, 34.0, 70.0, 175.0], "gpus": [8, 16, 32, 64, 128, 256],
-                          "memory_gb": [40, 80, 141], "inter_gbps": [5.0, 12.5, 25.0, 50.0, 100.0],
+                          "memory_gb": [40, 80, 141], "inter_gbps": [5.0, 12.5, 25.0, 46.0, 100.0],
                           "seq_len": [2048, 4096, 8192, 32768]},
-            defaults={"params_b": 7.0, "gpus": 64, "memory_gb": 80, "inter_gbps": 50.0, "seq_len": 4096})
+            defaults={"params_b": 7.0, "gpus": 64, "memory_gb": 80, "inter_gbps": 46.0, "seq_len": 4096})
 
 # %%
 from toolkit.report import headline

@@ -275,7 +275,8 @@ display(viz.gantt([s for r in results for s in r["spans"]], color_by="kind", lab
 # ## 4 · Simulated: the seed's scale (Llama-13B, PP8 × 8 DP·CP ranks, 2048 sequences, full recompute)
 #
 # **Simulation, not measurement.** `toolkit.context.dcp_sim` times a step from a cost model: linear layers and
-# attention at assumed achieved FLOP/s, each ring hop at an assumed link bandwidth and latency, overlapped with
+# attention at assumed fractions of the `h100-ib400` preset's bf16 peak (`dcp_sim.Efficiency`), each ring hop
+# at an assumed link bandwidth and latency (`dcp_sim.RING_HOP`, in place of the preset's NVLink), overlapped with
 # 1/cp of the attention it feeds; a micro-batch's stage time is its slowest group's; 1F1B over 8 stages with these
 # unequal micro-batches is timed by `toolkit.pipeline.simulate`. Up to `sim_cap` tokens per rank, sequences up to
 # 8·`sim_cap` (static CP is the size the longest needs). Two length distributions: **GitHub-like** = this
@@ -284,14 +285,15 @@ display(viz.gantt([s for r in results for s in r["spans"]], color_by="kind", lab
 
 # %%
 setup = dcp_sim.Setup(cap=sim_cap, gbs=sim_gbs if sim_gbs is not None else (512 if preset == "smoke" else 2048))
-hw = dcp_sim.Hardware()
+hw = dcp_sim.CLUSTER
 max_len = setup.dcp * setup.cap
 dists = {"GitHub-like (corpus)": dcp_sim.corpus_lengths(setup.gbs, max_len),
          "CommonCrawl-like (assumed log-normal)": dcp_sim.lognormal_lengths(setup.gbs, max_len)}
 sim_plans = {d: dcp_sim.plans_for(lengths, setup) for d, lengths in dists.items()}
 sims = {d: dcp_sim.compare(dists[d], setup, hw=hw, plans=sim_plans[d]) for d in dists}
 print(f"{setup.gbs} sequences per step, cap {setup.cap} tokens per rank, PP {setup.pp} × {setup.dcp} DP·CP ranks; "
-      f"hardware: {hw.name}")
+      f"hardware: {hw.name} ({hw.gpu.name}, ring hop {hw.intra.bytes_per_s / 1e9:.0f} GB/s, α "
+      f"{hw.intra.latency_s * 1e6:.0f} µs: {hw.intra.source}); efficiencies {dcp_sim.Efficiency()}")
 
 # %%
 for d, sim in sims.items():
@@ -441,7 +443,7 @@ headline("12", "dynamic context parallelism",
 
 # %% [markdown]
 #
-# **Try:** `sim_cap=4096` (longer sequences need more ranks); `dcp_sim.Hardware(attn_flops=...)` or
+# **Try:** `sim_cap=4096` (longer sequences need more ranks); `eff=dcp_sim.Efficiency(attention=...)` or
 # `dcp_sim.Setup(pp=4, dcp=16)` in section 4; `schedule_dynamic(..., max_imbalance=1.3)` and compare the ring
 # bytes; a `lengths=[...]` list in the lesson's cfg with one very long sequence among short ones.
 #

@@ -365,11 +365,12 @@ if branch:
 
 # %%
 print(inspect.getdoc(lesson.case_13b))
-w13, c13 = lesson.case_13b()
-plan_rows = planner.choose(w13, c13)
+w13, hw13, gpus13, assume13 = lesson.case_13b()
+print(hw13.describe())
+plan_rows = planner.choose(w13, hw13, gpus13, assume=assume13)
 best = plan_rows[0]
 print(f"\n{len(plan_rows)} configurations, {sum(r['fits'] for r in plan_rows)} fit. The choice (model):")
-for line in planner.explain(plan_rows, c13):
+for line in planner.explain(plan_rows, hw13):
     print("  -", line)
 
 # %%
@@ -395,7 +396,7 @@ print(f"memory {best['memory_gb']:.1f} GB, step {best['step_s']:.2f} s, {best['t
 # 8 stages and the base micro-batch of §2.3), the row uses it.
 
 # %%
-claims = lesson.article_claims(w13, c13, best)
+claims = lesson.article_claims(w13, hw13, assume13, best)
 display(viz.table(claims, title="The source's claims beside the planner's numbers (a model)"))
 
 # %%
@@ -447,8 +448,8 @@ display(Markdown(f"Worst memory prediction: {worst_mem:.3f} × the measured peak
 #   same configuration as long as `bf16` stays before `bf16_residual` (both set the precision: the later one
 #   wins), the bars in between are not. Each step's tolerance follows the configuration before it
 #   (`compose.loss_rtol`).
-# - In `case_13b`, set `inter_gbps` to 1.25 (10 Gb Ethernet, the article's fallback) and see which knob the
-#   planner turns.
+# - In `case_13b`, set the inter-node link's `bytes_per_s` to 1.25e9 (10 Gb Ethernet, the article's fallback)
+#   and see which knob the planner turns.
 #
 # ## Sources
 #
@@ -471,5 +472,5 @@ headline("17", "the techniques composed (pp × dp, MoE experts inside dp)",
          claim="13B on 24 A100s at 892 tokens/s after tuning", source="seed article §6.3",
          reproduced=None,
          note=f"not testable here (no 24 A100s): the planner's {best['tokens_per_s']:,.0f} tokens/s for "
-              f"{planner.label(best)} is a model at an assumed {c13.mfu:.0%} MFU, not a measurement; 892 tokens/s "
-              f"would be {6 * w13.params * 892 / (c13.gpus * c13.peak_tflops * 1e12):.2%} MFU")
+              f"{planner.label(best)} is a model at an assumed {assume13.mfu:.0%} MFU, not a measurement; 892 tokens/s "
+              f"would be {6 * w13.params * 892 / (gpus13 * hw13.gpu.bf16_flops):.2%} MFU")
