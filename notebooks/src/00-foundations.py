@@ -428,7 +428,7 @@ assert repeated == ["NCCL_IB_DISABLE"]
 # virtual clock per rank takes time from models of the target hardware:
 #
 # ```
-# any ATen op   host += launch; stream = max(host, stream) + max(FLOPs / peak, bytes / HBM)  (roofline)
+# any ATen op   host += launch; stream = max(host, stream) + max(FLOPs / peak, bytes / HBM)
 # a transfer    end = max(now, link free) + α + S / β   on the link its group spans (NVLink or IB)
 #               a collective completes at the latest end over its ranks (side all-reduce of the ends);
 #               a p2p message's end travels beside it; wait() moves the stream to the completion

@@ -27,15 +27,15 @@
 #  serial         compute │ attn A │·······│ exp A │·······│ attn A'│ ...   then the same for B
 #                 network │        │disp A │       │comb A │        │
 #
-#  overlapped     compute │ attn A │ attn B │ exp A │ exp B │ attn A'│ attn B'│ ...  (forward with forward)
+#  overlapped     compute │ attn A │ attn B │ exp A │ exp B │ attn A'│ attn B'│ ... (fwd with fwd)
 #                 network │        │ disp A │ disp B│ comb A│ comb B │ disp A'│
 #                            attention of B while A dispatches · experts of A while B dispatches ·
 #                            experts of B while A combines · next attention of A while B combines
 #
-#  fb             compute │ attn B↓│ exp A↑ │ exp B↓│ attn A↑│ ...                  (forward under backward)
+#  fb             compute │ attn B↓│ exp A↑ │ exp B↓│ attn A↑│ ...                 (fwd under bwd)
 #                 network │comb A↑ │ disp B↓│disp A↑│ comb B↓│
-#                            B's forward and A's backward, each computing while the other's transfer is
-#                            in flight
+#                            B's forward and A's backward, each computing while the other's
+#                            transfer is in flight
 # ```
 #
 # Each all-to-all is issued asynchronously (`all_to_all_single(async_op=True)`) and waited on just before its
