@@ -614,9 +614,10 @@ headline("00", "data parallelism: DDP, ZeRO-1/2/3, FSDP2",
 
 # %% [markdown]
 # ## Try this
-# - Run with `world_size = 4` and compare the bus bandwidth curves: gloo's all-reduce is not bandwidth-optimal.
-# - In the decision guide, drop `inter_gbps` to 12.5 (100 Gb/s Ethernet) and watch ZeRO-3 and large DP fall.
-# - Add a `"mlp"` + `"attn"` policy combination in `toolkit/memory/checkpointing.py` and measure it.
+# - `world_size = 4`: compare the bus bandwidth curves; gloo's all-reduce is not bandwidth-optimal.
+# - In the decision guide's explorer (section 8), drop the `inter_gbps` control to 12.5 (100 Gb/s Ethernet) and
+#   watch ZeRO-3 and large DP fall.
+# - A code edit: add a `"mlp"` + `"attn"` policy combination to `toolkit/memory/checkpointing.py` and measure it.
 #
 # ## Sources
 # - Source article: `shared/seeds/001_bba0d011f7f175cd.txt` (claims tested above).

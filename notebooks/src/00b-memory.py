@@ -31,6 +31,7 @@ from typing import Optional
 world_size: int = 2
 preset: str = os.environ.get("TOOLKIT_PRESET", "default")  # smoke | default | full
 backend: str = "auto"  # auto | gloo | nccl
+cluster: str = "none"  # emulated cluster under the run: none | h100-ib400 | a100-ib200 | pcie-100gbe
 nvme_path: Optional[str] = None  # directory for the disk offload and the spill (None: the system temp directory)
 stage: Optional[int] = None  # ZeRO stage 1, 2 or 3 the offload runs on (None: the preset's, 3)
 buffer_count: Optional[int] = None  # disk offload staging buffers in flight (None: the preset's)
@@ -53,7 +54,7 @@ from toolkit.planner import Workload, memory_per_gpu, offload_per_gpu
 
 cfg = {"preset": preset, "nvme_path": nvme_path, "stage": stage, "buffer_count": buffer_count,  # None: the preset's
        "latency_ratio": latency_ratio, "comm_ratio": comm_ratio, "links": links}
-results = launch("l00b_memory", world_size, cfg, backend=backend, timeout_s=timeout_s)
+results = launch("l00b_memory", world_size, cfg, backend=backend, timeout_s=timeout_s, cluster=cluster)
 r0 = results[0]
 off = r0["offload"]
 print(f"{world_size} ranks on {r0['device']}, model {r0['model']['n_layer']} layers x d={r0['model']['d_model']} "
@@ -528,11 +529,18 @@ headline("00b", f"ZeRO-{off['stage']} + optimizer offload to host and disk (ZeRO
          note="fp32 here (ZeRO-Offload moves fp16); the article's 18 GB → 9.2 GB for 13B needs GPUs")
 
 # %% [markdown]
-# **Try:** `stage=1` or `2` (the offload works on every stage; `nvme_params` needs 3); `buffer_count=1` vs `4`
-# with `nvme_path` on a real NVMe drive; `latency_ratio=0` (pure bandwidth: the smallest buckets win) or
-# `comm_ratio=2` (communication longer than backward: nothing hides it); `links=["emulated", "real"]`.
+# ## Try this
 #
-# **Sources.** Rajbhandari et al., *ZeRO* (SC'20); Ren et al., *ZeRO-Offload* (ATC'21); Rajbhandari et al.,
+# - `stage = 1` or `stage = 2`: the optimizer offload works on every ZeRO stage; offloading the parameters to
+#   disk as well needs stage 3, so that row is left out.
+# - `buffer_count = 1` vs `buffer_count = 4`, with `nvme_path` set to a directory on a real NVMe drive.
+# - `latency_ratio = 0` (pure bandwidth: the smallest buckets win) or `comm_ratio = 2` (communication longer than
+#   backward: nothing hides it).
+# - `links = ["emulated", "real"]`: the bucket sweep on the real gloo link too.
+#
+# ## Sources
+#
+# Rajbhandari et al., *ZeRO* (SC'20); Ren et al., *ZeRO-Offload* (ATC'21); Rajbhandari et al.,
 # *ZeRO-Infinity* (SC'21) and DeepSpeed's `offload_optimizer`/`offload_param` (`buffer_count`, `buffer_size`);
 # PyTorch FSDP2 `CPUOffloadPolicy`; Li et al., *PyTorch Distributed: Experiences on Accelerating Data Parallel
 # Training* (VLDB'20, DDP gradient bucketing); `torch.utils.checkpoint`, `torch.autograd.graph.saved_tensors_hooks`;

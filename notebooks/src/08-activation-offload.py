@@ -51,6 +51,8 @@ from typing import Optional
 world_size: int = 2
 preset: str = os.environ.get("TOOLKIT_PRESET", "default")  # smoke | default | full
 backend: str = "auto"  # auto | gloo | nccl
+cluster: str = "none"  # emulated cluster under the run: none | h100-ib400 | a100-ib200 | pcie-100gbe
+prefetch: Optional[bool] = None  # reload each group one group ahead of its backward (None: the preset's, True)
 policies: Optional[list] = None  # offload policies or module kinds to run (None: the preset's, every one)
 timeout_s: int = 900
 
@@ -100,8 +102,8 @@ from IPython.display import Markdown, display
 from toolkit import launch, viz
 from toolkit.report import headline
 
-results = launch("l08_activation_offload", world_size, {"preset": preset, "policies": policies}, backend=backend,
-                 timeout_s=timeout_s)
+cfg = {"preset": preset, "policies": policies, "prefetch": prefetch}  # None: the preset's value
+results = launch("l08_activation_offload", world_size, cfg, backend=backend, timeout_s=timeout_s, cluster=cluster)
 r0 = results[0]
 m = r0["model"]
 print(f"preset {preset}: GPT d_model={m['d_model']}, {m['n_layer']} layers, seq {m['seq_len']}, micro-batch "
@@ -348,13 +350,15 @@ headline("08", "pipeline-aware activation offload (1F1B, per-module groups, pref
 # %% [markdown]
 # ## Try this
 #
-# - `launch("l08_activation_offload", 2, {"preset": preset, "policies": ["all"], "prefetch": False})`: every
-#   reload becomes a late one: the backward would wait for each copy.
-# - `world_size=4` (and `n_layer` a multiple of 4): rank 0 holds 4 micro-batches without offload; how much of
-#   that does offload remove, and what about the last rank?
-# - `ActivationOffloader(..., groups=[(stage, mb, 0), ...])` offloads only some micro-batches (Megatron's
-#   `--activation-offload-fraction`); `min_bytes` skips small tensors (Megatron skips those under 1M elements).
-# - Offload and recompute together: recompute the cheap `ln1`/`ln2`/`act` and offload the rest.
+# - `policies = ["all"]` with `prefetch = False`: every reload becomes a late one: the backward would wait for
+#   each copy.
+# - `world_size = 4` (every preset's layer count is a multiple of 4): rank 0 holds 4 micro-batches without
+#   offload; how much of that does offload remove, and what about the last rank?
+# - A code edit: in `toolkit/lessons/l08_activation_offload.py`, `ActivationOffloader(..., groups=[(stage, mb, 0),
+#   ...])` offloads only some micro-batches (Megatron's `--activation-offload-fraction`); its `min_bytes` skips
+#   small tensors (Megatron skips those under 1M elements).
+# - A code edit: offload and recompute together (`toolkit/memory/offload.py` beside
+#   `toolkit/memory/checkpointing.py`): recompute the cheap `ln1`/`ln2`/`act` and offload the rest.
 #
 # ## Sources
 #

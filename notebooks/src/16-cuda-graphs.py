@@ -49,6 +49,8 @@ pp: int = 2  # pipeline ranks (the data-parallel size is world_size // pp)
 n_layer: Optional[int] = None  # None: the preset's; DualPipeV needs a multiple of 2·pp
 preset: str = os.environ.get("TOOLKIT_PRESET", "default")  # smoke | default | full
 backend: str = "auto"  # auto | gloo | nccl
+cluster: str = "none"  # emulated cluster under the run: none | h100-ib400 | a100-ib200 | pcie-100gbe
+micro_batch: Optional[int] = None  # sequences per micro-batch (None: the preset's)
 timeout_s: int = 600
 
 # %%
@@ -88,9 +90,10 @@ print(inspect.getsource(dp_separate.last_grad_ops))
 # replicas), DualPipeV over the pp ranks of each replica, each replica on its own micro-batches of real text.
 
 # %%
-run_cfg = {"preset": preset, "pp": pp, "dp": max(1, world_size // pp), "n_layer": n_layer}  # None: the preset's
+run_cfg = {"preset": preset, "pp": pp, "dp": max(1, world_size // pp), "n_layer": n_layer,  # None: the preset's
+           "micro_batch": micro_batch}
 cfg = lesson.validate(run_cfg, world_size)  # a bad combination stops here, before any process starts
-results = launch("l16_cuda_graphs", world_size, run_cfg, backend=backend, timeout_s=timeout_s)
+results = launch("l16_cuda_graphs", world_size, run_cfg, backend=backend, timeout_s=timeout_s, cluster=cluster)
 r0 = results[0]
 where = (f"this CPU ({len(results)} ranks sharing {os.cpu_count()} cores)" if r0["device"] == "cpu"
          else f"{r0['device']} (one device per rank)")
@@ -317,11 +320,15 @@ headline("16", "CUDA graphs with DualPipeV, DP all-reduce separated",
 # | DP separation | DualPipeV on gloo, `async_op=True` per stage | the same on NCCL, without graphs |
 # |  |  | (4 GPUs: `dp=2, pp=2`; 2 GPUs: `dp=2, pp=1`) |
 #
-# **Try:** `pp = 4, n_layer = 8` with `world_size = 4` (dp = 1): more pipeline ranks, earlier phase-1 chunks;
-# `world_size = 8` on a GPU node (dp = 4); a larger `micro_batch` in the cfg, and the share of host time in
-# section 4 falls.
+# ## Try this
 #
-# **Sources.** NVIDIA, *CUDA Graphs* (CUDA programming guide); PyTorch `torch.cuda.graphs`,
+# - `pp = 4` and `n_layer = 8` with `world_size = 4` (dp = 1): more pipeline ranks, earlier phase-1 chunks.
+# - `world_size = 8` on a GPU node (dp = 4).
+# - A larger `micro_batch`: the share of host time in section 4 falls.
+#
+# ## Sources
+#
+# NVIDIA, *CUDA Graphs* (CUDA programming guide); PyTorch `torch.cuda.graphs`,
 # `make_graphed_callables`, and `torch.compile(mode="reduce-overhead")`; Megatron-LM `--cuda-graph-impl`,
 # `--cuda-graph-modules` and its per-layer `_CudaGraphRunner`; DeepSeek-V3 technical report §3.2 and
 # `deepseek-ai/DualPipe` (DualPipeV); Qi et al., *Zero Bubble Pipeline Parallelism* (ICLR 2024).
