@@ -207,8 +207,8 @@ viz.lines({f"stage {i}": [r[i] or 0 for r in ranks] for i in range(cfg["stages"]
 # %%
 # NBVAL_CHECK_OUTPUT
 decisions = ranks[warm::cfg["window"]]
-print("ranks per window (stage 0, stage 1):", [tuple(r) for r in decisions])
-print("all ranks used the same ranks:", all(r["edgc"]["ranks"] == ranks for r in results))
+print("PowerSGD ranks per window (stage 0, stage 1):", [tuple(r) for r in decisions])
+print("every process used the same PowerSGD ranks:", all(r["edgc"]["ranks"] == ranks for r in results))
 
 # %%
 assert all(r["edgc"]["ranks"] == ranks for r in results)
@@ -244,8 +244,8 @@ assert at["error_mp"] > 2 * at["error_grad_end"], "the MP model should overstate
 display(Markdown(
     f"**The Marchenko–Pastur model mispredicts the real gradient's error.** At r = {at['rank']} it says a sketch "
     f"misses {at['error_mp']:.2f} of ‖M‖²; this model's real gradient misses {at['error_grad_end']:.4f} at the end "
-    f"of training ({at['error_grad_init']:.4f} at initialisation): {factor:.0f}× less. A rank rule built on it "
-    f"would keep ranks far too large, so it is **not** the rank rule used here: the rank comes from the entropy "
+    f"of training ({at['error_grad_init']:.4f} at initialisation): {factor:.0f}× less. A PowerSGD-rank rule built on "
+    f"it would keep ranks far too large, so it is **not** the rule used here: the PowerSGD rank comes from the entropy "
     f"(section 5), and the Marchenko–Pastur curve only marks the worst case, a gradient with no structure at all."))
 
 # %% [markdown]

@@ -21,6 +21,7 @@
 
 # %% tags=["parameters"]
 import os
+from typing import Optional
 
 world_size: int = 4  # pipeline stages, one process each
 preset: str = os.environ.get("TOOLKIT_PRESET", "default")  # smoke | default | full

@@ -91,6 +91,10 @@ from IPython.display import Markdown, display
 from toolkit import launch, viz
 from toolkit.report import headline
 
+def clones(n: int) -> str:
+    return f"{n} clone{'' if n == 1 else 's'}"
+
+
 cfg = {"preset": preset, "zipf_s": zipf_s, "spare_slots": spare_slots, "min_tokens": min_tokens}  # None: the preset's
 results = launch("l15_echo", world_size, cfg, backend=backend, timeout_s=timeout_s, cluster=cluster)
 r0 = results[0]
@@ -139,12 +143,11 @@ else:
                + ", ".join(f"the clone of expert {cl['expert']} on rank {cl['rank']} ({cl['tokens']} pairs)"
                            for cl in plan["reclaimed"])
                + "; each found no free slot or fell below `min_tokens`, so its pairs stay home.")
-n_cl = len(plan["clones"])
 # the claim "cloning evens out the load" can only be tested on a routing that is not balanced already
 evens_out = None if plan["ratio_before"] <= target else plan["ratio_after"] <= target
 display(Markdown(
-    f"Max/mean rank load: **{plan['ratio_before']:.2f} → {plan['ratio_after']:.3f}** with {n_cl} "
-    f"clone{'' if n_cl == 1 else 's'} (Zipf({c['zipf_s']}) routing, {mc['n_expert']} experts on {R} ranks; balanced: "
+    f"Max/mean rank load: **{plan['ratio_before']:.2f} → {plan['ratio_after']:.3f}** with "
+    f"{clones(len(plan['clones']))} (Zipf({c['zipf_s']}) routing, {mc['n_expert']} experts on {R} ranks; balanced: "
     f"at most {target}). "
     + {None: f"The routing was balanced before cloning ({plan['ratio_before']:.2f} ≤ {target}): there was no "
              "imbalance for ECHO to even out. ",
@@ -202,7 +205,7 @@ display(Markdown(
     f"(bitwise equal on {sum(r['layer']['outputs_bitwise'] for r in results)} of {R} ranks). The hot experts' home "
     f"rank computed their own pairs (gradient norm {L0['own_grad_norm']:.3g}) and got the clones' share back "
     f"(norm {L0['clone_grad_norm']:.3g}); the sum matches the gradient without cloning. Moving the weights: "
-    f"{n_clones} clones × {P:,} parameters × 4 B = {viz.human_bytes(weight_bytes)} out and the same back as "
+    f"{clones(n_clones)} × {P:,} parameters × 4 B = {viz.human_bytes(weight_bytes)} out and the same back as "
     f"gradients, per layer and step."))
 
 # %% [markdown]
@@ -257,7 +260,7 @@ display(Markdown(
     f"the clone count move together across the budgets (correlation {fit['corr']:.2f}), so the fit separates A from B "
     f"only as well as those few points allow. Each clone's {viz.human_bytes(P * 4)} of weights out and of gradient "
     f"back (counted in section b) cross gloo's threads, not this clock. {pays} With "
-    f"{last['clones']} clones the busiest rank's CPU time went from {first['busiest_cpu_s'] * 1e3:.1f} to "
+    f"{clones(last['clones'])} the busiest rank's CPU time went from {first['busiest_cpu_s'] * 1e3:.1f} to "
     f"{last['busiest_cpu_s'] * 1e3:.1f} ms ({last['busiest_cpu_s'] / first['busiest_cpu_s']:.2f}×) while its pairs went "
     f"from {first['max_rank_tokens']:,} to {last['max_rank_tokens']:,} ({last['max_rank_tokens'] / first['max_rank_tokens']:.2f}×); "
     f"the wall step of the shared machine went from {rows[0]['wall_s'] * 1e3:.0f} to {last['wall_s'] * 1e3:.0f} ms "
@@ -326,8 +329,8 @@ display(Markdown(
 consistent = all(r["layer"]["outputs_close"] and r["layer"]["home_plus_clone_grads_equal_plain"]
                  and r["layer"]["clones_bitwise_home"] for r in results)
 headline("15", "ECHO (cloning hot experts)",
-         f"max/mean rank load {plan['ratio_before']:.2f} → {plan['ratio_after']:.3f} with {n_cl} "
-         f"clone{'' if n_cl == 1 else 's'} (Zipf({c['zipf_s']}) routing, {mc['n_expert']} experts on {R} ranks); outputs and home + clone "
+         f"max/mean rank load {plan['ratio_before']:.2f} → {plan['ratio_after']:.3f} with "
+         f"{clones(len(plan['clones']))} (Zipf({c['zipf_s']}) routing, {mc['n_expert']} experts on {R} ranks); outputs and home + clone "
          f"gradients equal the layer without cloning; {viz.human_bytes(weight_bytes)} of weights out and back per "
          f"layer and step", value=plan["ratio_after"], unit="max/mean rank load after cloning",
          claim="cloning hot experts onto idle EP ranks evens out the load, clones' weights and gradients kept "
