@@ -14,6 +14,8 @@ Names are notebook stems like ``00-foundations``; no names = all.
 ``execute`` is how the project's tools and tests run a notebook with papermill: it refuses a parameter the
 notebook does not declare. papermill itself only logs "Passed unknown parameter" and injects the assignment
 anyway, so a misspelt or undeclared knob would look set in the executed notebook while the run ignored it.
+``suggestions`` reads the items of a notebook's Try section and the knobs they name (checked by
+``tests/test_try_lines.py``; ``tests/test_notebooks.py`` runs one item per lesson).
 """
 from __future__ import annotations
 

@@ -7,7 +7,8 @@ Writes out/notebooks/NN-name.ipynb (executed), out/summary.json (status and seco
 out/html/NN-name.html (one offline page per lesson), out/index.html (with each notebook's time) and
 out/results.html + out/results.json (the course results page: each lesson's headline measurement beside its
 source's claim, collected from the executed notebooks' ``toolkit.report.headline`` outputs).
-Exits non-zero if any notebook failed; the others still run.
+Exits non-zero if any notebook failed; the others still run. A ``-p`` name one of the notebooks does not declare
+stops it before any notebook runs (exit status 2), naming the notebook's parameters.
 """
 from __future__ import annotations
 
@@ -42,7 +43,11 @@ def main(argv: list[str] | None = None) -> int:
     import nb as nb_tool
 
     params = {"preset": args.preset, "backend": args.backend}
-    params.update({k: _value(v) for k, _, v in (p.partition("=") for p in args.param)})
+    for p in args.param:
+        name, eq, value = p.partition("=")
+        if not (eq and name):
+            ap.error(f"-p {p!r}: expected NAME=VALUE")
+        params[name] = _value(value)
     notebooks = sorted((ROOT / "notebooks").glob("*.ipynb"))
     if args.only:
         notebooks = [nb for nb in notebooks if any(nb.name.startswith(o) for o in args.only)]

@@ -207,7 +207,8 @@ headline("04", f"int8 all-to-all (MoE dispatch, one fp32 scale per {cfg['block']
 # %% [markdown]
 # ## Try this
 #
-# - `block = 32`: the scales then cost 4/32 of a byte per value; does int8 still meet 0.52×?
+# - `block = 32`: the scales then cost 4/32 of a byte per value; does int8 still halve the data, by the
+#   headline's target?
 # - `world_size = 4` with `preset = "default"`: more ranks, more of each token's experts are remote.
 # - A code edit: quantize the combine as well (`expert_parallel(model, codec="int8", combine_codec="int8")` in
 #   `toolkit/lessons/l04_int8_a2a.py`) and compare the loss; or dispatch in `"fp8"` (lesson 14).

@@ -100,7 +100,7 @@ for r in range(4):
 # %% [markdown]
 # ## 3 · Simulated first: where does a recompute cost nothing?
 #
-# Unit costs per micro-batch and rank F = 1, B = 2 (a recompute costs a forward; interleaved chunks half of
+# Unit costs per micro-batch and rank F = 1, B = 2 (a recompute costs a forward; interleaved chunks 1/v of
 # each), p = 4, m = 8. `comm` is the latency of one activation or gradient hop: the larger it is, the longer
 # ranks wait, and the more recompute fits. **Simulator only** in this section.
 
@@ -149,7 +149,7 @@ display(Markdown(
     f"{s0['interleaved bubble cooldown'].makespan - s0['interleaved'].makespan:g} interleaved, against "
     f"{s0['1f1b inline cooldown'].makespan - s0['1f1b'].makespan:g} and "
     f"{s0['interleaved inline cooldown'].makespan - s0['interleaved'].makespan:g} inline. They are free at every "
-    f"latency in 1F1B, and interleaved (half-size chunks, shorter cool-down gaps) from comm = "
+    f"latency in 1F1B, and interleaved ({V} chunks per rank, shorter cool-down gaps) from comm = "
     f"{min(free['interleaved']):g} on. They lower rank 0's peak only "
     f"with interleaving ({s0['interleaved'].peak_mb[0]:g} → {s0['interleaved bubble cooldown'].peak_mb[0]:g} "
     f"micro-batches; 1F1B stays at {s0['1f1b bubble cooldown'].peak_mb[0]:g}). The cap policy bounds the peak at "

@@ -47,6 +47,7 @@ from typing import Optional
 world_size: int = 4
 pp: int = 2  # pipeline ranks (the data-parallel size is world_size // pp)
 n_layer: Optional[int] = None  # None: the preset's; DualPipeV needs a multiple of 2·pp
+m: Optional[int] = None  # micro-batches per replica, DualPipeV needs at least 2·pp (None: the preset's)
 preset: str = os.environ.get("TOOLKIT_PRESET", "default")  # smoke | default | full
 backend: str = "auto"  # auto | gloo | nccl
 cluster: str = "none"  # emulated cluster under the run: none | h100-ib400 | a100-ib200 | pcie-100gbe
@@ -91,7 +92,7 @@ print(inspect.getsource(dp_separate.last_grad_ops))
 
 # %%
 run_cfg = {"preset": preset, "pp": pp, "dp": max(1, world_size // pp), "n_layer": n_layer,  # None: the preset's
-           "micro_batch": micro_batch}
+           "m": m, "micro_batch": micro_batch}
 cfg = lesson.validate(run_cfg, world_size)  # a bad combination stops here, before any process starts
 results = launch("l16_cuda_graphs", world_size, run_cfg, backend=backend, timeout_s=timeout_s, cluster=cluster)
 r0 = results[0]
@@ -322,7 +323,8 @@ headline("16", "CUDA graphs with DualPipeV, DP all-reduce separated",
 #
 # ## Try this
 #
-# - `pp = 4` and `n_layer = 8` with `world_size = 4` (dp = 1): more pipeline ranks, earlier phase-1 chunks.
+# - `pp = 4`, `n_layer = 8` and `m = 8` with `world_size = 4` (dp = 1): more pipeline ranks, earlier phase-1
+#   chunks.
 # - `world_size = 8` on a GPU node (dp = 4).
 # - A larger `micro_batch`: the share of host time in section 4 falls.
 #
