@@ -134,14 +134,6 @@ def test_every_lesson_suggests_a_parameter_with_a_value(name):
     assert runnable, f"{name}: no Try item sets a parameter to a value"
 
 
-def test_every_notebook_declares_what_run_all_passes_to_all():
-    """``run_all -p`` passes a parameter to every notebook it runs: each must declare it (papermill would only warn
-    about an unknown one and inject it, so a dead knob would look set)."""
-    shared = ("world_size", "preset", "backend", "cluster")
-    missing = {n: [p for p in shared if p not in parameters(n)] for n in NAMES}
-    assert not any(missing.values()), {n: m for n, m in missing.items() if m}
-
-
 # ---- the parser itself ----------------------------------------------------------------------------------------
 
 def test_suggestions_are_read_and_classified(tmp_path, monkeypatch):
