@@ -175,7 +175,7 @@ def run(ctx, cfg: dict) -> dict:
         emu = emulated(ctx, cfg, setup, make, stepper)
 
     return {"rank": rank, "p": p, "m": cfg["m"], "stages": schedule.stages_of(rank),
-            "order": [f"{op}{k[1]}" for op, k in order], "skip_within": cfg["skip_within"],
+            "order": [f"{op}{k[1]}" for op, k in order], "skip_within": cfg["skip_within"], "prefetch": cfg["prefetch"],
             "long_lived": sorted(mb for _, mb, _ in long), "in_flight": in_flight(order), "chunk_bytes": chunk_bytes,
             "budget_bytes": budget, "emulated": emu,
             "n_params_stage": sum(q.numel() for module in setup.stages(setup.base, schedule, rank).values()
