@@ -37,7 +37,7 @@ PARAMS = {**common("model", "n_layer", "m", "micro_batch", "warmup", "bench_step
           "stands_for": Param(str, "the real model whose layers the emulated cluster times the toy's as (the "
                                    "workload-matched mode)", choices=("llama2-7b", "llama2-13b", "llama2-70b"))}
 PRESETS = {
-    "smoke": {"model": "smoke", "n_layer": 8, "m": 8, "micro_batch": 2, "keep": 2, "v": 2, "warmup": 1,
+    "smoke": {"model": "smoke", "n_layer": 8, "m": 8, "micro_batch": 2, "keep": 2, "v": 2, "warmup": 0,
               "bench_steps": 1, "rounds": 3, "stands_for": "llama2-7b"},
     "default": {"model": "default", "n_layer": 8, "m": 8, "micro_batch": 1, "keep": 2, "v": 2, "warmup": 1,
                 "bench_steps": 1, "rounds": 3, "stands_for": "llama2-7b"},
