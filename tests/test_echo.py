@@ -252,7 +252,9 @@ def test_lesson_runs_at_smoke():
     assert all(all(inv.values()) for inv in r0["learned"]["invariants"])
     # (c') on the emulated cluster, matched to DeepSeek-V3's experts: virtual times are deterministic
     em = r0["emulated"]
-    assert [r["emulated"] == em for r in res] == [True] * 4  # the slowest rank's step, gathered: the same everywhere
+    # the slowest rank's step, gathered: the same points and fit on every rank
+    assert all([p["step_s"] for p in r["emulated"]["points"]] == [p["step_s"] for p in em["points"]]
+               and r["emulated"]["cost_model"] == em["cost_model"] for r in res)
     assert em["link"] == h100.intra.name and sorted({p["tokens"] for p in em["points"]}) == [128, 256]
     for t in (128, 256):
         clones = [p["clones"] for p in em["points"] if p["tokens"] == t]

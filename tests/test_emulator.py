@@ -102,8 +102,8 @@ def test_g_emulation_changes_no_result_and_models_communication(emulated, plain)
 
 def test_h_a_host_read_waits_for_the_stream_and_pausing_stops_the_clock():
     h100 = cluster("h100-ib400", float_bytes=4)
-    emulated = launch(f"{CHECKS}:host", 2, {}, cluster=h100, progress="none", timeout_s=120)
-    plain = launch(f"{CHECKS}:host", 2, {}, progress="none", timeout_s=120)
+    emulated = launch(f"{CHECKS}:host", 2, {}, cluster=h100, progress="none", timeout_s=300)
+    plain = launch(f"{CHECKS}:host", 2, {}, progress="none", timeout_s=300)
     launch_s = h100.gpu.launch_s
     read_s = 2 * 4 * 8 / h100.gpu.hbm_bytes_per_s  # 4 int64 read and written by the copy to the host
     for r in emulated:

@@ -22,7 +22,7 @@
 # | (c) | two-hop: once per remote *node* on the slow link, then fan-out inside | inter-node bytes |
 # | (d) | low-latency: fixed buffers, no size exchange first, a receive hook | padding, exposed time |
 # | (e) | FP8 / INT8 dispatch with one scale per 128 channels, BF16 combine | bytes per token, SNR |
-# | (f) | why only low-latency mode fits in a CUDA graph | host syncs found; the count exchange, emulated |
+# | (f) | why only low-latency mode fits in a CUDA graph | host syncs; the count exchange, emulated |
 
 # %% [markdown]
 # ## The idea
@@ -336,10 +336,10 @@ display(Markdown(
 # received-count signal) and its low-latency kernels as graph-compatible. The reason is the count exchange:
 #
 # ```
-#  normal       counts ─► all_gather ─► the host reads them ─► allocates recv [Σ counts, H] ─► all_to_all
-#                                        └ a host sync, and a buffer whose size changes from step to step
-#  low latency  recv [local experts, max_tokens · ranks, H], allocated once ─► all_to_all (data and counts)
-#                                        └ nothing for the host to read: the same kernels and shapes every step
+#  normal       counts ─► all_gather ─► the host reads them ─► recv [Σ counts, H] ─► all_to_all
+#                                       └ a host sync; a buffer whose size changes every step
+#  low latency  recv [local experts, max_tokens · ranks, H], once ─► all_to_all (data and counts)
+#                                       └ nothing for the host to read: the same kernels and shapes
 # ```
 #
 # A graph replays fixed kernels on fixed buffers, and nothing may wait for the device while it is captured. Each

@@ -34,7 +34,7 @@
 #     spills and capacities, both sorted descending, laid end to end: each overlap is one clone
 #  forward:   home weights ─► all_to_all ─► spare slots
 #             tokens of e: every source rank sends its share to home and to each clone
-#             (home keeps keep_e of e's pairs, clone j takes a_j: a source sends it ≈ its pairs · a_j / Σ)
+#             (clone j takes a_j of e's pairs: a source sends it ≈ its pairs · a_j / Σ)
 #  backward:  the clones' gradients ─► all_to_all ─► home, added to the expert's gradient
 #             (the clones are dropped; the next step plans again)
 # ```
@@ -310,10 +310,10 @@ else:
         f"Fitted to the emulated steps: {fitted}. The formula (`clone_break_even`, a cost model: a clone's "
         f"{viz.human_bytes(link_be['bytes'])} out and back on {EM['link']}, neither hidden behind compute, "
         f"{link_be['clone_s'] * 1e6:.0f} µs; a pair's expert work forward and backward at the {EM['gpu']}'s peak, "
-        f"{link_be['pair_s'] * 1e6:.3f} µs) gives {link_be['break_even_pairs']:,.0f} pairs. The fit's B comes out "
-        f"{'below' if efit['rank'] == 3 and efit['B'] < link_be['clone_s'] else 'at or above'} the formula's clone "
-        "cost: clones of experts from different home ranks leave on different links at once, which the formula, one "
-        "clone at a time on one link, does not count."))
+        f"{link_be['pair_s'] * 1e6:.3f} µs) gives {link_be['break_even_pairs']:,.0f} pairs."
+        + (" The fit's B comes out below the formula's clone cost: clones of experts from different home ranks leave "
+           "on different links at once, which the formula, one clone at a time on one link, does not count."
+           if efit["rank"] == 3 and efit["B"] < link_be["clone_s"] else "")))
 
 # %% [markdown]
 # **The break-even at DeepSeek-V3's size** (cost model, `clone_break_even`). Assumed: the weights and the gradient

@@ -238,7 +238,7 @@ def timing_section(ctx, cfg: dict) -> dict:
     return {"rows": rows}
 
 
-# ---- (c') the clone budgets on the emulated cluster, and the cost model fitted there ----------------------------------
+# ---- (c') the clone budgets on the emulated cluster, and the cost model fitted there ------------------------------
 def emulated_section(ctx, cfg: dict) -> dict | None:
     """The layer's training step per clone budget (every budget the slots allow), at ``tokens`` and half as many
     per rank (the busiest rank's pairs then move apart from the clone count), one step each on the emulated

@@ -85,90 +85,93 @@ def run(ctx, cfg: dict) -> dict:
                               hooks=[sep] + ([GraphReplay(ctx.emulator)] if graphs else []))
         return model, ex, sep
 
-    # -- one checked step per variant ------------------------------------------------------------------
-    runs, models = {}, {}
-    for name in VARIANTS:
-        model, ex, sep = executor(name)
-        with ctx.ledger.tag(name):
-            loss = ex.step(inputs, targets)
-        runs[name] = {"loss": loss, "grad_max_diff": setup.grad_diff(model, schedule, r),
-                      "dp_bytes": ctx.ledger.total("sent_bytes", tag=name, op="all_reduce"),
-                      "p2p_bytes": ctx.ledger.total("sent_bytes", tag=name, op="isend"),
-                      "reduces": [{k: v for k, v in x.items() if k in ("stage", "bucket", "bytes")}
-                                  for x in sep.reduces]}
-        models[name] = model
-    bitwise = {name: grads_bitwise_equal(models["plain"], models[name],
-                                         setup.stages(models["plain"], schedule, r).values()) for name in VARIANTS[1:]}
-    losses = [runs[n]["loss"] for n in VARIANTS]
-    ctx.progress(1, 5, "checked")
+    # the real run: every section but the emulated one runs with the emulator paused (no bookkeeping on every op,
+    # which the host cost per op measured below would otherwise include)
+    with ctx.emulator.paused() if ctx.emulator is not None else contextlib.nullcontext():
+        # -- one checked step per variant ------------------------------------------------------------------
+        runs, models = {}, {}
+        for name in VARIANTS:
+            model, ex, sep = executor(name)
+            with ctx.ledger.tag(name):
+                loss = ex.step(inputs, targets)
+            runs[name] = {"loss": loss, "grad_max_diff": setup.grad_diff(model, schedule, r),
+                          "dp_bytes": ctx.ledger.total("sent_bytes", tag=name, op="all_reduce"),
+                          "p2p_bytes": ctx.ledger.total("sent_bytes", tag=name, op="isend"),
+                          "reduces": [{k: v for k, v in x.items() if k in ("stage", "bucket", "bytes")}
+                                      for x in sep.reduces]}
+            models[name] = model
+        plain_stages = setup.stages(models["plain"], schedule, r).values()
+        bitwise = {name: grads_bitwise_equal(models["plain"], models[name], plain_stages) for name in VARIANTS[1:]}
+        losses = [runs[n]["loss"] for n in VARIANTS]
+        ctx.progress(1, 5, "checked")
 
-    # -- one traced step per variant (aligned clocks), then all timed side by side ------------------------
-    traced = {}
-    for name in VARIANTS:
-        tl = Timeline(ctx.rank)
-        tl.origin = ctx.timeline.origin
-        model, ex, sep = executor(name, tl)
-        ctx.barrier()
-        start = tl.now()
-        ex.step(inputs, targets)
-        end = tl.now()
-        spans = tl.to_json()
-        for x in sep.reduces:
-            spans.append({"rank": ctx.rank, "kind": "DP all-reduce", "start": x["issued"], "end": x["done_by"],
-                          "meta": {"stage": x["stage"], "bucket": x["bucket"], "lane": "dp"}})
-        reduces = [{**x, "before_end_s": end - x["issued"]} for x in sep.reduces]
-        traced[name] = {"spans": spans, "step_s": end - start, "waits_s": sum(x["waited_s"] for x in sep.reduces),
-                        "reduces": reduces}
-    ctx.progress(2, 5, "timing")
-    timed = {name: executor(name) for name in VARIANTS}
-
-    def stepper(name):
-        model, ex, _ = timed[name]
-
-        def one():
-            model.zero_grad(set_to_none=True)
+        # -- one traced step per variant (aligned clocks), then all timed side by side ------------------------
+        traced = {}
+        for name in VARIANTS:
+            tl = Timeline(ctx.rank)
+            tl.origin = ctx.timeline.origin
+            model, ex, sep = executor(name, tl)
+            ctx.barrier()
+            start = tl.now()
             ex.step(inputs, targets)
-        return one
+            end = tl.now()
+            spans = tl.to_json()
+            for x in sep.reduces:
+                spans.append({"rank": ctx.rank, "kind": "DP all-reduce", "start": x["issued"], "end": x["done_by"],
+                              "meta": {"stage": x["stage"], "bucket": x["bucket"], "lane": "dp"}})
+            reduces = [{**x, "before_end_s": end - x["issued"]} for x in sep.reduces]
+            traced[name] = {"spans": spans, "step_s": end - start, "waits_s": sum(x["waited_s"] for x in sep.reduces),
+                            "reduces": reduces}
+        ctx.progress(2, 5, "timing")
+        timed = {name: executor(name) for name in VARIANTS}
 
-    with ctx.ledger.tag("bench"):
-        bench = compare({n: stepper(n) for n in VARIANTS}, warmup=cfg["warmup"], steps=cfg["bench_steps"],
-                        rounds=cfg["rounds"], sync=ctx.barrier)
-    exposed = {}
-    for name in VARIANTS:  # the DP wait at the end of the last timed step
-        exposed[name] = sum(x["waited_s"] for x in timed[name][2].reduces)
+        def stepper(name):
+            model, ex, _ = timed[name]
 
-    # -- what a graph would remove: ops and host cost per chunk of this rank's stages ------------------------
-    ctx.progress(3, 5, "op counts")
-    chunks = {}
-    stages = setup.stages(setup.fresh(), schedule, r)
-    last = schedule.n_stages - 1
-    for s, module in stages.items():
-        x = inputs[0] if s == 0 else torch.randn(cfg["micro_batch"], mc.seq_len, mc.d_model, device=ctx.device,
-                                                   requires_grad=True)
-        tiny = inputs[0][:1, :1] if s == 0 else torch.randn(1, 1, mc.d_model, device=ctx.device, requires_grad=True)
-        chunk = _chunk(module, x, targets[0] if s == last else None)
-        tiny_chunk = _chunk(module, tiny, targets[0][:1, :1] if s == last else None)
-        ops = count_ops(chunk)
-        tiny_ops = count_ops(tiny_chunk)
-        module.zero_grad(set_to_none=True)
-        passes = ("forward", "backward")
-        chunks[s] = {"ops": {k: sum(ops[k].values()) for k in passes}, "op_types": ops,
-                     "compute_ops": {k: sum(n for op, n in ops[k].items() if op not in ops["no_kernel"])
-                                     for k in passes},
-                     "tiny_ops": {k: sum(tiny_ops[k].values()) for k in passes},
-                     "time_s": dispatch_cost(chunk, repeats=5, device=ctx.device),
-                     "tiny_time_s": dispatch_cost(tiny_chunk, repeats=10, device=ctx.device),
-                     "has_loss": s == last, "embeds": s == 0}
-        module.zero_grad(set_to_none=True)
-    ctx.progress(4, 5, "capture audit")
-    audits = capture_audit(ctx, grid, mc, inputs[0], targets[0])
+            def one():
+                model.zero_grad(set_to_none=True)
+                ex.step(inputs, targets)
+            return one
+
+        with ctx.ledger.tag("bench"):
+            bench = compare({n: stepper(n) for n in VARIANTS}, warmup=cfg["warmup"], steps=cfg["bench_steps"],
+                            rounds=cfg["rounds"], sync=ctx.barrier)
+        exposed = {}
+        for name in VARIANTS:  # the DP wait at the end of the last timed step
+            exposed[name] = sum(x["waited_s"] for x in timed[name][2].reduces)
+
+        # -- what a graph would remove: ops and host cost per chunk of this rank's stages ------------------------
+        ctx.progress(3, 5, "op counts")
+        chunks = {}
+        stages = setup.stages(setup.fresh(), schedule, r)
+        last = schedule.n_stages - 1
+        for s, module in stages.items():
+            x = inputs[0] if s == 0 else torch.randn(cfg["micro_batch"], mc.seq_len, mc.d_model, device=ctx.device,
+                                                       requires_grad=True)
+            tiny = inputs[0][:1, :1] if s == 0 else torch.randn(1, 1, mc.d_model, device=ctx.device, requires_grad=True)
+            chunk = _chunk(module, x, targets[0] if s == last else None)
+            tiny_chunk = _chunk(module, tiny, targets[0][:1, :1] if s == last else None)
+            ops = count_ops(chunk)
+            tiny_ops = count_ops(tiny_chunk)
+            module.zero_grad(set_to_none=True)
+            passes = ("forward", "backward")
+            chunks[s] = {"ops": {k: sum(ops[k].values()) for k in passes}, "op_types": ops,
+                         "compute_ops": {k: sum(n for op, n in ops[k].items() if op not in ops["no_kernel"])
+                                         for k in passes},
+                         "tiny_ops": {k: sum(tiny_ops[k].values()) for k in passes},
+                         "time_s": dispatch_cost(chunk, repeats=5, device=ctx.device),
+                         "tiny_time_s": dispatch_cost(tiny_chunk, repeats=10, device=ctx.device),
+                         "has_loss": s == last, "embeds": s == 0}
+            module.zero_grad(set_to_none=True)
+        ctx.progress(4, 5, "capture audit")
+        audits = capture_audit(ctx, grid, mc, inputs[0], targets[0])
     on_cluster = emulated(ctx, cfg, mc, executor, inputs, targets)
     ctx.progress(5, 5, "done")
     return {"rank": ctx.rank, "device": ctx.device.type, "pp_rank": r, "dp_rank": d, "dp": dp, "pp": pp, "m": m, "model": vars(mc),
             "stages": schedule.stages_of(r), "order": [str(a) for a in schedule.ranks[r]], "ref_loss": setup.ref_loss,
             "last_grad_op": last_grad_ops(schedule, r), "n_ops": sum(len(a.parts) for a in schedule.ranks[r]),
-            "runs": runs, "losses_equal": len(set(losses)) == 1, "grads_bitwise_plain_vs_separated": bitwise["separated"],
-            "grads_bitwise_plain_vs_bucketed": bitwise["bucketed"],
+            "runs": runs, "losses_equal": len(set(losses)) == 1,
+            "grads_bitwise_plain_vs_separated": bitwise["separated"], "grads_bitwise_plain_vs_bucketed": bitwise["bucketed"],
             "traced": traced, "bench": {n: b.to_dict() for n, b in bench.items()}, "exposed_dp_wait_s": exposed,
             "chunks": {str(s): c for s, c in chunks.items()}, "audit": audits, "emulated": on_cluster}
 

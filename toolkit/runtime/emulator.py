@@ -78,7 +78,7 @@ def host_read(t: torch.Tensor) -> list:
     clock and ``toolkit.graphs.audit`` see it as a host sync; a plain ``.tolist()`` of a CPU tensor dispatches no op,
     so on this machine neither would see that the host needs the value (DeepEP's normal mode sizing its receive
     buffers from the exchanged counts, for one)."""
-    return _to_host(t).tolist()
+    return _to_host(t.detach()).tolist()
 
 
 def launches_kernel(func) -> bool:
