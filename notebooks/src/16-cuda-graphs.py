@@ -332,9 +332,9 @@ else:
 # Whether a reduce hides depends on how long the gradients take on the link against the compute left after
 # them, which the toy's sizes do not show. So the three variants ran once more on the emulated cluster, eager,
 # **matched** to a real model: every toy layer timed as one layer of the model named below (its GEMM FLOPs
-# and the activations between stages, `planner.matched_scales`; the gradients as that layer's weights), one
-# layer per stage — a model of the real run, labelled, not a measurement. Per rank, the time the step's end
-# waited for the DP all-reduces, per stage.
+# and the activations between stages, `planner.matched_scales`; the gradients as that layer's weights) — a
+# model of the real run, labelled, not a measurement. Per rank, the time the step's end waited for the DP
+# all-reduces, per stage.
 
 # %%
 if E is not None:
@@ -425,7 +425,7 @@ emulated = "" if E is None else (
     f"{E['gpu']} (`{E['cluster']}`), this toy model (no workload matched: the claim is about launch-bound chunks): "
     f"eager, the host's launches are {em['eager · plain']['launch share of the step (rank 0)']:.0%} of the step and "
     f"a graph replay per chunk shortens it {graph_gain:.1f}×; the DP wait at the step's end {dp_plain:.1f} µs "
-    f"plain, {dp_sep:.1f} µs separated. Matched to {M['stands_for']}'s layers (one per stage), pipeline rank 0 "
+    f"plain, {dp_sep:.1f} µs separated. Matched to {M['stands_for']}'s layers, pipeline rank 0 "
     f"waits for the DP reduce {w0['plain']['dp_wait_s'] * 1e3:.3f} ms plain, "
     f"{w0['separated']['dp_wait_s'] * 1e3:.3f} ms separated per stage (stage {first}'s reduce has nothing left "
     f"to hide behind), {w0['bucketed']['dp_wait_s'] * 1e3:.3f} ms bucket by bucket")
