@@ -27,14 +27,15 @@
 #  serial         compute │ attn A │·······│ exp A │·······│ attn A'│ ...   then the same for B
 #                 network │        │disp A │       │comb A │        │
 #
-#  overlapped     compute │ attn A │ attn B │ exp A │ exp B │ attn A'│ attn B'│ ...       (forward with forward)
+#  overlapped     compute │ attn A │ attn B │ exp A │ exp B │ attn A'│ attn B'│ ... (fwd with fwd)
 #                 network │        │ disp A │ disp B│ comb A│ comb B │ disp A'│
 #                            attention of B while A dispatches · experts of A while B dispatches ·
 #                            experts of B while A combines · next attention of A while B combines
 #
-#  fb             compute │ attn B↓│ exp A↑ │ exp B↓│ attn A↑│ ...                          (forward under backward)
+#  fb             compute │ attn B↓│ exp A↑ │ exp B↓│ attn A↑│ ...                 (fwd under bwd)
 #                 network │comb A↑ │ disp B↓│disp A↑│ comb B↓│
-#                            B's forward and A's backward, each computing while the other's transfer flies
+#                            B's forward and A's backward, each computing while the other's
+#                            transfer is in flight
 # ```
 #
 # Each all-to-all is issued asynchronously (`all_to_all_single(async_op=True)`) and waited on just before its
@@ -401,11 +402,14 @@ headline("02", "MoE all-to-all overlapped across micro-batches (forward with for
 #
 # ## Try this
 #
-# - `d_ff=2048` (heavier experts): the comm/compute ratio falls; does the exposed fraction follow the cost model?
-# - `m=8`: fb's unpaired first forward and last backward weigh less; overlapped holds twice as many activations.
-# - `world_size=4` with `n_expert=8`: three quarters of each rank's tokens leave the rank instead of half.
-# - `preset="full"`, `backend="nccl"` on GPUs: the same three schedules; profile them with `torch.profiler` to see the
-#   two streams.
+# - `d_ff = 2048` (heavier experts): the compute grows, the all-to-all bytes stay, so the comm/compute ratio falls;
+#   does the exposed fraction follow the cost model?
+# - `m = 16`: fb's unpaired first forward and last backward weigh less; overlapped would hold twice as many
+#   activations.
+# - `world_size = 4` with `n_expert = 8`: under uniform routing three quarters of each rank's tokens leave the rank
+#   instead of half (theory).
+# - `preset = "full"` and `backend = "nccl"` on GPUs: the same three schedules; profile them with `torch.profiler` to
+#   see the two streams.
 #
 # ## Sources
 #

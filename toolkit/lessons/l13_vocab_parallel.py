@@ -237,7 +237,7 @@ def _seconds(fn, steps: int) -> float:
 
 
 def _calibrate(cfg: dict, p: int, device) -> dict:
-    """This CPU as a ``Hardware``: matmul FLOP/s (a layer's and the head's shapes), elementwise bytes/s,
+    """This CPU's achieved rates, for ``vp.from_rates``: matmul FLOP/s (a layer's and the head's shapes), elementwise bytes/s,
     fixed cost of one eager op."""
     N, D, Vp = cfg["micro_batch"] * cfg["seq_len"], cfg["d_model"], cfg["vocab_size"] // p
     x, w_ff, w_head = (torch.randn(*shape, device=device) for shape in ((N, D), (D, 4 * D), (D, Vp)))
@@ -271,10 +271,12 @@ def workload(cfg: dict) -> vp.Workload:
 def cost_model_check(cfg: dict, results: list[dict], algorithm: int = 2) -> list[dict]:
     """The cost model, calibrated on this CPU, against the measured pass times: one row per rank and layout."""
     cal = results[0]["calibration"]
-    hw = vp.Hardware("this CPU (calibrated)", cal["matmul_flops"], cal["mem_bw"], 1e9, cal["op_overhead_s"])
+    hw = vp.from_rates("this CPU (calibrated)", cal["matmul_flops"], cal["mem_bw"], cal["op_overhead_s"],
+                       link_bytes_per_s=1e9)
     p = len(results)
     rows_b, rows_v = measured_rows(results, algorithm)
-    pred = {layout: vp.stage_costs(workload(cfg), p, hw, layout, algorithm) for layout in ("baseline", "vocab")}
+    pred = {layout: vp.stage_costs(workload(cfg), p, hw, layout, algorithm, vp.ACHIEVED)
+            for layout in ("baseline", "vocab")}
     out = []
     for layout, measured in (("baseline", rows_b), ("vocab", rows_v)):
         for r in range(p):
