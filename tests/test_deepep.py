@@ -110,7 +110,8 @@ def test_count_exchange_on_the_emulated_cluster(results):
             normal, ll, graph = runs["normal"], runs["low latency"], runs["low latency, one graph replay"]
             assert normal["host_syncs"] >= 1 and ll["host_syncs"] == graph["host_syncs"] == 0
             assert normal["plan_s"] > H100.inter.latency_s  # the counts' all-gather across nodes, then the read
-            assert graph["launch_s"] == pytest.approx(H100.gpu.launch_s) < ll["launch_s"]  # one launch for it all
+            assert graph["launch_s"] == pytest.approx(H100.gpu.launch_s)  # one launch for it all
+            assert graph["launch_s"] < ll["launch_s"]
             assert graph["round_trip_s"] < ll["round_trip_s"]
         toy, real = (e["runs"][k]["normal"]["plan_s"] for k in ("toy", e["stands_for"]))
         assert real == pytest.approx(toy, rel=0.05)  # the exchange does not grow with the token rows
