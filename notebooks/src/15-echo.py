@@ -340,7 +340,8 @@ else:
 # %%
 if EM is not None:
     x = EM["expert"]
-    pairs_per_rank = x["seq_len"] * x["top_k"]  # one sequence of 4096 tokens per rank, top-8
+    assert (x["hidden"], x["ffn"], x["seq_len"]) == (7168, 2048, 4096)  # the sizes the text names
+    pairs_per_rank = x["seq_len"] * x["top_k"]  # one sequence per rank, top-k
     display(viz.table([{"link": name, "clone: weights out + gradient back": viz.human_bytes(2 * b["bytes"]),
                         "as token rows (each way)": f"{b['rows']:,.0f}", "clone (µs)": b["clone_s"] * 1e6,
                         "a pair's expert work (µs)": b["pair_s"] * 1e6, "break-even (pairs)": b["break_even_pairs"],
