@@ -6,7 +6,9 @@
 Writes out/notebooks/NN-name.ipynb (executed), out/summary.json (status and seconds per notebook),
 out/html/NN-name.html (one offline page per lesson), out/index.html (with each notebook's time) and
 out/results.html + out/results.json (the course results page: each lesson's headline measurement beside its
-source's claim, collected from the executed notebooks' ``toolkit.report.headline`` outputs).
+source's claim, collected from the executed notebooks' ``toolkit.report.headline`` outputs) and out/machine.json
+(``toolkit.runtime.machine.fingerprint()``: the CPU, its bf16 and AVX-512 instructions, torch's kernels, which the
+summary, the index and the results page show beside the times).
 Exits non-zero if any notebook failed; the others still run.
 """
 from __future__ import annotations
@@ -42,12 +44,17 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import book
 
+    from toolkit.runtime.machine import describe, fingerprint
+
     os.environ.setdefault("TOOLKIT_PLAIN_PROGRESS", "1")
     out = (ROOT / args.out).resolve() if not Path(args.out).is_absolute() else Path(args.out)
     (out / "notebooks").mkdir(parents=True, exist_ok=True)
     (out / "html").mkdir(parents=True, exist_ok=True)
     params = {"preset": args.preset, "backend": args.backend}
     params.update({k: _value(v) for k, _, v in (p.partition("=") for p in args.param)})
+    machine = fingerprint()
+    (out / "machine.json").write_text(json.dumps(machine, indent=1))
+    print(f"machine: {describe(machine)}", flush=True)
     notebooks = sorted((ROOT / "notebooks").glob("*.ipynb"))
     if args.only:
         notebooks = [nb for nb in notebooks if any(nb.name.startswith(o) for o in args.only)]
@@ -73,8 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     if (Path(__file__).resolve().parent / "api_page.py").exists():  # the API page the index links to
         import api_page
         api_page.main(["--out", str(out)])
-    pages = book.build(out, rows, params)
-    print(f"HTML book: {len(pages)} pages; course time {sum(r['seconds'] for r in rows):.1f} s", flush=True)
+    pages = book.build(out, rows, params, machine)
+    print(f"HTML book: {len(pages)} pages; course time {sum(r['seconds'] for r in rows):.1f} s on "
+          f"{describe(machine)}", flush=True)
     failed = [r["name"] for r in ran if r["status"] != "ok"]
     print(f"{len(ran) - len(failed)}/{len(ran)} notebooks ok; index: {out / 'index.html'}")
     return 1 if failed else 0
