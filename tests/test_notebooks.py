@@ -1,7 +1,8 @@
 """Every lesson notebook executes end to end with papermill at the smoke preset (its assert cells are the checks).
 
-nbval (``pytest --nbval-lax notebooks``) executes them once more and compares the cells marked
-``# NBVAL_CHECK_OUTPUT`` with the outputs stored in the notebook.
+nbval (``pytest --nbval-lax notebooks``) executes them too and compares the cells marked
+``# NBVAL_CHECK_OUTPUT`` with the outputs stored in the notebook; in a session where nbval runs a notebook
+(``make test``), its papermill run here is deselected (conftest.py), so each notebook executes once.
 """
 from __future__ import annotations
 
