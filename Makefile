@@ -1,8 +1,7 @@
 # Two commands do all the set-up on a fresh machine:
 #   make run    execute every lesson notebook (papermill, CPU default preset) into out/, with an HTML page each + index
-#   make test   unit tests, multi-process tests, every notebook once at the smoke preset (nbval runs every cell and
-#               compares the checked outputs), and the browser test (JupyterLab and the HTML book in headless
-#               Chromium; skips without one)
+#   make test   unit tests, multi-process tests, every notebook at the smoke preset (papermill + nbval),
+#               and the browser test (JupyterLab and the HTML book in headless Chromium; skips without one)
 # Both create .venv first when it is missing.
 
 PY      ?= $(shell command -v python3.11 || command -v python3)

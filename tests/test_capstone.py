@@ -5,6 +5,7 @@ planner's configuration search; the headline records the course results page is 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from toolkit import compose_bytes, launch, planner
 from toolkit.compose import LOSS_RTOL, TECHNIQUES, ComposeConfig, chain, loss_rtol
 from toolkit.lessons import l17_capstone as lesson
 from toolkit.report import MIME, collect, record, results_html, write_results
+from toolkit.runtime.cluster import cluster
 
 WORLD = 4
 
@@ -188,24 +190,52 @@ def test_memory_model_follows_the_schedule_and_precision():
 
 
 def test_choose_prefers_what_fits_and_says_why():
-    w, c = lesson.case_13b()
-    rows = planner.choose(w, c, micro_batches=(1,), schedules=("1f1b",), offload=("none", "cpu"))
+    w, hw, gpus, assume = lesson.case_13b()
+    rows = planner.choose(w, hw, gpus, micro_batches=(1,), schedules=("1f1b",), offload=("none", "cpu"),
+                          assume=assume)
     fits = [r["fits"] for r in rows]
     assert fits == sorted(fits, reverse=True)  # everything that fits before anything that does not
     best = rows[0]
-    assert best["fits"] and best["memory_gb"] <= 0.9 * c.memory_gb
+    assert best["fits"] and best["memory_gb"] <= 0.9 * hw.gpu.memory_bytes / 1e9
     assert all(best["step_s"] <= r["step_s"] for r in rows if r["fits"])
-    why = planner.explain(rows, c)
+    assert all(r["dp"] * r["tp"] * r["pp"] == gpus for r in rows)
+    why = planner.explain(rows, hw)
     assert planner.label(best) in why[0] and any("recompute True" in line for line in why)
+    small = cluster("a100-ib200", gpus_per_node=1, gpu=replace(hw.gpu, memory_bytes=16e9))
     big = planner.choose(planner.Workload(params=13e9, layers=40, hidden=5120, heads=40, seq_len=2048,
-                                          global_batch=8), planner.Cluster(gpus=1, gpus_per_node=1, memory_gb=16))
-    assert not big[0]["fits"] and "nothing fits" in planner.explain(big, planner.Cluster(gpus=1, memory_gb=16))[0]
+                                          global_batch=8), small, 1)
+    assert not big[0]["fits"] and "nothing fits in 90% of 16 GB" in planner.explain(big, small)[0]
+
+
+def test_planner_reads_the_cluster_and_its_assumptions():
+    """The hardware figures come from the Cluster, the software's from Assumptions: each moves its own term."""
+    w, hw, gpus, assume = lesson.case_13b()
+    assert hw.inter.bytes_per_s == 12e9 and hw.intra == cluster("a100-ib200").intra
+    t = planner.step_time(w, hw, 8, 1, 3, 0, assume)  # dp spans the 3 nodes: the inter link
+    faster_ib = planner.step_time(w, cluster(hw, inter=replace(hw.inter, bytes_per_s=24e9)), 8, 1, 3, 0, assume)
+    assert faster_ib["dp_comm"] == pytest.approx(t["dp_comm"] / 2) and faster_ib["compute"] == t["compute"]
+    assert planner.step_time(w, hw, 8, 1, 3, 0, replace(assume, mfu=0.2))["compute"] == pytest.approx(2 * t["compute"])
+    one_node = planner.step_time(w, hw, 2, 2, 2, 0, assume)  # 8 GPUs: NVLink
+    assert one_node["dp_comm"] == pytest.approx(2 * (2 - 1) / 2 * 2 * w.params / 4 / hw.intra.bytes_per_s
+                                                 * (1 - assume.dp_overlap))
+    shard = w.params / 8
+    assert planner.offload_time(w, 8, 1, 1, 1, "nvme", hw, assume) == pytest.approx(
+        4 * shard / hw.host.bytes_per_s + 16 * shard / assume.cpu_adam_bytes_per_s
+        + 16 * shard / hw.disk.read_bytes_per_s + 16 * shard / hw.disk.write_bytes_per_s)
+    for bad, match in (({"mfu": 0.0}, "mfu=0.0"), ({"dp_overlap": 1.5}, "dp_overlap=1.5"),
+                       ({"cpu_adam_bytes_per_s": -1}, "cpu_adam_bytes_per_s=-1")):
+        with pytest.raises(ValueError, match=match):
+            planner.Assumptions(**bad)
+    with pytest.raises(ValueError, match="gpus=0"):
+        planner.plan(w, hw, 0)
+    with pytest.raises(ValueError, match="cluster='h100' is not a preset"):
+        planner.choose(w, "h100", 8)
 
 
 def test_article_claims_get_computed_verdicts():
-    w, c = lesson.case_13b()
-    best = planner.choose(w, c)[0]
-    claims = {cl["claim"]: cl for cl in lesson.article_claims(w, c, best)}
+    w, hw, gpus, assume = lesson.case_13b()
+    best = planner.choose(w, hw, gpus, assume=assume)[0]
+    claims = {cl["claim"]: cl for cl in lesson.article_claims(w, hw, assume, best)}
     assert claims["13B, ZeRO-2 on 8 GPUs: memory per GPU"]["verdict"] == "disagrees"  # 26 GB of weights alone
     assert claims["ZeRO-2 against plain DP: all-reduce traffic"]["model"].startswith("1.0×")
     bubble = claims["1F1B on 24 GPUs: bubble after micro-batch tuning"]

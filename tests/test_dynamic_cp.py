@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from toolkit.context import dynamic_cp as dcp
 from toolkit.context import ring_attention as ra
 from toolkit.lessons import l12_dynamic_cp as lesson
 from toolkit.pipeline.simulate import closed_form_bubble, Costs
+from toolkit.runtime.cluster import cluster
 
 
 # ---- layout and one-process ring attention ------------------------------------------------------------------------
@@ -156,11 +158,32 @@ def test_plan_check_catches_a_lost_sample():
 # ---- the cost model -------------------------------------------------------------------------------------------------
 def test_equal_micro_batches_give_the_1f1b_closed_form():
     plan = dcp.schedule_static([128] * 16, 2, 2, 64)  # 16 equal micro-batches of one cp-2 group
-    shape, hw = dcp_sim.LLAMA_13B, dcp_sim.Hardware()
+    shape, hw = dcp_sim.LLAMA_13B, dcp_sim.CLUSTER
     sim = dcp_sim.step_time(plan, shape, hw, pp=4)
     t = dcp_sim.group_times(64, 128 ** 2 / 2, 2, shape.n_layer // 4, shape, hw)
     ideal = 16 * (t["F"] + t["B"]) + closed_form_bubble("1f1b", 4, Costs(t["F"], t["B"], t["B"] / 2))
     assert sim["m"] == 16 and sim["step_s"] == pytest.approx(ideal)
+
+
+def test_the_cost_model_reads_the_cluster_and_the_efficiency():
+    """GEMMs and attention at the efficiencies of the GPU's peak, a ring hop at α + bytes/β of the link the CP
+    group spans: hand-computed from the same figures."""
+    shape, hw, eff = dcp_sim.LLAMA_13B, dcp_sim.CLUSTER, dcp_sim.Efficiency()
+    assert hw.intra is dcp_sim.RING_HOP and hw.gpu == cluster("h100-ib400").gpu
+    tokens, cp, d, dkv = 1024, 1, shape.d_model, shape.d_kv
+    t = dcp_sim.group_times(tokens, tokens ** 2 / 2, cp, 1, shape, hw, recompute=False)
+    linear = 2 * tokens * (2 * d * d + 2 * d * dkv + 3 * d * shape.d_ff) / (hw.gpu.bf16_flops * eff.gemm)
+    attention = 2 * d * tokens ** 2 / 2 / (hw.gpu.bf16_flops * eff.attention)
+    assert t["F"] == pytest.approx(linear + attention) and t["exposed_comm"] == 0  # cp = 1: no ring
+    slow_attention = dcp_sim.group_times(tokens, tokens ** 2 / 2, cp, 1, shape, hw, False, replace(eff, attention=0.225))
+    assert slow_attention["F"] == pytest.approx(linear + 2 * attention)
+    # a ring of c ranks: c - 1 hops, each exposed but for 1/c of the attention (here far too short to hide one)
+    kv_bytes, tiny = 2 * tokens * dkv * shape.elem_bytes, 2 * d / (hw.gpu.bf16_flops * eff.attention)
+    for c, link in ((2, hw.intra), (16, hw.inter)):  # 16 ranks span two nodes of 8
+        ring = dcp_sim.group_times(tokens, 1.0, c, 1, shape, hw, recompute=False)
+        assert ring["F"] == pytest.approx(linear + tiny + (c - 1) * (link.seconds(kv_bytes) - tiny / c))
+    with pytest.raises(ValueError, match="Efficiency gemm=0"):
+        dcp_sim.Efficiency(gemm=0)
 
 
 def test_short_sequences_cost_static_cp_exposed_ring_time():

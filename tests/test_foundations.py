@@ -11,7 +11,7 @@ from toolkit.data import batches
 from toolkit.lessons import l00_foundations
 from toolkit.memory.checkpointing import POLICIES, apply_checkpointing, saved_activation_bytes
 from toolkit.models import GPT, preset
-from toolkit.planner import Cluster, Workload, memory_per_gpu, plan, validate_memory_model
+from toolkit.planner import Workload, memory_per_gpu, plan, validate_memory_model
 from toolkit.precision import train
 
 
@@ -75,7 +75,7 @@ def test_planner_memory_formulas_and_ranking():
     m3 = memory_per_gpu(w, dp=8, tp=1, pp=1, zero=3)
     assert m0["weights"] == 16e9 and m0["grads"] == 16e9 and m0["optimizer"] == 96e9
     assert m3["weights"] == 2e9 and m3["grads"] == 2e9 and m3["optimizer"] == 12e9
-    rows = plan(Workload(), Cluster(gpus=64))
+    rows = plan(Workload(), "h100-ib400", gpus=64)
     assert rows[0]["fits"] and all(a["step_s"] <= b["step_s"] for a, b in zip(rows, rows[1:]) if a["fits"] and b["fits"])
     assert all(r["dp"] * r["tp"] * r["pp"] == 64 for r in rows)
     check = validate_memory_model(1000, 2, {"zero1": {"params": 4000, "grads": 4000, "optim": 4000}})

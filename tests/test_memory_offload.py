@@ -1,7 +1,8 @@
 """Lesson 00b: optimizer-state offload (host, stream, disk) bitwise equal to the in-memory AdamW; disk offload
 files pre-allocated, unlinked and sized as the planner says; the article's MappedCheckpoint measured and the
-working spill; the side channel; the bucket cost model; bad inputs before any process starts; a disk that
-fills after validation ends the launch with that error and leaves no file behind."""
+working spill; the side channel; the bucket cost model and DDP's buckets on the emulated cluster against it; bad
+inputs before any process starts; a disk that fills after validation ends the launch with that error and leaves
+no file behind."""
 from __future__ import annotations
 
 import copy
@@ -22,7 +23,8 @@ from toolkit.memory.checkpointing import apply_checkpointing, saved_activation_b
 from toolkit.memory.optim_offload import OffloadAdamW
 from toolkit.memory.spill import ALIGN, DiskSpill, inspect_article_snippet
 from toolkit.models import GPT, preset
-from toolkit.planner import Workload, memory_per_gpu, offload_memory, offload_per_gpu
+from toolkit.planner import MODELS, Workload, dp_grad_op, memory_per_gpu, offload_memory, offload_per_gpu
+from toolkit.runtime.cluster import cluster
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -222,9 +224,12 @@ def test_disk_filling_after_validation_ends_the_launch_and_leaves_nothing(tmp_pa
 
 # ---- the lesson on 2 real ranks -------------------------------------------------------------------------
 
+TWO_NODES = cluster("h100-ib400", ranks_per_node=1)  # the notebook's placement: DP's all-reduce crosses InfiniBand
+
+
 @pytest.fixture(scope="module")
 def lesson():
-    return launch("l00b_memory", 2, {"preset": "smoke"}, progress="none", timeout_s=600)
+    return launch("l00b_memory", 2, {"preset": "smoke"}, progress="none", timeout_s=600, cluster=TWO_NODES)
 
 
 def test_offload_variants_bitwise_and_bytes_where_the_planner_says(lesson):
@@ -268,10 +273,49 @@ def test_spill_side_channel_and_buckets(lesson):
             assert c["allreduce_s_per_step"][mode] > 0
             assert c["exposed_comm_s_per_step"][mode] == pytest.approx(
                 c["exposed_collect_s_per_step"][mode] + c["allreduce_s_per_step"][mode])
-    rows = r0["buckets"]["links"]["emulated"]
+    rows = r0["buckets"]["rows"]
     counts = [row["buckets"] for row in rows]
     assert counts == sorted(counts, reverse=True) and counts[-1] == 1 and counts[0] > 3
     assert all(sum(row["bucket_bytes"]) == r0["buckets"]["grad_bytes"] for row in rows)
+    assert all(row["step_s"] > 0 for row in rows)  # the wall clock on gloo
+
+
+def test_ddp_buckets_on_the_emulated_cluster_follow_the_link_closed_form(lesson):
+    """DDP through ``ctx.emulator.ddp_hook``: each bucket's all-reduce ends where ``bucketing.simulate`` puts it
+    (fed the virtual times the buckets were ready and the preset's InfiniBand α, β), a single bucket is exposed
+    in full (α + bytes/β), matched to Llama-2-7B as well, and both ranks read the same virtual times."""
+    E = lesson[0]["buckets"]["emulated"]
+    ib, n = TWO_NODES.inter, 2
+    assert E["link"] == {"name": ib.name, "bytes_per_s": ib.bytes_per_s, "latency_s": ib.latency_s}
+    assert E["nodes"] == 2 and E["float_bytes"] == 2 and E["backward_s"] > 0
+    rows, toy = E["rows"], lesson[0]["buckets"]["rows"]
+    for row, sizes in zip(rows, toy):
+        spans = row["spans"]
+        assert len(spans) == sizes["buckets"]
+        bf16 = [b / 2 for b in sizes["bucket_bytes"]]  # fp32 buckets timed at the target's bf16
+        assert [s["bytes"] for s in spans] == pytest.approx([ring_bytes(b, n) for b in bf16])
+        ends = simulate([s["ready"] for s in spans], bf16, n, ib.latency_s, ib.bytes_per_s)
+        assert [s["end"] for s in spans] == pytest.approx(ends, rel=1e-9, abs=1e-12)
+        assert row["exposed_s"] == pytest.approx(max(ends) - row["backward_end_s"], rel=1e-9, abs=1e-12)
+        assert row["step_s"] >= row["backward_end_s"] + row["exposed_s"] - 1e-12
+    one = rows[-1]
+    assert toy[-1]["buckets"] == 1
+    whole = lesson[0]["buckets"]["grad_bytes"] / 2
+    assert one["exposed_s"] == pytest.approx(ib.seconds(ring_bytes(whole, n)))
+    assert one["closed_form_exposed_s"] == pytest.approx(one["exposed_s"])
+    assert min(r["exposed_s"] for r in rows) < one["exposed_s"]  # buckets hide part of the transfer
+    M = E["matched"]
+    real = MODELS["llama2-7b"]
+    tokens = 2 * preset("smoke").seq_len  # the smoke preset's batch x seq_len
+    want = dp_grad_op(real.params, real.seq_len), dp_grad_op(lesson[0]["buckets"]["grad_bytes"] / 4, tokens)
+    assert M["scales"] == pytest.approx({"flops": want[0]["gemm_flops"] / want[1]["gemm_flops"],
+                                         "bytes": want[0]["wire_bytes"] / want[1]["wire_bytes"]})
+    assert M["grad_bytes"] == 2 * real.params and M["backward_s"] > 100 * E["backward_s"]
+    assert M["rows"][-1]["exposed_s"] == pytest.approx(ib.seconds(ring_bytes(M["grad_bytes"], n)), rel=1e-6)
+    assert M["closed_form_real"][-1]["exposed_s"] == pytest.approx(M["rows"][-1]["exposed_s"], rel=1e-6)
+    other = lesson[1]["buckets"]["emulated"]
+    assert [r["exposed_s"] for r in other["rows"]] == [r["exposed_s"] for r in rows]
+    assert [r["step_s"] for r in other["matched"]["rows"]] == [r["step_s"] for r in M["rows"]]
 
 
 def test_steady_rate_link_exposes_one_bucket_in_full_and_hides_small_ones():

@@ -2,6 +2,8 @@
 balance, the deterministic paper-scale simulation, and bad input."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 import torch
@@ -13,10 +15,12 @@ from toolkit.pipeline import vocab_passes as vx
 from toolkit.pipeline.executor import PipelineExecutor
 from toolkit.pipeline.schedule import one_f_one_b
 from toolkit.pipeline.simulate import simulate
+from toolkit.runtime.cluster import cluster
 
 P = 4
 M = lesson.PRESETS["smoke"]["m"]
 PAPER = vp.Workload(n_layer=32, d_model=3072, d_ff=4 * 3072, vocab_size=256_000, seq_len=4096)
+A100 = cluster("a100-ib200")
 
 
 @pytest.fixture(scope="module")
@@ -134,16 +138,36 @@ def test_timings_and_calibration_present(results):
 def test_stage_balance_in_the_cost_model():
     for layout, bound in (("vocab", 1.1),):
         flops = vp.stage_flops(PAPER, 8, layout)
-        times = [sum(row[k] for k in "FBST") for row in vp.stage_costs(PAPER, 8, vp.A100, layout)]
+        times = [sum(row[k] for k in "FBST") for row in vp.stage_costs(PAPER, 8, A100, layout)]
         assert max(flops) / min(flops) <= bound and max(times) / min(times) <= bound
     base = vp.stage_flops(PAPER, 8, "baseline")
     assert base[-1] / base[1] > 2  # the head and softmax make the last stage > 2x a middle one at 256k
 
 
+def test_cost_model_reads_the_cluster_and_the_efficiency():
+    """The GPU's peaks at the assumed efficiencies, a launch per op; the vocabulary passes' collectives on the
+    link the stages span; a CPU's achieved rates at efficiency 1."""
+    ops = [(2e12, 1e9), (1e9, 8e9)]  # one compute-bound, one memory-bound op
+    flops, hbm = 312e12 * 0.7, 2.04e12 * 0.8
+    assert vp.op_time(ops, A100) == pytest.approx(2e12 / flops + 8e9 / hbm + 2 * A100.gpu.launch_s)
+    cpu = vp.from_rates("cpu", matmul_flops=1e11, mem_bw=1e10, op_overhead_s=1e-5, link_bytes_per_s=1e9)
+    assert vp.op_time(ops, cpu, vp.ACHIEVED) == pytest.approx(2e12 / 1e11 + 8e9 / 1e10 + 2e-5)
+    slow = cluster(A100, intra=replace(A100.intra, bytes_per_s=A100.intra.bytes_per_s / 4))
+    fast_rows, slow_rows = (vp.stage_costs(PAPER, 8, hw, "vocab") for hw in (A100, slow))
+    nbytes = PAPER.tokens * PAPER.d_model * PAPER.act_bytes
+    assert fast_rows[0]["bcast_x"] == pytest.approx(A100.intra.seconds(nbytes))
+    assert slow_rows[0]["bcast_x"] == pytest.approx(slow.intra.seconds(nbytes))
+    assert [r["F"] for r in slow_rows] == [r["F"] for r in fast_rows]  # compute does not read the link
+    two_nodes = vp.stage_costs(PAPER, 16, cluster(A100, gpus_per_node=8), "vocab")  # 16 stages: across nodes
+    assert two_nodes[0]["bcast_x"] == pytest.approx(A100.inter.seconds(nbytes))
+    with pytest.raises(ValueError, match="Efficiency matmul=1.5"):
+        vp.Efficiency(matmul=1.5)
+
+
 def test_paper_setting_speedup_at_least_1_3():
-    base = vp.stage_costs(PAPER, 8, vp.A100, "baseline")
+    base = vp.stage_costs(PAPER, 8, A100, "baseline")
     for alg in vp.ALGORITHMS:
-        vocab = vp.stage_costs(PAPER, 8, vp.A100, "vocab", alg)
+        vocab = vp.stage_costs(PAPER, 8, A100, "vocab", alg)
         res = vp.simulate_layouts(base, vocab, 24, alg, comm=vocab[0]["c0"] + vocab[0]["dx"])
         assert res["speedup"] >= 1.3, (alg, res["speedup"])
         assert res["vocab"].peak_mb[0] == 8 + (3 - alg)  # p+2 (Algorithm 1), p+1 (Algorithm 2)
@@ -164,8 +188,8 @@ def test_larger_vocab_larger_gain():
     gains = []
     for V in (32_000, 256_000):
         w = vp.Workload(n_layer=32, d_model=3072, d_ff=4 * 3072, vocab_size=V, seq_len=4096)
-        gains.append(vp.simulate_layouts(vp.stage_costs(w, 8, vp.A100, "baseline"),
-                                         vp.stage_costs(w, 8, vp.A100, "vocab"), 16)["speedup"])
+        gains.append(vp.simulate_layouts(vp.stage_costs(w, 8, A100, "baseline"),
+                                         vp.stage_costs(w, 8, A100, "vocab"), 16)["speedup"])
     assert 1.0 < gains[0] < gains[1]
 
 

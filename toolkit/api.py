@@ -330,13 +330,6 @@ ENTRIES: list[Entry] = [
           "collective construction (new_group); every rank posts the same shapes in the same order",
           'ch = SideChannel(dst=0)\nch.post(logits.topk(5, dim=-1).indices, label=step)\n'
           'got = ch.collect(leave=1)               # all but the newest post, long arrived'),
-    Entry("LinkEmulator", "toolkit.comm.bucketing:LinkEmulator", AREAS[3],
-          "A DDP comm hook: the real all-reduce, completed no earlier than a link of latency alpha and bandwidth "
-          "beta would (bucket-size experiments on a CPU machine); spans per bucket.",
-          "alpha_s seconds per call, beta bytes/s; spans [{'bucket', 'ready', 'start', 'end', 'bytes'}]",
-          "every rank registers it on its DDP model",
-          'emu = LinkEmulator(alpha_s=1e-3, beta=1e8)\nddp = DDP(model, bucket_cap_mb=1)\n'
-          'ddp.register_comm_hook(None, emu.hook)'),
     Entry("shard_rows", "toolkit.pipeline.vocab_parallel:shard_rows", AREAS[4],
           "Vocabulary parallelism: the [lo, hi) rows of the output layer / embedding each of p ranks holds.",
           "V divisible by p -> (lo, hi)", "pure arithmetic, the same on every rank",

@@ -447,9 +447,9 @@ def vocab_schedule(cfg: ComposeConfig):
     mcfg = cfg.model_config()
     w = vc.Workload(n_layer=cfg.n_layer, d_model=mcfg.d_model, d_ff=mcfg.d_ff, vocab_size=mcfg.vocab_size,
                     seq_len=mcfg.seq_len, micro_batch=cfg.micro_batch, act_bytes=4 if cfg.precision == "fp32" else 2)
-    hw = vc.Hardware("placement model", matmul_flops=1e11, mem_bw=1e10, link_bw=1e9)
+    hw = vc.from_rates("placement model", matmul_flops=1e11, mem_bw=1e10, op_overhead_s=0.0, link_bytes_per_s=1e9)
     return vp.vocab_1f1b(cfg.pp, cfg.m, VOCAB_ALGORITHM, vp.StageCosts(vc.stage_costs(w, cfg.pp, hw, "vocab",
-                                                                                     VOCAB_ALGORITHM)))
+                                                                                     VOCAB_ALGORITHM, vc.ACHIEVED)))
 
 
 VOCAB_ALGORITHM = 2

@@ -41,10 +41,20 @@ device; ``offload_per_gpu`` says where they go (the optimizer's fp32 master, if 
 ``toolkit.memory.optim_offload.OffloadAdamW`` / ``toolkit.memory.nvme.DiskAdamW`` (fp32: 4-byte weights
 and grads, each unit padded to a multiple of the ranks, each disk region to 4 KiB blocks);
 ``validate_offload_model`` compares it with the bytes lesson 00b measures, device and host.
+
+The hardware is a ``toolkit.runtime.cluster.Cluster`` (a preset, or one with parts replaced): its GPU's dense
+bf16 peak and memory, the per-direction bandwidth of its intra- and inter-node links (a group of at most
+``gpus_per_node`` GPUs stays inside a node), its host link (PCIe) and its disk. Transfers are timed by bandwidth
+alone (the α of ``Link.seconds`` is left out: these messages are megabytes to gigabytes). What the model
+assumes about the software rather than the hardware (the MFU, the hidden share of the DP all-reduce, a host
+CPU's Adam throughput) is ``Assumptions``.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+
+from toolkit.runtime.cluster import Cluster, Link, cluster as make_cluster
 
 
 @dataclass
@@ -69,22 +79,23 @@ class Workload:
     """Experts each token is routed to."""
 
 
-@dataclass
-class Cluster:
-    """The hardware."""
-    gpus: int = 64
-    gpus_per_node: int = 8
-    memory_gb: float = 80.0
-    peak_tflops: float = 989.0
-    """Dense bf16 peak per GPU (H100 SXM)."""
+@dataclass(frozen=True)
+class Assumptions:
+    """What the step-time model assumes about the software, not the hardware (that is a ``Cluster``)."""
     mfu: float = 0.45
-    """Achieved fraction of peak for compute."""
-    intra_gbps: float = 450.0
-    """Per-GPU intra-node bus bandwidth in GB/s (NVLink)."""
-    inter_gbps: float = 50.0
-    """Per-GPU inter-node bandwidth in GB/s (400 Gb/s NIC)."""
+    """Achieved fraction of the GPU's dense bf16 peak on the model's FLOPs."""
     dp_overlap: float = 0.7
     """Fraction of the DP all-reduce hidden behind backward."""
+    cpu_adam_bytes_per_s: float = 10e9
+    """Optimizer-state bytes a host CPU's Adam streams per second, per GPU's share of the host (offload)."""
+
+    def __post_init__(self):
+        checks = {"mfu": (lambda v: 0 < v <= 1, "in (0, 1]"), "dp_overlap": (lambda v: 0 <= v <= 1, "in [0, 1]"),
+                  "cpu_adam_bytes_per_s": (lambda v: 0 < v < math.inf, "> 0 and finite")}
+        for name, (ok, allowed) in checks.items():
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not ok(v):
+                raise ValueError(f"Assumptions {name}={v!r} is not allowed; allowed: a number {allowed}")
 
 
 OFFLOAD_OPTIMIZER = ("none", "cpu", "stream", "nvme")
@@ -191,41 +202,53 @@ def validate_offload_model(unit_numels: list[int], dp: int, stage: int, measured
     return rows
 
 
-def step_time(w: Workload, c: Cluster, dp: int, tp: int, pp: int, zero: int) -> dict[str, float]:
-    """Seconds per optimizer step split into compute, bubble, exposed TP and exposed DP communication."""
+def _link(hw: Cluster, gpus: int) -> Link:
+    """The link a group of ``gpus`` consecutive GPUs spans: intra-node if it fits in one node."""
+    return hw.intra if gpus <= hw.gpus_per_node else hw.inter
+
+
+def step_time(w: Workload, hw: Cluster, dp: int, tp: int, pp: int, zero: int,
+              assume: Assumptions = Assumptions()) -> dict[str, float]:
+    """Seconds per optimizer step on dp·tp·pp GPUs of ``hw``, split into compute, bubble, exposed TP and exposed
+    DP communication."""
     micro_batches = max(w.global_batch // (dp * w.micro_batch), 1)
     tokens = w.global_batch * w.seq_len
-    compute = 6 * w.params * tokens * (4 / 3 if w.recompute else 1) / (c.gpus * c.peak_tflops * 1e12 * c.mfu)
+    compute = 6 * w.params * tokens * (4 / 3 if w.recompute else 1) / (dp * tp * pp * hw.gpu.bf16_flops * assume.mfu)
     bubble = (pp - 1) / (micro_batches + pp - 1)
-    tp_link = c.intra_gbps if tp <= c.gpus_per_node else c.inter_gbps
     tp_bytes = 4 * (w.layers / pp) * micro_batches * w.seq_len * w.micro_batch * w.hidden * 2 * 2 * (tp - 1) / tp
-    tp_comm = tp_bytes / (tp_link * 1e9) if tp > 1 else 0.0
-    dp_link = c.intra_gbps if dp * tp * pp <= c.gpus_per_node else c.inter_gbps
+    tp_comm = tp_bytes / _link(hw, tp).bytes_per_s if tp > 1 else 0.0
     dp_bytes = 2 * (dp - 1) / dp * 2 * w.params / (tp * pp) * (1.5 if zero == 3 else 1.0)
-    dp_comm = dp_bytes / (dp_link * 1e9) * (1 - c.dp_overlap) if dp > 1 else 0.0
+    dp_comm = dp_bytes / _link(hw, dp * tp * pp).bytes_per_s * (1 - assume.dp_overlap) if dp > 1 else 0.0
     busy = compute + tp_comm
     return {"compute": compute, "bubble": busy / (1 - bubble) - busy, "tp_comm": tp_comm, "dp_comm": dp_comm,
             "total": busy / (1 - bubble) + dp_comm, "micro_batches": micro_batches}
 
 
-def plan(w: Workload, c: Cluster) -> list[dict]:
-    """Every (dp, tp, pp, zero) that fits, fastest first; configurations that do not fit come last."""
-    if c.gpus < 1 or c.gpus_per_node < 1:
-        raise ValueError("gpus and gpus_per_node must be >= 1")
+def _hardware(hw: Cluster | str, gpus: int) -> Cluster:
+    """``hw`` checked (a preset name becomes its ``Cluster``), and ``gpus`` an int >= 1."""
+    if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
+        raise ValueError(f"gpus={gpus!r} is not allowed; allowed: an int >= 1")
+    return make_cluster(hw)
+
+
+def plan(w: Workload, hw: Cluster | str, gpus: int, assume: Assumptions = Assumptions()) -> list[dict]:
+    """Every (dp, tp, pp, zero) on ``gpus`` GPUs of ``hw`` (a ``Cluster`` or a preset name) that fits, fastest
+    first; configurations that do not fit come last."""
+    hw = _hardware(hw, gpus)
     rows = []
-    for tp in (t for t in (1, 2, 4, 8, 16) if t <= c.gpus and w.heads % t == 0):
+    for tp in (t for t in (1, 2, 4, 8, 16) if t <= gpus and w.heads % t == 0):
         for pp in (p for p in (1, 2, 4, 8, 16, 32) if p <= w.layers and w.layers % p == 0):
-            if c.gpus % (tp * pp):
+            if gpus % (tp * pp):
                 continue
-            dp = c.gpus // (tp * pp)
+            dp = gpus // (tp * pp)
             if w.global_batch % (dp * w.micro_batch):
                 continue
             for zero in (0, 1, 2, 3):
                 mem = memory_per_gpu(w, dp, tp, pp, zero)  # offload options: see offload_per_gpu
-                t = step_time(w, c, dp, tp, pp, zero)
+                t = step_time(w, hw, dp, tp, pp, zero, assume)
                 total_gb = sum(mem.values()) / 1e9
                 rows.append({"dp": dp, "tp": tp, "pp": pp, "zero": zero, "memory_gb": total_gb,
-                             "fits": total_gb <= c.memory_gb * 0.9, "step_s": t["total"],
+                             "fits": total_gb <= hw.gpu.memory_bytes / 1e9 * 0.9, "step_s": t["total"],
                              "tokens_per_s": w.global_batch * w.seq_len / t["total"],
                              **{f"mem_{k}_gb": v / 1e9 for k, v in mem.items()},
                              **{f"t_{k}_s": v for k, v in t.items() if k != "total"}})
@@ -251,35 +274,27 @@ def validate_memory_model(n_params: int, dp: int, measured: dict[str, dict[str, 
 
 
 # ---- choosing a configuration: layout, micro-batches, schedule, checkpointing, offload ----------------------------
-@dataclass
-class Links:
-    """Host-side bandwidths the offload options use (per GPU)."""
-    pcie_gbps: float = 25.0
-    """Host <-> device copies (PCIe 4 x16, achieved)."""
-    cpu_adam_gbps: float = 10.0
-    """Optimizer state bytes a CPU Adam streams per second, per GPU's share of the host."""
-    nvme_gbps: float = 3.0
-    """NVMe read + write per GPU's share of the drives."""
-
-
-def offload_time(w: Workload, dp: int, tp: int, pp: int, zero: int, offload: str, links: Links = Links()) -> float:
+def offload_time(w: Workload, dp: int, tp: int, pp: int, zero: int, offload: str, hw: Cluster,
+                 assume: Assumptions = Assumptions()) -> float:
     """Seconds per step the optimizer offload adds, not overlapped (an upper bound): gradients down and bf16
-    weights up over PCIe, the Adam step on the host (16 B/param of state touched), and for ``nvme`` the
-    optimizer state (16 B/param) read and written through the drives."""
+    weights up over the host link (``hw.host``), the Adam step on the host (16 B/param of state touched, at
+    ``assume.cpu_adam_bytes_per_s``), and for ``nvme`` the optimizer state (16 B/param) read from and written
+    to ``hw.disk``."""
     if offload == "none":
         return 0.0
     shard = w.params / (tp * pp) / (dp if zero >= 1 else 1)
-    t = (2 + 2) * shard / (links.pcie_gbps * 1e9) + 16 * shard / (links.cpu_adam_gbps * 1e9)
+    t = (2 + 2) * shard / hw.host.bytes_per_s + 16 * shard / assume.cpu_adam_bytes_per_s
     if offload == "nvme":
-        t += 2 * 16 * shard / (links.nvme_gbps * 1e9)
+        t += 16 * shard / hw.disk.read_bytes_per_s + 16 * shard / hw.disk.write_bytes_per_s
     return t
 
 
-def choose(w: Workload, c: Cluster, micro_batches=(1, 2, 4), schedules=("1f1b", "dualpipev"),
+def choose(w: Workload, hw: Cluster | str, gpus: int, micro_batches=(1, 2, 4), schedules=("1f1b", "dualpipev"),
            recompute=(False, True), offload=("none", "cpu", "nvme"), zero_stages=(0, 1, 2, 3),
-           headroom: float = 0.9, links: Links = Links()) -> list[dict]:
-    """Every (dp, tp, pp, ZeRO stage, micro-batch size, pipeline schedule, full recompute, optimizer offload) the
-    cluster can run, with the model's memory per GPU and step time; the ones that fit first, fastest first.
+           headroom: float = 0.9, assume: Assumptions = Assumptions()) -> list[dict]:
+    """Every (dp, tp, pp, ZeRO stage, micro-batch size, pipeline schedule, full recompute, optimizer offload) that
+    ``gpus`` GPUs of ``hw`` (a ``Cluster`` or a preset name) can run, with the model's memory per GPU and step
+    time; the ones that fit first, fastest first.
 
     The pipeline simulator (``toolkit.pipeline.simulate``) supplies what the closed forms assume: the bubble
     of the schedule at this pp and number of micro-batches (unit costs F = 1, B = 2, W = 1 per rank, split
@@ -290,6 +305,7 @@ def choose(w: Workload, c: Cluster, micro_batches=(1, 2, 4), schedules=("1f1b", 
 
     from toolkit.pipeline.schedule import make_schedule
     from toolkit.pipeline.simulate import Costs, simulate
+    hw = _hardware(hw, gpus)
     sims: dict[tuple, tuple[float, float]] = {}
 
     def pipeline(name: str, pp: int, m: int) -> tuple[float, float] | None:
@@ -305,11 +321,11 @@ def choose(w: Workload, c: Cluster, micro_batches=(1, 2, 4), schedules=("1f1b", 
         return sims[(name, pp, m)]
 
     rows = []
-    for tp in (t for t in (1, 2, 4, 8) if t <= c.gpus_per_node and w.heads % t == 0):
+    for tp in (t for t in (1, 2, 4, 8) if t <= hw.gpus_per_node and w.heads % t == 0):
         for pp in (p for p in (1, 2, 4, 8, 16) if w.layers % p == 0):
-            if c.gpus % (tp * pp):
+            if gpus % (tp * pp):
                 continue
-            dp = c.gpus // (tp * pp)
+            dp = gpus // (tp * pp)
             for mb in micro_batches:
                 if w.global_batch % (dp * mb):
                     continue
@@ -321,20 +337,20 @@ def choose(w: Workload, c: Cluster, micro_batches=(1, 2, 4), schedules=("1f1b", 
                     bubble, peak_mb = sim
                     for rc in recompute:
                         wl = replace(w, micro_batch=mb, recompute=rc)
-                        t = step_time(wl, c, dp, tp, pp, 0)
+                        t = step_time(wl, hw, dp, tp, pp, 0, assume)
                         busy = t["compute"] + t["tp_comm"]
                         for zero in zero_stages:
-                            dp_comm = step_time(wl, c, dp, tp, pp, zero)["dp_comm"]
+                            dp_comm = step_time(wl, hw, dp, tp, pp, zero, assume)["dp_comm"]
                             for off in offload:
                                 mem = memory_per_gpu(wl, dp, tp, pp, zero, offload_optimizer=off)
                                 mem["activations"] *= peak_mb / pp  # the formula assumes pp micro-batches held
-                                extra = offload_time(wl, dp, tp, pp, zero, off, links)
+                                extra = offload_time(wl, dp, tp, pp, zero, off, hw, assume)
                                 total = busy / (1 - bubble) + dp_comm + extra
                                 gb = sum(mem.values()) / 1e9
                                 rows.append({
                                     "dp": dp, "tp": tp, "pp": pp, "zero": zero, "micro_batch": mb, "m": m,
                                     "schedule": name, "recompute": rc, "offload": off, "memory_gb": gb,
-                                    "fits": gb <= c.memory_gb * headroom, "step_s": total,
+                                    "fits": gb <= hw.gpu.memory_bytes / 1e9 * headroom, "step_s": total,
                                     "tokens_per_s": w.global_batch * w.seq_len / total, "bubble": bubble,
                                     "peak_mb": peak_mb, "t_compute_s": t["compute"], "t_bubble_s": busy / (1 - bubble) - busy,
                                     "t_tp_comm_s": t["tp_comm"], "t_dp_comm_s": dp_comm, "t_offload_s": extra,
@@ -352,16 +368,16 @@ def label(row: dict) -> str:
     return " · ".join(parts)
 
 
-def explain(rows: list[dict], c: Cluster, headroom: float = 0.9) -> list[str]:
-    """Why ``rows[0]`` (``choose``'s answer), in sentences built from the model's numbers: what it costs, what the
-    faster configurations lack, and for each knob the best configuration that sets it otherwise."""
-    best = rows[0]
+def explain(rows: list[dict], hw: Cluster | str, headroom: float = 0.9) -> list[str]:
+    """Why ``rows[0]`` (``choose``'s answer on ``hw``), in sentences built from the model's numbers: what it costs,
+    what the faster configurations lack, and for each knob the best configuration that sets it otherwise."""
+    best, memory_gb = rows[0], make_cluster(hw).gpu.memory_bytes / 1e9
     if not best["fits"]:
-        return [f"nothing fits in {headroom:.0%} of {c.memory_gb:g} GB; the smallest needs "
+        return [f"nothing fits in {headroom:.0%} of {memory_gb:g} GB; the smallest needs "
                 f"{min(r['memory_gb'] for r in rows):.1f} GB"]
-    cap = c.memory_gb * headroom
+    cap = memory_gb * headroom
     out = [f"{label(best)}: {best['memory_gb']:.1f} GB of the {cap:.0f} GB allowed ({headroom:.0%} of "
-           f"{c.memory_gb:g} GB), {best['step_s']:.2f} s per step = compute {best['t_compute_s']:.2f} + bubble "
+           f"{memory_gb:g} GB), {best['step_s']:.2f} s per step = compute {best['t_compute_s']:.2f} + bubble "
            f"{best['t_bubble_s']:.2f} + TP {best['t_tp_comm_s']:.2f} + exposed DP {best['t_dp_comm_s']:.2f} + "
            f"offload {best['t_offload_s']:.2f} s"]
     faster = [r for r in rows if not r["fits"] and r["step_s"] < best["step_s"]]
@@ -411,6 +427,13 @@ def moe_layer_op(tokens: int, hidden: int, ffn: int, top_k: int, ep: int, elem: 
     the experts it runs (each routed token: an up and a down GEMM, 2·2·D·F) and ``wire_bytes`` of one dispatch
     all-to-all ((ep−1)/ep of its ``tokens · top_k`` rows of D leave the rank; the combine moves as many back)."""
     return {"gemm_flops": 4.0 * tokens * top_k * hidden * ffn, "wire_bytes": (ep - 1) / ep * tokens * top_k * hidden * elem}
+
+
+def dp_grad_op(params: float, tokens: int, elem: int = 2) -> dict[str, float]:
+    """One data-parallel rank's backward and the gradient its all-reduce carries: ``gemm_flops`` = 4·Ψ·tokens (dX
+    and dW, twice the forward's 2·Ψ·tokens) and ``wire_bytes`` = Ψ·elem (the gradient; a ring all-reduce sends
+    2(n−1)/n of it, the same factor for a toy and its real model)."""
+    return {"gemm_flops": 4.0 * params * tokens, "wire_bytes": float(params * elem)}
 
 
 def matched_scales(toy: dict[str, float], real: dict[str, float]) -> dict[str, float]:

@@ -19,25 +19,29 @@
 
 # %% tags=["parameters"]
 import os
+from typing import Optional
 
 world_size: int = 2
 preset: str = os.environ.get("TOOLKIT_PRESET", "default")  # smoke | default | full
 backend: str = "auto"  # auto | gloo | nccl
 cluster: str = "h100-ib400"  # emulated cluster of section 6b: h100-ib400 | a100-ib200 | pcie-100gbe
+model: Optional[str] = None  # toolkit.models size of the run: smoke | default | full (None: the preset's)
 timeout_s: int = 600
 
 # %%
 import inspect
 import json
+from dataclasses import replace
 
 from IPython.display import Markdown, display
 
 from toolkit import launch, viz
 from toolkit.comm.bandwidth import check_nccl_settings, parse_exports
 from toolkit.memory import checkpointing
-from toolkit.planner import Cluster, Workload, plan
+from toolkit.planner import Workload, plan
 
-results = launch("l00_foundations", world_size, {"preset": preset}, backend=backend, timeout_s=timeout_s)
+results = launch("l00_foundations", world_size, {"preset": preset, "model": model}, backend=backend,
+                 timeout_s=timeout_s)
 r0 = results[0]
 print(f"{world_size} ranks, backend {r0['bandwidth']['backend']}, model {r0['model']['n_layer']} layers × "
       f"d={r0['model']['d_model']}, wall {results.wall_s:.1f} s")
@@ -427,10 +431,10 @@ assert repeated == ["NCCL_IB_DISABLE"]
 # virtual clock per rank takes time from models of the target hardware:
 #
 # ```
-# any ATen op      host += launch; stream = max(host, stream) + max(FLOPs / peak, bytes / HBM)   roofline
-# a transfer       end = max(now, link free) + α + S / β     on the link its group spans (NVLink or IB)
-#                  a collective completes at the latest end over its ranks (a side all-reduce of the ends);
-#                  a p2p message's end travels beside it; wait() moves the stream to the completion
+# any ATen op   host += launch; stream = max(host, stream) + max(FLOPs / peak, bytes / HBM)
+# a transfer    end = max(now, link free) + α + S / β   on the link its group spans (NVLink or IB)
+#               a collective completes at the latest end over its ranks (side all-reduce of the ends);
+#               a p2p message's end travels beside it; wait() moves the stream to the completion
 # ```
 #
 # The figures come from nccl-tests and datasheets (`toolkit.runtime.cluster.PRESETS`, each with its
@@ -568,24 +572,28 @@ print(f"gradient all-reduce bytes sent per rank per step: {b['allreduce_sent_byt
 # ## 8 · A decision guide: DP, TP, PP, ZeRO from model size and hardware
 #
 # A **cost model** (not a measurement) of memory per GPU and step time for every (dp, tp, pp, ZeRO stage) that
-# divides the cluster. Change the workload and the cluster below; the table is re-ranked. The memory formulas
-# are the same ones the ZeRO section checks against real bytes.
+# divides the cluster. The hardware is the `h100-ib400` preset of section 6b (`toolkit.runtime.cluster`: its
+# GPU's bf16 peak and memory, NVLink inside a node of 8, InfiniBand between nodes); what the model assumes about
+# the software is `planner.Assumptions()` (`mfu=0.45`, `dp_overlap=0.7`: the share of the DP all-reduce hidden
+# behind backward). Change the workload and the cluster below; the table is re-ranked. The memory formulas are
+# the same ones the ZeRO section checks against real bytes.
 #
 # The article says a 10B model's fp32 gradients (40 GB) mean "640 GB moved per all-reduce on 16 GPUs". A ring
 # all-reduce sends `2(n−1)/n × 40 GB = 75 GB` *per GPU* (`16 × 75 GB = 1.2 TB` summed over 16 GPUs): the
 # article's number is neither.
 
 # %%
-w, c = Workload(params=7e9, layers=32, hidden=4096, heads=32, seq_len=4096), Cluster(gpus=64)
-top = plan(w, c)[:8]
+h100 = make_cluster("h100-ib400")
+top = plan(Workload(params=7e9, layers=32, hidden=4096, heads=32, seq_len=4096), h100, gpus=64)[:8]
 viz.table([{k: v for k, v in row.items() if k in ("dp", "tp", "pp", "zero", "memory_gb", "fits", "step_s")}
            for row in top], title="7B, seq 4096, 64 × H100 (cost model): fastest configurations that fit",
           formats={"memory_gb": ".1f", "step_s": ".2f"}).show()
 
 # %%
 def _plan_table(params_b: float, gpus: int, memory_gb: int, inter_gbps: float, seq_len: int):
-    rows = plan(Workload(params=params_b * 1e9, seq_len=seq_len), Cluster(gpus=gpus, memory_gb=memory_gb,
-                                                                         inter_gbps=inter_gbps))[:8]
+    hw = make_cluster(h100, gpu=replace(h100.gpu, memory_bytes=memory_gb * 1e9),
+                      inter=replace(h100.inter, bytes_per_s=inter_gbps * 1e9))
+    rows = plan(Workload(params=params_b * 1e9, seq_len=seq_len), hw, gpus)[:8]
     keep = ("dp", "tp", "pp", "zero", "memory_gb", "fits", "step_s")
     return viz.table([{k: v for k, v in row.items() if k in keep} for row in rows],
                      formats={"memory_gb": ".1f", "step_s": ".2f"},
@@ -593,9 +601,9 @@ def _plan_table(params_b: float, gpus: int, memory_gb: int, inter_gbps: float, s
 
 
 viz.explore(_plan_table, {"params_b": [1.0, 3.0, 7.0, 13.0, 34.0, 70.0, 175.0], "gpus": [8, 16, 32, 64, 128, 256],
-                          "memory_gb": [40, 80, 141], "inter_gbps": [5.0, 12.5, 25.0, 50.0, 100.0],
+                          "memory_gb": [40, 80, 141], "inter_gbps": [5.0, 12.5, 25.0, 46.0, 100.0],
                           "seq_len": [2048, 4096, 8192, 32768]},
-            defaults={"params_b": 7.0, "gpus": 64, "memory_gb": 80, "inter_gbps": 50.0, "seq_len": 4096})
+            defaults={"params_b": 7.0, "gpus": 64, "memory_gb": 80, "inter_gbps": 46.0, "seq_len": 4096})
 
 # %%
 from toolkit.report import headline
@@ -614,9 +622,13 @@ headline("00", "data parallelism: DDP, ZeRO-1/2/3, FSDP2",
 
 # %% [markdown]
 # ## Try this
-# - Run with `world_size = 4` and compare the bus bandwidth curves: gloo's all-reduce is not bandwidth-optimal.
-# - In the decision guide, drop `inter_gbps` to 12.5 (100 Gb/s Ethernet) and watch ZeRO-3 and large DP fall.
-# - Add a `"mlp"` + `"attn"` policy combination in `toolkit/memory/checkpointing.py` and measure it.
+# - `world_size = 4` with `model = "default"` (four heads, one per rank of the tensor-parallel section): compare
+#   the bus bandwidth curves; gloo's all-reduce is not bandwidth-optimal.
+# - `cluster = "pcie-100gbe"`: section 6b's two nodes become PCIe GPUs on 100 Gb Ethernet; every op still meets
+#   its closed form, with that cluster's α and β.
+# - In the decision guide's explorer (section 8), drop the `inter_gbps` control to 12.5 (100 Gb/s Ethernet) and
+#   watch ZeRO-3 and large DP fall.
+# - A code edit: add a `"mlp"` + `"attn"` policy combination to `toolkit/memory/checkpointing.py` and measure it.
 #
 # ## Sources
 # - Source article: `shared/seeds/001_bba0d011f7f175cd.txt` (claims tested above).

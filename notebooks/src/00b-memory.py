@@ -21,8 +21,8 @@
 # Five experiments, one launch: (1) optimizer-state offload for the toolkit's ZeRO stages next to FSDP2's
 # `CPUOffloadPolicy`; (2) NVMe offload of optimizer states and parameter shards through a few staging
 # buffers; (3) the article's `MappedCheckpoint` measured, and an activation spill that works; (4) a side
-# channel for per-step values vs a blocking `all_gather`; (5) DDP bucket sizes swept. Then (6) the planner's
-# memory model with the offload options, checked against the measured bytes.
+# channel for per-step values vs a blocking `all_gather`; (5) DDP bucket sizes swept on an emulated cluster. Then
+# (6) the planner's memory model with the offload options, checked against the measured bytes.
 
 # %% tags=["parameters"]
 import os
@@ -34,9 +34,8 @@ backend: str = "auto"  # auto | gloo | nccl
 nvme_path: Optional[str] = None  # directory for the disk offload and the spill (None: the system temp directory)
 stage: Optional[int] = None  # ZeRO stage 1, 2 or 3 the offload runs on (None: the preset's, 3)
 buffer_count: Optional[int] = None  # disk offload staging buffers in flight (None: the preset's)
-latency_ratio: Optional[float] = None  # emulated link latency per call / backward time (None: the preset's)
-comm_ratio: Optional[float] = None  # emulated link all-reduce time / backward time (None: the preset's)
-links: Optional[list] = None  # links the bucket sweep runs on, from emulated and real (None: the preset's)
+stands_for: Optional[str] = None  # the real model the matched bucket sweep times (None: the preset's, llama2-7b)
+cluster: str = "h100-ib400"  # emulated cluster under the run: h100-ib400 | a100-ib200 | pcie-100gbe | none
 timeout_s: int = 600
 
 # %%
@@ -50,10 +49,13 @@ from toolkit.memory.nvme import DiskAdamW
 from toolkit.memory.optim_offload import OffloadAdamW
 from toolkit.memory.spill import DiskSpill
 from toolkit.planner import Workload, memory_per_gpu, offload_per_gpu
+from toolkit.runtime.cluster import cluster as make_cluster
 
 cfg = {"preset": preset, "nvme_path": nvme_path, "stage": stage, "buffer_count": buffer_count,  # None: the preset's
-       "latency_ratio": latency_ratio, "comm_ratio": comm_ratio, "links": links}
-results = launch("l00b_memory", world_size, cfg, backend=backend, timeout_s=timeout_s)
+       "stands_for": stands_for}
+# one GPU per node: the data-parallel all-reduce of section 5 crosses the network, as it does at scale
+nodes = make_cluster(cluster, ranks_per_node=1) if cluster != "none" else None
+results = launch("l00b_memory", world_size, cfg, backend=backend, timeout_s=timeout_s, cluster=nodes)
 r0 = results[0]
 off = r0["offload"]
 print(f"{world_size} ranks on {r0['device']}, model {r0['model']['n_layer']} layers x d={r0['model']['d_model']} "
@@ -357,61 +359,139 @@ print(f"values received on rank 0: {sc['received_values']}, all complete: {sc['a
 # a latency α plus its bytes over the bandwidth β, and the link carries one at a time:
 # tiny buckets pay α once per tensor; one huge bucket starts only when backward ends and is exposed in full.
 #
-# On this machine the real link is loopback, whose transfers use the very cores that run backward, so the
-# sweep is flat. The lesson's `LinkEmulator` comm hook does the real all-reduce and completes DDP's future no
-# earlier than a link with α and β would: the transfer then takes time without taking the CPU, as NCCL and the
-# NIC do on a GPU cluster. α and β are set from the measured backward time (`latency_ratio`, `comm_ratio`), so
-# the tiny model sits in the regime a large model sits in at its own scale. The simulated line is the closed
-# form of the same link, with gradients produced at a steady rate over the measured backward (bucket `i` is
-# ready once its bytes and those of the buckets before it are): it moves with the bucket layout, not with
-# this machine's timing noise.
+# On this machine the real link is loopback, whose transfers use the very cores that run backward, so its
+# wall-clock sweep says little about a GPU cluster. The launch therefore ran on an **emulated cluster** (the
+# `cluster` parameter; `toolkit.runtime.emulator`, checked in lesson 00): DDP's comm hook is
+# `ctx.emulator.ddp_hook`, which issues each bucket's all-reduce at the bucket's virtual time on the link the
+# ranks span and waits for it when backward ends, so the exposed all-reduce and the step are read on the virtual
+# clock. Each rank sits on its own node, so the all-reduce crosses the network. Three views:
+#
+# - the toy's own shapes;
+# - **matched** to a real model (`stands_for`): its ops counted with the FLOPs of the real backward and its tensors
+#   with the bytes of the real gradient (`ctx.emulator.scaled`, factors from `toolkit.planner.dp_grad_op`);
+# - the **closed form** of the same link (`toolkit.comm.bucketing.steady_exposed`), with gradients produced at a
+#   steady rate over the virtual backward, beside each; it also goes where the toy cannot, to the real model's
+#   gradient cut into buckets of 1 MiB up to all of it.
 
 # %%
 bk = r0["buckets"]
-emu = bk["links"]["emulated"]
-caps = [r["bucket_mb"] for r in emu]
-display(viz.lines({"step (measured)": [r["step_s"] * 1e3 for r in emu],
-                   "exposed comm (measured)": [r["exposed_comm_s"] * 1e3 for r in emu],
-                   "exposed comm (simulated link)": [r["simulated_exposed_s"] * 1e3 for r in emu]},
-                  x=caps, log_x=True, dash={"exposed comm (simulated link)": "dot"},
-                  title=f"DDP on the emulated link, measured and simulated: α = {bk['alpha_s'] * 1e3:.2f} ms per call, "
-                        f"β = {bk['beta_bytes_per_s'] / 1e6:.1f} MB/s",
+caps = [r["bucket_mb"] for r in bk["rows"]]
+E = bk["emulated"]
+if E is None:
+    display(Markdown("This run had no emulated cluster (`cluster = none`): only the wall-clock sweep below."))
+else:
+    link, em = E["link"], E["rows"]
+    display(viz.lines({"step (emulated)": [r["step_s"] * 1e6 for r in em],
+                       "exposed all-reduce (emulated)": [r["exposed_s"] * 1e6 for r in em],
+                       "exposed (closed form, this link)": [r["closed_form_exposed_s"] * 1e6 for r in em],
+                       f"exposed (closed form, {E['intra']['name']})": [r["closed_form_intra_exposed_s"] * 1e6
+                                                                       for r in em]},
+                      x=caps, log_x=True, log_y=True,
+                      dash={k: "dot" for k in ("exposed (closed form, this link)",
+                                               f"exposed (closed form, {E['intra']['name']})")},
+                      title=f"Emulated {E['gpu']} ({E['cluster']}), {E['nodes']} nodes over {link['name']} "
+                            f"(α {link['latency_s'] * 1e6:.0f} µs, β {link['bytes_per_s'] / 1e9:.0f} GB/s): "
+                            "virtual time, toy shapes",
+                      xaxis_title="bucket_cap_mb", yaxis_title="µs"))
+    rows_by_cap = dict(zip(caps, bk["rows"]))
+    for pick in (em[0], min(em, key=lambda r: r["exposed_s"]), em[-1]):
+        bars = [{"rank": 0, "kind": "forward + backward", "start": 0.0, "end": pick["backward_end_s"], "meta": {}}]
+        bars += [{"rank": 0, "kind": "bucket", "start": s["start"], "end": s["end"], "meta": {"mb": s["bucket"]}}
+                 for s in pick["spans"]]
+        count = rows_by_cap[pick["bucket_mb"]]["buckets"]
+        display(viz.gantt(bars, title=f"bucket_cap_mb = {pick['bucket_mb']}: {count} bucket{'s' * (count != 1)} on "
+                          "the link (rank 0, virtual time)", label="mb", time_unit="us"))
+
+# %%
+if E is not None:
+    one = next(r for r, row in zip(em, bk["rows"]) if row["buckets"] == 1)
+    # one bucket is ready only when backward ends: its whole transfer is exposed, emulated as in the closed form
+    assert abs(one["exposed_s"] - one["closed_form_exposed_s"]) <= 1e-9 * one["exposed_s"], one
+    exposed = [r["exposed_s"] for r in em]
+    best_e = exposed.index(min(exposed))
+    interior_e = 0 < best_e < len(em) - 1
+    if cluster == "h100-ib400" and preset in ("smoke", "default"):  # the α of InfiniBand: an interior optimum
+        assert interior_e, exposed
+    steps_v = [r["step_s"] for r in em]
+    best_s = steps_v.index(min(steps_v))
+    backward_us = E["backward_s"] * 1e6
+    display(Markdown(
+        f"**Toy shapes (emulated).** The all-reduce left exposed after backward is least at bucket_cap_mb = "
+        f"{caps[best_e]} ({bk['rows'][best_e]['buckets']} buckets, {exposed[best_e] * 1e6:.1f} µs) against "
+        f"{exposed[0] * 1e6:.1f} µs with the smallest buckets ({bk['rows'][0]['buckets']}) and "
+        f"{exposed[-1] * 1e6:.1f} µs with {bk['rows'][-1]['buckets']}: "
+        + ("an interior optimum" if interior_e else "the optimum at an end of the sweep")
+        + f", with α = {link['latency_s'] * 1e6:.0f} µs per call and a backward of {backward_us:.0f} µs "
+        f"(virtual). The step is fastest at bucket_cap_mb = {caps[best_s]} ({steps_v[best_s] * 1e6:.1f} µs"
+        + (")." if best_s == best_e else f"; {steps_v[best_e] * 1e6:.1f} µs at the exposed optimum): every bucket "
+           f"also costs the host a kernel launch ({E['launch_s'] * 1e6:.0f} µs on this GPU) for its division by "
+           "the world size, on the step's path when the kernels are as short as the toy's.")
+        + f" Within one node, over {E['intra']['name']} (closed form), every bucket size leaves "
+        f"{min(r['closed_form_intra_exposed_s'] for r in em) * 1e6:.1f} to "
+        f"{max(r['closed_form_intra_exposed_s'] for r in em) * 1e6:.1f} µs exposed (α = "
+        f"{E['intra']['latency_s'] * 1e6:.0f} µs). The closed form assumes gradients at a steady rate; where it "
+        "differs from the emulated run, the buckets were not ready at that rate."))
+
+# %% [markdown]
+# **Matched to a real model.** The same DDP steps, with every op counted at the real backward's FLOPs and every
+# tensor at the real gradient's bytes. One toy bucket then stands for a large share of the real gradient: the
+# toy cannot make buckets smaller than one of its tensors, so the closed form continues the sweep at the real
+# model's scale, in equal buckets.
+
+# %%
+if E is not None:
+    M = E["matched"]
+    mr = M["rows"]
+    display(viz.lines({"step (emulated, matched)": [r["step_s"] * 1e3 for r in mr],
+                       "exposed all-reduce (emulated, matched)": [r["exposed_s"] * 1e3 for r in mr],
+                       "exposed (closed form, this link)": [r["closed_form_exposed_s"] * 1e3 for r in mr]},
+                      x=[r["real_bucket_mb"] for r in mr], log_x=True, dash={"exposed (closed form, this link)": "dot"},
+                      title=f"Matched to {M['stands_for']} on {E['cluster']} (virtual time): FLOPs ×"
+                            f"{M['scales']['flops']:,.0f}, bytes ×{M['scales']['bytes']:,.0f}",
+                      xaxis_title="largest bucket, MB of the real gradient", yaxis_title="ms"))
+    cf = M["closed_form_real"]
+    display(viz.lines({f"{link['name']}": [r["exposed_s"] * 1e3 for r in cf],
+                       f"{E['intra']['name']}": [r["intra_exposed_s"] * 1e3 for r in cf]},
+                      x=[r["bucket_mb"] for r in cf], log_x=True, log_y=True,
+                      title=f"Closed form (formula) at {M['stands_for']}'s scale: exposed all-reduce of its "
+                            f"{M['grad_bytes'] / 1e9:.1f} GB gradient in equal buckets, backward "
+                            f"{M['backward_s'] * 1e3:.0f} ms",
+                      xaxis_title="bucket size, MiB", yaxis_title="exposed, ms"))
+
+# %%
+if E is not None:
+    mexp = [r["exposed_s"] for r in mr]
+    best_m = mexp.index(min(mexp))
+    comm_ms = mr[-1]["exposed_s"] * 1e3  # one bucket: the whole all-reduce, exposed
+    opt = {name: min(cf, key=lambda r: r[key]) for name, key in (("inter", "exposed_s"), ("intra", "intra_exposed_s"))}
+    at25 = next(r for r in cf if r["bucket_mb"] >= 25)
+    display(Markdown(
+        f"**Matched to {M['stands_for']} (emulated).** Its backward takes {M['backward_s'] * 1e3:.0f} ms on the "
+        f"virtual clock ({M['backward_gemm_s'] * 1e3:.0f} ms of GEMMs at the GPU's peak, `4·Ψ·tokens` (formula); "
+        "the rest is the toy's memory-bound ops, whose tensors the byte scale enlarges as much as the gradient) "
+        f"and the all-reduce of its {M['grad_bytes'] / 1e9:.1f} GB gradient {comm_ms:.0f} ms over {link['name']}. "
+        f"The least exposed all-reduce in the sweep is at bucket_cap_mb = {caps[best_m]} "
+        f"({mr[best_m]['real_bucket_mb']:.0f} MB of real gradient per bucket, {mexp[best_m] * 1e3:.1f} ms), "
+        + ("inside the sweep" if 0 < best_m < len(mr) - 1 else "at the sweep's small end: the toy's buckets are "
+           "too large to reach the optimum")
+        + f". The closed form at the real scale puts it at {opt['inter']['bucket_mb']} MiB "
+        f"({opt['inter']['exposed_s'] * 1e3:.1f} ms exposed; {at25['exposed_s'] * 1e3:.1f} ms at "
+        f"{at25['bucket_mb']} MiB, near DDP's default 25 MB; {cf[-1]['exposed_s'] * 1e3:.0f} ms in one bucket) "
+        f"on {link['name']}, and at {opt['intra']['bucket_mb']} MiB "
+        f"({opt['intra']['intra_exposed_s'] * 1e3:.2f} ms) on {E['intra']['name']}"
+        + (f", where the whole all-reduce ({cf[-1]['intra_exposed_s'] * 1e3:.0f} ms) is shorter than backward: "
+           "small buckets leave little more than the last one exposed." if cf[-1]["intra_exposed_s"] < M["backward_s"]
+           else ".")))
+
+# %%
+display(viz.lines({"step (wall clock, gloo)": [r["step_s"] * 1e3 for r in bk["rows"]]}, x=caps, log_x=True,
+                  title="The same sweep on this machine's loopback link (measured"
+                        + (", with the emulator's bookkeeping on every op)" if E is not None else ")"),
                   xaxis_title="bucket_cap_mb", yaxis_title="ms"))
-for pick in (emu[0], min(emu, key=lambda r: r["step_s"]), emu[-1]):
-    sp_ = pick["spans"]
-    done = sp_[-1]["backward_done"]
-    bars = [{"rank": 0, "kind": "bucket", "start": s["start"], "end": s["end"], "meta": {"mb": s["bucket"]}}
-            for s in sp_[:-1]]
-    bars.append({"rank": 0, "kind": "B", "start": min(s["ready"] for s in sp_[:-1]), "end": max(s["ready"]
-                 for s in sp_[:-1]), "meta": {"mb": "last grads"}})
-    display(viz.gantt(bars, title=f"bucket_cap_mb = {pick['bucket_mb']}: {pick['buckets']} buckets on the link "
-                      "(rank 0, last timed step)", label="mb"))
-
-# %%
-sim = [r["simulated_exposed_s"] for r in emu]
-best_sim = sim.index(min(sim))
-interior_sim = 0 < best_sim < len(sim) - 1
-if latency_ratio is None and comm_ratio is None:  # the preset's link (a latency per call): an interior optimum
-    assert interior_sim, sim
-steps_ms = [r["step_s"] * 1e3 for r in emu]
-best = steps_ms.index(min(steps_ms))
-display(Markdown(
-    f"Measured: the fastest step is at bucket_cap_mb = {caps[best]} ({emu[best]['buckets']} buckets, "
-    f"{steps_ms[best]:.1f} ms) vs {steps_ms[0]:.1f} ms with {emu[0]['buckets']} buckets and {steps_ms[-1]:.1f} ms "
-    f"with {emu[-1]['buckets']}; the optimum is {'interior' if 0 < best < len(emu) - 1 else 'at an end'} in this run. "
-    f"The simulated link's least exposed communication is at {caps[best_sim]} MB. DDP's default is 25 MB, sized "
-    f"for models whose backward produces gigabytes; this one's gradient is {bk['grad_bytes'] / 2**20:.2f} MiB."))
-
-# %%
-if "real" in bk["links"]:
-    real = bk["links"]["real"]
-    display(viz.lines({"step (measured, loopback)": [r["step_s"] * 1e3 for r in real]}, x=caps, log_x=True,
-                      title="The same sweep on the real loopback link", xaxis_title="bucket_cap_mb",
-                      yaxis_title="ms"))
 
 # %%
 # NBVAL_CHECK_OUTPUT
-print("buckets per bucket_cap_mb:", {r["bucket_mb"]: r["buckets"] for r in emu})
+print("buckets per bucket_cap_mb:", {r["bucket_mb"]: r["buckets"] for r in bk["rows"]})
 print("gradient bytes:", bk["grad_bytes"], "in", bk["n_tensors"], "tensors")
 
 # %% [markdown]
@@ -479,6 +559,15 @@ display(Markdown(
 
 # %%
 side_verdict = {"less": "cut", "more": "lengthened"}.get(verdict["comm"], "did not change by more than 10%")
+bucket_text = (
+    "- No emulated cluster in this run (`cluster = none`): the bucket sweep has only its wall clock on loopback, "
+    "whose all-reduce runs on the cores backward uses." if E is None else
+    f"- Bucket size, on the emulated `{E['cluster']}` with one rank per node: at the toy's shapes the exposed "
+    f"all-reduce has {'an interior optimum' if interior_e else 'its optimum at an end of the sweep'} "
+    f"({caps[best_e]} MB, virtual time; a single bucket is exposed exactly as the closed form says). Matched to "
+    f"{M['stands_for']}, the closed form puts the optimum at {opt['inter']['bucket_mb']} MiB over {link['name']} "
+    f"and at {opt['intra']['bucket_mb']} MiB over {E['intra']['name']}. On loopback (wall clock) the all-reduce "
+    "runs on the cores backward uses.")
 display(Markdown(f"""
 - Optimizer state can leave the device entirely: 0 device bytes at rest for every offload mode, and none even
   at the step's peak for `cpu` and the disk (asserted above), with parameters and moments bitwise those of the
@@ -498,10 +587,7 @@ display(Markdown(f"""
   all-reduce): {comm['blocking'] * 1e3:.2f} ms blocking vs {comm['side'] * 1e3:.2f} ms side channel per step
   (worst rank, this run); the step took {step_s['blocking'] * 1e3:.1f} vs {step_s['side'] * 1e3:.1f} ms
   (side channel: {verdict['step']}).
-- Bucket size has {'an interior optimum' if interior_sim else 'its optimum at an end of the sweep'} on a
-  link whose transfers do not use the compute cores (the simulated link's at {caps[best_sim]} MB; measured
-  fastest at {caps[best]} MB). On loopback the all-reduce runs on the
-  cores backward uses, so the curve is flat: `links=["emulated", "real"]` shows both.
+{bucket_text}
 - The article's 13B numbers: 18 GB per GPU with ZeRO-2 is below the {case[0]['device GB (no activations)']:.0f} GB
   of weights, gradients and optimizer shards ZeRO-2 needs (planner, a cost model); the 9.2 GB end point
   (NVMe optimizer and parameters) is {where} ({lo:.1f} to {hi:.1f} GB).
@@ -528,11 +614,18 @@ headline("00b", f"ZeRO-{off['stage']} + optimizer offload to host and disk (ZeRO
          note="fp32 here (ZeRO-Offload moves fp16); the article's 18 GB → 9.2 GB for 13B needs GPUs")
 
 # %% [markdown]
-# **Try:** `stage=1` or `2` (the offload works on every stage; `nvme_params` needs 3); `buffer_count=1` vs `4`
-# with `nvme_path` on a real NVMe drive; `latency_ratio=0` (pure bandwidth: the smallest buckets win) or
-# `comm_ratio=2` (communication longer than backward: nothing hides it); `links=["emulated", "real"]`.
+# ## Try this
 #
-# **Sources.** Rajbhandari et al., *ZeRO* (SC'20); Ren et al., *ZeRO-Offload* (ATC'21); Rajbhandari et al.,
+# - `stage = 1` or `stage = 2`: the optimizer offload works on every ZeRO stage; offloading the parameters to
+#   disk as well needs stage 3, so that row is left out.
+# - `buffer_count = 1` vs `buffer_count = 4`, with `nvme_path` set to a directory on a real NVMe drive.
+# - `cluster = "pcie-100gbe"`: 100 GbE between the nodes, a higher α and a lower β than InfiniBand, move the
+#   bucket optimum.
+# - `stands_for = "llama2-70b"`: the matched sweep times the toy's gradient as a 70B model's.
+#
+# ## Sources
+#
+# Rajbhandari et al., *ZeRO* (SC'20); Ren et al., *ZeRO-Offload* (ATC'21); Rajbhandari et al.,
 # *ZeRO-Infinity* (SC'21) and DeepSpeed's `offload_optimizer`/`offload_param` (`buffer_count`, `buffer_size`);
 # PyTorch FSDP2 `CPUOffloadPolicy`; Li et al., *PyTorch Distributed: Experiences on Accelerating Data Parallel
 # Training* (VLDB'20, DDP gradient bucketing); `torch.utils.checkpoint`, `torch.autograd.graph.saved_tensors_hooks`;

@@ -1,10 +1,10 @@
 # %% [markdown]
-# # 02 · MoE all-to-all overlap across two micro-batches
+# # 02 · MoE all-to-all overlap across micro-batches
 #
 # **The question.** Every MoE layer under expert parallelism moves its tokens twice: a *dispatch* all-to-all sends
 # each token to the ranks holding its top-k experts, a *combine* all-to-all brings the expert outputs back. While a
-# rank waits for them it computes nothing. If the batch is split into two micro-batches, can one micro-batch's
-# all-to-all run while the other one computes — and what does that cost?
+# rank waits for them it computes nothing. If the batch is split into micro-batches, can one micro-batch's
+# all-to-all run while another one computes — and what does that cost?
 #
 # The source article (`shared/seeds/000`, section 2) says: *"MoE's all-to-all communication is a rigid overhead;
 # the more experts, the larger its share. Solution: pipeline overlap between two micro-batches — while the previous
@@ -12,9 +12,10 @@
 # the larger the gain; on large clusters it can reach double-digit percentages."* (在两个micro-batch之间做流水线重叠——
 # 上一个batch在做计算时，下一个batch的通信已经在跑了。效果取决于规模：卡数越多提升越明显，大规模集群下性能提升可达两位数百分比。)
 #
-# We build both schedules on the project's one token dispatcher (`toolkit.moe`), run them on real processes, check
-# they compute the same thing bit for bit, measure how much communication time the rank still waits for, and
-# compare with a cost model of when the overlap pays.
+# We build two overlapping schedules on the project's one token dispatcher (`toolkit.moe`): two forwards
+# interleaved, and — the form training uses — one micro-batch's forward under another's backward. We run them on
+# real processes, check they compute what the serial schedule computes, measure how much communication time the rank
+# still waits for (on gloo, and on an emulated H100 cluster), and compare with a cost model of when overlap pays.
 
 # %% [markdown]
 # ## The idea
@@ -26,17 +27,25 @@
 #  serial         compute │ attn A │·······│ exp A │·······│ attn A'│ ...   then the same for B
 #                 network │        │disp A │       │comb A │        │
 #
-#  overlapped     compute │ attn A │ attn B │ exp A │ exp B │ attn A'│ attn B'│ ...
+#  overlapped     compute │ attn A │ attn B │ exp A │ exp B │ attn A'│ attn B'│ ... (fwd with fwd)
 #                 network │        │ disp A │ disp B│ comb A│ comb B │ disp A'│
 #                            attention of B while A dispatches · experts of A while B dispatches ·
 #                            experts of B while A combines · next attention of A while B combines
+#
+#  fb             compute │ attn B↓│ exp A↑ │ exp B↓│ attn A↑│ ...                 (fwd under bwd)
+#                 network │comb A↑ │ disp B↓│disp A↑│ comb B↓│
+#                            B's forward and A's backward, each computing while the other's
+#                            transfer is in flight
 # ```
 #
 # Each all-to-all is issued asynchronously (`all_to_all_single(async_op=True)`) and waited on just before its
-# result is needed. The backward needs no schedule of its own: autograd runs the ready node created *last* first, so
-# one `backward()` over both losses replays the interleaving in reverse, and the dispatcher issues each backward
-# all-to-all in one autograd node and waits for it in the next. The price: both micro-batches' activations are
-# alive at the same time.
+# result is needed. **overlapped** interleaves the forwards of all micro-batches, then runs one `backward()` over
+# their losses: autograd runs the ready node created *last* first, so the interleaving replays in reverse, and the
+# dispatcher issues each backward all-to-all in one autograd node and waits for it in the next. Its price: every
+# micro-batch's activations alive at once. **fb** is Megatron's combined 1F1B and DualPipe's F&B: micro-batch i's
+# forward runs interleaved with micro-batch i−1's backward, so at most two micro-batches' activations are held. The
+# backward must then yield at its all-to-alls as the forward does: the forward is *cut* at every all-to-all and the
+# backward runs segment by segment, reaching the dispatcher's own backward nodes with `torch.autograd.grad`.
 
 # %% tags=["parameters"]
 import os
@@ -45,7 +54,8 @@ from typing import Optional
 world_size: int = 2  # expert-parallel ranks
 preset: str = os.environ.get("TOOLKIT_PRESET", "default")  # smoke | default | full
 backend: str = "auto"  # auto | gloo | nccl
-cluster: str = "h100-ib400"  # emulated cluster under the run: h100-ib400 | a100-ib200 | pcie-100gbe | none
+cluster: str = "h100-ib400"  # emulated cluster (one EP rank per node): h100-ib400 | a100-ib200 | pcie-100gbe | none
+m: Optional[int] = None  # micro-batches per step (None: the preset's)
 n_expert: Optional[int] = None  # experts per MoE layer, a multiple of world_size (None: the preset's)
 d_ff: Optional[int] = None  # hidden size of each expert (None: the preset's)
 timeout_s: int = 600
@@ -65,11 +75,18 @@ print(inspect.getsource(overlap.micro_batch_forward))
 print(inspect.getsource(overlap.run_interleaved))
 
 # %% [markdown]
+# The backward of a cut forward, for **fb**: segment by segment from the loss down, issuing each backward all-to-all
+# and yielding (the scheduler then runs the other micro-batch's forward until it yields in turn).
+
+# %%
+print(inspect.getsource(overlap.micro_batch_backward))
+
+# %% [markdown]
 # ## The run
 #
-# The tiny MoE GPT with every MoE layer expert parallel over the ranks, one batch of real text split into two
-# micro-batches A and B. Per rank: one step each way on identical copies (losses and every gradient compared), a
-# side-by-side timing of the two steps (`bench.compare`), and one traced step each way for the timelines.
+# The tiny MoE GPT with every MoE layer expert parallel over the ranks, one batch of real text split into `m`
+# micro-batches. Per rank: one step each way on identical copies (losses and every gradient compared), a
+# side-by-side timing of the three steps (`bench.compare`), and one traced step each way for the timelines.
 # *Exposed communication* is the time the rank spends inside communication calls (issuing and waiting, forward and
 # backward), measured on every timed step.
 
@@ -79,32 +96,41 @@ import statistics
 from IPython.display import Markdown, display
 
 from toolkit import launch, viz
+from toolkit.moe.overlap import SCHEDULES
+from toolkit.runtime.cluster import cluster as make_cluster
 
-cfg = {"preset": preset, "n_expert": n_expert, "d_ff": d_ff}  # None: the preset's value
-results = launch("l02_moe_overlap", world_size, cfg, backend=backend, timeout_s=timeout_s, cluster=cluster)
+cfg = {"preset": preset, "n_expert": n_expert, "d_ff": d_ff, "m": m}  # None: the preset's value
+# on the emulated cluster every EP rank sits on its own node: the all-to-alls cross the network, as EP does at scale
+target = None if cluster == "none" else make_cluster(cluster, ranks_per_node=1)
+results = launch("l02_moe_overlap", world_size, cfg, backend=backend, timeout_s=timeout_s, cluster=target)
 r0 = results[0]
 c, mc = r0["config"], r0["model"]
 print(f"{world_size} ranks, {mc['n_layer']} MoE blocks, top-{mc['top_k']} of {mc['n_expert']} experts "
-      f"(d_model {mc['d_model']}, expert d_ff {mc['d_ff']}); two micro-batches of {c['micro_batch']} x {c['seq_len']} "
-      f"tokens per rank; wall {results.wall_s:.1f} s")
+      f"(d_model {mc['d_model']}, expert d_ff {mc['d_ff']}); {c['m']} micro-batches of {c['micro_batch']} x "
+      f"{c['seq_len']} tokens per rank; wall {results.wall_s:.1f} s")
 
 # %% [markdown]
 # ## Checks: the same computation, the same traffic
 #
-# The overlapped schedule runs the same operations on the same tensors, only in another order, and the dispatcher's
-# receive order does not depend on timing: every loss and every gradient must be *bitwise* equal to the serial
-# schedule's (two micro-batch contributions per parameter, and a + b = b + a in floating point). The ledger counts
-# the same all-to-all bytes for both.
+# Both overlaps run the same operations on the same tensors, only in another order, and the dispatcher's receive
+# order does not depend on timing. **fb** runs the micro-batches' backwards in turn, as serial does: every loss and
+# every gradient must be *bitwise* equal to serial's. **overlapped** runs one backward over all the losses, so each
+# parameter's gradient is the sum of its micro-batches' contributions in the autograd engine's order: bitwise for two
+# micro-batches (a + b = b + a in floating point), equal within rounding beyond (a sum of three or more reassociates).
+# The ledger counts the same all-to-all bytes for all three. Memory: overlapped holds all `m` micro-batches'
+# activations, fb at most two.
 
 # %%
 for r in results:
     ch = r["check"]
-    assert ch["losses_bitwise"] and ch["grads_bitwise"] and ch["grads_max_abs_diff"] == 0.0, ch
+    assert all(ch["losses_bitwise"].values()) and ch["grads_bitwise"]["fb"] and ch["grads_max_abs_diff"]["fb"] == 0.0
+    assert ch["grads_bitwise"]["overlapped"] or c["m"] > 2, ch  # bitwise at m = 2
+    assert ch["grads_max_abs_diff"]["overlapped"] <= 1e-6, ch
     assert not ch["params_without_grad"]
-    assert ch["a2a_sent_bytes"]["serial"] == ch["a2a_sent_bytes"]["overlapped"]
-    assert ch["a2a_calls"]["serial"] == ch["a2a_calls"]["overlapped"] == 2 * 2 * 2 * mc["n_layer"]
-mem = {s: statistics.median(r["check"]["memory"][s]["saved_bytes"] for r in results) for s in ("serial", "overlapped")}
-assert mem["overlapped"] > 1.5 * mem["serial"], mem
+    assert len(set(ch["a2a_sent_bytes"].values())) == 1
+    assert len(set(ch["a2a_calls"].values())) == 1 and ch["a2a_calls"]["serial"] == 2 * 2 * c["m"] * mc["n_layer"]
+mem = {s: statistics.median(r["check"]["memory"][s]["saved_bytes"] for r in results) for s in SCHEDULES}
+assert mem["overlapped"] > (c["m"] - 0.5) * mem["serial"] and mem["fb"] < 2.1 * mem["serial"], mem
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -112,8 +138,9 @@ for r in results:
     ch = r["check"]
     print(f"rank {r['rank']}: losses bitwise {ch['losses_bitwise']}, gradients bitwise {ch['grads_bitwise']}, "
           f"all-to-all calls {ch['a2a_calls']['serial']} each way, same bytes "
-          f"{ch['a2a_sent_bytes']['serial'] == ch['a2a_sent_bytes']['overlapped']}")
-print("overlapped holds more than 1.5x the activation bytes:", mem["overlapped"] > 1.5 * mem["serial"])
+          f"{len(set(ch['a2a_sent_bytes'].values())) == 1}")
+print(f"overlapped holds more than {c['m'] - 0.5}x the activation bytes:", mem["overlapped"] > (c["m"] - 0.5) * mem["serial"])
+print("fb holds less than 2.1x:", mem["fb"] < 2.1 * mem["serial"])
 
 # %% [markdown]
 # ## The timelines
@@ -121,11 +148,11 @@ print("overlapped holds more than 1.5x the activation bytes:", mem["overlapped"]
 # One traced step each way. Per rank, the top row is what the main thread computes (attention, experts, head), the
 # middle row when it is *blocked* in communication (issue, wait, and the dispatcher's count exchange "plan"), and
 # the bottom row each all-to-all in flight, from issue to completion (gloo's worker thread reports it). Labels: micro-batch
-# A/B and forward ↓ / backward ↑. Wall-clock spans from a shared 2-core machine: read the shapes, not the digits.
+# A, B, C, ... and forward ↓ / backward ↑. Wall-clock spans from a shared 2-core machine: read the shapes, not the digits.
 
 # %%
-ROW = {"embed": "compute", "attn": "compute", "experts": "compute", "head": "compute", "plan": "blocked",
-       "issue": "blocked", "wait": "blocked", "a2a": "in flight"}
+ROW = {"embed": "compute", "attn": "compute", "experts": "compute", "head": "compute", "unpermute": "compute",
+       "plan": "blocked", "issue": "blocked", "wait": "blocked", "a2a": "in flight"}
 
 
 def rows(schedule: str) -> list[dict]:
@@ -135,12 +162,12 @@ def rows(schedule: str) -> list[dict]:
             if s["meta"].get("schedule") != schedule:
                 continue
             mb = s["meta"].get("mb")
-            label = ("AB"[mb] if mb is not None else "") + {"F": "↓", "B": "↑"}.get(s["meta"].get("dir"), "")
+            label = ("ABCDEFGH"[mb] if mb is not None else "") + {"F": "↓", "B": "↑"}.get(s["meta"].get("dir"), "")
             out.append({**s, "rank": f"{s['rank']} · {ROW[s['kind']]}", "meta": {**s["meta"], "label": label}})
     return out
 
 
-for schedule in ("serial", "overlapped"):
+for schedule in SCHEDULES:
     t = statistics.median(r["traced"][schedule]["step_s"] for r in results)
     display(viz.gantt(rows(schedule), label="label", title=f"{schedule}: one training step ({t * 1e3:.0f} ms, rank median)"))
 
@@ -149,95 +176,105 @@ for schedule in ("serial", "overlapped"):
 #
 # Over the timed steps (medians per rank): seconds per step the rank is blocked in the dispatch/combine all-to-alls
 # (issue + wait, forward + backward), and in the plan's count all-gather (the dispatcher exchanges the token counts
-# synchronously before each dispatch, in both schedules). In the serial schedule every all-to-all is waited on at
-# once, so its exposed time is the communication time; the overlap fraction is the part of it the overlapped schedule
-# no longer waits for: hidden / total = 1 − exposed(overlapped) / exposed(serial).
+# synchronously before each dispatch, in every schedule). In the serial schedule every all-to-all is waited on at
+# once, so its exposed time is the communication time; an overlap's fraction is the part of it the schedule no
+# longer waits for: hidden / total = 1 − exposed(schedule) / exposed(serial). Whether a step got faster is judged by
+# `bench.verdict` on the paired rounds of every rank.
 
 # %%
+from toolkit.runtime.bench import verdict
+
 tm = {r["rank"]: r["timing"] for r in results}
 table = []
 for rank, t in tm.items():
-    for s in ("serial", "overlapped"):
+    for s in SCHEDULES:
         table.append({"rank": rank, "schedule": s, "step (ms)": t["step_s"][s] * 1e3,
                       "exposed all-to-all (ms)": t["exposed_a2a_s"][s] * 1e3,
                       "exposed plan (ms)": t["exposed_plan_s"][s] * 1e3})
-display(viz.table(table, title="Per step, median over the timed steps",
+display(viz.table(table, title="Per step, median over the timed steps (gloo on this CPU)",
                   formats={k: ".1f" for k in ("step (ms)", "exposed all-to-all (ms)", "exposed plan (ms)")}))
 display(viz.bars([{"rank": f"rank {row['rank']}", "schedule": row["schedule"], "ms": row["exposed all-to-all (ms)"]}
                   for row in table], x="rank", y="ms", color="schedule", text_format=".1f",
-                 title="Exposed all-to-all time per step"))
-ratio = statistics.median(t["exposed_a2a_s"]["overlapped"] / t["exposed_a2a_s"]["serial"] for t in tm.values())
-step_ratio = statistics.median(t["step_s"]["overlapped"] / t["step_s"]["serial"] for t in tm.values())
+                 title="Exposed all-to-all time per step (gloo on this CPU)"))
+ratios = {s: statistics.median(t["exposed_a2a_s"][s] / t["exposed_a2a_s"]["serial"] for t in tm.values())
+          for s in ("overlapped", "fb")}
+ratio = ratios["fb"]
+steps = {s: verdict([r["timing"]["bench"]["serial"] for r in results], [r["timing"]["bench"][s] for r in results])
+         for s in ("overlapped", "fb")}
 display(Markdown(
-    f"Exposed all-to-all time, overlapped / serial: **{ratio:.2f}×** (median over ranks; the project's target is "
-    f"≤ 0.5× at the default preset on 2 ranks, {'met' if ratio <= 0.5 else 'not met'} in this run at preset "
-    f"`{c['preset']}`) — an overlap fraction of **{1 - ratio:.0%}**. The step took {step_ratio:.2f}× the serial "
-    f"step's time. The count exchange before each dispatch stays exposed in both schedules "
-    f"({statistics.median(t['exposed_plan_s']['overlapped'] for t in tm.values()) * 1e3:.1f} ms per step overlapped)."))
+    f"Exposed all-to-all time against serial (median over ranks): overlapped **{ratios['overlapped']:.2f}×**, fb "
+    f"**{ratios['fb']:.2f}×** — overlap fractions of {1 - ratios['overlapped']:.0%} and {1 - ratios['fb']:.0%}. The step: "
+    + "; ".join(f"{v.text('serial', s)}" for s, v in steps.items())
+    + f". The count exchange before each dispatch stays exposed in every schedule "
+    f"({statistics.median(t['exposed_plan_s']['fb'] for t in tm.values()) * 1e3:.1f} ms per step with fb). fb overlaps "
+    f"only while two micro-batches are in flight: the first forward and the last backward run alone, so with "
+    f"m = {c['m']} micro-batches at best {(c['m'] - 1) / c['m']:.0%} of the step's transfers have something to hide "
+    "behind."))
 
 # %% [markdown]
-# ## On an emulated H100 node: the forward-with-forward form
+# ## On an emulated H100 cluster: both forms, where the bytes cross the network
 #
 # gloo moves the bytes on the cores that compute, so the wall-clock numbers above mix an overlap with a contest
 # for cores. The launch also ran on an **emulated cluster** (the `cluster` parameter, `toolkit.runtime.emulator`;
 # lesson 00 checks it against closed forms): the same ops and bytes, timed by the target GPU's roofline and the
-# link's `α + S/β` on a virtual clock per rank. Two views of one step each way: the toy's own shapes, and matched
-# to a real MoE — every op counted with the FLOPs and every tensor with the bytes of its expert layers — so that
-# the experts' GEMMs and the all-to-alls have the real ratio. This is the **forward-with-forward** form of the
-# overlap (two micro-batches' forwards interleaved, one backward over both); the form training uses — one
-# micro-batch's forward under another's backward, Megatron's combined 1F1B and DualPipe's F&B — is not built here
-# yet, and its target (exposed all-to-all ≤ 0.3× serial) belongs to it.
+# link's `α + S/β` on a virtual clock per rank, each EP rank on its own node (the all-to-alls cross InfiniBand, as
+# expert parallelism over 64 GPUs does). Two views of one step each way: the toy's own shapes, and matched to a
+# real MoE — every op counted with the FLOPs and every tensor with the bytes of its expert layers — so that the
+# experts' GEMMs and the all-to-alls have the real ratio. The project's target for the form training uses (fb):
+# exposed all-to-all `≤ 0.3 × serial` (a target, not a measurement).
 
 # %%
 E = r0["emulated"]
 if E is None:
     display(Markdown("This run had no emulated cluster (`cluster = none`)."))
 else:
-    rows, exposed = [], {}
+    rows, exposed, step_v = [], {}, {}
     for view in ("own shapes", "matched"):
-        for s in ("serial", "overlapped"):
+        for s in SCHEDULES:
             per_rank = [r["emulated"][view][s] for r in results]
             exposed[(view, s)] = max(x["exposed"]["a2a"] for x in per_rank)
-            rows.append({"view": view, "schedule": s, "step (µs)": max(x["step_s"] for x in per_rank) * 1e6,
+            step_v[(view, s)] = max(x["step_s"] for x in per_rank)
+            rows.append({"view": view, "schedule": s, "step (µs)": step_v[(view, s)] * 1e6,
                          "exposed all-to-all (µs, worst rank)": exposed[(view, s)] * 1e6,
+                         "exposed share of the step": exposed[(view, s)] / step_v[(view, s)],
                          "exposed count exchange (µs)": max(x["exposed"]["plan"] for x in per_rank) * 1e6})
     display(viz.table(rows, title=f"Emulated {E['gpu']} over {E['link']} (virtual time): one step each way, the toy's "
                                   f"shapes and matched to {E['stands_for']}",
-                      formats={k: ".1f" for k in rows[0] if k not in ("view", "schedule")}))
-    step_v = {(row["view"], row["schedule"]): row["step (µs)"] for row in rows}
-    em_ratio = (exposed[("matched", "overlapped")] / exposed[("matched", "serial")]
-                if exposed[("matched", "serial")] else float("nan"))
+                      formats={k: ".1f" if "µs" in k else ".3f" for k in rows[0] if k not in ("view", "schedule")}))
+    display(viz.bars([{"view": row["view"], "schedule": row["schedule"], "share": row["exposed share of the step"]}
+                      for row in rows], x="view", y="share", color="schedule", text_format=".3f",
+                     title=f"Exposed all-to-all as a share of the step, emulated {E['gpu']} (virtual time)"))
+    em = {s: exposed[("matched", s)] / exposed[("matched", "serial")] if exposed[("matched", "serial")] else float("nan")
+          for s in ("overlapped", "fb")}
+    share = {s: exposed[("matched", s)] / step_v[("matched", s)] for s in SCHEDULES}
     display(Markdown(
         f"Matched to **{E['stands_for']}** (its experts' GEMMs {E['scales']['flops']:,.0f}× the toy's FLOPs, its "
         f"tokens {E['scales']['bytes']:,.0f}× the bytes; on this cluster one real expert layer computes "
-        f"{E['real_op']['gemm_s'] * 1e6:.0f} µs against {E['real_op']['comm_s'] * 1e6:.0f} µs for one dispatch): the "
-        f"overlapped step takes {step_v[('matched', 'overlapped')] / step_v[('matched', 'serial')]:.3f}× the serial "
-        f"one and leaves {em_ratio:.2f}× its exposed all-to-all time (worst rank; forward-with-forward form). At the "
-        f"toy's own shapes every kernel is as short as its launch: "
-        f"{step_v[('own shapes', 'overlapped')] / step_v[('own shapes', 'serial')]:.3f}× the serial step."))
+        f"{E['real_op']['gemm_s'] * 1e6:.0f} µs against {E['real_op']['comm_s'] * 1e6:.0f} µs for one dispatch over "
+        f"{E['link']}): fb leaves **{em['fb']:.2f}×** the serial schedule's exposed all-to-all time, against the "
+        f"target of 0.3× ({'met' if em['fb'] <= 0.3 else 'missed'}); overlapped {em['overlapped']:.2f}×. As a share of "
+        f"the step: serial {share['serial']:.1%}, overlapped {share['overlapped']:.1%}, fb {share['fb']:.1%}; the step "
+        f"takes {step_v[('matched', 'fb')] / step_v[('matched', 'serial')]:.3f}× serial's with fb. At the toy's own "
+        f"shapes every kernel is as short as its launch: fb's step "
+        f"{step_v[('own shapes', 'fb')] / step_v[('own shapes', 'serial')]:.3f}× serial's."))
 
 # %% [markdown]
 # ## The cost model: when does the overlap pay?
 #
 # A two-resource model (one compute engine, one link, each doing one thing at a time; **a model, not a
-# measurement**): the same programs as the two schedules, with per-piece durations. The dispatcher's count exchange
-# before each dispatch is blocking, so it enters as compute-engine time counted as exposed communication, in both
-# schedules. Fed with the traced serial step's mean durations (attention, experts, dispatch, combine, count
-# exchange; backward compute taken as `2 × forward`; embedding and head left out) it gives the step the two
-# schedules would take if the pieces only queued for the two resources; the table sets it against the timed steps.
-# Swept over the ratio of communication to computation it shows where overlap helps.
+# measurement**): the same programs as the three schedules, with per-piece durations. The dispatcher's count
+# exchange before each dispatch is blocking, so it enters as compute-engine time counted as exposed communication,
+# in every schedule. Fed with the traced serial step's mean durations (attention, experts, dispatch, combine, count
+# exchange; backward compute taken as `2 × forward`; embedding and head left out) it gives the step each schedule
+# would take if the pieces only queued for the two resources; the table sets it against the timed steps. Swept over
+# the ratio of communication to computation it shows where each overlap helps.
 
 # %%
 d = r0["durations"]
 cm = r0["cost_model"]
-COLS = {"serial step (ms)": (tm[0]["step_s"]["serial"], cm["serial"]["step_s"]),
-        "overlapped step (ms)": (tm[0]["step_s"]["overlapped"], cm["overlapped"]["step_s"]),
-        "exposed all-to-all serial (ms)": (tm[0]["exposed_a2a_s"]["serial"],
-                                           cm["serial"]["exposed_comm_s"] - cm["serial"]["exposed_plan_s"]),
-        "exposed all-to-all overlapped (ms)": (tm[0]["exposed_a2a_s"]["overlapped"],
-                                               cm["overlapped"]["exposed_comm_s"] - cm["overlapped"]["exposed_plan_s"]),
-        "exposed count exchange overlapped (ms)": (tm[0]["exposed_plan_s"]["overlapped"],
-                                                   cm["overlapped"]["exposed_plan_s"])}
+COLS = {f"{s} step (ms)": (tm[0]["step_s"][s], cm[s]["step_s"]) for s in SCHEDULES}
+COLS.update({f"exposed all-to-all {s} (ms)": (tm[0]["exposed_a2a_s"][s], cm[s]["exposed_comm_s"] - cm[s]["exposed_plan_s"])
+             for s in SCHEDULES})
 vs = {k: meas / model if model > 1e-9 else float("inf") for k, (meas, model) in COLS.items()}
 display(viz.table([
     {"": "measured (rank 0, timed steps)", **{k: meas * 1e3 for k, (meas, _) in COLS.items()}},
@@ -248,104 +285,105 @@ display(viz.table([
           f"{d['plan'] * 1e3:.1f} ms)",
     formats={k: ".2f" for k in COLS}))
 off = {k: r for k, r in vs.items() if not 0.8 <= r <= 1.25}
-speedup = {"measured": tm[0]["step_s"]["serial"] / tm[0]["step_s"]["overlapped"],
-           "model": cm["serial"]["step_s"] / cm["overlapped"]["step_s"]}
 miss = ", ".join(f"{k.removesuffix(' (ms)')} {r:.1f}× the model's"  # the largest miss, either way, first
                  for k, r in sorted(off.items(), key=lambda kv: -max(kv[1], 1 / kv[1])))
 display(Markdown(
-    f"Measured / cost model on rank 0: " + ", ".join(f"{k.removesuffix(' (ms)')} **{r:.2f}×**" for k, r in vs.items())
+    "Measured / cost model on rank 0: " + ", ".join(f"{k.removesuffix(' (ms)')} **{r:.2f}×**" for k, r in vs.items())
     + ". " + ("The model reproduces this run within 25 % on every column. " if not off else
               f"The model does **not** predict this run: measured {miss}. ")
-    + f"It gives the overlapped step a speed-up of {speedup['model']:.2f}× over the serial one; the run measured "
-    f"{speedup['measured']:.2f}×, {'less' if speedup['measured'] < speedup['model'] else 'no less'}. "
-    f"What the model leaves out: embedding and head ({d['embed_head_step'] * 1e3:.1f} ms per step in the serial "
+    + f"What the model leaves out: embedding and head ({d['embed_head_step'] * 1e3:.1f} ms per step in the serial "
     "trace), a backward measured rather than taken as `2 × forward`, and a link that takes no compute core — here "
     "gloo's transfers run on the same two cores as the computation, so a transfer in flight and the computation can "
-    "slow each other, which a two-resource model cannot show. Read the sweep below as the model's arithmetic, not as this "
-    "machine's behaviour."))
+    "slow each other, which a two-resource model cannot show. Read the sweep below as the model's arithmetic, not "
+    "as this machine's behaviour."))
 sweep = r0["sweep"]
-display(viz.lines({"speedup of overlapped over serial": [s["speedup"] for s in sweep],
-                   "overlap fraction (hidden / total comm)": [s["overlap_fraction"] for s in sweep]},
-                  x=[s["ratio"] for s in sweep], xaxis_title="communication / computation per layer",
-                  title=f"Cost model: {mc['n_layer']} layers, 2 micro-batches, attention = experts", log_x=True))
+display(viz.lines({f"speed-up of {s} over serial": [x[f"speedup_{s}"] for x in sweep] for s in ("overlapped", "fb")}
+                  | {f"overlap fraction, {s}": [x[f"overlap_fraction_{s}"] for x in sweep] for s in ("overlapped", "fb")},
+                  x=[x["ratio"] for x in sweep], xaxis_title="communication / computation per layer",
+                  title=f"Cost model: {mc['n_layer']} layers, {c['m']} micro-batches, attention = experts", log_x=True))
 
 # %%
 # NBVAL_CHECK_OUTPUT
-for s in sweep:
-    print(f"comm/compute {s['ratio']:>4}: overlapped step {s['speedup']:.3f}x faster, overlap fraction "
-          f"{s['overlap_fraction']:.3f} (cost model)")
+for x in sweep:
+    print(f"comm/compute {x['ratio']:>4}: overlapped {x['speedup_overlapped']:.3f}x, fb {x['speedup_fb']:.3f}x faster; "
+          f"overlap fraction {x['overlap_fraction_overlapped']:.3f} and {x['overlap_fraction_fb']:.3f} (cost model)")
 
 # %%
-best = max(sweep, key=lambda s: s["speedup"])
+best = {s: max(sweep, key=lambda x: x[f"speedup_{s}"]) for s in ("overlapped", "fb")}
 comm_share = (d["dispatch"] + d["combine"]) / (d["attn"] + d["experts"])
 display(Markdown(
-    f"In the model the overlap pays most, **{best['speedup']:.2f}×**, at a comm/compute ratio of {best['ratio']}: "
-    f"with much less communication there is little to hide (ratio {sweep[0]['ratio']}: "
-    f"{sweep[0]['speedup']:.2f}×), with much more the computation is too short to hide it behind (ratio "
-    f"{sweep[-1]['ratio']}: overlap fraction {sweep[-1]['overlap_fraction']:.0%}). What the model cannot hide at "
-    "any ratio is the last forward transfer (B's final combine: no computation is left to put under it) and the first "
-    "backward one (the backward starts with a combine's gradient), plus the blocking count exchanges (none in the "
-    f"sweep, {cm['overlapped']['exposed_plan_s'] * 1e3:.1f} ms per step with this run's durations). This run's ratio, from the serial "
-    f"trace, is {comm_share:.2f} (gloo on a shared CPU; on NVLink it is much smaller, across nodes at EP 64 much larger)."))
+    f"In the model the overlaps pay most at a comm/compute ratio of {best['overlapped']['ratio']} (overlapped, "
+    f"**{best['overlapped']['speedup_overlapped']:.2f}×**) and {best['fb']['ratio']} (fb, "
+    f"**{best['fb']['speedup_fb']:.2f}×**): with much less communication there is little to hide, with much more the "
+    "computation is too short to hide it behind. fb hides less than overlapped in the model at every ratio: its first "
+    "forward and last backward have no partner, and inside a pair the backward *opens* with a transfer (the combine's "
+    "gradient) that queues behind the forward's dispatch on the one link. What it buys is memory (below). This run's "
+    f"ratio, from the serial trace, is {comm_share:.2f} (gloo on a shared CPU; on NVLink it is much smaller, across "
+    "nodes at EP 64 much larger)."))
 
 # %% [markdown]
 # ## The price: activation memory
 #
-# Serial gradient accumulation runs A's forward and backward before B's forward, so at most one micro-batch's
-# activations are alive. The overlapped schedule runs both forwards first. Measured: the bytes autograd saves for the
-# backward (`saved_tensors_hooks`, each storage once, parameters excluded) at the end of the forwards — the most it
-# holds at once — next to a rough per-layer estimate (`overlap.activation_bytes`, a model).
+# Serial gradient accumulation runs each micro-batch's forward and backward before the next forward, so one
+# micro-batch's activations are alive at a time. Overlapped runs all forwards first: all `m` are alive. fb holds the
+# forward in flight and what the backward beside it has not freed yet: at most two. Measured: the bytes autograd saves
+# for the backward (`saved_tensors_hooks`, each storage once, parameters excluded) — for fb the two micro-batches of a
+# pair added, an upper bound — next to a rough per-layer estimate (`overlap.activation_bytes`, a model).
 
 # %%
 est = r0["activation_model_bytes"]
-display(viz.bars([{"schedule": s, "what": "measured (median over ranks)", "MiB": mem[s] / 2**20}
-                  for s in ("serial", "overlapped")]
-                 + [{"schedule": s, "what": "estimate (model)", "MiB": est * k / 2**20}
-                    for s, k in (("serial", 1), ("overlapped", 2))],
-                 x="schedule", y="MiB", color="what", text_format=".2f", title="Activation bytes held for the backward, at most"))
+held = {"serial": 1, "overlapped": c["m"], "fb": 2}
+display(viz.bars([{"schedule": s, "what": "measured (median over ranks)", "MiB": mem[s] / 2**20} for s in SCHEDULES]
+                 + [{"schedule": s, "what": "estimate (model)", "MiB": est * k / 2**20} for s, k in held.items()],
+                 x="schedule", y="MiB", color="what", text_format=".2f",
+                 title="Activation bytes held for the backward, at most"))
 display(Markdown(
-    f"Holding both micro-batches costs **{mem['overlapped'] / mem['serial']:.2f}×** the activation bytes of the serial "
-    f"schedule here ({viz.human_bytes(mem['serial'])} → {viz.human_bytes(mem['overlapped'])}). This is why Megatron "
-    "Core's `--overlap-moe-expert-parallel-comm` overlaps the *forward* of one micro-batch with the *backward* of "
-    "another inside its 1F1B schedule (combined 1F1B): the activations of one micro-batch are freed while the next "
-    "one's are made, so the peak stays that of 1F1B."))
+    f"Overlapped holds **{mem['overlapped'] / mem['serial']:.2f}×** the serial schedule's activation bytes with "
+    f"{c['m']} micro-batches ({viz.human_bytes(mem['serial'])} → {viz.human_bytes(mem['overlapped'])}), fb at most "
+    f"**{mem['fb'] / mem['serial']:.2f}×**: this is why Megatron Core's `--overlap-moe-expert-parallel-comm` "
+    "overlaps the *forward* of one micro-batch with the *backward* of another inside its 1F1B schedule (combined "
+    "1F1B), and DualPipe pairs F with B: the peak stays that of 1F1B."))
 
 # %%
 display(Markdown(
     "## What the measurement says about the article\n\n"
-    "- *\"While one batch computes, the next batch's communication already runs\"*: reproduced, with the bitwise check "
-    f"that it changes nothing but the order; on this machine it cut the exposed all-to-all time to {ratio:.2f}× the "
-    "serial schedule's.\n"
+    "- *\"While one batch computes, the next batch's communication already runs\"*: reproduced in both forms, with the "
+    "check that they change nothing but the order (bitwise for fb); on this machine they cut the exposed all-to-all "
+    f"time to {ratios['overlapped']:.2f}× (overlapped) and {ratios['fb']:.2f}× (fb) the serial schedule's.\n"
     "- *\"The more cards, the larger the gain; double digits at scale\"*: this machine cannot vary the number of cards. "
-    "The cost model says the gain follows the communication/computation ratio: from "
-    f"{sweep[0]['speedup']:.2f}× at ratio {sweep[0]['ratio']} up to {best['speedup']:.2f}× at {best['ratio']}, then "
-    f"down to {sweep[-1]['speedup']:.2f}× at {sweep[-1]['ratio']}, where the computation is too short to cover the "
+    "The cost model says the gain follows the communication/computation ratio: overlapped from "
+    f"{sweep[0]['speedup_overlapped']:.2f}× at ratio {sweep[0]['ratio']} up to "
+    f"{best['overlapped']['speedup_overlapped']:.2f}× at {best['overlapped']['ratio']}, then down to "
+    f"{sweep[-1]['speedup_overlapped']:.2f}× at {sweep[-1]['ratio']}, where the computation is too short to cover the "
     "transfers. More EP ranks raise the ratio (a larger share of the tokens leaves the rank, over slower links), so "
     "more cards help only up to that point.\n"
-    f"- Not stated in the article: the overlap held {mem['overlapped'] / mem['serial']:.2f}× the activation bytes, unless "
-    "it is combined with the pipeline's forward/backward pairing."))
+    f"- Not stated in the article: holding two forwards costs {mem['overlapped'] / mem['serial']:.2f}× the activation "
+    f"bytes at m = {c['m']}; the forward-under-backward form keeps it at most {mem['fb'] / mem['serial']:.2f}×."))
 
 # %%
 from toolkit.report import headline
 
-share = {s: statistics.median(t["exposed_a2a_s"][s] / t["step_s"][s] for t in tm.values()) for s in ("serial", "overlapped")}
-same = all(r["check"]["losses_bitwise"] and r["check"]["grads_bitwise"]
-           and r["check"]["a2a_sent_bytes"]["serial"] == r["check"]["a2a_sent_bytes"]["overlapped"] for r in results)
-emulated = "" if E is None else (
-    f"{E['gpu']} over {E['link']} (`{E['cluster']}`), the toy timed as {E['stands_for']}'s expert layers at "
-    f"ep = {world_size}, forward-with-forward form: the overlapped step "
-    f"{step_v[('matched', 'overlapped')] / step_v[('matched', 'serial')]:.3f}× the serial one, exposed all-to-all "
-    f"{em_ratio:.2f}× serial (the combined-1F1B form of the claim is not built yet)")
-headline("02", "MoE all-to-all overlapped across two micro-batches",
-         f"exposed all-to-all time {ratio:.2f}× the serial schedule's ({share['serial']:.0%} → "
-         f"{share['overlapped']:.0%} of the step, gloo on CPU); losses and gradients bitwise "
-         f"{'equal' if same else 'NOT equal'}, same bytes; {mem['overlapped'] / mem['serial']:.2f}× the activation bytes",
-         value=ratio, unit="× exposed all-to-all time",
+share_gloo = {s: statistics.median(t["exposed_a2a_s"][s] / t["step_s"][s] for t in tm.values()) for s in SCHEDULES}
+same = all(r["check"]["losses_bitwise"]["fb"] and r["check"]["grads_bitwise"]["fb"]
+           and len(set(r["check"]["a2a_sent_bytes"].values())) == 1 for r in results)
+emulated, emulated_ok = "", None
+if E is not None:
+    emulated = (f"{E['gpu']} over {E['link']} (`{E['cluster']}`, one EP rank per node), the toy timed as "
+                f"{E['stands_for']}'s expert layers at ep = {world_size}: with fb (forward under backward) the exposed "
+                f"all-to-all is {share['serial']:.1%} → {share['fb']:.1%} of the step ({em['fb']:.2f}× serial's; the "
+                f"target 0.3×), forward-with-forward {em['overlapped']:.2f}×")
+    # Megatron's claim: 30-40 % of the step exposed -> under 5 %; decidable only where serial exposes about that much
+    emulated_ok = (bool(share["fb"] < 0.05) if 0.2 <= share["serial"] <= 0.5 else None)
+headline("02", "MoE all-to-all overlapped across micro-batches (forward with forward; forward under backward)",
+         f"exposed all-to-all time {ratios['fb']:.2f}× the serial schedule's with fb ({share_gloo['serial']:.0%} → "
+         f"{share_gloo['fb']:.0%} of the step, gloo on CPU), {ratios['overlapped']:.2f}× forward-with-forward; fb "
+         f"losses and gradients bitwise {'equal' if same else 'NOT equal'}, same bytes; activation bytes "
+         f"{mem['overlapped'] / mem['serial']:.2f}× (forward with forward) and at most {mem['fb'] / mem['serial']:.2f}× (fb)",
+         value=ratios["fb"], unit="× exposed all-to-all time (fb)",
          claim="exposed EP communication 30–40 % → under 5 % of the step (combined 1F1B)",
-         source="Megatron Core MoE docs (v0.14)", reproduced=None, emulated=emulated, emulated_reproduced=None,
-         note="a GPU claim: with NCCL on its own stream the exposed time shows only in a GPU profile, and here "
-              "gloo moves the bytes on the compute cores; the cost model's best speed-up is "
-              f"{best['speedup']:.2f}× at comm/compute {best['ratio']}")
+         source="Megatron Core MoE docs (v0.14)", reproduced=None, emulated=emulated, emulated_reproduced=emulated_ok,
+         note="on CPU gloo moves the bytes on the compute cores; the claim is judged on the emulated cluster, and only "
+              "where its serial step exposes 20–50 % (the claim's own starting point)")
 
 # %% [markdown]
 # ## What differs on GPUs (NCCL with separate streams)
@@ -364,10 +402,14 @@ headline("02", "MoE all-to-all overlapped across two micro-batches",
 #
 # ## Try this
 #
-# - `d_ff=2048` (heavier experts): the comm/compute ratio falls; does the exposed fraction follow the cost model?
-# - `world_size=4` with `n_expert=8`: three quarters of each rank's tokens leave the rank instead of half.
-# - `preset="full"`, `backend="nccl"` on GPUs: the same two schedules; profile them with `torch.profiler` to see the
-#   two streams.
+# - `d_ff = 2048` (heavier experts): the compute grows, the all-to-all bytes stay, so the comm/compute ratio falls;
+#   does the exposed fraction follow the cost model?
+# - `m = 16`: fb's unpaired first forward and last backward weigh less; overlapped would hold twice as many
+#   activations.
+# - `world_size = 4` with `n_expert = 8`: under uniform routing three quarters of each rank's tokens leave the rank
+#   instead of half (theory).
+# - `preset = "full"` and `backend = "nccl"` on GPUs: the same three schedules; profile them with `torch.profiler` to
+#   see the two streams.
 #
 # ## Sources
 #

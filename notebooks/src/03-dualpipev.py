@@ -41,11 +41,13 @@
 
 # %% tags=["parameters"]
 import os
+from typing import Optional
 
 world_size: int = 2
 preset: str = os.environ.get("TOOLKIT_PRESET", "default")  # smoke | default | full
 backend: str = "auto"  # auto | gloo | nccl
 cluster: str = "h100-ib400"  # emulated cluster under the run: h100-ib400 | a100-ib200 | pcie-100gbe | none
+m: Optional[int] = None  # micro-batches per step (None: the preset's)
 timeout_s: int = 600
 
 # %%
@@ -134,7 +136,7 @@ for r in rows:
 # and the cell below says why).
 
 # %%
-results = launch("l03_dualpipev", world_size, {"preset": preset}, backend=backend, timeout_s=timeout_s,
+results = launch("l03_dualpipev", world_size, {"preset": preset, "m": m}, backend=backend, timeout_s=timeout_s,
                  cluster=cluster)
 r0 = results[0]
 
@@ -244,18 +246,6 @@ else:
                       formats={k: ".2f" if k != "step (ms)" else ".3f" for k in shown[0] if k != "schedule"}))
     display(schedule_gantt(emu_rows["dualpipev (F&B overlapped)"]["spans"],
                            title=f"DualPipeV on the emulated {E['gpu']}, matched to {E['stands_for']} (virtual time)"))
-    # the toy's own shapes on the same cluster, and the simulator fed their virtual op times (validation)
-    toy_rows = []
-    for name in ("1f1b", "zb-h1", "interleaved", "dualpipev"):
-        per = ours(name)
-        if "op_vseconds" not in per[0]:
-            continue
-        sim = simulate(make_schedule(name, p, r0["m"]), MeasuredCosts([o for x in per for o in x["op_vseconds"]]))
-        toy_rows.append({"schedule": name, "emulated step, toy shapes (µs)": per[0]["bench"]["virtual"]["mean_s"] * 1e6,
-                         "simulated from its op times (µs)": sim.makespan * 1e6})
-    display(viz.table(toy_rows, title=f"The toy's own shapes on the emulated {E['gpu']} (virtual time) and the "
-                                      "simulator fed the same op times (median per op, no latency)",
-                      formats={k: ".1f" for k in toy_rows[0] if k != "schedule"}))
     em = {k: v for k, v in emu_rows.items()}
     wire = {k: v["exposed p2p on the wire (µs, summed)"] for k, v in em.items()}
     display(Markdown(
@@ -270,6 +260,19 @@ else:
         "(sent as soon as it is made, received one action ahead), so pairing F with B has nothing left to hide "
         "in the pipeline's own messages; DualPipe's pairs are for the expert-parallel all-to-all inside a "
         "stage, which these dense stages do not have."))
+
+# %%
+# the toy's own shapes on the same cluster, beside the simulator fed their virtual op times
+if E is not None:
+    toy_rows = []
+    for name in ("1f1b", "zb-h1", "interleaved", "dualpipev"):
+        per = ours(name)
+        sim = simulate(make_schedule(name, p, r0["m"]), MeasuredCosts([o for x in per for o in x["op_vseconds"]]))
+        toy_rows.append({"schedule": name, "emulated step, toy shapes (µs)": per[0]["bench"]["virtual"]["mean_s"] * 1e6,
+                         "simulated from its op times (µs)": sim.makespan * 1e6})
+    display(viz.table(toy_rows, title="Simulated from the same op times (median per op, no latency) beside the "
+                                      "emulated step at the toy shapes (virtual time)",
+                      formats={k: ".1f" for k in toy_rows[0] if k != "schedule"}))
 
 # %% [markdown]
 # ## 6 · F&B: the overlap, for real
@@ -528,10 +531,16 @@ headline("03", "DualPipeV (V-folded pipeline, zero-bubble W split, F&B pairs)",
          emulated=emulated, emulated_reproduced=emulated_ok)
 
 # %% [markdown]
-# **Try:** raise `m` (the bubble fraction falls as 1/m); set F&B/(F+B) = 0.5 in the explorer; compare
-# `torch:zbv` (ZB-V, also a V) with DualPipeV at equal costs.
+# ## Try this
 #
-# **Sources.** DeepSeek-V3 technical report §3.2 (arXiv 2412.19437); `deepseek-ai/DualPipe`
+# - `m = 8` (the smoke preset runs 4) or `m = 16` (the default runs 8): the bubble fraction falls as 1/m.
+# - In the explorer (section 9), set the `overlap` control, F&B/(F+B), to 0.5.
+# - In the explorer, compare `schedule = "torch:zbv"` (ZB-V, also a V) with `schedule = "dualpipev"` at
+#   equal costs.
+#
+# ## Sources
+#
+# DeepSeek-V3 technical report §3.2 (arXiv 2412.19437); `deepseek-ai/DualPipe`
 # (`dualpipe/dualpipev.py`, README bubble table); Qi et al., *Zero Bubble Pipeline Parallelism*, ICLR 2024;
 # `torch.distributed.pipelining.ScheduleDualPipeV` (pytorch#159591); MindSpeed-LLM `dualpipev` and MLA
 # `a2a_hooked_on_attention`.

@@ -32,10 +32,14 @@
 
 # %% tags=["parameters"]
 import os
+from typing import Optional
 
 world_size: int = 4  # pipeline stages, one process each
 preset: str = os.environ.get("TOOLKIT_PRESET", "default")  # smoke | default | full
 backend: str = "auto"  # auto | gloo | nccl
+cluster: str = "none"  # emulated cluster under the run: none | h100-ib400 | a100-ib200 | pcie-100gbe
+vocab_size: Optional[int] = None  # tokens in the vocabulary, a multiple of world_size (None: the preset's)
+m: Optional[int] = None  # micro-batches per step (None: the preset's)
 timeout_s: int = 600
 
 # %%
@@ -51,9 +55,10 @@ from toolkit.pipeline import vocab_passes as vx
 from toolkit.pipeline.schedule import one_f_one_b
 from toolkit.pipeline.simulate import simulate
 from toolkit.report import headline
+from toolkit.runtime.cluster import cluster as make_cluster
 from toolkit.viz.pipeline import schedule_gantt
 
-cfg = lesson.validate({"preset": preset}, world_size)
+cfg = lesson.validate({"preset": preset, "vocab_size": vocab_size, "m": m}, world_size)  # None: the preset's
 p, m = world_size, cfg["m"]
 print(f"p={p} stages, {cfg['n_layer']} layers, d={cfg['d_model']}, V={cfg['vocab_size']}, "
       f"m={m} micro-batches of {cfg['micro_batch']}x{cfg['seq_len']} tokens")
@@ -102,7 +107,7 @@ print(inspect.getsource(vx.VocabPasses.vocab_t))
 # schedules above, through the executor with `VocabPasses`); then all three timed side by side (`bench.compare`).
 
 # %%
-results = launch("l13_vocab_parallel", world_size, cfg, backend=backend, timeout_s=timeout_s)
+results = launch("l13_vocab_parallel", world_size, cfg, backend=backend, timeout_s=timeout_s, cluster=cluster)
 r0 = results[0]
 runs = list(r0["runs"])
 vocab_runs = [f"vocab-{alg}" for alg in vp.ALGORITHMS]
@@ -369,19 +374,22 @@ display(Markdown(
 #
 # PP = 8, 32 layers of hidden 3072, sequence 4096, micro-batch 1, m = 24 micro-batches (3p, the default of the
 # authors' script): 3.6B transformer parameters, plus 1.6B in the two 256k tables (by construction). The
-# hardware is an assumed A100: 312 TFLOP/s bf16 at 70%, 2 TB/s HBM at 80%, 200 GB/s links (spec, with assumed
-# efficiencies). **Everything in this section is the cost model and the simulator, not a measurement**; the same
-# `vocab_1f1b` schedules as above, built from modelled instead of measured costs.
+# hardware is the `a100-ib200` preset of `toolkit.runtime.cluster` (printed below with the source of each
+# figure), its kernels at the fractions of the peaks `vp.Efficiency()` assumes (`matmul=0.7`, `hbm=0.8`).
+# **Everything in this section is the cost model and the simulator, not a measurement**; the same `vocab_1f1b`
+# schedules as above, built from modelled instead of measured costs.
 
 # %%
 paper = vp.Workload(n_layer=32, d_model=3072, d_ff=4 * 3072, vocab_size=256_000, seq_len=4096)
 P8, M24 = 8, 24
-costs = {lay: vp.stage_costs(paper, P8, vp.A100, lay, 2) for lay in ("baseline", "vocab")}
+a100 = make_cluster("a100-ib200")
+print(a100.describe())
+costs = {lay: vp.stage_costs(paper, P8, a100, lay, 2) for lay in ("baseline", "vocab")}
 comm_a100 = max(costs["vocab"][0]["bcast_x"], costs["vocab"][0]["c0"] + costs["vocab"][0]["dx"])
 viz.bars([{"rank": f"rank {r}", "layout": lay, "ms": (row["F"] + row["B"] + row["S"] + row["T"]) * 1e3}
           for lay, rows in costs.items() for r, row in enumerate(rows)], x="rank", y="ms", color="layout",
          title="Compute per micro-batch per rank, cost model (A100, V = 256k; simulated)").show()
-sims = {alg: vp.simulate_layouts(costs["baseline"], vp.stage_costs(paper, P8, vp.A100, "vocab", alg), M24, alg,
+sims = {alg: vp.simulate_layouts(costs["baseline"], vp.stage_costs(paper, P8, a100, "vocab", alg), M24, alg,
                                  comm_a100) for alg in vp.ALGORITHMS}
 schedule_gantt(sims[2]["baseline"], title="Baseline 1F1B at V = 256k, simulated (seconds)").show()
 schedule_gantt(sims[2]["vocab"], title="Vocabulary parallel, Algorithm 2, simulated (seconds)").show()
@@ -393,7 +401,7 @@ for lay, f in flops.items():
     t = [row["F"] + row["B"] + row["S"] + row["T"] for row in costs[lay]]
     print(f"{lay:>8}: max/min stage FLOPs {max(f) / min(f):.3f}, max/min stage time {max(t) / min(t):.3f}")
 per_step = sum(flops["baseline"]) * M24  # the cost model's FLOPs of one step (causal attention, no recompute)
-mfu = lambda span: per_step / (span * P8 * vp.A100.peak_flops)
+mfu = lambda span: per_step / (span * P8 * a100.gpu.bf16_flops)
 for alg, res in sims.items():
     print(f"Algorithm {alg} (simulated): speedup {res['speedup']:.3f}x; MFU {mfu(res['baseline'].makespan):.3f} -> "
           f"{mfu(res['vocab'].makespan):.3f}; peak activations rank 0: {res['baseline'].peak_mb[0]:.0f} -> "
@@ -411,7 +419,7 @@ assert sims[1]["vocab"].peak_mb[0] == P8 + 2 and sims[2]["vocab"].peak_mb[0] == 
 sweep = {}
 for V in (32_000, 64_000, 128_000):
     w = vp.Workload(n_layer=32, d_model=3072, d_ff=4 * 3072, vocab_size=V, seq_len=4096)
-    sweep[V] = vp.simulate_layouts(vp.stage_costs(w, P8, vp.A100, "baseline"), vp.stage_costs(w, P8, vp.A100, "vocab", 2),
+    sweep[V] = vp.simulate_layouts(vp.stage_costs(w, P8, a100, "baseline"), vp.stage_costs(w, P8, a100, "vocab", 2),
                                    M24, 2, comm_a100)["speedup"]
 sweep[paper.vocab_size] = sims[2]["speedup"]
 viz.lines({"speedup": list(sweep.values())}, x=[f"{v // 1000}k" for v in sweep], title="Simulated speedup vs vocabulary",
@@ -474,9 +482,11 @@ headline("13", "vocabulary parallelism",
 # %% [markdown]
 # ## Try
 #
-# - Set `vocab_size` so it is not a multiple of `world_size`: `validate` refuses it before any process starts.
-# - `m = 16`: the bubble share shrinks, so does the gain of balancing the stages; p + 1 and p + 2 stay.
-# - Change `M24` to 8 or 64 in section 9: the bubble share changes and so does the simulated speedup.
+# - `vocab_size = 1001`, not a multiple of `world_size`: the lesson refuses it before any process starts.
+# - `m = 12` (the smoke preset runs 6, the default 8): the bubble share shrinks, so does the gain of balancing the
+#   stages; p + 1 and p + 2 stay.
+# - A code edit: `M24` to 8 or 64 in section 9's first cell: the bubble share changes and so does the simulated
+#   speedup.
 #
 # ## Sources
 #

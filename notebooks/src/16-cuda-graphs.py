@@ -47,8 +47,11 @@ from typing import Optional
 world_size: int = 4
 pp: int = 2  # pipeline ranks (the data-parallel size is world_size // pp)
 n_layer: Optional[int] = None  # None: the preset's; DualPipeV needs a multiple of 2·pp
+m: Optional[int] = None  # micro-batches per replica, DualPipeV needs at least 2·pp (None: the preset's)
 preset: str = os.environ.get("TOOLKIT_PRESET", "default")  # smoke | default | full
 backend: str = "auto"  # auto | gloo | nccl
+cluster: str = "h100-ib400"  # emulated cluster (pp ranks per node): h100-ib400 | a100-ib200 | pcie-100gbe | none
+micro_batch: Optional[int] = None  # sequences per micro-batch (None: the preset's)
 timeout_s: int = 600
 
 # %%
@@ -88,9 +91,15 @@ print(inspect.getsource(dp_separate.last_grad_ops))
 # replicas), DualPipeV over the pp ranks of each replica, each replica on its own micro-batches of real text.
 
 # %%
-run_cfg = {"preset": preset, "pp": pp, "dp": max(1, world_size // pp), "n_layer": n_layer}  # None: the preset's
+run_cfg = {"preset": preset, "pp": pp, "dp": max(1, world_size // pp), "n_layer": n_layer,  # None: the preset's
+           "m": m, "micro_batch": micro_batch}
 cfg = lesson.validate(run_cfg, world_size)  # a bad combination stops here, before any process starts
-results = launch("l16_cuda_graphs", world_size, run_cfg, backend=backend, timeout_s=timeout_s)
+from toolkit.runtime.cluster import cluster as make_cluster
+
+# the grid's ranks run dp fastest (a replica's pp ranks are dp apart), so nodes of dp ranks hold the replicas of
+# one pipeline stage: the DP all-reduce stays in a node, the pipeline's p2p crosses nodes
+target = None if cluster == "none" else make_cluster(cluster, ranks_per_node=cfg["dp"])
+results = launch("l16_cuda_graphs", world_size, run_cfg, backend=backend, timeout_s=timeout_s, cluster=target)
 r0 = results[0]
 where = (f"this CPU ({len(results)} ranks sharing {os.cpu_count()} cores)" if r0["device"] == "cpu"
          else f"{r0['device']} (one device per rank)")
@@ -240,7 +249,10 @@ display(Markdown(
 # ## 5 · What capture requires, checked
 #
 # Each candidate region run under `toolkit.graphs.audit`, a dispatch mode that flags the ops a capture
-# cannot hold.
+# cannot hold (data-dependent shapes, host reads) and the collectives, which NCCL *can* capture but which
+# Megatron keeps out of its graphs by choice: issued eagerly, the DP reduce starts bucket by bucket as the
+# backward makes the gradients and overlaps the rest of it; inside a chunk's graph it could only start when
+# the whole chunk had replayed, and DDP's gradient-ready hooks would fire once per capture, not per replay.
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -254,6 +266,48 @@ assert r0["audit"]["dense stage: forward + backward"] == {}
 assert "aten.nonzero" in r0["audit"]["MoE block: forward + backward"]
 assert "c10d.allreduce_" in r0["audit"]["DP gradient all-reduce"]
 assert "aten._local_scalar_dense" in r0["audit"]["the loss read on the host (.item())"]
+
+# %% [markdown]
+# ## 5b · On an emulated H100 cluster: the launches a graph removes, and the DP reduce
+#
+# The launch also ran on an **emulated cluster** (the `cluster` parameter; `toolkit.runtime.emulator`,
+# checked in lesson 00): every ATen op timed by the target GPU's roofline, on a stream that runs what a host
+# issues — and the host pays one kernel launch per op. With kernels as small as this model's, the host is
+# the bottleneck: the stream waits for the next launch. Each variant ran one more DualPipeV step there,
+# eager and with every op (each F, B, I, W chunk) replayed as one CUDA graph (the `GraphReplay` executor hook:
+# one launch per chunk), and the DP all-reduce plain or separated. The step, the host's launch time inside it,
+# and the time the step's end waited for the DP all-reduces are all virtual time (a model, labelled). The
+# data-parallel groups sit on one node and the pipeline spans two (`ranks_per_node = dp`).
+
+# %%
+E = r0["emulated"]
+if E is None:
+    display(Markdown("This run had no emulated cluster (`cluster = none`)."))
+else:
+    erows = []
+    for label in E["runs"]:
+        per = [r["emulated"]["runs"][label] for r in results]
+        erows.append({"variant": label, "step (µs, slowest rank)": max(x["step_s"] for x in per) * 1e6,
+                      "host launches (µs, rank 0)": per[0]["launch_s"] * 1e6,
+                      "launch share of the step (rank 0)": per[0]["launch_s"] / per[0]["step_s"],
+                      "DP wait at the end (µs, worst rank)": max(x["dp_wait_s"] for x in per) * 1e6})
+    display(viz.table(erows, title=f"One DualPipeV step on the emulated {E['gpu']} (virtual time; DP reduce on "
+                                   f"{E['dp_link']})",
+                      formats={k: ".1f" if "µs" in k else ".2f" for k in erows[0] if k != "variant"}))
+    display(viz.bars([{"variant": x["variant"], "µs": x["step (µs, slowest rank)"]} for x in erows], x="variant",
+                     y="µs", text_format=".0f", title=f"Step time on the emulated {E['gpu']} (virtual time)"))
+    em = {x["variant"]: x for x in erows}
+    graph_gain = em["eager · plain"]["step (µs, slowest rank)"] / em["graphed · plain"]["step (µs, slowest rank)"]
+    dp_plain, dp_sep = em["graphed · plain"]["DP wait at the end (µs, worst rank)"], \
+        em["graphed · separated"]["DP wait at the end (µs, worst rank)"]
+    display(Markdown(
+        f"Eager, the host's launches are {em['eager · plain']['launch share of the step (rank 0)']:.0%} of rank 0's "
+        f"step: the stream idles between kernels that take less than a launch. Replaying each chunk as one graph "
+        f"shortens the step {graph_gain:.1f}× on this model (the host then pays "
+        f"{em['graphed · plain']['host launches (µs, rank 0)']:.0f} µs of launches). The DP all-reduce left for "
+        f"the end of the step keeps the step waiting up to {dp_plain:.1f} µs; separated, issued as each stage's "
+        f"gradients are final, {dp_sep:.1f} µs. These kernels are tiny: a real model's chunks are long against a "
+        "launch, and there the graph's gain shrinks to what the host cost per op was."))
 
 # %% [markdown]
 # ## 6 · What we found, and where it disagrees with the source
@@ -272,9 +326,11 @@ display(Markdown(f"""
   the schedule is left to hide the reduces behind (the schedule table above shows how that grows with p).
   These timings come from {where}, so they are noisy.
 - **Graphs.** The host cost measured above is what a replay removes; the cost model turns it into a gain
-  that is large only when chunks are launch-bound. The audit shows the three things Megatron keeps out of
-  its graphs: the MoE dispatch (`nonzero`), the DP collective, and any host read of a value. No graph runs
-  inside this lesson's DualPipeV executor, here or in the GPU check (which graphs a sequential chain).
+  that is large only when chunks are launch-bound. The audit shows what a capture cannot hold — the MoE
+  dispatch (`nonzero`) and any host read of a value — and what Megatron keeps out by choice: the DP
+  collective, capturable on NCCL but eager so that it overlaps the backward. No graph is captured inside
+  this lesson's DualPipeV executor, here or in the GPU check (which graphs a sequential chain); the emulated
+  cluster below times per-op graph replays.
 - **Against the source.** The article reports 1F1B + CUDA graphs + DP separation working, and DualPipeV's
   version as work in progress; it gives no numbers, so we have none to compare with. One reason DualPipeV is
   harder, visible in this schedule: its zero-bubble W ops run a chunk's weight gradients *later* than its
@@ -290,6 +346,11 @@ display(Markdown(f"""
 launches = per_mb * r0["m"] * r0["dp"]
 host_us = [x["host µs per op"] for x in chunks]
 exact = all(r["grads_bitwise_plain_vs_separated"] and r["losses_equal"] for r in results)
+emulated = "" if E is None else (
+    f"{E['gpu']} (`{E['cluster']}`), this toy model (no workload matched: the claim is about launch-bound chunks): "
+    f"eager, the host's launches are {em['eager · plain']['launch share of the step (rank 0)']:.0%} of the step and "
+    f"a graph replay per chunk shortens it {graph_gain:.1f}×; the DP wait at the step's end {dp_plain:.1f} µs "
+    f"plain, {dp_sep:.1f} µs separated")
 headline("16", "CUDA graphs with DualPipeV, DP all-reduce separated",
          f"{launches:,} ATen ops per step (dp {r0['dp']} × pp {r0['pp']}, {r0['m']} micro-batches) whose host "
          f"dispatch a graph replay would skip, {per_mb_compute * r0['m'] * r0['dp']:,} of them compute ops (not "
@@ -299,6 +360,7 @@ headline("16", "CUDA graphs with DualPipeV, DP all-reduce separated",
          value=launches, unit="ATen ops per step",
          claim="1F1B + CUDA graphs + DP separation works; the DualPipeV version is in progress (no numbers given)",
          source="seed article §16; Megatron-LM --cuda-graph-impl", reproduced=None,
+         emulated=emulated, emulated_reproduced=None if E is None else bool(graph_gain > 1 and dp_sep <= dp_plain),
          note="capture and replay need a GPU; benchmarks/gpu/cuda_graphs.py graphs a sequential chain of 4 stages "
               "with one micro-batch in flight, not DualPipeV's per-micro-batch F, I and W graphs (not built), and "
               "checks DP separation on NCCL without graphs; here the DP separation is checked bitwise and the "
@@ -317,11 +379,16 @@ headline("16", "CUDA graphs with DualPipeV, DP all-reduce separated",
 # | DP separation | DualPipeV on gloo, `async_op=True` per stage | the same on NCCL, without graphs |
 # |  |  | (4 GPUs: `dp=2, pp=2`; 2 GPUs: `dp=2, pp=1`) |
 #
-# **Try:** `pp = 4, n_layer = 8` with `world_size = 4` (dp = 1): more pipeline ranks, earlier phase-1 chunks;
-# `world_size = 8` on a GPU node (dp = 4); a larger `micro_batch` in the cfg, and the share of host time in
-# section 4 falls.
+# ## Try this
 #
-# **Sources.** NVIDIA, *CUDA Graphs* (CUDA programming guide); PyTorch `torch.cuda.graphs`,
+# - `pp = 4`, `n_layer = 8` and `m = 8` with `world_size = 4` (dp = 1): more pipeline ranks, earlier phase-1
+#   chunks.
+# - `world_size = 8` on a GPU node (dp = 4).
+# - A larger `micro_batch`: the share of host time in section 4 falls.
+#
+# ## Sources
+#
+# NVIDIA, *CUDA Graphs* (CUDA programming guide); PyTorch `torch.cuda.graphs`,
 # `make_graphed_callables`, and `torch.compile(mode="reduce-overhead")`; Megatron-LM `--cuda-graph-impl`,
 # `--cuda-graph-modules` and its per-layer `_CudaGraphRunner`; DeepSeek-V3 technical report §3.2 and
 # `deepseek-ai/DualPipe` (DualPipeV); Qi et al., *Zero Bubble Pipeline Parallelism* (ICLR 2024).

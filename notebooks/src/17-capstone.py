@@ -28,6 +28,7 @@ import os
 world_size: int = 4  # processes: pp x dp
 preset: str = os.environ.get("TOOLKIT_PRESET", "default")  # smoke | default | full
 backend: str = "auto"  # auto | gloo | nccl
+cluster: str = "none"  # emulated cluster under the run: none | h100-ib400 | a100-ib200 | pcie-100gbe
 pp: int = 2  # pipeline ranks; dp is world_size / pp
 timeout_s: int = 900
 
@@ -120,7 +121,7 @@ assert "pp × dp" in errors["world size not pp x dp"] and "m >= 2 × pp" in erro
 # round-robin, so a slow phase of the machine lands on all of them).
 
 # %%
-results = launch("l17_capstone", world_size, cfg, backend=backend, timeout_s=timeout_s)
+results = launch("l17_capstone", world_size, cfg, backend=backend, timeout_s=timeout_s, cluster=cluster)
 names = [name for name, _, _ in configs]
 runs = {name: [r["runs"][i] for r in results] for i, name in enumerate(names)}
 r0 = results[0]
@@ -365,11 +366,12 @@ if branch:
 
 # %%
 print(inspect.getdoc(lesson.case_13b))
-w13, c13 = lesson.case_13b()
-plan_rows = planner.choose(w13, c13)
+w13, hw13, gpus13, assume13 = lesson.case_13b()
+print(hw13.describe())
+plan_rows = planner.choose(w13, hw13, gpus13, assume=assume13)
 best = plan_rows[0]
 print(f"\n{len(plan_rows)} configurations, {sum(r['fits'] for r in plan_rows)} fit. The choice (model):")
-for line in planner.explain(plan_rows, c13):
+for line in planner.explain(plan_rows, hw13):
     print("  -", line)
 
 # %%
@@ -395,7 +397,7 @@ print(f"memory {best['memory_gb']:.1f} GB, step {best['step_s']:.2f} s, {best['t
 # 8 stages and the base micro-batch of §2.3), the row uses it.
 
 # %%
-claims = lesson.article_claims(w13, c13, best)
+claims = lesson.article_claims(w13, hw13, assume13, best)
 display(viz.table(claims, title="The source's claims beside the planner's numbers (a model)"))
 
 # %%
@@ -439,16 +441,16 @@ display(Markdown(f"Worst memory prediction: {worst_mem:.3f} × the measured peak
                  f"exact for every operation on every rank."))
 
 # %% [markdown]
-# ## Try
+# ## Try this
 #
-# - `pp = 4` (dp = 1): `validate` refuses the chain at the first technique that cannot apply, before any process
-#   starts; read which and why.
-# - Reorder the chain: `lesson.validate({"techniques": ["bf16", "dualpipev", ...]}, 4)`; the end point is the
-#   same configuration as long as `bf16` stays before `bf16_residual` (both set the precision: the later one
-#   wins), the bars in between are not. Each step's tolerance follows the configuration before it
-#   (`compose.loss_rtol`).
-# - In `case_13b`, set `inter_gbps` to 1.25 (10 Gb Ethernet, the article's fallback) and see which knob the
-#   planner turns.
+# - `pp = 4` (dp = 1): the lesson refuses the chain at the first technique that cannot apply, before any
+#   process starts; read which and why.
+# - A code edit: reorder the chain, `lesson.validate({"techniques": ["bf16", "dualpipev", ...]}, 4)` in a new
+#   cell; the end point is the same configuration as long as `bf16` stays before `bf16_residual` (both set the
+#   precision: the later one wins), the bars in between are not. Each step's tolerance follows the configuration
+#   before it (`compose.loss_rtol`).
+# - A code edit: in `case_13b` (`toolkit/lessons/l17_capstone.py`), set the inter-node link's `bytes_per_s` to 1.25e9 (10 Gb Ethernet,
+#   the article's fallback) and see which knob the planner turns.
 #
 # ## Sources
 #
@@ -471,5 +473,5 @@ headline("17", "the techniques composed (pp × dp, MoE experts inside dp)",
          claim="13B on 24 A100s at 892 tokens/s after tuning", source="seed article §6.3",
          reproduced=None,
          note=f"not testable here (no 24 A100s): the planner's {best['tokens_per_s']:,.0f} tokens/s for "
-              f"{planner.label(best)} is a model at an assumed {c13.mfu:.0%} MFU, not a measurement; 892 tokens/s "
-              f"would be {6 * w13.params * 892 / (c13.gpus * c13.peak_tflops * 1e12):.2%} MFU")
+              f"{planner.label(best)} is a model at an assumed {assume13.mfu:.0%} MFU, not a measurement; 892 tokens/s "
+              f"would be {6 * w13.params * 892 / (gpus13 * hw13.gpu.bf16_flops):.2%} MFU")

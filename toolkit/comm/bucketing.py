@@ -16,22 +16,15 @@ all-reduce is exposed. In between, most of the transfer hides behind backward an
 the only one that must be exposed, is small.
 
 On a CPU machine the all-reduce over loopback (gloo) costs CPU time on the same cores that run
-backward, so little can overlap and the latency per call is small: the curve is flat and noisy.
-``LinkEmulator`` is a DDP comm hook that does the real all-reduce and completes its future no earlier
-than a link of latency ``alpha_s`` and bandwidth ``beta`` (bytes/s) would: the transfer then takes
-time without taking the CPU, as on a GPU cluster where NCCL and the NIC move the bytes. Its numbers are
-those of the emulated link, labelled as such; ``simulate`` is the closed form of the same link, fed
-with the measured times at which buckets became ready.
+backward, so little can overlap and the latency per call is small: the curve is flat and noisy. On the
+emulated cluster (``launch(..., cluster=)``, ``toolkit.runtime.emulator``) DDP's buckets go through
+``ctx.emulator.ddp_hook``: each all-reduce is timed on the virtual clock by the link the ranks span, as a
+GPU cluster's NCCL and NIC move the bytes without the compute cores. ``simulate`` is the closed form of
+the same link, fed the times at which buckets became ready; ``steady_exposed`` assumes a steady rate.
 """
 from __future__ import annotations
 
-import heapq
 import itertools
-import threading
-import time
-
-import torch
-import torch.distributed as dist
 
 
 def ring_bytes(nbytes: int, n: int) -> float:
@@ -57,72 +50,3 @@ def steady_exposed(bucket_bytes: list[int], backward_s: float, n: int, alpha_s: 
     total = sum(bucket_bytes)
     ready = list(itertools.accumulate(b / total * backward_s for b in bucket_bytes))
     return max(simulate(ready, bucket_bytes, n, alpha_s, beta)) - backward_s
-
-
-class _Timer:
-    """Completes futures at given times, on one background thread."""
-
-    def __init__(self):
-        self.heap: list = []
-        self.cv = threading.Condition()
-        self.seq = 0
-        threading.Thread(target=self._loop, daemon=True, name="link-emulator").start()
-
-    def at(self, when: float, fut: torch.futures.Future, value) -> None:
-        with self.cv:
-            self.seq += 1
-            heapq.heappush(self.heap, (when, self.seq, fut, value))
-            self.cv.notify()
-
-    def _loop(self) -> None:
-        while True:
-            with self.cv:
-                while not self.heap:
-                    self.cv.wait()
-                when, _, fut, value = self.heap[0]
-                delay = when - time.perf_counter()
-                if delay > 0:
-                    self.cv.wait(timeout=delay)
-                    continue
-                heapq.heappop(self.heap)
-            fut.set_result(value)
-
-
-class LinkEmulator:
-    """A DDP comm hook: ``model.register_comm_hook(None, emulator.hook)``.
-
-    Every bucket is averaged with a real ``all_reduce`` (async, so the ledger counts it); the future DDP
-    waits on completes at ``max(real completion, emulated end)``, where the emulated link starts a bucket
-    when it is ready and the previous one is done, and takes ``alpha_s + ring bytes / beta``. With
-    ``beta = inf`` and ``alpha_s = 0`` it is DDP's plain ``allreduce_hook``. ``spans`` records, per bucket,
-    (index, ready, link start, link end, bytes) on ``time.perf_counter``'s clock.
-    """
-
-    def __init__(self, alpha_s: float = 0.0, beta: float = float("inf"), group=None):
-        self.alpha_s, self.beta, self.group = alpha_s, beta, group
-        self.n = dist.get_world_size(group)
-        self.link_free = 0.0
-        self.spans: list[dict] = []
-        self.emulated = alpha_s > 0 or beta != float("inf")
-        self._timer = _Timer() if self.emulated else None
-
-    def hook(self, state, bucket):  # no annotations: DDP checks them against Future[Tensor] objects
-        t = bucket.buffer()
-        t.div_(self.n)
-        ready = time.perf_counter()
-        nbytes = t.numel() * t.element_size()
-        start = max(ready, self.link_free)
-        end = start + self.alpha_s + ring_bytes(nbytes, self.n) / self.beta if self.emulated else ready
-        self.link_free = end
-        self.spans.append({"bucket": bucket.index(), "ready": ready, "start": start, "end": end, "bytes": nbytes})
-        real = dist.all_reduce(t, group=self.group, async_op=True).get_future()
-        if not self.emulated:
-            return real.then(lambda fut: fut.value()[0])
-        out = torch.futures.Future()
-        real.add_done_callback(lambda fut: self._timer.at(end, out, t))
-        return out
-
-    def reset(self) -> None:
-        self.spans.clear()
-        self.link_free = 0.0
-

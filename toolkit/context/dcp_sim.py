@@ -1,5 +1,6 @@
 """A cost model of static vs dynamic CP at the seed's scale -- a *simulation*: every number it gives rests on the
-assumed constants below (``Hardware``), and is labelled "simulated" wherever it is shown.
+cluster it is given (``CLUSTER``: the h100-ib400 preset with an assumed ring hop) and on the assumed kernel
+efficiencies (``Efficiency``), and is labelled "simulated" wherever it is shown.
 
 The blog's setting: Llama-13B, pipeline 8 stages (PP8) x 8 DP·CP ranks per stage (64 GPUs), global batch 2048
 sequences, full recompute; static CP8 (the CP size the longest sequence needs) against the dynamic scheduler.
@@ -7,9 +8,11 @@ sequences, full recompute; static CP8 (the CP size the longest sequence needs) a
 Per micro-batch, per pipeline stage, for each CP group (c ranks, T tokens per rank, A = Σ L²/c over its
 sequences; every rank of a group does the same work)::
 
-    linear      2·T·(2·d² + 2·d·d_kv + 3·d·d_ff) / gemm_flops         QKV + output projection, SwiGLU MLP
-    attention   2·d·A / attn_flops                                    causal QKᵀ and PV (half the square each)
-    ring hop    hop_latency + 2·T·d_kv·b / link_bytes_per_s           K and V of one rank's tokens
+    linear      2·T·(2·d² + 2·d·d_kv + 3·d·d_ff) / (peak · gemm)      QKV + output projection, SwiGLU MLP
+    attention   2·d·A / (peak · attention)                            causal QKᵀ and PV (half the square each)
+    ring hop    α + 2·T·d_kv·b / β                                    K and V of one rank's tokens, on the link
+                                                                      the CP group spans (intra-node up to
+                                                                      gpus_per_node ranks, else inter-node)
     exposed     (c-1) · max(0, hop - attention/c)                     each hop hides behind 1/c of the attention
 
     forward  F = layers/stage · (linear + attention + exposed)
@@ -34,6 +37,7 @@ from functools import lru_cache
 
 from toolkit.pipeline.schedule import one_f_one_b
 from toolkit.pipeline.simulate import simulate
+from toolkit.runtime.cluster import Cluster, Link, cluster
 
 from .dynamic_cp import Plan, cp_size_for, pad_length, schedule_dynamic, schedule_static
 
@@ -60,18 +64,30 @@ LLAMA_13B = ModelShape("Llama-13B", n_layer=40, d_model=5120, n_head=40, d_ff=13
 
 
 @dataclass(frozen=True)
-class Hardware:
-    """Assumed speeds (H100-SXM-like; not measured here). Change them and the simulated speed-ups change."""
+class Efficiency:
+    """The fractions of the GPU's dense bf16 peak the kernels reach: assumptions of this model, not hardware.
+    Change them and the simulated speed-ups change."""
 
-    name: str = "H100-like (assumed)"
-    gemm_flops: float = 989e12 * 0.6
-    """Achieved bf16 FLOP/s of the linear layers (60 % of the dense peak)."""
-    attn_flops: float = 989e12 * 0.45
-    """Achieved FLOP/s of the attention kernels."""
-    link_bytes_per_s: float = 200e9
-    """Point-to-point bandwidth of one CP ring hop (NVLink inside a node)."""
-    hop_latency_s: float = 20e-6
-    """Fixed cost of one ring hop."""
+    gemm: float = 0.60
+    """Of the linear layers' GEMMs."""
+    attention: float = 0.45
+    """Of the attention kernels."""
+
+    def __post_init__(self):
+        for name in ("gemm", "attention"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 1:
+                raise ValueError(f"Efficiency {name}={v!r} is not allowed; allowed: a fraction in (0, 1]")
+
+
+RING_HOP = Link("CP ring hop over NVLink (assumed)", 200e9, 20e-6,
+                "assumed: one K/V send/recv between neighbours per attention step, issued inside the attention "
+                "loop, reaches less than the 450 GB/s per direction a large NVLink 4 transfer does; 20 µs covers "
+                "its launch and the step's synchronisation")
+CLUSTER = cluster("h100-ib400", name="h100-ib400, CP ring hop assumed", intra=RING_HOP)
+"""The simulation's default hardware: the H100 preset, its intra-node link replaced by ``RING_HOP``. The ring
+hop's 200 GB/s and 20 µs are the figures this simulation started from (``bandwidth_sweep`` shows how the
+speed-ups move with the bandwidth); ``cluster("h100-ib400")`` gives NVLink's full figure instead."""
 
 
 @dataclass(frozen=True)
@@ -105,15 +121,16 @@ def lognormal_lengths(n: int, max_len: int, median: float = 800.0, sigma: float 
     return [min(max(1, round(median * math.exp(sigma * rng.gauss(0.0, 1.0)))), max_len) for _ in range(n)]
 
 
-def group_times(tokens: int, attn_work: float, cp: int, layers: int, shape: ModelShape, hw: Hardware,
-                recompute: bool = True) -> dict[str, float]:
+def group_times(tokens: int, attn_work: float, cp: int, layers: int, shape: ModelShape, hw: Cluster,
+                recompute: bool = True, eff: Efficiency = Efficiency()) -> dict[str, float]:
     """Forward and backward seconds of one CP group on one stage (see the module docstring), and their parts."""
-    d, dkv = shape.d_model, shape.d_kv
-    linear = 2 * tokens * (2 * d * d + 2 * d * dkv + 3 * d * shape.d_ff) / hw.gemm_flops
-    attention = 2 * d * attn_work / hw.attn_flops
-    hop = hw.hop_latency_s + 2 * tokens * dkv * shape.elem_bytes / hw.link_bytes_per_s
+    d, dkv, peak = shape.d_model, shape.d_kv, hw.gpu.bf16_flops
+    link = hw.intra if cp <= hw.gpus_per_node else hw.inter
+    linear = 2 * tokens * (2 * d * d + 2 * d * dkv + 3 * d * shape.d_ff) / (peak * eff.gemm)
+    attention = 2 * d * attn_work / (peak * eff.attention)
+    hop = link.seconds(2 * tokens * dkv * shape.elem_bytes)
     exposed_f = (cp - 1) * max(0.0, hop - attention / cp) if cp > 1 else 0.0
-    hop_b = hw.hop_latency_s + 2 * (hop - hw.hop_latency_s)  # K/V and dK/dV in flight together
+    hop_b = link.latency_s + 2 * (hop - link.latency_s)  # K/V and dK/dV in flight together
     exposed_b = ((cp - 1) * max(0.0, hop_b - 2 * attention / cp) + hop) if cp > 1 else 0.0
     fwd = layers * (linear + attention + exposed_f)
     bwd = layers * (2 * (linear + attention) + exposed_b) + (fwd if recompute else 0.0)
@@ -121,7 +138,7 @@ def group_times(tokens: int, attn_work: float, cp: int, layers: int, shape: Mode
     return {"F": fwd, "B": bwd, "compute": compute, "exposed_comm": fwd + bwd - compute}
 
 
-def _stage_costs(plan: Plan, groups_of, shape: ModelShape, hw: Hardware, pp: int, recompute: bool):
+def _stage_costs(plan: Plan, groups_of, shape: ModelShape, hw: Cluster, pp: int, recompute: bool, eff: Efficiency):
     layers = shape.n_layer // pp
     out = []
     for mb in plan.micro_batches:
@@ -131,7 +148,7 @@ def _stage_costs(plan: Plan, groups_of, shape: ModelShape, hw: Hardware, pp: int
                 continue
             tokens = sum(plan.lengths[s] for s in g.samples) // g.size
             attn = sum(plan.lengths[s] ** 2 for s in g.samples) / g.size
-            times.append(group_times(tokens, attn, g.size, layers, shape, hw, recompute))
+            times.append(group_times(tokens, attn, g.size, layers, shape, hw, recompute, eff))
         if times:
             out.append(max(times, key=lambda t: t["F"] + t["B"]))
     return out
@@ -142,7 +159,8 @@ def _one_f_one_b(pp: int, m: int):
     return one_f_one_b(pp, m)
 
 
-def step_time(plan: Plan, shape: ModelShape, hw: Hardware, pp: int, recompute: bool = True) -> dict:
+def step_time(plan: Plan, shape: ModelShape, hw: Cluster, pp: int, recompute: bool = True,
+              eff: Efficiency = Efficiency()) -> dict:
     """Simulated seconds of one training step of ``plan`` on ``pp`` pipeline stages: 1F1B with each micro-batch's
     slowest group as its stage time; static plans with several replicas run them as independent pipelines."""
     if plan.kind == "static":
@@ -152,7 +170,7 @@ def step_time(plan: Plan, shape: ModelShape, hw: Hardware, pp: int, recompute: b
         pipelines = [lambda mb: mb.groups]
     results = []
     for groups_of in pipelines:
-        costs = _stage_costs(plan, groups_of, shape, hw, pp, recompute)
+        costs = _stage_costs(plan, groups_of, shape, hw, pp, recompute, eff)
         if not costs:
             continue
         if len(costs) < pp:
@@ -187,18 +205,18 @@ def plans_for(lengths: list[int], setup: Setup = Setup(), min_cp: int = 1) -> di
             "dynamic": schedule_dynamic(padded, setup.dcp, setup.cap, min_cp)}
 
 
-def compare(lengths: list[int], setup: Setup = Setup(), shape: ModelShape = LLAMA_13B, hw: Hardware = Hardware(),
-            min_cp: int = 1, plans: dict[str, Plan] | None = None) -> dict:
+def compare(lengths: list[int], setup: Setup = Setup(), shape: ModelShape = LLAMA_13B, hw: Cluster = CLUSTER,
+            min_cp: int = 1, plans: dict[str, Plan] | None = None, eff: Efficiency = Efficiency()) -> dict:
     """Static CP against dynamic CP (``plans_for``) on one global batch of ``lengths``: simulated step times, their
     parts, speed-ups over static and model TFLOPS/GPU. Pass ``plans`` to reuse them (e.g. across ``hw``)."""
     plans = plans or plans_for(lengths, setup, min_cp)
     flops = model_flops(lengths, shape)
     gpus = setup.pp * setup.dcp
     out = {"static_cp": plans["static"].micro_batches[0].groups[0].size, "gpus": gpus, "setup": asdict(setup),
-           "hardware": asdict(hw), "model": asdict(shape), "runs": {}}
+           "hardware": hw.to_dict(), "efficiency": asdict(eff), "model": asdict(shape), "runs": {}}
     for name, plan in plans.items():
         plan.check()
-        sim = step_time(plan, shape, hw, setup.pp, setup.recompute)
+        sim = step_time(plan, shape, hw, setup.pp, setup.recompute, eff)
         balance = plan.balance()
         out["runs"][name] = {**sim, "tflops_per_gpu": flops / sim["step_s"] / gpus / 1e12,
                              "micro_batches": len(plan.micro_batches), "balance_max": max(balance),
@@ -211,14 +229,16 @@ def compare(lengths: list[int], setup: Setup = Setup(), shape: ModelShape = LLAM
 
 
 def bandwidth_sweep(plans: dict[str, Plan], gbytes_per_s: list[float], setup: Setup = Setup(),
-                    shape: ModelShape = LLAMA_13B, hw: Hardware = Hardware()) -> dict[str, list[float]]:
-    """Simulated speed-up of each dynamic plan over the static one for each ring link bandwidth (GB/s)."""
+                    shape: ModelShape = LLAMA_13B, hw: Cluster = CLUSTER,
+                    eff: Efficiency = Efficiency()) -> dict[str, list[float]]:
+    """Simulated speed-up of each dynamic plan over the static one for each ring link bandwidth (GB/s: the
+    intra link's ``bytes_per_s`` replaced)."""
     out: dict[str, list[float]] = {name: [] for name in plans if name != "static"}
     for bw in gbytes_per_s:
-        h = replace(hw, link_bytes_per_s=bw * 1e9)
-        base = step_time(plans["static"], shape, h, setup.pp, setup.recompute)["step_s"]
+        h = replace(hw, intra=replace(hw.intra, bytes_per_s=bw * 1e9))
+        base = step_time(plans["static"], shape, h, setup.pp, setup.recompute, eff)["step_s"]
         for name in out:
-            out[name].append(base / step_time(plans[name], shape, h, setup.pp, setup.recompute)["step_s"])
+            out[name].append(base / step_time(plans[name], shape, h, setup.pp, setup.recompute, eff)["step_s"])
     return out
 
 

@@ -20,10 +20,12 @@ What capture requires (``audit`` finds the violations by running a callable unde
                                                                           (nonzero, masked_select, unique)
     static addresses   inputs copied into the graph's own buffers, outputs read from its buffers
     no host sync       capture cannot wait for a result on the host     -> no .item(), no bool(tensor)
-    no changing comm   a collective inside the graph replays on the group it was captured with, and
-                       DDP's gradient-ready hooks fire once per capture, not per replay -> DP gradient
-                       communication stays outside the graphs (Megatron silences the hooks during capture
-                       and issues the reduce after replay: "data-parallel separation")
+    comm by choice     NCCL collectives can be captured (they replay on the communicator they were
+                       captured with), but DDP's gradient-ready hooks fire once per capture, not per replay,
+                       and a reduce inside a chunk's graph could not start before the whole chunk ended.
+                       Megatron keeps DP gradient communication outside the graphs, silences the hooks during
+                       capture and issues the reduce itself, bucket by bucket as the backward makes the
+                       gradients ("data-parallel separation"), so that it overlaps the rest of the backward
 
 On a CPU nothing can be captured: ``OpCounter`` counts the ATen ops of a chunk (all of them cost the host
 a dispatch; views, ``_unsafe_view`` and empty allocations launch no kernel, the rest are "compute" ops, about
@@ -44,6 +46,7 @@ import torch
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from toolkit.pipeline.executor import ExecutorHook
 from toolkit.runtime.emulator import COLLECTIVE_NAMESPACES, HOST_SYNC, NO_KERNEL, launches_kernel  # noqa: F401
 
 # ops whose output shape depends on the data (the host cannot know it without waiting for the device)
@@ -143,13 +146,15 @@ class _Audit(TorchDispatchMode):
         elif name in HOST_SYNC:
             self.found[name] = "the host waits for a device value (not allowed during capture)"
         elif name.startswith(COLLECTIVE_NAMESPACES):
-            self.found[name] = "collective: replays on its captured group; DP hooks fire once per capture"
+            self.found[name] = ("collective: capturable on NCCL, kept out by choice (DP hooks fire once per capture; "
+                                "eager, it overlaps the backward bucket by bucket)")
         return func(*args, **(kwargs or {}))
 
 
 def audit(fn: Callable[[], object]) -> dict[str, str]:
-    """Run ``fn()`` and return ``{op: why it breaks CUDA-graph capture}`` for the ops that would (empty = capturable
-    as far as ops tell; shapes and addresses must also stay the same from call to call)."""
+    """Run ``fn()`` and return ``{op: why it breaks CUDA-graph capture, or why it is kept out of graphs}`` (empty =
+    capturable as far as ops tell; shapes and addresses must also stay the same from call to call). Data-dependent
+    shapes and host syncs break a capture; collectives are flagged as kept out by choice (module docstring)."""
     with _Audit() as mode:
         fn()
     return dict(sorted(mode.found.items()))
@@ -176,3 +181,19 @@ def graph_stages(modules: list[nn.Module], samples: list[tuple[torch.Tensor, ...
             if p.requires_grad and p.grad is None:
                 p.grad = torch.zeros_like(p)
     return graphed
+
+
+class GraphReplay(ExecutorHook):
+    """An executor hook (``PipelineExecutor(..., hooks=[GraphReplay(ctx.emulator)])``) that runs every op of the
+    pipeline as one CUDA graph replay on the emulated cluster: the host pays one launch per op (chunk) instead of
+    one per kernel, the stream runs the same kernels. What Megatron's per-chunk graphs buy, timed on the virtual
+    clock; on this CPU nothing is captured and the results are the eager ones, bit for bit."""
+
+    def __init__(self, emulator):
+        if emulator is None:
+            raise ValueError("GraphReplay needs the emulated cluster (launch(..., cluster=...)): on a CPU nothing "
+                             "can be captured")
+        self.emulator = emulator
+
+    def op_context(self, a):
+        return self.emulator.graph_replay()

@@ -13,7 +13,9 @@ the last two):
     side_channel  per-micro-batch top-k predictions gathered on rank 0: blocking all_gather vs a gloo side
                   channel waited at the end of the step, on micro-batches of unequal length; the training
                   thread's time in communication counts the gradient all-reduce in both modes
-    buckets       DDP bucket sizes swept on an emulated link (and on the real one): exposed comm, step time
+    buckets       DDP bucket sizes swept: step time on gloo and, with ``launch(..., cluster=)``, the step and the
+                  all-reduce exposed after backward on the emulated cluster's virtual clock, at the toy's shapes and
+                  matched to ``stands_for``'s gradient and backward, beside the closed form of the same link
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ import time
 from toolkit.lessons import memory_comm, memory_offload
 from toolkit.memory import nvme
 from toolkit.models import preset
+from toolkit.planner import MODELS
 from toolkit.runtime.config import Param, common, require_ranks, resolve
 
 SECTIONS = ("offload", "nvme_buffers", "spill", "side_channel", "buckets")
@@ -40,25 +43,21 @@ PARAMS = {**common("model", "batch", "steps", "m", "warmup", "bench_steps", "rou
           "bucket_mb": Param(list, "DDP bucket_cap_mb values swept", of=float, gt=0),
           "bucket_layers": Param(int, "transformer blocks of the model in the bucket sweep (more blocks: gradients "
                                       "spread over more of backward)", ge=1),
-          "latency_ratio": Param(float, "emulated link: latency per all-reduce call / backward time", ge=0),
-          "comm_ratio": Param(float, "emulated link: all-reduce time of the whole gradient / backward time", gt=0),
-          "links": Param(list, "links the bucket sizes are swept on", of=str, choices=("emulated", "real"))}
+          "stands_for": Param(str, "the real model whose gradient and backward the emulated cluster times the bucket "
+                                   "sweep's as (the workload-matched mode)", choices=tuple(MODELS))}
 PRESETS = {
     "smoke": {"model": "smoke", "batch": 2, "steps": 2, "m": 3, "warmup": 1, "bench_steps": 2, "rounds": 3,
               "sections": list(SECTIONS), "stage": 3, "nvme_path": None, "buffer_count": 2, "buffer_size": 2048,
               "sweep_count": [1, 4], "sweep_size": [1024, 8192], "topk": 4,
-              "bucket_mb": [0.001, 0.03, 0.08, 1.0], "bucket_layers": 6, "latency_ratio": 0.03, "comm_ratio": 1.0,
-              "links": ["emulated"]},
+              "bucket_mb": [0.001, 0.03, 0.08, 1.0], "bucket_layers": 6, "stands_for": "llama2-7b"},
     "default": {"model": "default", "batch": 2, "steps": 2, "m": 4, "warmup": 1, "bench_steps": 2, "rounds": 2,
                 "sections": list(SECTIONS), "stage": 3, "nvme_path": None, "buffer_count": 4, "buffer_size": 16384,
                 "sweep_count": [1, 4], "sweep_size": [4096, 32768, 262144], "topk": 5,
-                "bucket_mb": [0.005, 0.1, 0.5, 1.0, 25.0], "bucket_layers": 4, "latency_ratio": 0.03, "comm_ratio": 1.0,
-                "links": ["emulated"]},
+                "bucket_mb": [0.005, 0.1, 0.5, 1.0, 25.0], "bucket_layers": 4, "stands_for": "llama2-7b"},
     "full": {"model": "full", "batch": 4, "steps": 5, "m": 8, "warmup": 2, "bench_steps": 5, "rounds": 5,
              "sections": list(SECTIONS), "stage": 3, "nvme_path": None, "buffer_count": 5, "buffer_size": 1 << 20,
              "sweep_count": [1, 2, 5], "sweep_size": [1 << 14, 1 << 18, 1 << 22], "topk": 5,
-             "bucket_mb": [0.1, 1.0, 5.0, 25.0, 100.0, 400.0], "bucket_layers": 12, "latency_ratio": 0.03, "comm_ratio": 1.0,
-             "links": ["real", "emulated"]},
+             "bucket_mb": [0.1, 1.0, 5.0, 25.0, 100.0, 400.0], "bucket_layers": 12, "stands_for": "llama2-7b"},
 }
 
 

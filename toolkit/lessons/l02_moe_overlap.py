@@ -1,10 +1,12 @@
-"""Lesson 02, per rank: MoE all-to-all overlap across two micro-batches (``toolkit.moe.overlap``).
+"""Lesson 02, per rank: MoE all-to-all overlap across micro-batches (``toolkit.moe.overlap``).
 
     model      the tiny MoE GPT, every MoE layer expert parallel over all ranks (``toolkit.moe.expert_parallel``)
-    data       one step's batch of real text, split into two micro-batches A and B
-    check      one step each way on identical copies: serial (A forward+backward, then B) and overlapped (forwards
-               interleaved at every all-to-all, one backward): losses and every gradient compared bit for bit;
-               the ledger's all-to-all bytes of both; the activation bytes autograd holds at once
+    data       one step's batch of real text, split into m micro-batches
+    check      one step each way on identical copies: serial (each micro-batch's forward+backward in turn),
+               overlapped (forward-with-forward: forwards interleaved at every all-to-all, one backward) and fb
+               (forward-under-backward: micro-batch i's forward interleaved with i-1's backward, the form combined
+               1F1B and DualPipe use): losses and every gradient compared bit for bit with serial; the ledger's
+               all-to-all bytes; the activation bytes autograd holds at once
     timing     bench.compare of the two steps; exposed communication = seconds the rank is blocked in the
                all-to-alls (issue + wait, forward and backward) and in the plan's count exchange, per step
     traced     one step each way with every span on the timeline (the Gantt charts)
@@ -28,7 +30,7 @@ from toolkit.runtime.bench import compare
 from toolkit.runtime.config import Param, common, require_divisible, resolve
 
 PARAMS = {
-    **common("model", "n_layer", "seq_len", "micro_batch", "warmup", "bench_steps", "rounds", "seed", "n_expert",
+    **common("model", "n_layer", "seq_len", "m", "micro_batch", "warmup", "bench_steps", "rounds", "seed", "n_expert",
              "top_k"),
     "d_ff": Param(int, "hidden size of each expert's MLP (0: 4 x d_model)", ge=0),
     "ratios": Param(list, "comm/compute ratios of the cost-model sweep", of=float, gt=0),
@@ -37,11 +39,11 @@ PARAMS = {
 }
 _SWEEP = [0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.0]
 PRESETS = {
-    "smoke": dict(model="smoke", n_layer=2, seq_len=32, micro_batch=2, n_expert=4, top_k=2, d_ff=0, warmup=1,
+    "smoke": dict(model="smoke", n_layer=2, seq_len=32, m=4, micro_batch=1, n_expert=4, top_k=2, d_ff=0, warmup=1,
                   bench_steps=2, rounds=3, seed=0, ratios=_SWEEP, stands_for="mixtral-8x7b"),
-    "default": dict(model="default", n_layer=2, seq_len=64, micro_batch=4, n_expert=4, top_k=2, d_ff=0, warmup=1,
+    "default": dict(model="default", n_layer=2, seq_len=64, m=8, micro_batch=1, n_expert=4, top_k=2, d_ff=0, warmup=1,
                     bench_steps=2, rounds=3, seed=0, ratios=_SWEEP, stands_for="mixtral-8x7b"),
-    "full": dict(model="full", n_layer=12, seq_len=1024, micro_batch=4, n_expert=64, top_k=8, d_ff=0, warmup=3,
+    "full": dict(model="full", n_layer=12, seq_len=1024, m=4, micro_batch=4, n_expert=64, top_k=8, d_ff=0, warmup=3,
                  bench_steps=5, rounds=5, seed=0, ratios=_SWEEP, stands_for="mixtral-8x7b"),
 }
 PHASES = [("check", 3), ("timing", 6), ("traced", 1), ("emulated", 2)]
@@ -68,9 +70,11 @@ def build(cfg: dict):
 
 
 def micro_batches(ctx, cfg: dict) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    x, y = next(batches(2 * cfg["micro_batch"], cfg["seq_len"], 1, seed=cfg["seed"] + 1, rank=ctx.rank,
+    """This rank's step batch of real text as ``m`` micro-batches of ``micro_batch`` sequences."""
+    m = cfg["m"]
+    x, y = next(batches(m * cfg["micro_batch"], cfg["seq_len"], 1, seed=cfg["seed"] + 1, rank=ctx.rank,
                         world=ctx.world_size, device=ctx.device))
-    return [(x[i::2].contiguous(), y[i::2].contiguous()) for i in range(2)]
+    return [(x[i::m].contiguous(), y[i::m].contiguous()) for i in range(m)]
 
 
 def check(ctx, cfg: dict, mbs) -> dict:
@@ -85,16 +89,17 @@ def check(ctx, cfg: dict, mbs) -> dict:
         memory[s] = {"saved_bytes": saved["bytes"]}
     grads = {s: dict((n, p.grad) for n, p in models[s].named_parameters()) for s in SCHEDULES}
     names = list(grads["serial"])
-    missing = [n for n in names if grads["serial"][n] is None or grads["overlapped"][n] is None]
-    bitwise = all(torch.equal(grads["serial"][n], grads["overlapped"][n]) for n in names if n not in missing)
-    max_diff = max((float((grads["serial"][n] - grads["overlapped"][n]).abs().max()) for n in names
-                    if n not in missing), default=0.0)
+    missing = [n for n in names if any(grads[s][n] is None for s in SCHEDULES)]
+    others = [s for s in SCHEDULES if s != "serial"]
+    bitwise = {s: all(torch.equal(grads["serial"][n], grads[s][n]) for n in names if n not in missing) for s in others}
+    max_diff = {s: max((float((grads["serial"][n] - grads[s][n]).abs().max()) for n in names if n not in missing),
+                       default=0.0) for s in others}
     a2a = {s: ctx.ledger.total("sent_bytes", tag=f"check/{s}", op="all_to_all_single") for s in SCHEDULES}
     calls = {s: sum(1 for r in ctx.ledger.records if r.tag == f"check/{s}" and r.op == "all_to_all_single")
              for s in SCHEDULES}
-    return {"losses": losses, "losses_bitwise": losses["serial"] == losses["overlapped"], "grads_bitwise": bitwise,
-            "grads_max_abs_diff": max_diff, "params_without_grad": missing, "a2a_sent_bytes": a2a, "a2a_calls": calls,
-            "memory": memory}
+    return {"losses": losses, "losses_bitwise": {s: losses["serial"] == losses[s] for s in others},
+            "grads_bitwise": bitwise, "grads_max_abs_diff": max_diff, "params_without_grad": missing,
+            "a2a_sent_bytes": a2a, "a2a_calls": calls, "memory": memory}
 
 
 def timing(ctx, cfg: dict, mbs) -> dict:
@@ -114,6 +119,7 @@ def timing(ctx, cfg: dict, mbs) -> dict:
     n = cfg["bench_steps"] * cfg["rounds"]
     timed = {s: v[-n:] for s, v in exposed.items()}
     return {"step_s": {s: times[s].median_s for s in SCHEDULES}, "step_mean_s": {s: times[s].mean_s for s in SCHEDULES},
+            "bench": {s: times[s].to_dict() for s in SCHEDULES},
             "exposed_a2a_s": {s: statistics.median(e["a2a"] for e in timed[s]) for s in SCHEDULES},
             "exposed_plan_s": {s: statistics.median(e["plan"] for e in timed[s]) for s in SCHEDULES},
             "exposed_a2a_all_s": {s: [e["a2a"] for e in timed[s]] for s in SCHEDULES}, "models": models}
@@ -147,8 +153,9 @@ def emulated(ctx, cfg: dict, mbs, models) -> dict | None:
     real_op = planner.moe_layer_op(real.seq_len * real.micro_batch, real.hidden, real.ffn_hidden, real.top_k,
                                    ctx.world_size)
     scales = planner.matched_scales(toy_op, real_op)
-    out = {"cluster": emu.cluster.name, "gpu": emu.cluster.gpu.name, "link": emu.cluster.intra.name,
-           "stands_for": cfg["stands_for"], "scales": scales, "real_op": planner.op_times(real_op, emu.cluster)}
+    link = "intra" if emu.cluster.per_node(ctx.world_size) >= ctx.world_size else "inter"  # what the EP group spans
+    out = {"cluster": emu.cluster.name, "gpu": emu.cluster.gpu.name, "link": getattr(emu.cluster, link).name,
+           "stands_for": cfg["stands_for"], "scales": scales, "real_op": planner.op_times(real_op, emu.cluster, link)}
     for view, factors in (("own shapes", {}), ("matched", scales)):
         out[view] = {}
         with emu.scaled(**factors):
@@ -206,9 +213,9 @@ def run(ctx, cfg: dict) -> dict:
     mc = models["serial"].cfg
     out["durations"] = d
     bwd = 2.0  # backward ≈ 2 x forward compute
-    out["cost_model"] = {s: simulate(d["attn"], d["experts"], d["dispatch"], d["combine"], mc.n_layer, 2, s, bwd,
-                                     plan=d["plan"]) for s in SCHEDULES}
-    out["sweep"] = ratio_sweep(cfg["ratios"], layers=mc.n_layer) if ctx.rank == 0 else None
+    out["cost_model"] = {s: simulate(d["attn"], d["experts"], d["dispatch"], d["combine"], mc.n_layer, cfg["m"], s,
+                                     bwd, plan=d["plan"]) for s in SCHEDULES}
+    out["sweep"] = ratio_sweep(cfg["ratios"], layers=mc.n_layer, m=cfg["m"]) if ctx.rank == 0 else None
     tokens = cfg["micro_batch"] * cfg["seq_len"]
     out["activation_model_bytes"] = activation_bytes(tokens, mc.d_model, mc.d_ff, mc.top_k, mc.n_layer,
                                                      cfg["seq_len"], mc.n_head)

@@ -19,8 +19,8 @@ import torch.distributed as dist
 
 from toolkit.pipeline import seq1f1b as s1
 from toolkit.pipeline.executor import PipelineExecutor
-from toolkit.pipeline.harness import PipelineSetup
-from toolkit.runtime.config import Param, common, require_divisible, require_ranks, resolve
+from toolkit.pipeline.harness import PipelineSetup, check_stage_per_rank
+from toolkit.runtime.config import Param, common, resolve
 
 PARAMS = {**common("n_layer", "seq_len", "m", "micro_batch"),
           "d_model": Param(int, "hidden size", ge=1),
@@ -41,15 +41,11 @@ RUN_NAME = {"equal_tokens": "seq1f1b-tokens", "equal_compute": "seq1f1b-compute"
 
 def validate(cfg: dict, world_size: int) -> dict:
     cfg = resolve(cfg, PRESETS, PARAMS)
-    p, k = world_size, cfg["seq_chunks"]
+    k = cfg["seq_chunks"]
     if k > cfg["seq_len"]:
         raise ValueError(f"seq_chunks={k} is more chunks than the seq_len={cfg['seq_len']} tokens; "
                          f"need 1 <= seq_chunks <= {cfg['seq_len']}")
-    require_ranks(p, 2, "a pipeline")
-    require_divisible("n_layer", cfg["n_layer"], p, "world_size", "layers per stage")
-    if cfg["m"] < p:
-        raise ValueError(f"m={cfg['m']} micro-batches is fewer than the {p} stages; need m >= {p}")
-    require_divisible("d_model", cfg["d_model"], cfg["n_head"], "n_head", "heads split the hidden size")
+    check_stage_per_rank(cfg, world_size, "a pipeline")
     return cfg
 
 

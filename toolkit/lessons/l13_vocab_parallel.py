@@ -25,10 +25,10 @@ from toolkit.models.gpt import lm_loss, split_stages
 from toolkit.pipeline import vocab_parallel as vp
 from toolkit.pipeline import vocab_passes as vx
 from toolkit.pipeline.executor import PipelineExecutor
-from toolkit.pipeline.harness import Job, PipelineSetup, check_step
+from toolkit.pipeline.harness import Job, PipelineSetup, check_stage_per_rank, check_step
 from toolkit.pipeline.schedule import one_f_one_b
 from toolkit.runtime.bench import compare, measure
-from toolkit.runtime.config import Param, common, require_divisible, require_ranks, resolve
+from toolkit.runtime.config import Param, common, resolve
 from toolkit.runtime.timeline import Timeline
 
 WORLD_SIZE = 4
@@ -50,13 +50,8 @@ RUNS = ("1f1b", "vocab-1", "vocab-2")
 
 def validate(cfg: dict, world_size: int) -> dict:
     cfg = resolve(cfg, PRESETS, PARAMS)
-    p = world_size
-    require_ranks(p, 2, "vocabulary parallelism (one pipeline stage per rank)")
-    vp.shard_rows(cfg["vocab_size"], p, 0)  # raises, naming vocab_size, unless p divides it
-    require_divisible("n_layer", cfg["n_layer"], p, "world_size", "layers per stage")
-    if cfg["m"] < p:
-        raise ValueError(f"m={cfg['m']} micro-batches is fewer than the {p} stages; need m >= {p}")
-    require_divisible("d_model", cfg["d_model"], cfg["n_head"], "n_head", "heads split the hidden size")
+    check_stage_per_rank(cfg, world_size, "vocabulary parallelism (one pipeline stage per rank)")
+    vp.shard_rows(cfg["vocab_size"], world_size, 0)  # raises, naming vocab_size, unless p divides it
     return cfg
 
 
@@ -242,7 +237,7 @@ def _seconds(fn, steps: int) -> float:
 
 
 def _calibrate(cfg: dict, p: int, device) -> dict:
-    """This CPU as a ``Hardware``: matmul FLOP/s (a layer's and the head's shapes), elementwise bytes/s,
+    """This CPU's achieved rates, for ``vp.from_rates``: matmul FLOP/s (a layer's and the head's shapes), elementwise bytes/s,
     fixed cost of one eager op."""
     N, D, Vp = cfg["micro_batch"] * cfg["seq_len"], cfg["d_model"], cfg["vocab_size"] // p
     x, w_ff, w_head = (torch.randn(*shape, device=device) for shape in ((N, D), (D, 4 * D), (D, Vp)))
@@ -276,10 +271,12 @@ def workload(cfg: dict) -> vp.Workload:
 def cost_model_check(cfg: dict, results: list[dict], algorithm: int = 2) -> list[dict]:
     """The cost model, calibrated on this CPU, against the measured pass times: one row per rank and layout."""
     cal = results[0]["calibration"]
-    hw = vp.Hardware("this CPU (calibrated)", cal["matmul_flops"], cal["mem_bw"], 1e9, cal["op_overhead_s"])
+    hw = vp.from_rates("this CPU (calibrated)", cal["matmul_flops"], cal["mem_bw"], cal["op_overhead_s"],
+                       link_bytes_per_s=1e9)
     p = len(results)
     rows_b, rows_v = measured_rows(results, algorithm)
-    pred = {layout: vp.stage_costs(workload(cfg), p, hw, layout, algorithm) for layout in ("baseline", "vocab")}
+    pred = {layout: vp.stage_costs(workload(cfg), p, hw, layout, algorithm, vp.ACHIEVED)
+            for layout in ("baseline", "vocab")}
     out = []
     for layout, measured in (("baseline", rows_b), ("vocab", rows_v)):
         for r in range(p):

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from toolkit.graphs import audit, count_ops, dispatch_cost
+from toolkit.graphs.cuda_graphs import GraphReplay
 from toolkit.models import GPT, lm_loss
 from toolkit.pipeline.dp_separate import DataParallelSeparation, last_grad_ops
 from toolkit.pipeline.executor import PipelineExecutor
@@ -65,13 +66,14 @@ def run(ctx, cfg: dict) -> dict:
     mc = setup.model_cfg
     inputs, targets = setup.inputs[d * m:(d + 1) * m], setup.targets[d * m:(d + 1) * m]
 
-    def executor(separate: bool, timeline=None):
-        """(model, executor, its data-parallel hook) on a fresh copy of the model."""
+    def executor(separate: bool, timeline=None, graphs: bool = False):
+        """(model, executor, its data-parallel hook) on a fresh copy of the model; ``graphs``: every op one CUDA
+        graph replay on the emulated cluster (``GraphReplay``)."""
         model = setup.fresh()
         sep = DataParallelSeparation(grid.group("dp"), separate)
         ex = PipelineExecutor(schedule, r, setup.stages(model, schedule, r), lm_loss, setup.act_shape,
                               device=ctx.device, peers=grid.ranks("pp"), group=grid.group("pp"), timeline=timeline,
-                              hooks=[sep])
+                              hooks=[sep] + ([GraphReplay(ctx.emulator)] if graphs else []))
         return model, ex, sep
 
     # -- one checked step per variant ------------------------------------------------------------------
@@ -150,13 +152,37 @@ def run(ctx, cfg: dict) -> dict:
         module.zero_grad(set_to_none=True)
     ctx.progress(4, 5, "capture audit")
     audits = capture_audit(ctx, grid, mc, inputs[0], targets[0])
+    on_cluster = emulated(ctx, executor, inputs, targets)
     ctx.progress(5, 5, "done")
     return {"rank": ctx.rank, "device": ctx.device.type, "pp_rank": r, "dp_rank": d, "dp": dp, "pp": pp, "m": m, "model": vars(mc),
             "stages": schedule.stages_of(r), "order": [str(a) for a in schedule.ranks[r]], "ref_loss": setup.ref_loss,
             "last_grad_op": last_grad_ops(schedule, r), "n_ops": sum(len(a.parts) for a in schedule.ranks[r]),
             "runs": runs, "losses_equal": losses[0] == losses[1], "grads_bitwise_plain_vs_separated": bitwise,
             "traced": traced, "bench": {n: b.to_dict() for n, b in bench.items()}, "exposed_dp_wait_s": exposed,
-            "chunks": {str(s): c for s, c in chunks.items()}, "audit": audits}
+            "chunks": {str(s): c for s, c in chunks.items()}, "audit": audits, "emulated": on_cluster}
+
+
+def emulated(ctx, executor, inputs, targets) -> dict | None:
+    """One DualPipeV step per variant on the emulated cluster's clock (virtual time, deterministic), eager and with
+    every op one CUDA graph replay (``GraphReplay``), the DP reduce plain and separated: the step, the host's
+    launch time within it, and the time the step's end waited for the DP all-reduces."""
+    emu = ctx.emulator
+    if emu is None:
+        return None
+    out = {"cluster": emu.cluster.name, "gpu": emu.cluster.gpu.name, "dp_link": None, "runs": {}}
+    for graphs in (False, True):
+        for name in VARIANTS:
+            model, ex, sep = executor(name == "separated", graphs=graphs)
+            ctx.barrier()  # clocks aligned, hosts synchronized
+            launches, t0 = emu.totals()["launch_s"], emu.now()
+            ex.step(inputs, targets)
+            emu.synchronize()
+            out["runs"][f"{'graphed' if graphs else 'eager'} · {name}"] = {
+                "graphs": graphs, "dp": name, "step_s": emu.now() - t0,
+                "launch_s": emu.totals()["launch_s"] - launches,
+                "dp_wait_s": sum(x.get("waited_vs", 0.0) for x in sep.reduces)}
+    out["dp_link"] = next((c["link"] for c in emu.comms if c["op"] == "all_reduce" and c["link"]), None)
+    return out
 
 
 def capture_audit(ctx, grid, mc, idx: torch.Tensor, tgt: torch.Tensor) -> dict[str, dict[str, str]]:

@@ -158,14 +158,20 @@ def _reference_loss(base: ComposeConfig, cfg: dict, device) -> float:
 def case_13b():
     """The seed article's case (§6.3: a 13B customer-service model on 24 A100s, step 1.8 s -> 1.12 s, target
     >= 850 tokens/s), with what it leaves out filled by assumptions stated here: a LLaMA-13B shape (40 layers,
-    hidden 5120, 40 heads), sequences of 2048 tokens, 192 sequences per step (divisible by the 3 nodes), A100
-    80 GB at 312 TFLOP/s bf16 and 40% of it achieved, NVLink at 230 GB/s of bus bandwidth inside a node and the
-    12 GB/s per GPU the article measured between GPUs (§4.1) across nodes."""
-    from toolkit.planner import Cluster, Workload
+    hidden 5120, 40 heads), sequences of 2048 tokens, 192 sequences per step (divisible by the 3 nodes), the
+    a100-ib200 preset (A100 80 GB, 312 TFLOP/s bf16, NVLink 3 at 232 GB/s of bus bandwidth inside a node, PCIe
+    Gen4, NVMe) with 40% of the peak achieved, and across nodes the 12 GB/s per GPU the article measured between
+    GPUs (§4.1) in place of the preset's InfiniBand. Returns (workload, cluster, GPUs, assumptions)."""
+    from dataclasses import replace
+
+    from toolkit.planner import Assumptions, Workload
+    from toolkit.runtime.cluster import cluster
     w = Workload(params=13e9, layers=40, hidden=5120, heads=40, seq_len=2048, micro_batch=1, global_batch=192)
-    c = Cluster(gpus=24, gpus_per_node=8, memory_gb=80.0, peak_tflops=312.0, mfu=0.40, intra_gbps=230.0,
-                inter_gbps=12.0, dp_overlap=0.7)
-    return w, c
+    a100 = cluster("a100-ib200")
+    hw = cluster(a100, name="a100-ib200, the article's inter-node link",
+                 inter=replace(a100.inter, name="the article's inter-node link", bytes_per_s=12e9,
+                               source="12 GB/s per GPU measured between GPUs across nodes (seed article §4.1)"))
+    return w, hw, 24, Assumptions(mfu=0.40, dp_overlap=0.7)
 
 
 ARTICLE_STAGES = 8
@@ -176,10 +182,11 @@ ARTICLE_ACTIVATIONS_GB = 3.5
 """Activation memory per GPU the article gives for 13B after recomputation + memory mapping (§3.3)."""
 
 
-def article_claims(w, c, best: dict) -> list[dict]:
+def article_claims(w, hw, assume, best: dict) -> list[dict]:
     """The article's numbers next to the planner's (memory and communication model, pipeline simulator), each
     with a verdict computed from both: ``agrees`` / ``disagrees``, or ``not decidable`` where the model gives
-    only a bound on the side the claim does not need. ``best``: ``planner.choose``'s answer for ``case_13b``."""
+    only a bound on the side the claim does not need. ``w, hw, assume``: ``case_13b``'s; ``best``:
+    ``planner.choose``'s answer for it."""
     import math
     from dataclasses import replace
 
@@ -209,14 +216,15 @@ def article_claims(w, c, best: dict) -> list[dict]:
     row("§2.1", "10B, fp32 gradients (40 GB), one all-reduce on 16 GPUs: bytes moved", "640 GB",
         f"{per_gpu:.0f} GB sent by each GPU (ring: 2(N-1)/N × 40 GB), {16 * per_gpu:.0f} GB by all 16",
         min(abs(per_gpu - 640), abs(16 * per_gpu - 640)) / 640 < 0.25)
-    dp_bytes = {z: step_time(w, replace(c, dp_overlap=0.0), 8, 1, 1, z)["dp_comm"] for z in (0, 2, 3)}
+    dp_bytes = {z: step_time(w, hw, 8, 1, 1, z, replace(assume, dp_overlap=0.0))["dp_comm"] for z in (0, 2, 3)}
     row("§3.2", "ZeRO-2 against plain DP: all-reduce traffic", "doubles",
         f"{dp_bytes[2] / dp_bytes[0]:.1f}×: reduce-scatter + all-gather = 2(N-1)/N × the gradient bytes, as the "
         f"all-reduce (ZeRO-3: {dp_bytes[3] / dp_bytes[0]:.1f}×, the weights gathered twice)",
         abs(dp_bytes[2] / dp_bytes[0] - 2) < 0.25)
-    implied_mfu = 6 * w.params * 892 / (c.gpus * c.peak_tflops * 1e12)
+    gpus = best["dp"] * best["tp"] * best["pp"]
+    implied_mfu = 6 * w.params * 892 / (gpus * hw.gpu.bf16_flops)
     row("§6.3", "13B on 24 A100s: throughput after tuning", "892 tokens/s (1.12 s per step)",
-        f"{best['tokens_per_s']:,.0f} tokens/s at {c.mfu:.0%} MFU ({best['step_s']:.2f} s for {w.global_batch} × "
+        f"{best['tokens_per_s']:,.0f} tokens/s at {assume.mfu:.0%} MFU ({best['step_s']:.2f} s for {w.global_batch} × "
         f"{w.seq_len} tokens); 892 tokens/s is {implied_mfu:.2%} MFU", abs(best["tokens_per_s"] / 892 - 1) < 0.25)
     pp, m = ARTICLE_STAGES, ARTICLE_MICRO_BATCHES
     bubble = simulate(make_schedule("1f1b", pp, m), Costs(F=1, B=2, W=1)).bubble_fraction
@@ -225,7 +233,7 @@ def article_claims(w, c, best: dict) -> list[dict]:
         f"simulated 1F1B at the article's {pp} stages with m = {m} equal micro-batches (base size 1/{m} of the "
         f"global batch): {bubble:.0%}; 38% needs m >= {needed[0.38]}, 9% m >= {needed[0.09]}. The article's "
         f"per-stage micro-batch sizes are not simulated", abs(bubble - 0.09) < 0.02)
-    extra = offload_time(w, best["dp"], best["tp"], best["pp"], 3, "nvme")
+    extra = offload_time(w, best["dp"], best["tp"], best["pp"], 3, "nvme", hw, assume)
     row("§6.3", "ZeRO-2 → ZeRO-3 + NVMe offload: step time", "1.38 s → 1.25 s (faster)",
         f"at most +{extra:.1f} s per step of PCIe, host Adam and NVMe traffic on the chosen layout (not overlapped: "
         f"an upper bound; fully overlapped it adds nothing), and ZeRO-3 gathers the weights twice",

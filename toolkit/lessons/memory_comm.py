@@ -2,25 +2,26 @@
 
     side_channel  values sent to rank 0 beside the training step: a blocking all_gather per micro-batch vs a
                   side channel (``toolkit.comm.side_channel``) waited at the end of the step
-    buckets       DDP's bucket size swept on an emulated link (``toolkit.comm.bucketing``) and the real one
+    buckets       DDP's bucket size swept: the wall clock on gloo and, on the emulated cluster, the step and the
+                  exposed all-reduce at the toy's shapes and matched to a real model, beside the closed form
+                  (``toolkit.comm.bucketing``)
 
 Each takes ``(ctx, cfg)`` with ``l00b_memory``'s resolved cfg.
 """
 from __future__ import annotations
 
 import copy
-import gc
 import time
 
 import torch
 import torch.distributed as dist
 
-from toolkit.comm.bucketing import LinkEmulator, steady_exposed
 from toolkit.comm.side_channel import SideChannel, blocking_gather
 from toolkit.data import batches
 from toolkit.models import GPT, lm_loss, preset
 from toolkit.parallel.zero import adamw
 from toolkit.runtime.bench import compare
+from toolkit.runtime.cluster import Link
 
 
 def _variable_batches(cfg: dict, seq_len: int, rank: int, world: int, steps: int, m: int, device):
@@ -130,91 +131,151 @@ class _null:
 
 
 def buckets(ctx, cfg: dict) -> dict:
-    """DDP with each bucket size, on the emulated link (scaled to the measured backward time) and the real one."""
+    """DDP with each bucket size of ``cfg["bucket_mb"]``, timed on gloo (wall clock) and, when the launch runs on
+    an emulated cluster, on its virtual clock: the step and the all-reduce left exposed after backward, at the
+    toy's own shapes and matched to ``cfg["stands_for"]``'s gradient and backward, each beside the closed form of
+    the same link (``bucketing.steady_exposed``: gradients produced at a steady rate over the backward)."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
     from torch.nn.parallel import DistributedDataParallel as DDP
     torch.manual_seed(0)
     mc = preset(cfg["model"], n_layer=cfg["bucket_layers"])
     base = GPT(mc).to(ctx.device)
     data = list(batches(cfg["batch"], mc.seq_len, 4, seed=9, rank=ctx.rank, world=ctx.world_size, device=ctx.device))
-    grad_bytes = sum(p.numel() * p.element_size() for p in base.parameters())
-    n = ctx.world_size
+    emu, n = ctx.emulator, ctx.world_size
     ids = None if ctx.device.type == "cpu" else [ctx.device.index]
+    elem = next(base.parameters()).element_size()
+    sizes: dict[float, list[int]] = {}  # per bucket size: the bytes of each bucket, in the order DDP reduces them
 
-    def make(cap_mb: float, emulator: LinkEmulator):
-        model = DDP(copy.deepcopy(base), device_ids=ids, bucket_cap_mb=cap_mb, gradient_as_bucket_view=True)
-        model.register_comm_hook(None, emulator.hook)
+    def make(cap: float):
+        model = DDP(copy.deepcopy(base), device_ids=ids, bucket_cap_mb=cap, gradient_as_bucket_view=True)
+        reduce = emu.ddp_hook if emu is not None else allreduce_hook  # both through the ledger; the first also
+        # moves the virtual clock: the all-reduce is issued at the bucket's virtual time, waited when backward ends
+
+        def hook(state, bucket):  # no annotations: DDP checks them against Future[Tensor] objects
+            sizes[cap].append(bucket.buffer().numel() * elem)
+            return reduce(state, bucket)
+        model.register_comm_hook(None, hook)
+        for x, y in data[:2]:  # DDP rebuilds its buckets after the first step: do it before timing
+            sizes[cap] = []
+            model(x, y).backward()
+            model.zero_grad(set_to_none=True)
         return model
 
-    # calibrate: backward time without any communication (no_sync), median of a few
-    local = make(25.0, LinkEmulator())
-    bwd = []
-    for i in range(5):
-        x, y = data[i % len(data)]
-        loss = local(x, y)
-        with local.no_sync():
-            t0 = time.perf_counter()
-            loss.backward()
-            bwd.append(time.perf_counter() - t0)
-        local.zero_grad(set_to_none=True)
-    backward_s = sorted(bwd)[len(bwd) // 2]
-    t = torch.tensor([backward_s])
-    dist.all_reduce(t)  # the same link on every rank
-    backward_s = t.item() / n
-    alpha = cfg["latency_ratio"] * backward_s
-    beta = 2 * (n - 1) / n * grad_bytes / (cfg["comm_ratio"] * backward_s)
-    out = {"grad_bytes": grad_bytes, "n_tensors": len(list(base.parameters())), "backward_s": backward_s,
-           "alpha_s": alpha, "beta_bytes_per_s": beta, "links": {}}
-    links = {"emulated": (alpha, beta), "real": (0.0, float("inf"))}
-    for link in cfg["links"]:
-        a, b = links[link]
-        emus = {cap: LinkEmulator(a, b) for cap in cfg["bucket_mb"]}
-        models = {cap: make(cap, emus[cap]) for cap in cfg["bucket_mb"]}
-        for model in models.values():  # DDP rebuilds its buckets after the first step: do it before timing
-            for x, y in data[:2]:
-                model(x, y).backward()
-                model.zero_grad(set_to_none=True)
-        exposed = {cap: [] for cap in models}
-        it = {cap: iter(data * 1000) for cap in models}
-        last_spans = {}
+    models = {cap: make(cap) for cap in cfg["bucket_mb"]}
+    last: dict[float, dict] = {}  # per bucket size: its last step on the virtual clock
 
-        def stepper(cap):
-            model, emu = models[cap], emus[cap]
+    def stepper(cap: float):
+        model, it = models[cap], iter(data * 1000)
 
-            def fn():
-                x, y = next(it[cap])
-                emu.reset()
-                loss = model(x, y)
-                loss.backward()
-                done = time.perf_counter()
-                model.zero_grad(set_to_none=True)
-                last_ready = max(s["ready"] for s in emu.spans)
-                exposed[cap].append(done - last_ready)
-                last_spans[cap] = [dict(s) for s in emu.spans] + [{"backward_done": done}]
-            return fn
+        def step():
+            x, y = next(it)
+            sizes[cap] = []
+            first, t0 = (len(emu.comms), emu.now()) if emu is not None else (0, 0.0)
+            model(x, y).backward()
+            if emu is not None:
+                last[cap] = _virtual_step(emu, first, t0)
+            model.zero_grad(set_to_none=True)
+        return step
 
-        with ctx.ledger.tag(f"buckets/{link}"):
-            res = compare({cap: stepper(cap) for cap in models}, warmup=cfg["warmup"], steps=cfg["bench_steps"],
-                          rounds=cfg["rounds"], sync=ctx.barrier)
-        rows = []
-        for cap in models:
-            spans = last_spans[cap]
-            timed = exposed[cap][cfg["warmup"]:]
-            rows.append({"bucket_mb": cap, "buckets": len(spans) - 1,
-                         "bucket_bytes": [s["bytes"] for s in spans[:-1]], "step_s": res[cap].mean_s,
-                         "exposed_comm_s": sorted(timed)[len(timed) // 2],
-                         "simulated_exposed_s": steady_exposed([s["bytes"] for s in spans[:-1]], backward_s,
-                                                               n, a, b) if link == "emulated" else 0.0,
-                         "spans": _relative(spans, ctx.timeline.origin)})
-        out["links"][link] = rows
-        del models
-        gc.collect()
-    del local
-    gc.collect()
+    with ctx.ledger.tag("buckets/toy"):
+        res = compare({cap: stepper(cap) for cap in models}, warmup=cfg["warmup"], steps=cfg["bench_steps"],
+                      rounds=cfg["rounds"], sync=ctx.barrier, on_round=ctx.progress)
+    out = {"grad_bytes": sum(p.numel() * elem for p in base.parameters()), "n_tensors": len(list(base.parameters())),
+           "rows": [{"bucket_mb": cap, "buckets": len(sizes[cap]), "bucket_bytes": list(sizes[cap]),
+                     "step_s": res[cap].mean_s} for cap in models], "emulated": None}
+    if emu is None:
+        return out
+
+    # ---- on the emulated cluster: the toy's own shapes, then matched to the real model's gradient and backward --
+    from toolkit import planner
+    from toolkit.comm.bucketing import steady_exposed
+    hw = emu.cluster
+    link = hw.link_between(list(range(n)), n)
+    real = planner.MODELS[cfg["stands_for"]]
+    tokens = cfg["batch"] * mc.seq_len
+    real_op = planner.dp_grad_op(real.params, real.seq_len * real.micro_batch, hw.float_bytes)
+    scales = planner.matched_scales(planner.dp_grad_op(out["grad_bytes"] / elem, tokens, hw.float_bytes), real_op)
+
+    def target_bytes(cap: float, byte_scale: float) -> list[float]:
+        """The bucket's bytes on the target: its elements at ``float_bytes`` (bf16), times the byte scale."""
+        return [b / elem * hw.float_bytes * byte_scale for b in sizes[cap]]
+
+    def closed_form(cap: float, backward_s: float, byte_scale: float, on: Link) -> float:
+        return steady_exposed(target_bytes(cap, byte_scale), backward_s, n, on.latency_s, on.bytes_per_s)
+
+    backward = _virtual_backward(ctx, emu, models[cfg["bucket_mb"][0]], *data[0])
+    E = {"cluster": hw.name, "gpu": hw.gpu.name, "link": _link(link), "intra": _link(hw.intra),
+         "nodes": n // hw.per_node(n), "float_bytes": hw.float_bytes, "launch_s": hw.gpu.launch_s,
+         "backward_s": backward, "rows": []}
+    for cap in models:
+        v = last[cap]
+        E["rows"].append({"bucket_mb": cap, "step_s": res[cap].virtual.mean_s, "exposed_s": v["exposed_s"],
+                          "closed_form_exposed_s": closed_form(cap, backward, 1.0, link),
+                          "closed_form_intra_exposed_s": closed_form(cap, backward, 1.0, hw.intra),
+                          "spans": v["spans"], "backward_end_s": v["backward_end_s"]})
+    with emu.scaled(**scales), ctx.ledger.tag("buckets/matched"):
+        backward_m = _virtual_backward(ctx, emu, models[cfg["bucket_mb"][0]], *data[0])
+        matched = []
+        for cap in models:  # the virtual clock is deterministic: one step each
+            ctx.barrier()
+            stepper(cap)()
+            matched.append({"bucket_mb": cap, "real_bucket_mb": max(target_bytes(cap, scales["bytes"])) / 2**20,
+                            "step_s": last[cap]["step_s"], "exposed_s": last[cap]["exposed_s"],
+                            "closed_form_exposed_s": closed_form(cap, backward_m, scales["bytes"], link),
+                            "closed_form_intra_exposed_s": closed_form(cap, backward_m, scales["bytes"], hw.intra)})
+    grad = real_op["wire_bytes"]
+    E["matched"] = {"stands_for": cfg["stands_for"], "scales": scales, "backward_s": backward_m,
+                    "backward_gemm_s": real_op["gemm_flops"] / hw.gpu.bf16_flops, "grad_bytes": grad,
+                    "rows": matched, "closed_form_real": _closed_form_sweep(grad, backward_m, n, link, hw.intra)}
+    out["emulated"] = E
     return out
 
 
-def _relative(spans: list[dict], origin: float) -> list[dict]:
-    out = []
-    for s in spans:
-        out.append({k: (v - origin if k in ("ready", "start", "end", "backward_done") else v) for k, v in s.items()})
-    return out
+REAL_BUCKET_MB = [2 ** i for i in range(0, 19)]
+"""Bucket sizes (MiB) of the closed form at the real model's scale: 1 MiB up to one bucket for the gradient."""
+
+
+def _closed_form_sweep(grad_bytes: float, backward_s: float, n: int, link: Link, intra: Link) -> list[dict]:
+    """``steady_exposed`` of a ``grad_bytes`` gradient cut into equal buckets of each ``REAL_BUCKET_MB`` (the last
+    one smaller), on ``link`` and on ``intra``, up to the first size that holds the whole gradient."""
+    from toolkit.comm.bucketing import steady_exposed
+    rows = []
+    for mb in REAL_BUCKET_MB:
+        full, rest = divmod(grad_bytes, mb * 2**20)
+        sizes = [mb * 2**20] * int(full) + ([rest] if rest else [])
+        rows.append({"bucket_mb": mb, "exposed_s": steady_exposed(sizes, backward_s, n, link.latency_s,
+                                                                  link.bytes_per_s),
+                     "intra_exposed_s": steady_exposed(sizes, backward_s, n, intra.latency_s, intra.bytes_per_s)})
+        if len(sizes) == 1:
+            break
+    return rows
+
+
+def _link(link) -> dict:
+    return {"name": link.name, "bytes_per_s": link.bytes_per_s, "latency_s": link.latency_s}
+
+
+def _virtual_backward(ctx, emu, model, x, y) -> float:
+    """The backward's virtual time with no all-reduce (``no_sync`` around forward too: DDP decides there)."""
+    ctx.barrier()
+    with model.no_sync():
+        loss = model(x, y)
+        emu.synchronize()
+        t0 = emu.now()
+        loss.backward()
+        emu.synchronize()
+        took = emu.now() - t0
+    model.zero_grad(set_to_none=True)
+    return took
+
+
+def _virtual_step(emu, first: int, t0: float) -> dict:
+    """A forward and backward that began at virtual ``t0``, its all-reduces the emulator's records from index
+    ``first``: the step so far, the time the end-of-backward waits moved the clock (exposed), and each bucket on
+    the link (issued when its last gradient was ready, on the link from start to end), relative to ``t0``."""
+    recs = [c for c in emu.comms[first:] if c["op"] == "all_reduce"]
+    now = emu.now()
+    exposed = sum(c["exposed"] or 0.0 for c in recs)
+    return {"step_s": now - t0, "exposed_s": exposed, "backward_end_s": now - exposed - t0,
+            "spans": [{"bucket": i, "ready": c["issue"] - t0, "start": c["start"] - t0, "end": c["local_end"] - t0,
+                       "bytes": c["bytes"]} for i, c in enumerate(recs)]}

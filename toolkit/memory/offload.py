@@ -34,7 +34,10 @@ copied once and rebuilt as views.
 Copies: on CUDA the D2H and H2D copies run on two side streams into a pool of pinned host buffers;
 events order them against compute, and a device storage is released when its D2H event completes.
 On CPU the copies are synchronous ``copy_`` calls at the same points (host RAM to host RAM: the memory
-figures show where the bytes would live on a GPU, the timings the cost of the extra copies).
+figures show where the bytes would live on a GPU, the timings the cost of the extra copies). On an emulated
+cluster (``toolkit.runtime.emulator``) the same copies are timed on the host link instead: each group's D2H
+and H2D is a ``host_copy`` on the copy engine, and an unpack waits for its group's H2D on the stream — a late
+reload is one whose wait moved the clock.
 
 Resident bytes are counted with a ``MemoryTracker`` used as a storage ledger: every saved storage on the
 device and every reloaded one is registered (``act``), each storage once, and leaves the count when it
@@ -52,6 +55,7 @@ import torch.nn as nn
 
 from toolkit.pipeline.executor import ExecutorHook, key_of
 from toolkit.pipeline.schedule import Action, Key
+from toolkit.runtime.emulator import current as current_emulator
 from toolkit.runtime.memory import MemoryTracker
 
 
@@ -93,7 +97,7 @@ class _Stored:
     device: torch.Tensor | None = None  # uint8 [nbytes] over the whole storage
     host: torch.Tensor | None = None  # uint8 [nbytes], pinned on CUDA
     pending: int = 0  # saved entries not unpacked yet
-    event: object = None  # CUDA: the event of its last copy (D2H, then H2D)
+    event: object = None  # CUDA: the event of its last copy (D2H, then H2D); emulated cluster: its LocalTransfer
 
 
 @dataclass(eq=False)
@@ -152,7 +156,11 @@ class ActivationOffloader:
         self._pool: dict[int, list[torch.Tensor]] = {}
         self._inflight: list[tuple[object, list[torch.Tensor]]] = []  # (event, tensors to keep until it completes)
         self.stats = {"offloaded_bytes": 0, "reloaded_bytes": 0, "wasted_copy_bytes": 0, "late_reloads": 0,
-                      "kept_last": 0}
+                      "kept_last": 0, "reload_wait_s": 0.0}
+        """``late_reloads``: reloads the backward had to wait for — on the emulated cluster the copies whose wait
+        moved the stream's clock (``reload_wait_s``: by how much, in all), on a plain run the reloads that were not
+        issued ahead (the only evidence a CPU run has)."""
+        self.emu = current_emulator()  # copies on the emulated host link, when there is one
         if self.cuda:
             self.d2h, self.h2d = torch.cuda.Stream(), torch.cuda.Stream()
         self._hooks = []
@@ -271,9 +279,14 @@ class ActivationOffloader:
             for s in movers:
                 s.event = event
         else:
-            for s in movers:
-                s.host = self._host_buffer(s.nbytes)
-                s.host.copy_(s.device)
+            with self.emu.untimed() if self.emu else contextlib.nullcontext():  # the copy's time is the link's
+                for s in movers:
+                    s.host = self._host_buffer(s.nbytes)
+                    s.host.copy_(s.device)
+            if self.emu:
+                copy = self.emu.host_copy(sum(s.nbytes for s in movers), to_host=True)
+                for s in movers:
+                    s.event = copy
         for s in movers:
             s.device = None  # the device storage is released (on CUDA: once its copy completes)
             self.stats["offloaded_bytes"] += s.nbytes
@@ -308,8 +321,14 @@ class ActivationOffloader:
             for s in movers:
                 s.event = event
         else:
-            for s in movers:
-                s.device = s.host.clone()
+            after = max((s.event.end for s in movers if s.event is not None), default=0.0)  # its D2H copy is done
+            with self.emu.untimed() if self.emu else contextlib.nullcontext():
+                for s in movers:
+                    s.device = s.host.clone()
+            if self.emu:
+                copy = self.emu.host_copy(sum(s.nbytes for s in movers), to_host=False, after=after)
+                for s in movers:
+                    s.event = copy
         for s in movers:
             self.meter.register(s.device, "act")
             self.stats["reloaded_bytes"] += s.nbytes
@@ -319,7 +338,7 @@ class ActivationOffloader:
             return saved
         group, s = saved.group, saved.stored
         if s.device is None:
-            self.stats["late_reloads"] += 1  # not prefetched: the backward waits for this copy
+            self.stats["late_reloads"] += 0 if self.emu else 1  # not prefetched: the backward waits for this copy
             self._reload(s.group)
         if self.prefetch and not group.prefetched:
             group.prefetched = True
@@ -329,6 +348,12 @@ class ActivationOffloader:
         if self.cuda and s.event is not None:
             torch.cuda.current_stream().wait_event(s.event)  # its H2D copy is complete
             s.device.record_stream(torch.cuda.current_stream())  # allocated on the side stream
+        elif self.emu and s.event is not None:  # the stream waits for the H2D copy on the emulated host link
+            waited = s.event.wait()
+            if waited > 0:
+                self.stats["late_reloads"] += 1
+                self.stats["reload_wait_s"] += waited
+            s.event = None
         t = torch.empty(0, dtype=saved.dtype, device=s.device.device).set_(
             s.device.untyped_storage(), saved.offset, saved.size, saved.stride)
         s.pending -= 1
@@ -345,7 +370,7 @@ class ActivationOffloader:
         self._index("B", key)
         groups = self._live.get(key, {})
         if groups and any(s.device is None for s in groups[max(groups)].stored):
-            self.stats["late_reloads"] += 1
+            self.stats["late_reloads"] += 0 if self.emu else 1  # emulated: counted where the wait moves the clock
             self._reload(groups[max(groups)])
 
     def backward_end(self, key: Key) -> None:

@@ -193,6 +193,13 @@ class Pending:
     def __init__(self, token: torch.Tensor, transfer: _Transfer, then: Callable[[torch.Tensor], object]):
         self._token, self._t, self._then, self._done = token, transfer, then, False
 
+    @property
+    def token(self) -> torch.Tensor:
+        """The start node's output (empty): ``torch.autograd.grad(result, token, grad)`` runs the backward up to
+        issuing the gradient's all-to-all, ``torch.autograd.grad(token, x, that)`` finishes it (a backward that
+        yields at each transfer: ``toolkit.moe.overlap.micro_batch_backward``)."""
+        return self._token
+
     def wait(self):
         if self._done:
             raise RuntimeError("Pending.wait() was already called; keep its result")

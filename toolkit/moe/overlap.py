@@ -82,13 +82,14 @@ class Tracer:
             self.timeline.add(kind, t0, t1, schedule=self.schedule, **meta)
 
     @contextlib.contextmanager
-    def compute(self, kind: str, mb: int, layer: int | None = None):
-        """Times a forward compute segment; ``seg.enter(*inputs)`` / ``seg.leave(*outputs)`` (identities) let
-        its backward be timed too: from the last output gradient to the inputs' gradient."""
-        seg = _Segment(self, kind, mb, layer)
+    def compute(self, kind: str, mb: int, layer: int | None = None, direction: str = "F", marks: bool = True):
+        """Times a compute segment (``direction`` "F" or "B"); in a forward, ``seg.enter(*inputs)`` /
+        ``seg.leave(*outputs)`` (identities) let its backward be timed too, from the last output gradient to the
+        inputs' gradient (``marks=False``: a backward that times its segments itself)."""
+        seg = _Segment(self, kind, mb, layer, marks)
         t0 = self.now()
         yield seg
-        self._add(kind, t0, self.now(), dir="F", mb=mb, layer=layer)
+        self._add(kind, t0, self.now(), dir=direction, mb=mb, layer=layer)
 
     def phase(self, name: str):
         """For ``TokenDispatcher.phase``: the plan's count exchange ("routing") is exposed communication."""
@@ -121,8 +122,9 @@ class Tracer:
 
 
 class _Segment:
-    def __init__(self, tracer: Tracer, kind: str, mb: int, layer: int | None):
+    def __init__(self, tracer: Tracer, kind: str, mb: int, layer: int | None, marks: bool = True):
         self.tracer, self.kind, self.mb, self.layer, self.start = tracer, kind, mb, layer, None
+        self.marks = marks and tracer.timeline is not None
 
     def _out_note(self) -> None:
         self.start = self.tracer.now()  # the last output gradient to arrive opens the span
@@ -133,10 +135,10 @@ class _Segment:
             self.start = None
 
     def enter(self, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return xs if self.tracer.timeline is None else tuple(_Mark.apply(x, self._in_note) for x in xs)
+        return tuple(_Mark.apply(x, self._in_note) for x in xs) if self.marks else xs
 
     def leave(self, *ys: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return ys if self.tracer.timeline is None else tuple(_Mark.apply(y, self._out_note) for y in ys)
+        return tuple(_Mark.apply(y, self._out_note) for y in ys) if self.marks else ys
 
 
 # ---- one micro-batch's forward as a generator ------------------------------------------------------------------
@@ -149,19 +151,53 @@ def moe_layers(model: nn.Module) -> list[tuple[nn.Module, nn.Module]]:
     return layers
 
 
+@dataclass
+class _LayerCut:
+    """What the segmented backward of one MoE layer needs from its forward (``micro_batch_forward(cut=...)``)."""
+
+    x: torch.Tensor  # the layer's input, a leaf: the backward below this layer starts from its .grad
+    h: torch.Tensor
+    flat: torch.Tensor
+    weights: torch.Tensor  # the attention segment's outputs
+    dispatch_token: torch.Tensor
+    expert_in: torch.Tensor  # the dispatch: its start token and its waited output (the dispatcher's nodes)
+    expert_leaf: torch.Tensor  # the experts' input, a leaf
+    out: torch.Tensor  # the experts' output
+    combine_token: torch.Tensor
+    y: torch.Tensor  # the combine: its start token and its (unpermuted) output
+
+
+@dataclass
+class Cut:
+    """One micro-batch's forward cut at every all-to-all, for a backward that yields at each of them."""
+
+    embed_out: torch.Tensor | None = None
+    layers: list = field(default_factory=list)
+    head_in: torch.Tensor | None = None  # a leaf
+    loss: torch.Tensor | None = None
+
+
 def micro_batch_forward(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor, mb: int, tracer: Tracer,
-                        scale: float = 1.0) -> Generator[Pending, torch.Tensor, torch.Tensor]:
+                        scale: float = 1.0, cut: Cut | None = None) -> Generator[Pending, torch.Tensor, torch.Tensor]:
     """The loss of one micro-batch (times ``scale``), yielding each all-to-all it issues (its dispatchers'
     ``trace`` hook is set to ``tracer`` for each transfer; :func:`step` puts the previous hooks back)::
 
         embed ─► per block: attention (+ ln2, router) ─► plan ─► yield dispatch ─► experts ─► yield combine ─► residual
               ─► head, loss
-    """
+
+    ``cut`` (a :class:`Cut`): the graph is cut into segments at every all-to-all and what
+    :func:`micro_batch_backward` needs is recorded there (the same ops, the same values)."""
+    marks = cut is None  # a cut forward's backward times its segments itself
     with tracer.compute("embed", mb):
         x = model.embed(idx)
+    if cut is not None:
+        cut.embed_out, x = x, x.detach().requires_grad_()
     for layer, (block, moe) in enumerate(moe_layers(model)):
         d = moe.dispatcher
-        with tracer.compute("attn", mb, layer) as seg:
+        if cut is not None and d.dedup:
+            raise ValueError("a cut forward (schedule 'fb') needs dedup=False: dedup's metadata all-to-all is not cut")
+        x_in = x
+        with tracer.compute("attn", mb, layer, marks=marks) as seg:
             (x,) = seg.enter(x)
             h = x + block.attn(block.ln1(x))
             flat = block.ln2(h).reshape(-1, h.shape[-1])
@@ -169,17 +205,68 @@ def micro_batch_forward(model: nn.Module, idx: torch.Tensor, targets: torch.Tens
             h, flat, weights = seg.leave(h, flat, weights)
         plan = moe.last_plan = d.plan(moe.place(ids), weights, flat)  # collective: the counts of every rank
         d.trace = tracer.a2a("dispatch", mb, layer)
-        expert_in = yield d.dispatch(flat, plan, async_op=True)
-        with tracer.compute("experts", mb, layer) as seg:
-            (expert_in,) = seg.enter(expert_in)
-            (out,) = seg.leave(run_experts(moe.slots, expert_in, plan.recv_counts))
+        pending = d.dispatch(flat, plan, async_op=True)
+        dispatch_token = pending.token
+        expert_in = yield pending
+        expert_leaf = expert_in.detach().requires_grad_() if cut is not None else expert_in
+        with tracer.compute("experts", mb, layer, marks=marks) as seg:
+            (e_in,) = seg.enter(expert_leaf)
+            (out,) = seg.leave(run_experts(moe.slots, e_in, plan.recv_counts))
         d.trace = tracer.a2a("combine", mb, layer)
-        y = yield d.combine(out, plan, async_op=True)
+        pending = d.combine(out, plan, async_op=True)
+        combine_token = pending.token
+        y = yield pending
         x = h + y.view_as(h)
-    with tracer.compute("head", mb) as seg:
+        if cut is not None:
+            cut.layers.append(_LayerCut(x_in, h, flat, weights, dispatch_token, expert_in, expert_leaf, out,
+                                        combine_token, y))
+            x = x.detach().requires_grad_()
+    if cut is not None:
+        cut.head_in = x
+    with tracer.compute("head", mb, marks=marks) as seg:
         (x,) = seg.enter(x)
         (loss,) = seg.leave(lm_loss(model.head(x), targets) * scale)
+    if cut is not None:
+        cut.loss = loss
     return loss
+
+
+class _Later:
+    """A backward all-to-all in flight: ``wait()`` finishes it (the dispatcher's ``_Start.backward``) and runs the
+    gradient on to the segment before it."""
+
+    def __init__(self, finish: Callable[[], torch.Tensor]):
+        self.wait = finish
+
+
+def micro_batch_backward(cut: Cut, mb: int, tracer: Tracer) -> Generator[_Later, torch.Tensor, None]:
+    """The backward of a :class:`Cut` forward, segment by segment from the loss down, yielding at each all-to-all
+    after issuing it (as the forward does), so another micro-batch's forward can compute while it flies::
+
+        head ─► per layer, top down: combine⁻¹ (unpermute backward, issue) ─► yield ─► (wait) experts backward
+              ─► dispatch⁻¹ (issue) ─► yield ─► (wait) attention backward ─► embed
+
+    The ops are those autograd runs for ``loss.backward()`` (the dispatcher's own backward nodes, reached with
+    ``torch.autograd.grad`` at the cuts), so gradients are the same; parameter gradients accumulate in ``.grad``."""
+    grad = torch.autograd.grad
+    with tracer.compute("head", mb, direction="B"):
+        torch.autograd.backward(cut.loss)  # -> cut.head_in.grad and the head's parameters
+    dx = cut.head_in.grad
+    for layer in reversed(range(len(cut.layers))):
+        c = cut.layers[layer]
+        # combine's backward: the unpermute's (grad of the rows and of the gate weights), then its all-to-all leaves
+        with tracer.compute("unpermute", mb, layer, direction="B"):
+            d_token, d_weights = grad(c.y, (c.combine_token, c.weights), dx.reshape(c.y.shape))
+        d_out = yield _Later(lambda c=c, d_token=d_token: grad(c.combine_token, c.out, d_token)[0])
+        with tracer.compute("experts", mb, layer, direction="B"):
+            torch.autograd.backward(c.out, d_out)  # -> the experts' parameters and c.expert_leaf.grad
+        d_token = grad(c.expert_in, c.dispatch_token, c.expert_leaf.grad)[0]  # dispatch's all-to-all leaves
+        d_flat = yield _Later(lambda c=c, d_token=d_token: grad(c.dispatch_token, c.flat, d_token)[0])
+        with tracer.compute("attn", mb, layer, direction="B"):
+            torch.autograd.backward((c.h, c.flat, c.weights), (dx.reshape(c.h.shape), d_flat, d_weights))
+        dx = c.x.grad
+    with tracer.compute("embed", mb, direction="B"):
+        torch.autograd.backward(cut.embed_out, dx)
 
 
 def run_serial(forwards: list[Generator]) -> list[torch.Tensor]:
@@ -216,11 +303,14 @@ def run_interleaved(forwards: list[Generator]) -> list[torch.Tensor]:
 def step(model: nn.Module, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], schedule: str,
          tracer: Tracer | None = None, saved: dict | None = None) -> list[float]:
     """One training step (forward and backward, gradients accumulated, no optimizer) over the micro-batches,
-    ``schedule`` "serial" (each micro-batch's forward and backward in turn) or "overlapped" (forwards
-    interleaved, one backward over both). Returns each micro-batch's loss (mean over micro-batches = the loss).
+    ``schedule`` "serial" (each micro-batch's forward and backward in turn), "overlapped" (forwards
+    interleaved, one backward over both) or "fb" (micro-batch i's forward interleaved with micro-batch i-1's
+    backward, as Megatron's combined 1F1B and DualPipe's F&B do). Returns each micro-batch's loss (mean over
+    micro-batches = the loss).
 
     ``saved`` (a dict) receives ``"bytes"``: the most activation bytes autograd holds at once, i.e. at the end of
-    a forward (serial: one micro-batch's; overlapped: both), parameters excluded."""
+    a forward (serial: one micro-batch's; overlapped: all of them; fb: at most two micro-batches'), parameters
+    excluded."""
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule={schedule!r} is not allowed; allowed: {SCHEDULES}")
     tracer = tracer or Tracer(schedule)
@@ -253,22 +343,37 @@ def _step(model, micro_batches, schedule: str, tracer: Tracer, saved: dict | Non
             loss.backward()
             losses.append(loss)
             held.append(nbytes)
-    else:
+    elif schedule == "overlapped":
         nbytes, losses = saved_activation_bytes(lambda: run_interleaved(fwd), params)
         torch.stack(losses).sum().backward()
         held.append(nbytes)
+    else:  # "fb": F(0); then F(i) interleaved with B(i-1) at every all-to-all of either; then B(m-1)
+        cuts = [Cut() for _ in micro_batches]
+        fwd = [micro_batch_forward(model, x, y, i, tracer, 1.0 / m, cuts[i]) for i, (x, y) in enumerate(micro_batches)]
+        nbytes, (loss,) = saved_activation_bytes(lambda: run_serial([fwd[0]]), params)
+        losses, saved_by = [loss], [nbytes]
+        for i in range(1, m):
+            backward = micro_batch_backward(cuts[i - 1], i - 1, tracer)
+            nbytes, (loss, _) = saved_activation_bytes(lambda: run_interleaved([fwd[i], backward]), params)
+            losses.append(loss)
+            saved_by.append(nbytes)
+            cuts[i - 1] = None  # its activations go with it
+        run_serial([micro_batch_backward(cuts[m - 1], m - 1, tracer)])
+        # at most F(i)'s activations and what B(i-1) has not freed yet: the two micro-batches' (an upper bound)
+        held.append(max(a + b for a, b in zip(saved_by, saved_by[1:])) if m > 1 else saved_by[0])
     if saved is not None:
         saved["bytes"] = max(held)
     return [float(loss) * m for loss in losses]
 
 
-SCHEDULES = ("serial", "overlapped")
+SCHEDULES = ("serial", "overlapped", "fb")
 
 
 # ---- the cost model ---------------------------------------------------------------------------------------------
 def simulate(attn: float, experts: float, dispatch: float, combine: float, layers: int = 1, m: int = 2,
              schedule: str = "overlapped", backward: float = 2.0, plan: float = 0.0) -> dict:
-    """Cost model (not a measurement): one compute engine and one link, each doing one thing at a time.
+    """Cost model (not a measurement): one compute engine and one link, each doing one thing at a time; ``schedule``
+    one of :data:`SCHEDULES`.
 
     Per micro-batch and layer: attention ``attn`` s, the plan's count exchange ``plan`` s, ``dispatch`` s on the
     link, ``experts`` s, ``combine`` s. The count exchange is blocking: the compute engine waits ``plan`` s for it
@@ -316,9 +421,14 @@ def simulate(attn: float, experts: float, dispatch: float, combine: float, layer
         for _ in range(m):
             run([fwd], False)
             run([bwd], False)
-    else:
+    elif schedule == "overlapped":
         run([list(fwd) for _ in range(m)], True)
         run([list(bwd) for _ in range(m)], True)
+    else:  # fb: F(0), then F(i) with B(i-1), then B(m-1)
+        run([list(fwd)], False)
+        for _ in range(1, m):
+            run([list(fwd), list(bwd)], True)
+        run([list(bwd)], False)
     step_s = max(state["compute"], state["link"])
     exposed_plan = m * layers * plan
     total_comm = 2 * m * layers * (dispatch + combine) + exposed_plan
@@ -330,14 +440,18 @@ def simulate(attn: float, experts: float, dispatch: float, combine: float, layer
 
 def ratio_sweep(ratios: list[float], attn: float = 1.0, experts: float = 1.0, layers: int = 4, m: int = 2,
                 backward: float = 2.0) -> list[dict]:
-    """Cost model over comm/compute ratios r = (dispatch + combine) / (attn + experts), split evenly."""
+    """Cost model over comm/compute ratios r = (dispatch + combine) / (attn + experts), split evenly: per ratio
+    and schedule the step, the exposed communication, the speed-up over serial and the overlap fraction."""
     rows = []
     for r in ratios:
         c = r * (attn + experts) / 2
-        s, o = (simulate(attn, experts, c, c, layers, m, sched, backward) for sched in SCHEDULES)
-        rows.append({"ratio": r, "serial_s": s["step_s"], "overlapped_s": o["step_s"], "speedup": s["step_s"] / o["step_s"],
-                     "exposed_serial_s": s["exposed_comm_s"], "exposed_overlapped_s": o["exposed_comm_s"],
-                     "overlap_fraction": o["overlap_fraction"]})
+        res = {sched: simulate(attn, experts, c, c, layers, m, sched, backward) for sched in SCHEDULES}
+        row = {"ratio": r}
+        for sched, x in res.items():
+            row.update({f"{sched}_s": x["step_s"], f"exposed_{sched}_s": x["exposed_comm_s"],
+                        f"speedup_{sched}": res["serial"]["step_s"] / x["step_s"],
+                        f"overlap_fraction_{sched}": x["overlap_fraction"]})
+        rows.append(row)
     return rows
 
 

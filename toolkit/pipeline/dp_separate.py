@@ -57,7 +57,8 @@ class DataParallelSeparation(ExecutorHook):
 
     After a step, ``reduces`` lists per stage ``{"stage", "bytes", "issued", "done_by", "waited_s"}``: times
     on the timeline's clock (when there is one) of the issue, of the first action boundary at which the
-    reduce was seen complete (an upper bound of its end), and the seconds the step blocked on it at the end.
+    reduce was seen complete (an upper bound of its end), and the seconds the step blocked on it at the end;
+    on an emulated cluster also ``"waited_vs"``, that wait on the virtual clock.
     """
 
     def __init__(self, dp_group=None, separate: bool = True):
@@ -109,6 +110,8 @@ class DataParallelSeparation(ExecutorHook):
             t0 = time.perf_counter()
             work.wait()
             rec["waited_s"] = time.perf_counter() - t0
+            if hasattr(work, "exposed"):  # the emulated cluster's handle: the wait on the virtual clock
+                rec["waited_vs"] = work.exposed[0]
             if rec["done_by"] is None:
                 rec["done_by"] = self._clock()
             flat /= self.dp

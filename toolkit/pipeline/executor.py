@@ -41,19 +41,20 @@ the order a step meets them::
      │    post irecvs of this action and the next (a message's shape: recv_shape(msg, shape))
      │    for each single op a (each half of an FB):
      │       wait for a's inputs                                  (before the pair if fb_overlap=False)
-     │       F      with forward_context(a): stage_fn(a, fn)(x)  ─ isend / hand off the output
-     │       B, I   before_backward(a) ─ autograd backward ─ after_backward(a) ─ isend / hand off dX
-     │       W      run the dW queued by a's I
-     │       other  the hook's op (ops()); Recompute's R enters forward_context(a) too
+     │       with op_context(a):                                  every single op, around all of it
+     │        F      with forward_context(a): stage_fn(a, fn)(x) ─ isend / hand off the output
+     │        B, I   before_backward(a) ─ autograd backward ─ after_backward(a) ─ isend / hand off dX
+     │        W      run the dW queued by a's I
+     │        other  the hook's op (ops()); Recompute's R enters forward_context(a) too
      │       after_op(a)                                          every single op, F&B halves too
      │    after_action(action)                                    once per scheduled action
      ├ wait for the sends still in flight; check that nothing is left over
      └ step_end(loss) -> loss                  (step_failed() instead when the step raised)
 
 Order, fixed: the first hook of the list is the outermost, as in nested ``with`` blocks. Going in
-(``step_begin``, entering ``forward_context``, ``before_backward``) the hooks run in list order; coming out
-(leaving ``forward_context``, ``after_backward``, ``after_op``, ``after_action``, ``step_end``,
-``step_failed``) in reverse list order. ``stage_fn(a, fn)`` and ``recv_shape(msg, shape)`` are chained the
+(``step_begin``, entering ``op_context`` and ``forward_context``, ``before_backward``) the hooks run in list
+order; coming out (leaving ``forward_context`` and ``op_context``, ``after_backward``, ``after_op``,
+``after_action``, ``step_end``, ``step_failed``) in reverse list order. ``stage_fn(a, fn)`` and ``recv_shape(msg, shape)`` are chained the
 same way: a hook receives what the hooks after it made of the executor's own, and the first hook's result
 is used. ``bind(executor)`` runs once, when the executor is built; a hook reads the executor's state from it
 (``schedule``, ``rank``, ``modules``, ``meter``, ``saved``; ``inputs`` and ``targets`` during a step) and
@@ -61,7 +62,7 @@ calls its helpers (``hold``, ``recording``, ``forward_context``).
 
 The toolkit's extensions are hooks: ``Recompute`` (recompute.py: checkpointed forwards and the R op),
 ``SequenceChunks`` (seq1f1b.py), ``VocabPasses`` (vocab_passes.py), ``DataParallelSeparation``
-(dp_separate.py) and ``Offload`` (toolkit.memory.offload).
+(dp_separate.py), ``Offload`` (toolkit.memory.offload) and ``GraphReplay`` (toolkit.graphs.cuda_graphs).
 
 Deferred weight gradients (``WeightGradStore``, as in DeepSeek's DualPipe): ``split_weight_grads``
 swaps each ``nn.Linear`` for a ``SplitLinear``. A forward whose backward will be an I runs inside
@@ -277,6 +278,10 @@ class ExecutorHook:
 
     def step_begin(self, inputs: list[torch.Tensor], targets: list[torch.Tensor]) -> None:
         """Before the first action of a step."""
+
+    def op_context(self, a: Action) -> ContextManager:
+        """Entered around every single op (F, B, I, W, a hook's op; each half of an F&B), its sends included."""
+        return contextlib.nullcontext()
 
     def forward_context(self, a: Action) -> ContextManager:
         """Entered around the compute of every F (and of Recompute's R; ``a.op`` tells which)."""
@@ -518,7 +523,11 @@ class PipelineExecutor:
     def run_op(self, a: Action) -> None:
         """Run single op ``a`` (its inputs have arrived) and record its span."""
         start, vstart = time.perf_counter(), self._vnow()
-        with self.weight_grads.splitting() if key_of(a) in self._split else contextlib.nullcontext():
+        with contextlib.ExitStack() as around:
+            for hook in self.hooks:
+                around.enter_context(hook.op_context(a))
+            if key_of(a) in self._split:
+                around.enter_context(self.weight_grads.splitting())
             self.ops[a.op](a)
         self._log("op", a)
         if self.timeline is not None:

@@ -33,6 +33,8 @@ from typing import Iterable
 import torch
 import torch.nn as nn
 
+from toolkit.runtime.config import require_divisible, require_ranks
+
 from .executor import PipelineExecutor
 from .recompute import Recompute
 from .schedule import Schedule
@@ -88,6 +90,17 @@ def grads_bitwise_equal(model: nn.Module, other: nn.Module, modules: Iterable[nn
     mine = {id(p) for module in modules for p in module.parameters()}
     theirs = dict(other.named_parameters())
     return all(torch.equal(p.grad, theirs[name].grad) for name, p in model.named_parameters() if id(p) in mine)
+
+
+def check_stage_per_rank(cfg: dict, world_size: int, what: str) -> None:
+    """The checks of a lesson whose ``world_size`` ranks each run one pipeline stage of the tiny GPT of ``cfg``
+    (``n_layer``, ``m``, ``d_model``, ``n_head``); ``what`` says what needs the ranks. ValueError naming the
+    parameter, before any process starts."""
+    require_ranks(world_size, 2, what)
+    require_divisible("n_layer", cfg["n_layer"], world_size, "world_size", "layers per stage")
+    if cfg["m"] < world_size:
+        raise ValueError(f"m={cfg['m']} micro-batches is fewer than the {world_size} stages; need m >= {world_size}")
+    require_divisible("d_model", cfg["d_model"], cfg["n_head"], "n_head", "heads split the hidden size")
 
 
 # ------------------------------------------------------------------------------------------------

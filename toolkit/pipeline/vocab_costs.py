@@ -2,32 +2,52 @@
 
 For settings the CPU machines cannot hold (PP = 8, V = 256k, sequences of 4096): ``pass_ops`` writes each pass
 of the baseline layout (embedding on stage 0, head on stage p-1) and of vocabulary parallelism (S, T and the
-input layer on every rank; ``toolkit.pipeline.vocab_parallel``) as ops, ``op_time`` bounds each op by compute
-or memory on a ``Hardware``, and ``stage_costs`` gives per-stage seconds of one micro-batch, the simulator's
-input (``vocab_parallel.simulate_layouts``). A simulation input, not a measurement.
+input layer on every rank; ``toolkit.pipeline.vocab_parallel``) as ops; ``op_time`` bounds each op by compute
+or memory on a cluster's GPU (``toolkit.runtime.cluster``: its bf16 peak, HBM bandwidth and launch cost) at
+the fractions of those peaks its kernels reach (``Efficiency``, an assumption); ``stage_costs`` gives per-stage
+seconds of one micro-batch, the simulator's input (``vocab_parallel.simulate_layouts``), with the collectives
+the vocabulary passes wait on at α + bytes/β of the link the p stages span. A simulation input, not a
+measurement.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+
+from toolkit.runtime.cluster import Cluster, Link, cluster
 
 
 @dataclass(frozen=True)
-class Hardware:
-    """What one rank does per second. Assumed figures for GPUs; calibrated by measurement for this CPU."""
+class Efficiency:
+    """The fractions of the GPU's peaks its kernels reach: assumptions of this model, not hardware."""
 
-    name: str
-    matmul_flops: float  # achieved FLOP/s on matmuls
-    mem_bw: float  # achieved bytes/s on elementwise ops
-    link_bw: float  # bytes/s one rank puts on the wire in a collective
-    op_overhead_s: float = 0.0  # fixed cost per op (kernel launch / eager dispatch)
-    link_latency_s: float = 10e-6
-    peak_flops: float = 0.0  # nominal peak, for MFU
+    matmul: float = 0.70
+    """Of the dense bf16 peak, on matmuls."""
+    hbm: float = 0.80
+    """Of the HBM bandwidth, on elementwise ops."""
+
+    def __post_init__(self):
+        for name in ("matmul", "hbm"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 1:
+                raise ValueError(f"Efficiency {name}={v!r} is not allowed; allowed: a fraction in (0, 1]")
 
 
-# A100-SXM4-80GB, bf16: 312 TFLOP/s peak, 2.04 TB/s HBM, NVLink3 ~240 GB/s per direction in practice.
-# The efficiencies (70% / 80%) are assumptions, not measurements.
-A100 = Hardware("A100-80GB bf16 (assumed 70% matmul, 80% HBM)", 312e12 * 0.70, 2.04e12 * 0.80, 200e9, 5e-6,
-                10e-6, 312e12)
+ACHIEVED = Efficiency(matmul=1.0, hbm=1.0)
+"""For a machine whose figures are already achieved rates (``from_rates``)."""
+
+
+def from_rates(name: str, matmul_flops: float, mem_bw: float, op_overhead_s: float, link_bytes_per_s: float,
+               link_latency_s: float = 10e-6) -> Cluster:
+    """A machine described by what it achieves (a CPU calibrated by micro-benchmarks), as the cluster this model
+    reads: a GPU of ``matmul_flops`` FLOP/s and ``mem_bw`` bytes/s with ``op_overhead_s`` per op, and an intra
+    link of ``link_bytes_per_s``; its other parts are the a100-ib200 preset's, which this model does not read.
+    Use it with ``ACHIEVED``."""
+    base = cluster("a100-ib200")
+    gpu = dataclasses.replace(base.gpu, name=name, bf16_flops=matmul_flops, hbm_bytes_per_s=mem_bw,
+                              launch_s=op_overhead_s, source="achieved rates (calibrated or assumed), not a datasheet")
+    return cluster(base, name=name, gpu=gpu, intra=Link(f"{name}'s link", link_bytes_per_s, link_latency_s,
+                                                        "assumed"))
 
 
 @dataclass(frozen=True)
@@ -95,20 +115,23 @@ def pass_ops(w: Workload, p: int) -> dict[str, list[tuple[float, float]]]:
     }
 
 
-def op_time(ops: list[tuple[float, float]], hw: Hardware) -> float:
-    """Seconds of a list of ops: each op is bound by compute or by memory (roofline), plus a fixed overhead."""
-    return sum(max(f / hw.matmul_flops, b / hw.mem_bw) + hw.op_overhead_s for f, b in ops)
+def op_time(ops: list[tuple[float, float]], hw: Cluster, eff: Efficiency = Efficiency()) -> float:
+    """Seconds of a list of ops on ``hw``'s GPU: each op bound by compute or by memory (roofline) at the
+    achieved fractions ``eff`` of the peaks, plus a kernel launch."""
+    flops, hbm = hw.gpu.bf16_flops * eff.matmul, hw.gpu.hbm_bytes_per_s * eff.hbm
+    return sum(max(f / flops, b / hbm) + hw.gpu.launch_s for f, b in ops)
 
 
-def comm_time(nbytes: float, hw: Hardware) -> float:
-    """Seconds of a collective that puts ``nbytes`` on this rank's link."""
-    return hw.link_latency_s + nbytes / hw.link_bw
+def stage_link(hw: Cluster, p: int) -> Link:
+    """The link the collectives among the ``p`` stages take: inside a node if they fit in one."""
+    return hw.intra if p <= hw.gpus_per_node else hw.inter
 
 
-def stage_costs(w: Workload, p: int, hw: Hardware, layout: str, algorithm: int = 2) -> list[dict[str, float]]:
-    """Per-stage seconds of one micro-batch: F and B (transformer layers plus whatever vocabulary work the
-    layout puts inside them), S and T (vocabulary passes, 0 for the baseline), and the comm latencies
-    the vocabulary passes wait on (broadcast of X, C0, dX; input all-reduce and dE broadcast).
+def stage_costs(w: Workload, p: int, hw: Cluster, layout: str, algorithm: int = 2,
+                eff: Efficiency = Efficiency()) -> list[dict[str, float]]:
+    """Per-stage seconds of one micro-batch on ``hw`` at ``eff``: F and B (transformer layers plus whatever
+    vocabulary work the layout puts inside them), S and T (vocabulary passes, 0 for the baseline), and the comm
+    latencies the vocabulary passes wait on (broadcast of X, C0, dX; input all-reduce and dE broadcast).
 
     ``layout``: ``"baseline"`` (embedding on stage 0, head + loss on stage p-1) or ``"vocab"``.
     """
@@ -117,7 +140,8 @@ def stage_costs(w: Workload, p: int, hw: Hardware, layout: str, algorithm: int =
     if w.n_layer % p:
         raise ValueError(f"n_layer={w.n_layer} must be divisible by the {p} stages")
     ops = pass_ops(w, p)
-    t = {k: op_time(v, hw) for k, v in ops.items()}
+    t = {k: op_time(v, hw, eff) for k, v in ops.items()}
+    link = stage_link(hw, p)
     per = w.n_layer // p
     N, D, e = w.tokens, w.d_model, w.act_bytes
     ring = 2 * (p - 1) / p
@@ -135,10 +159,10 @@ def stage_costs(w: Workload, p: int, hw: Hardware, layout: str, algorithm: int =
         else:
             row["S"] = t[f"s{algorithm}"] + t["input_f"]  # the input layer's partial embedding rides with S
             row["T"] = t[f"t{algorithm}"] + t["input_b"]
-            row["bcast_x"] = comm_time(N * D * e, hw)
-            row["c0"] = 3 * comm_time(N * 4 * ring, hw)
-            row["dx"] = comm_time(N * D * e * ring, hw)
-            row["input"] = comm_time(N * D * e * ring, hw) + comm_time(N * D * e, hw)
+            row["bcast_x"] = link.seconds(N * D * e)
+            row["c0"] = 3 * link.seconds(N * 4 * ring)
+            row["dx"] = link.seconds(N * D * e * ring)
+            row["input"] = link.seconds(N * D * e * ring) + link.seconds(N * D * e)
         out.append(row)
     return out
 

@@ -8,6 +8,7 @@ One description serves every cost model and the emulated cluster (``toolkit.runt
       network  1 NIC / GPU  ──── inter link (InfiniBand NDR 400 Gb/s):     46 GB/s, α 20 µs per direction
       host     PCIe Gen5 x16 ─── device <-> host copies: 50 GB/s, α 10 µs
       disk     NVMe          ─── 6.5 GB/s read, 3.5 GB/s write per GPU's share
+      cpu      the host's share per GPU: 1.8 TFLOP/s fp32, 77 GB/s of DDR5 (a CPU-side optimizer step)
 
     ranks_per_node  how a launch places its ranks (default: all ranks on one node, up to gpus_per_node)
 
@@ -84,8 +85,11 @@ class Cluster:
     inter: Link
     """Between GPUs of different nodes (one NIC per GPU)."""
     host: Link
-    """Between a GPU and its host's memory (PCIe): what offloading pays."""
+    """Between a GPU and its host's memory (PCIe): what offloading pays (a copy engine each way)."""
     disk: Disk
+    cpu: GPU
+    """The host processor's share per GPU, as the roofline sees it (``bf16_flops``: its fp32 peak, ``hbm_bytes_per_s``:
+    its DRAM bandwidth, no launch cost): what a CPU-side optimizer step takes."""
     gpus_per_node: int = 8
     ranks_per_node: int | None = None
     """Ranks of a launch on each node; None: every rank on one node (at most ``gpus_per_node``)."""
@@ -112,7 +116,7 @@ class Cluster:
     @classmethod
     def from_dict(cls, d: dict) -> "Cluster":
         return cls(name=d["name"], gpu=GPU(**d["gpu"]), intra=Link(**d["intra"]), inter=Link(**d["inter"]),
-                   host=Link(**d["host"]), disk=Disk(**d["disk"]), gpus_per_node=d["gpus_per_node"],
+                   host=Link(**d["host"]), disk=Disk(**d["disk"]), cpu=GPU(**d["cpu"]), gpus_per_node=d["gpus_per_node"],
                    ranks_per_node=d["ranks_per_node"], float_bytes=d.get("float_bytes", 2),
                    notes=tuple(d.get("notes", ())))
 
@@ -124,9 +128,11 @@ class Cluster:
         for part in (self.intra, self.inter, self.host):
             lines.append(f"  {part.name}: {part.bytes_per_s / 1e9:.0f} GB/s per direction, α {part.latency_s * 1e6:.0f} µs "
                          f"({part.source})")
-        d = self.disk
+        d, c = self.disk, self.cpu
         lines.append(f"  {d.name}: {d.read_bytes_per_s / 1e9:.1f} GB/s read, {d.write_bytes_per_s / 1e9:.1f} GB/s "
                      f"write ({d.source})")
+        lines.append(f"  host CPU (per GPU): {c.name}, {c.bf16_flops / 1e12:.1f} TFLOP/s, {c.hbm_bytes_per_s / 1e9:.0f} "
+                     f"GB/s memory ({c.source})")
         return "\n".join(lines)
 
 
@@ -139,6 +145,13 @@ _IB_LAT = "nccl-tests all_reduce of 8 B across two nodes, one GPU each: 19-20 µ
 _LAUNCH = ("a kernel launch costs the host microseconds (3.5 µs vs 0.5 µs per all_reduce without and with CUDA "
            "graphs, NVIDIA/nccl#1984); 4 µs assumed")
 
+_XEON = GPU("2x Xeon 8480+ (per GPU: 1/8)", 1.8e12, 77e9, 0.0, 256e9, "56 cores x 2 FMA x 16 fp32 lanes x 2 x 2.0 GHz "
+            "= 7.2 TFLOP/s and 8 x DDR5-4800 = 307 GB/s per socket, two sockets shared by 8 GPUs: datasheet "
+            "arithmetic, peaks, assumed")
+_EPYC = GPU("2x EPYC 7763 (per GPU: 1/8)", 1.0e12, 51e9, 0.0, 256e9, "64 cores x 2 FMA x 8 fp32 lanes x 2 x 2.45 GHz "
+            "= 5.0 TFLOP/s and 8 x DDR4-3200 = 205 GB/s per socket, two sockets shared by 8 GPUs: datasheet "
+            "arithmetic, peaks, assumed")
+
 PRESETS: dict[str, Cluster] = {
     "h100-ib400": Cluster(
         "h100-ib400",
@@ -149,7 +162,8 @@ PRESETS: dict[str, Cluster] = {
              "NVIDIA's maintainer); α: " + _IB_LAT),
         Link("PCIe Gen5 x16", 50e9, 10e-6, "PCIe Gen5 x16: 64 GB/s line rate per direction; 50 GB/s achieved assumed"),
         Disk("NVMe Gen4 (per GPU)", 6.5e9, 3.5e9, 100e-6, "one Gen4 NVMe drive per GPU: 7 GB/s read, 3.5-5 GB/s write "
-             "on datasheets; assumed")),
+             "on datasheets; assumed"),
+        _XEON),
     "a100-ib200": Cluster(
         "a100-ib200",
         GPU("A100 SXM 80GB", 312e12, 2.04e12, 4e-6, 80e9, "A100 datasheet: 312 TFLOP/s dense bf16, 2.04 TB/s HBM2e; "
@@ -159,7 +173,8 @@ PRESETS: dict[str, Cluster] = {
         Link("InfiniBand HDR 200 Gb/s", 24e9, 20e-6, "24 GB/s per HDR NIC reached in nccl-tests (NVIDIA/nccl#1048); "
              "α: " + _IB_LAT),
         Link("PCIe Gen4 x16", 25e9, 10e-6, "PCIe Gen4 x16: 32 GB/s line rate per direction; 25 GB/s achieved assumed"),
-        Disk("NVMe Gen4 (per GPU)", 6.5e9, 3.5e9, 100e-6, "one Gen4 NVMe drive per GPU; assumed")),
+        Disk("NVMe Gen4 (per GPU)", 6.5e9, 3.5e9, 100e-6, "one Gen4 NVMe drive per GPU; assumed"),
+        _EPYC),
     "pcie-100gbe": Cluster(
         "pcie-100gbe",
         GPU("H100 PCIe", 756e12, 2.0e12, 4e-6, 80e9, "H100 PCIe datasheet: 756 TFLOP/s dense bf16, 2.0 TB/s HBM2e; "
@@ -168,7 +183,8 @@ PRESETS: dict[str, Cluster] = {
              "H100 PCIe without NVSwitch (alayanew NCCL-tests reference table); α assumed"),
         Link("100 GbE RoCE", 11e9, 30e-6, "100 Gb/s = 12.5 GB/s line rate; about 90 % of it assumed; α assumed"),
         Link("PCIe Gen5 x16", 50e9, 10e-6, "PCIe Gen5 x16: 64 GB/s line rate per direction; 50 GB/s achieved assumed"),
-        Disk("NVMe Gen4 (per GPU)", 6.5e9, 3.5e9, 100e-6, "one Gen4 NVMe drive per GPU; assumed")),
+        Disk("NVMe Gen4 (per GPU)", 6.5e9, 3.5e9, 100e-6, "one Gen4 NVMe drive per GPU; assumed"),
+        _XEON),
 }
 
 
@@ -191,6 +207,8 @@ def check(c: Cluster, world_size: int | None = None) -> Cluster:
         _positive(f"{part}.latency_s", link.latency_s)
     _positive("disk.read_bytes_per_s", c.disk.read_bytes_per_s)
     _positive("disk.write_bytes_per_s", c.disk.write_bytes_per_s)
+    _positive("cpu.bf16_flops", c.cpu.bf16_flops)
+    _positive("cpu.hbm_bytes_per_s", c.cpu.hbm_bytes_per_s)
     if isinstance(c.gpus_per_node, bool) or not isinstance(c.gpus_per_node, int) or c.gpus_per_node < 1:
         raise ValueError(f"cluster gpus_per_node must be an int >= 1, got {c.gpus_per_node!r}")
     rpn = c.ranks_per_node

@@ -60,7 +60,7 @@ from .cluster import Cluster, check, cluster as make_cluster
 COLLECTIVE_NAMESPACES = ("c10d.", "_c10d_functional.", "c10d_functional.")
 # not views by their schema, but they launch no kernel either (a new header, or memory from the allocator)
 NO_KERNEL = {"aten._unsafe_view", "aten._reshape_alias", "aten.lift_fresh", "aten.empty", "aten.empty_like",
-             "aten.empty_strided", "aten.new_empty", "aten.new_empty_strided"}
+             "aten.empty_strided", "aten.new_empty", "aten.new_empty_strided", "aten.set_"}
 # ops that make the host wait for the device (the value goes to Python)
 HOST_SYNC = {"aten._local_scalar_dense", "aten.is_nonzero", "aten.item", "aten.equal"}
 # ops that read a few rows of a large input: bytes = indices + 2 x output, not the whole table
@@ -278,7 +278,12 @@ class Emulator:
         """The ops inside run as one CUDA graph replay: the host pays one launch for all of them, none per op."""
         self._replay_depth += 1
         if self._replay_depth == 1:
-            self._clock().host += self.cluster.gpu.launch_s
+            launch = self.cluster.gpu.launch_s
+            self._clock().host += launch
+            with self._lock:
+                row = self.ops["cuda graph replay"]
+                row["calls"] += 1
+                row["launch_s"] += launch
         try:
             yield self
         finally:
@@ -294,17 +299,64 @@ class Emulator:
         finally:
             self._local.internal = previous
 
+    # ---- the host and the disk: offload's copies, a CPU-side optimizer -------------------------------------
+    def host_copy(self, nbytes: float, to_host: bool, tag: str = "offload", after: float = 0.0) -> "LocalTransfer":
+        """A copy of ``nbytes`` between this rank's device and its host memory, on a copy engine (the PCIe link,
+        one queue per direction): it starts when the stream has produced the data, the link is free and
+        (``after``) an earlier copy it depends on has ended; compute goes on meanwhile. ``wait()`` on the handle
+        makes the stream wait for it (the data is needed); the real copy ops belong inside ``untimed()``."""
+        return self._local_transfer("d2h" if to_host else "h2d", self.cluster.host.seconds(nbytes * self.byte_scale),
+                                    nbytes * self.byte_scale, tag, after=after)
+
+    def disk_io(self, nbytes: float, write: bool, tag: str = "nvme") -> "LocalTransfer":
+        """A read or write of ``nbytes`` on this rank's share of the node's NVMe drives (one queue), as
+        ``host_copy``."""
+        return self._local_transfer("disk", self.cluster.disk.seconds(nbytes * self.byte_scale, write),
+                                    nbytes * self.byte_scale, tag, "write" if write else "read")
+
+    def _local_transfer(self, queue: str, seconds: float, nbytes: float, tag: str, op: str | None = None,
+                        after: float = 0.0):
+        issue = self.now()
+        with self._lock:
+            start = max(issue, self._link_free[queue], after)
+            end = self._link_free[queue] = start + seconds
+            rec = {"op": op or queue, "tag": tag, "link": queue, "bytes": nbytes, "issue": issue, "start": start,
+                   "local_end": end, "done": None, "exposed": None}
+            self.comms.append(rec)
+        return LocalTransfer(self, rec)
+
+    @contextlib.contextmanager
+    def on_host(self):
+        """The ops inside run on the host CPU (a CPU-side optimizer step): timed by ``Cluster.cpu``'s roofline on
+        this thread's host clock, no launches; the stream is not involved."""
+        previous = getattr(self._local, "on_host", False)
+        self._local.on_host = True
+        try:
+            yield self
+        finally:
+            self._local.on_host = previous
+
+    def untimed(self):
+        """The ops inside take no time (the real copies behind ``host_copy`` and ``disk_io``: their time is the
+        link's)."""
+        return self.internal()
+
     # ---- compute --------------------------------------------------------------------------------------------
     def compute(self, name: str, flops: float, nbytes: float, cpu_s: float = 0.0) -> float:
         """One kernel: the host pays its launch, then the stream runs it for ``max(flops / peak, bytes / HBM)``
         (each term scaled inside ``scaled``) once both the launch and the kernels before it are done. Returns
         the roofline seconds."""
-        gpu = self.cluster.gpu
-        roof = max(self.flop_scale * flops / gpu.bf16_flops, self.byte_scale * nbytes / gpu.hbm_bytes_per_s)
-        launch = 0.0 if self._replay_depth else gpu.launch_s
+        on_host = getattr(self._local, "on_host", False)
+        proc = self.cluster.cpu if on_host else self.cluster.gpu
+        roof = max(self.flop_scale * flops / proc.bf16_flops, self.byte_scale * nbytes / proc.hbm_bytes_per_s)
+        launch = 0.0 if self._replay_depth or on_host else proc.launch_s
         clock = self._clock()
-        clock.host += launch
-        clock.stream = max(clock.host, clock.stream) + roof
+        if on_host:  # the host computes it, after whatever it waited for
+            clock.host += roof
+            name = "host: " + name
+        else:
+            clock.host += launch
+            clock.stream = max(clock.host, clock.stream) + roof
         with self._lock:
             row = self.ops[name]
             row["calls"] += 1
@@ -481,6 +533,37 @@ class Emulator:
         return {"cluster": self.cluster.name, "now_s": self.now(), "totals": self.totals(),
                 "ops": {k: dict(v) for k, v in sorted(self.ops.items(), key=lambda kv: -kv[1]["model_s"])},
                 "comm": [{"tag": k[0], "op": k[1], "link": k[2], **v} for k, v in comm.items()]}
+
+
+class LocalTransfer:
+    """A copy on this rank's host link or disk (``Emulator.host_copy`` / ``disk_io``): ``wait()`` makes the stream
+    wait for it, ``wait_host()`` the host (a CPU-side step that reads the copied data)."""
+
+    def __init__(self, emulator: Emulator, rec: dict):
+        self._emu, self._rec = emulator, rec
+
+    @property
+    def end(self) -> float:
+        return self._rec["local_end"]
+
+    def wait(self) -> float:
+        """The stream waits for the copy; returns the time the clock moved (0: it was done in time)."""
+        rec, emu = self._rec, self._emu
+        rec["done"] = rec["local_end"]
+        before = emu.now()
+        waited = emu.wait_until(rec["local_end"])
+        rec["exposed"] = (rec["exposed"] or 0.0) + waited
+        rec["exposed_wire"] = rec.get("exposed_wire", 0.0) + (max(0.0, rec["local_end"] - max(rec["start"], before))
+                                                              if waited > 0 else 0.0)
+        return waited
+
+    def wait_host(self) -> float:
+        """The host waits for the copy (its data is read by host code next)."""
+        clock = self._emu._clock()
+        before = clock.host
+        clock.host = max(clock.host, self._rec["local_end"])
+        self._rec["done"] = self._rec["local_end"]
+        return clock.host - before
 
 
 class _Clock:

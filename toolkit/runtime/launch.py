@@ -113,7 +113,8 @@ def launch(lesson, world_size: int, cfg: dict | None = None, *, backend: str = "
         cluster: run on an emulated cluster (``toolkit.runtime.emulator``): a preset name ("h100-ib400",
             "a100-ib200", "pcie-100gbe") or a ``toolkit.runtime.cluster.Cluster``. Every rank then also keeps a
             virtual clock: its compute timed by the target GPU's roofline, its communication by the links' α–β.
-            Results and real times are unchanged. None or "none" (default): real time only.
+            Results and real times are unchanged. None or "none" (default): real time only. With backend
+            "nccl" (real GPUs) it is set aside with a warning: there the real time is the measurement.
 
     Raises:
         ValueError: bad arguments (before anything starts).
@@ -215,15 +216,17 @@ def check_capacity(world_size: int, backend: str, accelerate_args=None, oversubs
 
 def check_cluster(cluster, world_size: int, backend: str) -> dict | None:
     """The emulated cluster as the spec carries it (``Cluster.to_dict()``), checked against the launch; None if
-    none. Refused with nccl: on real GPUs the real time is the measurement."""
+    none. With nccl the cluster is checked, then set aside with a warning: on real GPUs the real time is the
+    measurement (so a notebook whose default emulates an H100 still runs unchanged on a GPU node)."""
     if cluster is None or cluster == "none":  # "none": what a notebook's cluster parameter says to turn it off
         return None
-    if backend == "nccl":
-        raise ValueError("cluster= emulates a cluster's time on CPU processes; with backend 'nccl' on real GPUs the "
-                         "real time is the measurement: drop cluster (or use backend='gloo')")
     from .cluster import check, cluster as make_cluster
-    c = make_cluster(cluster) if isinstance(cluster, str) else cluster
-    return check(c, world_size).to_dict()
+    c = check(make_cluster(cluster) if isinstance(cluster, str) else cluster, world_size)
+    if backend == "nccl":
+        warnings.warn(f"cluster={c.name!r} is not emulated with backend 'nccl': on real GPUs the real time is the "
+                      "measurement (pass backend='gloo' to emulate it on CPU processes)", stacklevel=3)
+        return None
+    return c.to_dict()
 
 
 # ---- 4. the target's own checks ------------------------------------------------------------------------------
