@@ -23,16 +23,18 @@ sequences; every rank of a group does the same work)::
 A stage's time for a micro-batch is its slowest group's (groups of the same micro-batch finish together before
 the next starts: with dynamic CP the groups change every micro-batch). The pipeline is then 1F1B over PP
 stages with these unequal micro-batches, timed by ``toolkit.pipeline.simulate``. Static CP with DP > 1 runs
-its replicas as independent pipelines (the step waits for the slowest); with DP = 1 there is one.
+its replicas as independent pipelines (the step waits for the slowest); with DP = 1 there is one. Without a
+pipeline (pp = 1, a run like lesson 12's) nothing makes the groups of a micro-batch wait for each other: each
+rank keeps its own clock, and a group starts once its last rank is free (``_rank_clocks``).
 
-The same per-group time is what the toolkit's scheduler minimises (``CostModel``, a ``dynamic_cp.GroupCost``):
-its refill and merge steps are taken only where this model says the micro-batch gets no slower / faster.
-``compare`` times four plans: static CP packed in data order, static CP packed longest first (the ablation:
-the packing and ordering gain alone), dynamic CP with Megatron's rules, and the toolkit's.
+The same per-group time is what the toolkit's scheduler judges its refill and merge steps by (``CostModel``, a
+``dynamic_cp.GroupCost``). ``compare`` times four plans: static CP packed in data order, static CP packed
+longest first (the ablation: the gain of packing alone), dynamic CP with Megatron's rules, and the toolkit's.
 
-Not modelled: embedding and (with a pipeline) output layer (the same for both), DP gradient all-reduce (the same), kernel
-efficiency falling on small chunks (which would favour dynamic CP further), the scheduler's own time
-(Megatron runs it asynchronously), memory.
+Not modelled: the embedding, and the output layer but where asked (``output_layer``, pp = 1); the DP gradient
+all-reduce (the same for every plan); per-element ops (LayerNorms, activations); kernel efficiency falling on
+small chunks (which would favour dynamic CP further); the scheduler's own time (Megatron runs it
+asynchronously); memory.
 """
 from __future__ import annotations
 

@@ -334,10 +334,10 @@ def _refill(buckets: list[deque], groups: list[Group], tokens: dict, lengths: li
 
 def merge_buddies(mb: MicroBatch, lengths: list[int], n_ranks: int, cost: GroupCost,
                   clock: list[float] | None = None) -> MicroBatch:
-    """While joining the slowest group with its buddy block (the aligned block twice its size: every group inside
-    it; their sequences then use twice the CP size, with a longer ring) lowers the micro-batch's modelled time,
-    join them. A merge that would not pay -- the ring's extra hops cost more than the halved work saves, or a
-    merged group would be as slow as before -- is not made, however unequal the work stays."""
+    """While joining the group that ends last with its buddy block (the aligned block twice its size: every group
+    inside it; their sequences then use twice the CP size, with a longer ring) makes the micro-batch end sooner
+    (``micro_batch_time`` from the rank ``clock``), join them. A merge that would not pay -- the ring's extra hops
+    cost more than the halved work saves -- is not made, however unequal the work stays."""
     groups = list(mb.groups)
     while True:
         times = [_start(g, clock) + group_time(g, lengths, cost) for g in groups]
@@ -381,7 +381,7 @@ def _next_micro_batch(ids: list[int], lengths: list[int], need: dict[int, int], 
             else:  # the least loaded group of its size with room for it
                 fits = [g for g in groups if g.size == need[s] and tokens[id(g)] + lengths[s] // g.size <= cap]
                 group = min(fits, key=lambda g: load[g.start]) if fits else None
-        if group is None:  # Megatron ends the micro-batch here; refill tops up the groups below the slowest
+        if group is None:  # Megatron ends the micro-batch here; refill tops up groups that end before the last
             found = _refill(buckets, groups, tokens, lengths, need, cap, cost, clock) if cost is not None else None
             if found is None:
                 break
@@ -420,10 +420,10 @@ def schedule_dynamic(lengths, n_ranks: int, cap: int, min_cp: int = 1, delta: fl
     it pays (the module docstring, steps 5 and 6):
 
     - refill: where Megatron closes a micro-batch because the next sequence fits nowhere, keep placing the
-      longest sequence that fits (into a group of its CP size or larger) where its group stays within the
-      slowest group's modelled time;
-    - merge: join the slowest group with its buddy block (twice the CP size for those sequences: more ring
-      traffic, less work per rank) while that lowers the micro-batch's modelled time (``merge_buddies``).
+      longest sequence that fits (into a group of its CP size or larger) where its group still ends no later
+      than the micro-batch's last (rank clocks: a group starts once its ranks are free);
+    - merge: join the group that ends last with its buddy block (twice the CP size for those sequences: more
+      ring traffic, less work per rank) while that makes the micro-batch end sooner (``merge_buddies``).
 
     Sequences must be padded so that any CP size up to n_ranks cuts them into 2·cp chunks
     (``pad_length(L, 2 * n_ranks)``) for the plan to run with ring attention.

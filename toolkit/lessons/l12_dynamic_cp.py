@@ -26,11 +26,11 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
+from toolkit.context import dcp_sim
 from toolkit.context import ring_attention as ra
+from toolkit.context.dcp_sim import corpus_lengths
 from toolkit.context.dynamic_cp import (Plan, cp_size_for, pad_length, prebuilt_groups, reroute, schedule_dynamic,
                                         schedule_static)
-from toolkit.context import dcp_sim
-from toolkit.context.dcp_sim import corpus_lengths
 from toolkit.data import corpus
 from toolkit.models import GPT, GPTConfig, preset
 from toolkit.runtime import compat
@@ -127,7 +127,7 @@ def scheduler_cluster(spec: str | Cluster | None) -> Cluster:
     return cluster(SCHEDULER_CLUSTER if spec in (None, "none") else spec)
 
 
-def cost_model(model_cfg, hw: Cluster) -> dcp_sim.CostModel:
+def cost_model(model_cfg: GPTConfig, hw: Cluster) -> dcp_sim.CostModel:
     """The toolkit scheduler's cost of a CP group in this run: ``dcp_sim``'s model of the toy's layers and output
     layer timed as Llama-13B's at r = 5120 / d_model times the lengths (the workload-matched run: the output
     layer's vocabulary r times the toy's), every kernel at ``hw``'s peak as the emulated cluster's roofline
