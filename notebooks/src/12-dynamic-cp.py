@@ -32,6 +32,7 @@ cluster: str = "h100-ib400"  # emulated cluster under the run: h100-ib400 | a100
 timeout_s: int = 600
 sim_gbs: Optional[int] = None  # sequences per global batch in the simulation (None: 2048 as in the blog, 512 at smoke)
 sim_cap: int = 8192  # tokens per rank per micro-batch in the simulation
+lengths: Optional[list] = None  # the run's sequence lengths in tokens instead of the corpus's (None: the corpus's)
 
 # %%
 import inspect
@@ -168,7 +169,7 @@ display(Markdown(
 # launch reads the configuration the run resolved, `r0["cfg"]`.
 
 # %%
-cfg = {"preset": preset}  # add knobs here, e.g. "cap": 128; launch validates them before any process starts
+cfg = {"preset": preset, "lengths": lengths}  # add knobs here, e.g. "cap": 128; launch validates them first
 results = launch("l12_dynamic_cp", world_size, cfg, backend=backend, timeout_s=timeout_s, cluster=cluster)
 r0 = results[0]
 cfg = r0["cfg"]  # the configuration the run resolved: every plan below was built from it
@@ -587,12 +588,18 @@ headline("12", "dynamic context parallelism",
          emulated_reproduced=None if E is None else judged[("static", M)].word == "faster")
 
 # %% [markdown]
+# ## Try this
 #
-# **Try:** `sim_cap=4096` (longer sequences need more ranks); `eff=dcp_sim.Efficiency(attention=...)` or
-# `dcp_sim.Setup(pp=4, dcp=16)` in section 4; `cluster = "pcie-100gbe"` (a slower ring: fewer merges pay; compare
-# the ring bytes); a `lengths=[...]` list in the lesson's cfg with one very long sequence among short ones.
+# - `sim_cap = 4096`: in section 4 each rank holds half the tokens, so a sequence needs twice the ranks.
+# - A code edit in section 4's first cell: `eff = dcp_sim.Efficiency(attention=...)` or `dcp_sim.Setup(pp=4, dcp=16)`.
+# - `cluster = "pcie-100gbe"`: a slower ring under the run, so fewer merges pay; compare the ring bytes and the
+#   emulated steps.
+# - `lengths = [240, 8, 8, 8, 8, 8, 8, 8]`: one long sequence among short ones (a multiple of `world_size` of
+#   them, each at most static CP × cap tokens).
 #
-# **Sources.** NVIDIA technical blog, *Speeding Up Variable-Length Training with Dynamic Context Parallelism and
+# ## Sources
+#
+# NVIDIA technical blog, *Speeding Up Variable-Length Training with Dynamic Context Parallelism and
 # NVIDIA Megatron Core* (2026-01-28); Megatron-LM `megatron/core/datasets/data_schedule.py`
 # (`DefaultDynamicCPScheduler`) and `data_schedule_utils.py` (`next_hdp_group`, `dcp_make_buckets_equal`,
 # `reroute_samples_to_dcp_ranks`), PRs #2000, #2054, #2282, #5154; Liu et al., *Ring Attention with Blockwise
