@@ -92,10 +92,12 @@ def test_dynamic_plan_invariants(n, world, cap, static_cp, scale, seed):
         assert all(sizes[s] >= need[s] and ra.is_power_of_two(sizes[s]) for s in range(n))
         for i in range(len(plan.micro_batches)):  # no rank idles in a dynamic micro-batch
             assert all(t > 0 for t in plan.tokens(i))
-    plan, clock = dcp.schedule_dynamic(lengths, world, cap, cost=MATCHED), [0.0] * world
-    for mb in plan.micro_batches:  # the merges went as far as they paid: none is left that ends the batch sooner
-        assert dcp.merge_buddies(mb, lengths, world, MATCHED, clock).groups == mb.groups
+    clock = [0.0] * world
+    for mb in dcp.greedy_micro_batches(lengths, world, cap, cost=MATCHED):  # the merges went as far as they paid:
+        assert dcp.merge_buddies(mb, lengths, world, MATCHED, clock).groups == mb.groups  # none ends it sooner
         dcp.advance(clock, mb, lengths, MATCHED)
+    toolkit, megatron = (dcp.schedule_dynamic(lengths, world, cap, cost=c) for c in (MATCHED, None))
+    assert dcp.modelled_step(toolkit, MATCHED) <= dcp.modelled_step(megatron, MATCHED)  # step 7
     for order in ("data", "length"):
         static = dcp.schedule_static(lengths, world, static_cp, cap, order=order)
         static.check()
@@ -188,6 +190,24 @@ def test_refill_places_what_ends_no_later_than_the_batch():
     # then 60 alone (doubled to cp 2 for the idle rank): 10000 + 3600/2 + 1000 against Megatron's 10000 + 60²
     assert dcp.modelled_step(toolkit, cost) == 12800 < dcp.modelled_step(megatron, cost) == 13600
 
+
+def test_greedy_steps_that_slow_the_step_are_dropped_for_megatrons_plan():
+    """A refill that ends its micro-batch no later can delay the next one: here it leaves 32 alone, which the idle
+    ranks then spread over a ring of 4. The toolkit keeps its plan only where the modelled step is shorter."""
+    lengths = [56, 48, 40, 40, 32, 24]  # all cp 1 at cap 64, 4 ranks
+    megatron = dcp.schedule_dynamic(lengths, 4, 64)
+    # Megatron: 56 | 48 | 40 | 40, then 32 and 24 doubled to cp 2 each: 56² + 32²/2 + hop = 3648 + hop
+    assert [[(g.size, g.samples) for g in mb.groups] for mb in megatron.micro_batches] == [
+        [(1, [0]), (1, [1]), (1, [2]), (1, [3])], [(2, [4]), (2, [5])]]
+    cost = ring_priced(1000)  # a dear ring: no merge pays (56 with 48 on cp 2 would end at 2720 + 1000 > 56²)
+    greedy = dcp.Plan("dynamic", lengths, 4, 64, dcp.greedy_micro_batches(lengths, 4, 64, cost=cost))
+    # the greedy steps refill 24 beside a 40 (40² + 24² = 2176 <= 56²), then 32 runs alone on cp 4
+    assert [[(g.size, g.samples) for g in mb.groups] for mb in greedy.micro_batches] == [
+        [(1, [0]), (1, [1]), (1, [2, 5]), (1, [3])], [(4, [4])]]
+    assert dcp.modelled_step(greedy, cost) == 56 ** 2 + 32 ** 2 / 4 + 3 * 1000 == 6392
+    assert dcp.modelled_step(megatron, cost) == 56 ** 2 + 32 ** 2 / 2 + 1000 == 4648
+    kept = dcp.schedule_dynamic(lengths, 4, 64, cost=cost)
+    assert kept.kind == "dynamic" and groups_of(kept) == groups_of(megatron)  # 6392 > 4648: Megatron's
 
 
 @pytest.mark.parametrize("call, match", [

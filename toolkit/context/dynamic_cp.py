@@ -48,8 +48,12 @@ ranks are free and ends its modelled time later, and the step so far ends with t
         merge 0-1            [ 64 8 : cp 2 ] [ 8 ] [ 8 ]   half the work, plus a ring hop per step:
                                                            kept only if the modelled time goes down
 
-Both are greedy (each micro-batch judged as it is built), and neither looks at the balance of work: a merge
-that the ring would make slower is not made, however unequal the work stays.
+  7. both are greedy, each micro-batch judged as it is built: a merge that ends one micro-batch sooner can
+     still delay a later one. So the plan they build is kept only if its modelled step, rank clocks through
+     every micro-batch (``modelled_step``), is shorter than Megatron's plan's; otherwise Megatron's plan it is.
+
+Neither step looks at the balance of work: a merge that the ring would make slower is not made, however
+unequal the work stays.
 """
 from __future__ import annotations
 
@@ -66,8 +70,8 @@ import torch.distributed as dist
 from .ring_attention import CPLayout, is_power_of_two, ring_bytes, sample_parts
 
 __all__ = ["cp_size_for", "work", "Group", "MicroBatch", "Plan", "GroupCost", "schedule_static", "schedule_dynamic",
-           "group_time", "micro_batch_time", "advance", "modelled_step", "merge_buddies", "prebuilt_groups", "reroute",
-           "pad_length"]
+           "greedy_micro_batches", "group_time", "micro_batch_time", "advance", "modelled_step", "merge_buddies",
+           "prebuilt_groups", "reroute", "pad_length"]
 
 GroupCost = Callable[[float, float, int], float]
 """A CP group's modelled seconds: ``cost(tokens per rank, work per rank Σ L²/cp, cp)``, ring hops included.
@@ -423,7 +427,9 @@ def schedule_dynamic(lengths, n_ranks: int, cap: int, min_cp: int = 1, delta: fl
       longest sequence that fits (into a group of its CP size or larger) where its group still ends no later
       than the micro-batch's last (rank clocks: a group starts once its ranks are free);
     - merge: join the group that ends last with its buddy block (twice the CP size for those sequences: more
-      ring traffic, less work per rank) while that makes the micro-batch end sooner (``merge_buddies``).
+      ring traffic, less work per rank) while that makes the micro-batch end sooner (``merge_buddies``);
+    - and the plan these steps build is kept only if its modelled step (``modelled_step``) is shorter than
+      Megatron's plan's; otherwise Megatron's micro-batches are returned (as kind "dynamic").
 
     Sequences must be padded so that any CP size up to n_ranks cuts them into 2·cp chunks
     (``pad_length(L, 2 * n_ranks)``) for the plan to run with ring attention.
@@ -436,6 +442,22 @@ def schedule_dynamic(lengths, n_ranks: int, cap: int, min_cp: int = 1, delta: fl
         raise ValueError(f"cost={cost!r} must be a GroupCost: a callable (tokens per rank, work per rank, cp) -> "
                          f"seconds, or None for Megatron's rules")
     lengths = _check_lengths(lengths, n_ranks * cap, f"n_ranks*cap = {n_ranks}*{cap}")
+    megatron = Plan("dynamic-megatron", lengths, n_ranks, cap,
+                    greedy_micro_batches(lengths, n_ranks, cap, min_cp, delta, slack))
+    if cost is None:
+        return megatron
+    greedy = Plan("dynamic", lengths, n_ranks, cap,
+                  greedy_micro_batches(lengths, n_ranks, cap, min_cp, delta, slack, cost))
+    if modelled_step(greedy, cost) < modelled_step(megatron, cost):
+        return greedy
+    return Plan("dynamic", lengths, n_ranks, cap, megatron.micro_batches)  # step 7: the greedy steps did not pay
+
+
+def greedy_micro_batches(lengths: list[int], n_ranks: int, cap: int, min_cp: int = 1, delta: float = 0.05,
+                         slack: float = 0.10, cost: GroupCost | None = None) -> list[MicroBatch]:
+    """Micro-batches until every sequence is placed, longest first: Megatron's rules, and with ``cost`` the
+    refill and merge steps, each micro-batch judged as it is built on rank clocks that it then moves on
+    (steps 1-6 of the module docstring; ``schedule_dynamic`` adds step 7). Lengths as checked by it."""
     need = {s: cp_size_for(length, cap, min_cp, n_ranks) for s, length in enumerate(lengths)}
     wk = {s: work(length, need[s]) for s, length in enumerate(lengths)}
     remaining = sorted(range(len(lengths)), key=lambda s: (-lengths[s], s))
@@ -445,7 +467,7 @@ def schedule_dynamic(lengths, n_ranks: int, cap: int, min_cp: int = 1, delta: fl
         mbs.append(mb)
         if cost is not None:
             advance(clock, mb, lengths, cost)
-    return Plan("dynamic" if cost is not None else "dynamic-megatron", lengths, n_ranks, cap, mbs)
+    return mbs
 
 
 # ---- on the ranks ---------------------------------------------------------------------------------------------

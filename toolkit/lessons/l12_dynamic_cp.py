@@ -5,7 +5,8 @@
     plans        static CP (cp = static_cp, dp = world / static_cp, packs in data order), dynamic CP with
                  Megatron's rules as they are (schedule_dynamic without a cost model) and the toolkit's dynamic
                  CP (schedule_dynamic with ``cost_model``: refill and merge where the modelled time, ring
-                 included, says they pay), identical on every rank
+                 included, says they pay; Megatron's plan where they add up to no shorter a step), identical
+                 on every rank
     reroute      each plan's shards to their ranks, one all_to_all_single per plan
     checked step forward/backward of the tiny GPT over each plan's micro-batches (ring attention inside every
                  CP group), ring bytes by direction (ledger), gradients summed over the ranks; the reference is
