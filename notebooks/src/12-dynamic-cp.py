@@ -425,14 +425,15 @@ if E is not None:
 # %%
 setup = dcp_sim.Setup(cap=sim_cap, gbs=sim_gbs if sim_gbs is not None else (512 if preset == "smoke" else 2048))
 hw = dcp_sim.CLUSTER
+eff = dcp_sim.Efficiency()  # assumed kernel efficiencies (fractions of the bf16 peak): the Try list edits these
 max_len = setup.dcp * setup.cap
 dists = {"GitHub-like (corpus)": dcp_sim.corpus_lengths(setup.gbs, max_len),
          "CommonCrawl-like (assumed log-normal)": dcp_sim.lognormal_lengths(setup.gbs, max_len)}
-sim_plans = {d: dcp_sim.plans_for(lengths, setup, hw=hw) for d, lengths in dists.items()}
-sims = {d: dcp_sim.compare(dists[d], setup, hw=hw, plans=sim_plans[d]) for d in dists}
+sim_plans = {d: dcp_sim.plans_for(lengths, setup, hw=hw, eff=eff) for d, lengths in dists.items()}
+sims = {d: dcp_sim.compare(dists[d], setup, hw=hw, plans=sim_plans[d], eff=eff) for d in dists}
 print(f"{setup.gbs} sequences per step, cap {setup.cap} tokens per rank, PP {setup.pp} × {setup.dcp} DP·CP ranks; "
       f"hardware: {hw.name} ({hw.gpu.name}, ring hop {hw.intra.bytes_per_s / 1e9:.0f} GB/s, α "
-      f"{hw.intra.latency_s * 1e6:.0f} µs: {hw.intra.source}); efficiencies {dcp_sim.Efficiency()}")
+      f"{hw.intra.latency_s * 1e6:.0f} µs: {hw.intra.source}); efficiencies {eff}")
 
 # %%
 for d, sim in sims.items():
@@ -474,7 +475,7 @@ display(viz.bars(parts, x="run", y="seconds", color="part", barmode="stack",
 # %%
 bandwidths = [25, 100, 400]
 sweeps = {d: dcp_sim.bandwidth_sweep({k: v for k, v in sim_plans[d].items() if k in ("static", "dynamic")},
-                                     bandwidths, setup, hw=hw) for d in dists}
+                                     bandwidths, setup, hw=hw, eff=eff) for d in dists}
 display(viz.lines({d.split(" ")[0]: s["dynamic"] for d, s in sweeps.items()}, x=bandwidths,
                   title="Simulated speed-up of dynamic CP over static CP vs ring link bandwidth (rescheduled for "
                         "each link)", xaxis_title="GB/s per ring hop", yaxis_title="speed-up (×)", log_x=True))
