@@ -193,3 +193,25 @@ def test_factorisations_have_golub_van_loan_flops_and_out_buffers_are_only_writt
         int(4 * 64 ** 2 * 8 + 8 * 64 * 8 ** 2 + 9 * 8 ** 3)]
     assert str(ops[2][0]) == "aten.linalg_qr.out"  # A read; Q and R only written
     assert op_cost(*ops[2], 4, formulas)[1] == 4 * (3 * 64 * 8 + 3 * 64 * 8 + 3 * 8 * 8)
+
+
+def test_a_quantize_call_is_timed_as_the_one_triton_kernel_a_gpu_runs():
+    import types
+
+    import torch
+    from toolkit.quant import dequantize_blockwise, quantize_blockwise
+    from toolkit.runtime.emulator import Emulator
+    emu = Emulator(cluster("h100-ib400"), 0, 1).install(types.SimpleNamespace(emulator=None, inside_op=False))
+    try:
+        x = torch.randn(4096)
+        q = quantize_blockwise(x, bits=4, block=128, stochastic=True, seed=1)
+        dequantize_blockwise(q)
+        ops = dict(emu.ops)
+    finally:
+        emu.uninstall()
+    # the reference's passes (its integer hash for stochastic rounding, the packing) are not charged, the kernel is:
+    # x read (floats at bf16: 2 bytes), 4-bit codes and a scale per 128 written; then read back, floats written
+    assert not any(name in ops for name in ("aten.bitwise_xor", "aten.__rshift__", "aten.bitwise_and"))
+    quantize, dequantize = ops["quantize_int (Triton kernel)"], ops["dequantize (Triton kernel)"]
+    assert quantize["calls"] == dequantize["calls"] == 1 and quantize["launch_s"] == PRESETS["h100-ib400"].gpu.launch_s
+    assert quantize["bytes"] == dequantize["bytes"] == 4096 * 2 + 4096 / 2 + 4096 / 128 * 2

@@ -309,6 +309,32 @@ class Emulator:
             self.flop_scale, self.byte_scale = previous
 
     @contextlib.contextmanager
+    def metered(self, flops: float = 1.0, bytes: float = 1.0):  # noqa: A002 - as scaled()
+        """The block on this thread's clock, under ``scaled(flops, bytes)``: yields a dict that holds, once the
+        block ends, ``s`` (the virtual seconds it took), ``wire_s`` (the seconds its transfers and copies held
+        their links), ``flops`` (the FLOPs its ops counted, unscaled: the program's own) and ``ops`` (each op's
+        modelled kernel seconds in the block, by name)."""
+        got: dict = {}
+        with self._lock:
+            before = {name: row["model_s"] for name, row in self.ops.items()}
+        first, t0, f0 = len(self.comms), self.now(), self.flops()
+        with self.scaled(flops, bytes):
+            yield got
+        with self._lock:
+            ops = {name: row["model_s"] - before.get(name, 0.0) for name, row in self.ops.items()}
+        got.update(s=self.now() - t0, flops=self.flops() - f0, ops={k: v for k, v in ops.items() if v > 0},
+                   wire_s=sum(c["local_end"] - c["start"] for c in self.comms[first:] if c["local_end"] is not None))
+
+    def tensor_bytes(self, tensors) -> float:
+        """Bytes of ``tensors`` on the target (floats at ``Cluster.float_bytes`` per element), unscaled."""
+        return float(_bytes(_tensors(tensors), self.cluster.float_bytes))
+
+    def flops(self) -> float:
+        """FLOPs counted so far on this rank (unscaled)."""
+        with self._lock:
+            return sum(row["flops"] for row in self.ops.values())
+
+    @contextlib.contextmanager
     def graph_replay(self):
         """The ops inside run as one CUDA graph replay: the host pays one launch for all of them, none per op."""
         self._replay_depth += 1
@@ -663,6 +689,12 @@ class EmulatedWork:
 
     def __getattr__(self, name):
         return getattr(self._work, name)
+
+
+def metered(emu: Emulator | None, scale: dict[str, float] | None = None):
+    """``emu.metered(**scale)`` (the program's own sizes when ``scale`` is None), or, without an emulator, a block
+    that measures nothing (it yields an empty dict)."""
+    return contextlib.nullcontext({}) if emu is None else emu.metered(**(scale or {}))
 
 
 def build(spec, rank: int, world_size: int) -> Emulator:
