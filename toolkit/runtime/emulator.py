@@ -22,7 +22,8 @@ target cluster (``toolkit.runtime.cluster``), one virtual clock per rank. This i
                                                    stream to max(stream, done), as NCCL's wait orders the compute
                                                    stream after the transfer: the exposed part is what now moved
 
-    step time on the target = difference of the clock around the step (``bench`` with ``clock="virtual"``)
+    step time on the target = difference of the clock around the step (``bench`` with ``clock="virtual"``;
+    ``metered()``: a block's virtual seconds, the seconds its transfers held their links, its FLOPs and ops)
 
 What the models take, what they leave out:
 - Compute: FLOPs as ``torch.utils.flop_counter`` counts them (matmuls and attention), and QR and SVD by Golub & Van
