@@ -34,11 +34,13 @@
 
 # %% tags=["parameters"]
 import os
+from typing import Optional
 
 world_size: int = 4  # 2 nodes x 2 ranks (2 ranks: 2 nodes x 1)
 preset: str = os.environ.get("TOOLKIT_PRESET", "default")  # smoke | default | full
 backend: str = "auto"  # auto | gloo | nccl
 cluster: str = "h100-ib400"  # emulated cluster under the run: h100-ib400 | a100-ib200 | pcie-100gbe | none
+steps: Optional[int] = None  # training steps of every run (None: the preset's)
 timeout_s: int = 1800
 loss_tolerance: float = 0.02  # SDP4Bit's held-out loss may exceed the baseline's by at most this fraction
 
@@ -57,7 +59,8 @@ from toolkit.runtime.spread import pm
 
 per_node = world_size // PRESETS[preset]["nodes"]  # the emulated nodes hold the lesson's nodes
 nodes = make_cluster(cluster, ranks_per_node=per_node) if cluster != "none" else None
-results = launch("l06_sdp4bit", world_size, {"preset": preset}, backend=backend, timeout_s=timeout_s, cluster=nodes)
+results = launch("l06_sdp4bit", world_size, {"preset": preset, "steps": steps}, backend=backend, timeout_s=timeout_s,
+                 cluster=nodes)
 r0 = results[0]
 cfg, runs = r0["cfg"], r0["runs"]
 print(f"{world_size} ranks = {r0['nodes']} nodes x {r0['local']}, model {cfg['model']} width with {cfg['n_layer']} "
@@ -419,8 +422,9 @@ headline("06", "SDP4Bit (4-bit weight differences, two-level 8/4-bit gradients w
 #
 # - `world_size = 2`: two nodes of one rank; the intra-node leg disappears and the gradient ratio drops to
 #   the inter-node one.
-# - Change `weight_group` in `S.SDPConfig` to 128: scales cost more bytes, the Δ error shrinks.
-# - Train longer (`steps`) and watch whether direct 4-bit weights fall further behind.
+# - A code edit: `weight_group = 128` in `SDPConfig` (`toolkit/comm/sdp4bit.py`): scales cost more bytes, the Δ
+#   error shrinks.
+# - Train longer (`steps = 100`) and watch whether direct 4-bit weights fall further behind.
 #
 # ## Sources
 #
