@@ -89,7 +89,11 @@ def test_emulated_step_by_phase_timed_as_the_real_model(smoke_run):
             m = E[scale][run]
             assert m["step_s"] == pytest.approx(m["compute_s"] + m["sync_s"] + m["optimizer_s"])
             assert 0 < m["wire_s"] < m["sync_s"]
-        assert E[scale]["baseline"]["compute_s"] == pytest.approx(E[scale]["edgc"]["compute_s"])  # the same model
+        base, edgc = E[scale]["baseline"], E[scale]["edgc"]
+        # the same model, the same FLOPs; its time differs only by the launches the host can still hide behind the
+        # previous phase's kernels (the phases are read off one clock; nothing lines host and stream up between them)
+        assert base["compute_flops"] == edgc["compute_flops"]
+        assert abs(base["compute_s"] - edgc["compute_s"]) < 5 * TWO_NODES.gpu.launch_s
     real = MODELS[smoke_run[0]["cfg"]["stands_for"]]  # forward and backward count the real model's 6·Ψ·T FLOPs
     assert E["scales"]["compute"]["flops"] * E["matched"]["baseline"]["compute_flops"] == \
         pytest.approx(6 * real.params * real.seq_len)

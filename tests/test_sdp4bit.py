@@ -94,7 +94,11 @@ def test_emulated_step_by_phase_timed_as_the_real_model(run4, run2):
             m = E[scale][mode]
             assert m["step_s"] == pytest.approx(m["compute_s"] + m["grads_s"] + m["optimizer_s"] + m["weights_s"])
             assert 0 < m["wire_s"] < m["grads_s"] + m["weights_s"]
-        assert E[scale]["baseline"]["compute_s"] == pytest.approx(E[scale]["sdp4bit"]["compute_s"])
+        base, sdp = E[scale]["baseline"], E[scale]["sdp4bit"]
+        # the same model, the same FLOPs; its time differs only by the launches the host can still hide behind the
+        # previous phase's kernels (the phases are read off one clock; nothing lines host and stream up between them)
+        assert base["compute_flops"] == sdp["compute_flops"]
+        assert abs(base["compute_s"] - sdp["compute_s"]) < 5 * hw.gpu.launch_s
     # the transfers of one step of the real gradient (n elements) on 2 nodes x 2, closed forms of the module docstring
     n, L, A, W = res["runs"]["baseline"]["padded_numel"] * E["scales"]["gradient"]["bytes"], 2, 2, 4
     assert E["matched"]["baseline"]["wire_s"] == pytest.approx(

@@ -335,8 +335,6 @@ def _mean_phases(steps: list[dict]) -> dict[str, float]:
     return {k: statistics.fmean(s[k] for s in steps) for k in PHASES_KEYS}
 
 
-
-
 def emulated(ctx, cfg: dict, n_params: int, toy_steps: dict[str, list], going_on: dict, ranks: list,
              progress) -> dict | None:
     """On the emulated cluster (``launch(..., cluster=)``; None without one), per scheme (plain all-reduce, EDGC):
