@@ -447,6 +447,21 @@ def matched_scales(toy: dict[str, float], real: dict[str, float]) -> dict[str, f
     return {"flops": real["gemm_flops"] / toy["gemm_flops"], "bytes": real["wire_bytes"] / toy["wire_bytes"]}
 
 
+def dp_phase_scales(toy_params: float, toy_step_flops: float, toy_tokens: int, toy_hidden: int,
+                    real: Workload) -> dict[str, dict[str, float]]:
+    """``scaled(...)`` factors that time a data-parallel toy step as ``real``'s on one micro-batch per rank
+    (T = seq_len · micro_batch tokens), for its two kinds of ops. ``"compute"``, the forward and backward: FLOPs so
+    that the toy's (``toy_step_flops``, as the emulator counted them) count 6·Ψ·T, bytes as its activations
+    (T·hidden against the toy's ``toy_tokens · toy_hidden``: elementwise ops read and write activations; the GEMMs
+    are FLOP-bound at the real size). ``"gradient"``, every op that walks the gradient once or a few times (its
+    sync, a compressor's codec, the optimizer): FLOPs and bytes both x Ψ / toy parameters."""
+    tokens = real.seq_len * real.micro_batch
+    grad = real.params / toy_params
+    return {"compute": {"flops": 6 * real.params * tokens / toy_step_flops,
+                        "bytes": tokens * real.hidden / (toy_tokens * toy_hidden)},
+            "gradient": {"flops": grad, "bytes": grad}}
+
+
 def op_times(op: dict[str, float], hw, link: str = "intra") -> dict[str, float]:
     """One op on a ``toolkit.runtime.cluster.Cluster``: the GEMM at the bf16 peak plus a launch, the transfer
     α + bytes/β on ``link``, and their ratio (> 1: the GEMM is long enough to hide the transfer)."""
