@@ -1,5 +1,6 @@
 """Vocabulary parallelism: sharded loss/grads equal the unsharded head on real processes, the ledger's bytes,
-balance, the deterministic paper-scale simulation, and bad input."""
+balance, the runs on the emulated cluster (schedules from virtual pass costs, the comm thread's time carried),
+the deterministic paper-scale simulation, and bad input."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -15,6 +16,7 @@ from toolkit.pipeline import vocab_passes as vx
 from toolkit.pipeline.executor import PipelineExecutor
 from toolkit.pipeline.schedule import one_f_one_b
 from toolkit.pipeline.simulate import simulate
+from toolkit.planner import dense_layer_op
 from toolkit.runtime.cluster import cluster
 
 P = 4
@@ -24,8 +26,8 @@ A100 = cluster("a100-ib200")
 
 
 @pytest.fixture(scope="module")
-def results():
-    return launch("l13_vocab_parallel", P, {"preset": "smoke"}, timeout_s=300, progress="none")
+def results():  # on the notebook's emulated cluster: results are bitwise those without it
+    return launch("l13_vocab_parallel", P, {"preset": "smoke"}, timeout_s=600, progress="none", cluster="h100-ib400")
 
 
 # ---- real processes ---------------------------------------------------------------------------------
@@ -132,6 +134,46 @@ def test_timings_and_calibration_present(results):
     assert cal["matmul_flops"] > 0 and cal["mem_bw"] > 0 and cal["op_overhead_s"] > 0
     rows = lesson.cost_model_check(lesson.validate({"preset": "smoke"}, P), results)
     assert len(rows) == 2 * P and all(row["model_ms"] > 0 for row in rows)
+
+
+def test_emulated_runs_use_the_virtual_schedules_and_carry_the_comm_threads_time(results):
+    """On the emulated cluster, in each view (toy, matched to the paper's layer): every rank built the vocabulary
+    schedules from every rank's pass costs on the virtual clock (identical on every rank, as ``vocab_1f1b`` makes
+    them from the gathered times); the matched passes are the toy's at the layer's scale (longer); each C0 and dX
+    job on the comm thread starts once the S pass that handed it over has ended, and each T pass ends after its
+    C0 has (its wait moved the main thread's clock); each run's step is on every rank's virtual clock."""
+    E = [r["emulated"] for r in results]
+    scales = E[0]["scales"]
+    cfg = lesson.PRESETS["smoke"]
+    toy = dense_layer_op(cfg["micro_batch"] * cfg["seq_len"], cfg["d_model"], 4 * cfg["d_model"])
+    real = dense_layer_op(**{k: lesson.PAPER_LAYER[k] for k in ("tokens", "hidden", "ffn")})
+    assert scales == pytest.approx({"flops": real["gemm_flops"] / toy["gemm_flops"],
+                                    "bytes": real["wire_bytes"] / toy["wire_bytes"]})
+    for view in ("toy", "matched"):
+        gathered = [e[view]["times"] for e in E]
+        for alg in vp.ALGORITHMS:
+            _, rows = lesson.measured_rows([{"times": t} for t in gathered], alg)
+            built = vp.vocab_1f1b(P, M, alg, vp.StageCosts(rows)).to_strings()
+            assert all(e[view]["schedules"][f"vocab-{alg}"] == built for e in E)
+        for e in E:
+            for name in lesson.RUNS:
+                run = e[view]["runs"][name]
+                assert run["bench"]["clock"] == "virtual" and run["bench"]["mean_s"] > 0
+                assert all("vstart" in sp for sp in run["spans"])
+            for name in ("vocab-1", "vocab-2"):
+                run = e[view]["runs"][name]
+                s_end = {sp["meta"]["mb"]: sp["vend"] for sp in run["spans"] if sp["kind"] == "S"}
+                t_end = {sp["meta"]["mb"]: sp["vend"] for sp in run["spans"] if sp["kind"] == "T"}
+                c0_end = {}
+                for job in run["comm_spans"]:
+                    assert job["vstart"] >= s_end[job["mb"]] - 1e-12 and job["vend"] >= job["vstart"]
+                    if job["kind"] == "C0":
+                        c0_end[job["mb"]] = job["vend"]
+                assert sorted(c0_end) == list(range(M))
+                assert all(t_end[mb] > c0_end[mb] for mb in range(M))  # T computes after its wait for C0
+    for r in results:  # the layer's scale makes every pass longer
+        assert all(r["emulated"]["matched"]["times"][k] > r["emulated"]["toy"]["times"][k]
+                   for k in ("blocks_FB", "S2", "T2"))
 
 
 # ---- cost model and simulation (deterministic) --------------------------------------------------------

@@ -126,6 +126,7 @@ def run(ctx, cfg: dict) -> dict:
     def timeline() -> Timeline:
         t = Timeline(r)
         t.origin = ctx.timeline.origin  # aligned across ranks by the launch barrier
+        t.virtual = ctx.timeline.virtual  # the emulated cluster's clock, when there is one
         return t
 
     timed = {"1f1b": (*setup.executor(schedules["1f1b"], r, timeline=timeline()), None, None)}
