@@ -67,6 +67,28 @@ def test_host_offload_is_bitwise_torch_adamw(mode):
     assert per_step == ({"h2d": 4 * n, "d2h": 4 * n} if mode == "cpu" else {"h2d": 8 * n, "d2h": 8 * n})
 
 
+def test_zero_offload_takes_a_gradient_set_at_the_step():
+    """ZeRO-1's units give their shard no gradient in backward (the hook fires with ``p.grad`` None) and set it in
+    ``step``: cpu mode sends it down then, and the update is torch's AdamW."""
+    class KeepGradElsewhere(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, w):
+            return x + w.sum()
+
+        @staticmethod
+        def backward(ctx, g):
+            return g, None
+
+    w, ref = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(3))
+    opt, want = OffloadAdamW([w], mode="cpu"), torch.optim.AdamW([ref], lr=1e-3, foreach=False)
+    KeepGradElsewhere.apply(torch.ones(2, requires_grad=True), w).sum().backward()
+    assert w.grad is None
+    w.grad, ref.grad = torch.full((3,), 0.5), torch.full((3,), 0.5)
+    opt.step()
+    want.step()
+    assert torch.equal(w, ref) and opt.moved_per_step[-1] == {"d2h": 12, "h2d": 12}
+
+
 def test_zero_offload_takes_the_gradients_off_the_device_during_backward():
     """cpu mode (ZeRO-Offload): each gradient leaves the device as backward produces it (``p.grad`` is None after
     backward, the host holds it), later micro-batches accumulate on the host, and the result is bitwise torch's

@@ -248,6 +248,8 @@ class OffloadAdamW(torch.optim.Optimizer):
     def _grad_to_host(self, i: int, p: torch.Tensor) -> None:
         """Post-accumulate-grad hook: copy ``p.grad`` into the host's gradient shard (the first micro-batch of a
         step) or add it there (later ones), then free it on the device."""
+        if p.grad is None:  # backward gave this parameter no gradient (ZeRO-1 sets its shard's in step)
+            return
         c, st, grad = self.copies, self.host[i], p.grad.reshape(-1)
         if i not in self._landed:
             with c.side():
