@@ -101,7 +101,7 @@ ENTRIES: list[Entry] = [
     Entry("Emulator", "toolkit.runtime.emulator:Emulator", AREAS[0],
           "A rank's virtual clock on an emulated cluster: ops timed by the GPU's roofline, transfers by α-β.",
           "ctx.emulator.now() in seconds; scaled(flops=, bytes=) times ops as a bigger model's; graph_replay(); "
-          "report() per op and per transfer",
+          "paused() for sections that measure the real run only; report() per op and per transfer",
           "built on every rank by launch(..., cluster=); results stay bitwise those of the run without it",
           'def exp(ctx, cfg):\n    t0 = ctx.emulator.now(); step()\n'
           '    return {"step_on_h100_s": ctx.emulator.now() - t0}'),
@@ -448,7 +448,8 @@ ENTRIES: list[Entry] = [
     Entry("plan_clones", "toolkit.moe.echo:plan_clones", AREAS[7],
           "ECHO's greedy planner (pure, integers): spill of over-loaded ranks' hot experts onto spare slots of "
           "under-loaded ranks by interval overlap; one expert per slot, budget, reclaim of small clones.",
-          "counts [R, E] (pairs per source rank per expert), local, spare_slots -> ClonePlan", "local (no collectives)",
+          "counts [R, E] (pairs per source rank per expert), local, spare_slots -> ClonePlan (split(e): the pairs "
+          "each source sends home and to each clone)", "local (no collectives)",
           'plan = plan_clones([[10, 50, 5, 5], [0, 30, 5, 15]], local=2, spare_slots=1)\n'
           'print(plan.load_before, plan.load_after, plan.clones)'),
 ]
