@@ -28,7 +28,7 @@ device; ``offload_per_gpu`` says where they go (the optimizer's fp32 master, if 
     offload_optimizer   device optimizer         host                                disk
     none                bytes_optim·Ψ'           -                                   -
     cpu                 0                        (bytes_optim - 8 or 4)·Ψ' master    -
-                                                 + 8Ψ' m,v + 4Ψ' fp32 grad buffer
+                                                 + 8Ψ' m,v + 4Ψ' fp32 grad shard
     stream              (bytes_optim - 8)·Ψ'     8Ψ' m,v (2 units' m,v on the        -
                         (+ 2 units x 8 bytes                 device during the step)
                          during the step)
@@ -39,7 +39,9 @@ device; ``offload_per_gpu`` says where they go (the optimizer's fp32 master, if 
 
 ``offload_memory`` is the same model unit by unit, exact for this toolkit's ``ZeroDataParallel`` with
 ``toolkit.memory.optim_offload.OffloadAdamW`` / ``toolkit.memory.nvme.DiskAdamW`` (fp32: 4-byte weights
-and grads, each unit padded to a multiple of the ranks, each disk region to 4 KiB blocks);
+and grads, each unit padded to a multiple of the ranks, each disk region to 4 KiB blocks); with ``cpu`` at
+ZeRO 2 or 3 it also puts the gradient shards on the host, as ZeRO-Offload does (they leave the device as
+backward produces them; ``memory_per_gpu`` still counts them on the device);
 ``validate_offload_model`` compares it with the bytes lesson 00b measures, device and host.
 
 The hardware is a ``toolkit.runtime.cluster.Cluster`` (a preset, or one with parts replaced): its GPU's dense
@@ -162,8 +164,11 @@ def offload_memory(unit_numels: list[int], dp: int, stage: int, offload_optimize
     shards = [u if stage == 0 else -(-u // dp) for u in unit_numels]
     padded = [u if stage == 0 else s * dp for u, s in zip(unit_numels, shards)]
     s, full = 4 * sum(shards), 4 * sum(padded)
+    # cpu (ZeRO-Offload): each gradient shard goes to the host as backward produces it; ZeRO-1 keeps its full
+    # local gradient on the device until the step reduces it
+    grads = s if stage >= 2 else full
     device = {"params": 0 if offload_params == "nvme" else (s if stage == 3 else full),
-              "grads": s if stage >= 2 else full,
+              "grads": 0 if offload_optimizer == "cpu" and stage != 1 else grads,
               "optim": 2 * s if offload_optimizer == "none" else 0}
     host, disk, step = {}, {}, 0
     if offload_optimizer == "cpu":

@@ -37,13 +37,15 @@ What the models take, what they leave out:
   and every tensor's bytes, transfers included (the workload-matched mode: a toy's ops timed as the real model's).
 - Communication: Hockney α–β per call on the link the group spans (``Cluster.link_between``), bytes as the ledger
   counts them (nccl-tests' bus-bandwidth convention). A rank's transfers queue on its own link (one at a time,
-  in issue order); contention *between* ranks (two ranks sharing a switch port, a NIC shared by two flows of
-  different ranks) is not modelled. A late peer delays a collective's completion but not this rank's link.
+  in issue order; a side thread's in a queue of its own); contention *between* ranks (two ranks sharing a switch
+  port, a NIC shared by two flows of different ranks) is not modelled. A late peer delays a collective's
+  completion but not this rank's link.
 - Host: the CPU time of Python and of the dispatcher is not charged; the launch term stands for it. One stream per
   host thread (compute and communication kernels do not contend for the GPU's SMs).
 
 The measured CPU time of every op is kept beside its modelled time (``report()["ops"]``), never driving the clock.
-Clocks are per thread; a thread that takes work from another carries its time with ``fork()`` / ``join(stamp)``.
+Clocks are per thread; a thread that takes work from another carries its time with ``fork()`` / ``join(stamp)``
+(``worker(stamp)`` also times the ATen ops it runs).
 Everything here is deterministic: the same job gives the same virtual times on any machine, at any load.
 """
 from __future__ import annotations
@@ -303,9 +305,21 @@ class Emulator:
         return self.now()
 
     def join(self, stamp: float) -> None:
-        """This thread continues work handed over at ``stamp`` (its host and stream move there if behind)."""
+        """This thread continues work handed over at ``stamp`` (its host and stream move there if behind; a thread
+        without a clock yet starts at ``stamp``, not where the main thread happens to be now)."""
+        if getattr(self._local, "clock", None) is None and threading.get_ident() != self._main:
+            self._local.clock = _Clock(stamp, stamp)
         clock = self._clock()
         clock.host, clock.stream = max(clock.host, stamp), max(clock.stream, stamp)
+
+    @contextlib.contextmanager
+    def worker(self, stamp: float):
+        """On a thread of its own (a comm thread, a pool's worker): the work inside was handed over at ``stamp``
+        (``fork()`` on the thread that handed it). The clock joins the stamp, and the block's ATen ops are timed
+        on this thread's clock, as the main thread's are (a dispatch mode is per thread)."""
+        self.join(stamp)
+        with ComputeTimer(self):
+            yield self
 
     @contextlib.contextmanager
     def scaled(self, flops: float = 1.0, bytes: float = 1.0):  # noqa: A002 - the name of what is scaled
@@ -473,14 +487,24 @@ class Emulator:
                                       else dist.get_process_group_ranks(group))
         return self._group_ranks[key]
 
+    def _queue(self, link_name: str) -> str:
+        """The queue a transfer of this thread waits in: the link's, or, from a side thread, one of its own on
+        that link (NCCL: a communicator on the thread's own stream). Ordering a side thread's transfers behind
+        the main thread's would follow the threads' real interleaving, not the virtual clock; contention between
+        the two queues is not modelled, as between ranks."""
+        if threading.get_ident() == self._main:
+            return link_name
+        return f"{link_name} [{threading.current_thread().name}]"
+
     def _transfer(self, op: str, peers: list[int], sent_bytes: float, tag: str) -> tuple[float, dict]:
         """Queue one transfer on this rank's link to ``peers``: returns (its local end, its record)."""
         link = self.cluster.link_between([self.rank] + peers, self.world_size)
         issue = self.now()
+        queue = self._queue(link.name)
         with self._lock:
-            start = max(issue, self._link_free[link.name])
+            start = max(issue, self._link_free[queue])
             end = start + link.seconds(sent_bytes)
-            self._link_free[link.name] = end
+            self._link_free[queue] = end
             rec = {"op": op, "tag": tag, "link": link.name, "bytes": sent_bytes, "issue": issue, "start": start,
                    "local_end": end, "done": None, "exposed": None}
             self.comms.append(rec)
