@@ -1,4 +1,5 @@
-"""Recompute in the bubble: bitwise gradients, RNG restore, memory, on real processes; bad input."""
+"""Recompute in the bubble: bitwise gradients, RNG restore, memory, on real processes (on an emulated cluster,
+a stage per node: its steps against the simulator fed the same op times); bad input."""
 from __future__ import annotations
 
 import pytest
@@ -10,11 +11,18 @@ from toolkit.lessons import l10_recompute_bubbles as l10
 from toolkit.pipeline import Action, Costs, interleaved_1f1b, make_schedule, one_f_one_b, simulate, zb_h1
 from toolkit.pipeline.recompute import RecomputeQueue
 from toolkit.pipeline.schedule import with_recompute
+from toolkit.pipeline.simulate import MeasuredCosts
+from toolkit.planner import MODELS
+from toolkit.runtime.cluster import cluster
+
+STAGE_PER_NODE = cluster("h100-ib400", ranks_per_node=1)
 
 
 @pytest.fixture(scope="module")
 def lesson():
-    return launch("l10_recompute_bubbles", l10.WORLD_SIZE, {"preset": "smoke"}, timeout_s=600, progress="none")
+    # one timed round: these tests read bytes, gradients, spans and the virtual clock, never a wall time
+    return launch("l10_recompute_bubbles", l10.WORLD_SIZE, {"preset": "smoke", "rounds": 1},
+                  timeout_s=600, progress="none", cluster=STAGE_PER_NODE)
 
 
 def test_gradients_are_bitwise_those_without_recompute_for_every_policy(lesson):
@@ -36,6 +44,23 @@ def test_recompute_lowers_the_resident_activations_where_the_policy_says(lesson)
     assert runs["1f1b-recompute-bubble-cooldown"]["peak_act_bytes"] == runs["1f1b"]["peak_act_bytes"]
     assert runs["interleaved-recompute-bubble-cooldown"]["peak_act_bytes"] < runs["interleaved"]["peak_act_bytes"]
     assert {s["kind"] for r in lesson for s in r["runs"]["1f1b-recompute-bubble"]["spans"]} >= {"F", "B", "R"}
+
+
+def test_emulated_steps_are_the_simulators_fed_the_same_op_times_and_hop(lesson):
+    """Matched to llama2-7b, a stage per node: one hop is α + an activation's bytes / β of the network, and every
+    schedule whose recomputes are R actions (or none) takes the simulator's time for its own virtual op times and
+    that hop, within 5 % (as tests/test_emulator.py checks the plain schedules)."""
+    E = lesson[0]["emulated"]
+    real = MODELS[E["stands_for"]]
+    assert E["hop_s"]["matched"] == pytest.approx(STAGE_PER_NODE.inter.seconds(real.seq_len * real.hidden * 2))
+    schedules = l10.schedules(l10.WORLD_SIZE, lesson[0])
+    for name, schedule in schedules.items():
+        if "inline" in name:  # torch's checkpoint recomputes inside the B, with early stop: not an R action
+            continue
+        ops = [o for r in lesson for o in r["emulated"]["runs"][name]["op_seconds"]]
+        step = max(r["emulated"]["runs"][name]["step_s"] for r in lesson)
+        predicted = simulate(schedule, MeasuredCosts(ops, comm=E["hop_s"]["matched"])).makespan
+        assert step == pytest.approx(predicted, rel=0.05), (name, step, predicted)
 
 
 def test_restoring_the_rng_state_makes_dropout_repeat(lesson):

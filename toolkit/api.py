@@ -285,7 +285,8 @@ ENTRIES: list[Entry] = [
     Entry("ActivationOffloader", "toolkit.memory.offload:ActivationOffloader", AREAS[4],
           "Pipeline-aware activation offload: saved tensors go to the host after their forward, come back one "
           "group ahead of their backward; policy 'all' works on any model, named kinds on the GPT's modules.",
-          "modules {stage: module}; order [(op, (stage, mb, chunk))] of this rank; resident_bytes()",
+          "modules {stage: module}; order [(op, (stage, mb, chunk))] of this rank; budget_bytes per forward "
+          "(Megatron's per-rank budget: per_rank_budget(bytes one forward saves, order)); resident_bytes()",
           "local to each rank (it follows that rank's action order)",
           'off = ActivationOffloader({0: model}, [("F", (0, 0, 0)), ("B", (0, 0, 0))], policy="all")\n'
           'with off.forward((0, 0, 0)):\n    loss = model(x).sum()\n'

@@ -26,10 +26,11 @@ from typing import Optional
 world_size: int = 4  # pipeline stages, one process each
 preset: str = os.environ.get("TOOLKIT_PRESET", "default")  # smoke | default | full
 backend: str = "auto"  # auto | gloo | nccl
-cluster: str = "none"  # emulated cluster under the run: none | h100-ib400 | a100-ib200 | pcie-100gbe
+cluster: str = "h100-ib400"  # emulated cluster (one stage per node): h100-ib400 | a100-ib200 | pcie-100gbe | none
 keep: Optional[int] = None  # micro-batches a rank may hold under the cap policy (None: the preset's, 2)
 v: Optional[int] = None  # stages per rank of the interleaved schedule (None: the preset's, 2)
 n_layer: Optional[int] = None  # layers, a multiple of world_size × v (None: the preset's)
+stands_for: Optional[str] = None  # real model the emulated cluster times the toy as (None: the preset's)
 timeout_s: int = 600
 
 # %%
@@ -44,9 +45,11 @@ from toolkit.pipeline import Costs, interleaved_1f1b, one_f_one_b, simulate
 from toolkit.pipeline.recompute import RecomputeQueue
 from toolkit.pipeline.schedule import cap_policy, cooldown_policy
 from toolkit.pipeline.simulate import MeasuredCosts, timeline_bubble
+from toolkit.runtime.bench import verdict
+from toolkit.runtime.cluster import cluster as make_cluster
 from toolkit.viz.pipeline import memory_steps, schedule_gantt
 
-knobs = {"preset": preset, "keep": keep, "v": v, "n_layer": n_layer}  # None: the preset's value
+knobs = {"preset": preset, "keep": keep, "v": v, "n_layer": n_layer, "stands_for": stands_for}  # None: the preset's
 cfg = lesson.validate(knobs, world_size)  # a bad combination stops here, before any process starts
 K, V = cfg["keep"], cfg["v"]  # the cap and the interleaving of every schedule below, simulated and run
 
@@ -171,10 +174,14 @@ display(schedule_gantt(sim, title="Interleaved 1F1B, cool-down recompute in the 
 # rank; interleaved with v stages per rank), at this preset's `keep`. Inline uses `torch.utils.checkpoint`,
 # which recomputes inside the backward; in the bubble uses our `R` actions. Saved activations are counted
 # exactly with a `saved_tensors_hooks` pack hook: parameters excluded, each storage once, released when the
-# backward that needs it is done. All variants are timed side by side (`bench.compare`, round-robin).
+# backward that needs it is done. All variants are timed side by side (`bench.compare`, round-robin). The launch
+# also runs on an emulated cluster (section 7), every pipeline stage on its own node.
 
 # %%
-results = launch("l10_recompute_bubbles", world_size, knobs, backend=backend, timeout_s=timeout_s, cluster=cluster)
+# on the emulated cluster every stage sits on its own node: activations and gradients cross the network, where a
+# gradient in flight is time a rank really waits
+target = None if cluster == "none" else make_cluster(cluster, ranks_per_node=1)
+results = launch("l10_recompute_bubbles", world_size, knobs, backend=backend, timeout_s=timeout_s, cluster=target)
 r0 = results[0]
 names = list(r0["runs"])
 runs = {name: [r["runs"][name] for r in results] for name in names}
@@ -206,7 +213,9 @@ for name in names:
 # %% [markdown]
 # ## 5 · Memory, measured
 #
-# Peak saved-activation bytes per rank, and the simulator's peak in micro-batches for the same schedule.
+# Peak saved-activation bytes per rank. What sets the memory a pipeline needs is the **worst rank**: the largest
+# peak over the ranks, with recompute against without (a rank whose own peak drops may not be the one that
+# decides).
 
 # %%
 peak = {name: [x["peak_act_bytes"] for x in runs[name]] for name in names}
@@ -217,15 +226,17 @@ display(viz.bars(rows, x="variant", y="peak saved activations (KiB)", color="ran
 
 # %%
 # NBVAL_CHECK_OUTPUT
+worst = {name: max(peak[name]) / max(peak[lesson.baseline_of(name)]) for name in names}  # the worst rank's ratio
 for name in names:
-    print(f"{name:40s} peak bytes per rank {peak[name]}, rank 0 vs no recompute "
-          f"{peak[name][0] / peak[lesson.baseline_of(name)][0]:.3f}")
+    print(f"{name:40s} peak bytes per rank {peak[name]}, worst rank vs no recompute {worst[name]:.3f} "
+          f"(rank 0: {peak[name][0] / peak[lesson.baseline_of(name)][0]:.3f})")
 
 # %%
 assert all(peak["1f1b-recompute-inline"][r] == peak["1f1b-recompute-bubble"][r] for r in range(world_size))
 assert peak["1f1b-recompute-bubble"][0] < peak["1f1b"][0]
 assert peak["1f1b-recompute-bubble-cooldown"][0] == peak["1f1b"][0]  # the peak comes before the cool-down
 assert peak["interleaved-recompute-bubble-cooldown"][0] < peak["interleaved"][0]
+assert worst["interleaved-recompute-bubble-cooldown"] < 1 and worst["1f1b-recompute-bubble"] < 1
 
 # %% [markdown]
 # ## 6 · Step time, measured
@@ -254,23 +265,20 @@ display(schedule_gantt([s for x in runs["interleaved-recompute-bubble-cooldown"]
                        title="Interleaved, cool-down recompute in the bubble: measured step"))
 
 
-def verdict(a: str, b: str) -> str:
-    """'a' vs 'b' in words, judged against the larger of their round spreads."""
-    (ta, sa), (tb, sb) = step[a], step[b]
-    noise = max(sa, sb)
-    if abs(ta - tb) <= noise:
-        return f"{1e3 * ta:.1f} vs {1e3 * tb:.1f} ms: within the round-to-round spread ({1e3 * noise:.1f} ms), no difference measured"
-    return (f"{1e3 * ta:.1f} vs {1e3 * tb:.1f} ms: {'faster' if ta < tb else 'slower'} by {1e3 * abs(ta - tb):.1f} ms, "
-            f"more than the round-to-round spread ({1e3 * noise:.1f} ms)")
+def judged(a: str, b: str) -> str:
+    """``a`` against ``b`` on this machine, by ``bench.verdict`` over their paired rounds (each round's slowest
+    rank): the ratio of their times, its 95 % interval and the word it decides."""
+    v = verdict([x["bench"] for x in runs[b]], [x["bench"] for x in runs[a]])
+    return f"{v.ratio:.2f}× the time (95 % interval [{v.low:.2f}, {v.high:.2f}], {v.rounds} paired rounds): {v.word}"
 
 
 display(Markdown(
-    f"Measured on this machine ({p} processes sharing {os.cpu_count()} cores), in the bubble vs inline:\n\n"
-    f"- 1F1B, cap keep = {r0['keep']}: {verdict('1f1b-recompute-bubble', '1f1b-recompute-inline')}; "
+    f"Measured on this machine ({p} processes sharing {os.cpu_count()} cores), in the bubble against inline:\n\n"
+    f"- 1F1B, cap keep = {r0['keep']}: {judged('1f1b-recompute-bubble', '1f1b-recompute-inline')}; "
     f"no recompute {1e3 * step['1f1b'][0]:.1f} ms.\n"
-    f"- interleaved, cool-down policy: {verdict('interleaved-recompute-bubble-cooldown', 'interleaved-recompute-inline-cooldown')}; "
+    f"- interleaved, cool-down policy: {judged('interleaved-recompute-bubble-cooldown', 'interleaved-recompute-inline-cooldown')}; "
     f"no recompute {1e3 * step['interleaved'][0]:.1f} ms.\n"
-    f"- 1F1B, cool-down policy in the bubble vs no recompute: {verdict('1f1b-recompute-bubble-cooldown', '1f1b')}."))
+    f"- 1F1B, cool-down policy in the bubble against no recompute: {judged('1f1b-recompute-bubble-cooldown', '1f1b')}."))
 
 # %% [markdown]
 # **The simulator on this run.** Fed with the op times each variant measured per stage (a recompute costs
@@ -303,46 +311,157 @@ display(viz.lines(series, x=comms, title=f"Simulated step, p = 4, m = 16, keep =
                   xaxis_title="p2p latency (in units of one forward)", yaxis_title="step (ms)"))
 
 # %% [markdown]
+# ## 7 · On an emulated cluster: where a wait is idle hardware
+#
+# Section 6 cannot answer the question of this lesson: here a waiting rank hands its core to another rank. The
+# launch also ran on an **emulated cluster** (the `cluster` parameter, `toolkit.runtime.emulator`, checked in
+# lesson 00 against closed forms and against the simulator): every op timed by the target GPU's roofline, every
+# activation and gradient by `α + bytes/β` of its link, on a virtual clock per rank, where a rank that waits for a
+# gradient is idle. Each pipeline stage sits on its own node, so every hop crosses the network and a gradient in
+# flight is a real wait. Every schedule ran once more there **matched** to a real model (every op counted with the
+# FLOPs, every tensor with the bytes, of its transformer layers), so compute and hops have that model's ratio;
+# beside each step, the simulator's prediction from the same virtual op times and the same hop (section 3's model,
+# fed this run).
+
+# %%
+E = r0["emulated"]
+if E is None:
+    display(Markdown("This run had no emulated cluster (`cluster = none`): this section and the emulated verdict "
+                     "need one."))
+else:
+    views = {"toy": lambda r, n: r["runs"][n]["bench"]["virtual"], "matched": lambda r, n: r["emulated"]["runs"][n]["bench"]}
+    em_bench = {view: {n: [of(r, n) for r in results] for n in names} for view, of in views.items()}
+    em_step = {view: {n: max(b["mean_s"] for b in em_bench[view][n]) for n in names} for view in views}
+    em_ops = {"toy": {n: [o for r in results for o in r["runs"][n]["op_vseconds"]] for n in names},
+              "matched": {n: [o for r in results for o in r["emulated"]["runs"][n]["op_seconds"]] for n in names}}
+    pairs = {"1f1b": "1f1b-recompute-bubble", "interleaved": "interleaved-recompute-bubble-cooldown"}
+    predicted = {view: {} for view in views}
+    for view in views:
+        for base, recomputed in pairs.items():
+            costs = MeasuredCosts(em_ops[view][base] + [o for o in em_ops[view][recomputed] if o["op"] == "R"],
+                                  comm=E["hop_s"][view])
+            for name in names:
+                if lesson.baseline_of(name) == base:
+                    predicted[view][name] = simulate(lesson.schedules(p, r0)[name], costs).makespan
+    display(viz.table([{"schedule": n, "toy shapes: emulated (µs)": 1e6 * em_step["toy"][n],
+                        "matched: emulated (ms)": 1e3 * em_step["matched"][n],
+                        "× no recompute": em_step["matched"][n] / em_step["matched"][lesson.baseline_of(n)],
+                        "matched: simulated (ms)": 1e3 * predicted["matched"][n],
+                        "rank 0 waited for receives (ms)": 1e3 * results[0]["emulated"]["runs"][n]["exposed_recv_s"]}
+                       for n in names],
+                      title=f"Emulated step (virtual time) beside the simulated one from its op times and hop: "
+                            f"{E['gpu']}, one stage per node over {E['link']}, matched to {E['stands_for']}",
+                      formats={"toy shapes: emulated (µs)": ".1f", "matched: emulated (ms)": ".3f",
+                               "× no recompute": ".4f", "matched: simulated (ms)": ".3f",
+                               "rank 0 waited for receives (ms)": ".2f"}))
+    virtual = lambda n: [{**sp, "start": sp["vstart"], "end": sp["vend"]} for r in results
+                         for sp in r["emulated"]["runs"][n]["spans"]]
+    display(schedule_gantt(virtual("interleaved-recompute-bubble-cooldown"),
+                           title=f"Interleaved, cool-down recompute in the bubble on the emulated {E['gpu']}, matched "
+                                 f"to {E['stands_for']} (virtual time)"))
+
+    def against(view: str, a: str, b: str):
+        return verdict(em_bench[view][b], em_bench[view][a])
+
+    def hidden(base: str, inline: str, bubble: str) -> str:
+        """The share of the inline recompute's extra time that the bubble placement does not pay."""
+        t = em_step["matched"]
+        extra = t[inline] - t[base]
+        return f"{1 - (t[bubble] - t[base]) / extra:.0%}" if extra > 0 else "all (inline costs nothing either)"
+
+    chunk_f = {base: MeasuredCosts(em_ops["matched"][base]).mean().F for base in pairs}
+    per_stage = MeasuredCosts(em_ops["matched"]["1f1b"])  # F + B of each 1F1B stage: the slowest sets the pace
+    work = {st: per_stage.seconds("F", st) + per_stage.seconds("B", st) for st in range(p)}
+    slowest = max(work, key=work.get)
+    i_b, i_i = "interleaved-recompute-bubble-cooldown", "interleaved-recompute-inline-cooldown"
+    display(Markdown(
+        f"Matched to **{E['stands_for']}** ({E['scales']['flops']:,.0f}× the FLOPs, {E['scales']['bytes']:,.0f}× the "
+        f"bytes): one hop between stages takes {1e3 * E['hop_s']['matched']:.3f} ms on {E['link']}, "
+        f"{E['hop_s']['matched'] / chunk_f['1f1b']:.2f} of a 1F1B stage's forward and "
+        f"{E['hop_s']['matched'] / chunk_f['interleaved']:.2f} of an interleaved chunk's. In the bubble against "
+        f"inline: 1F1B cap (keep = {r0['keep']}) {against('matched', '1f1b-recompute-bubble', '1f1b-recompute-inline').ratio:.4f}× "
+        f"({against('matched', '1f1b-recompute-bubble', '1f1b-recompute-inline').word}), interleaved cool-down "
+        f"{against('matched', i_b, i_i).ratio:.4f}× ({against('matched', i_b, i_i).word}). Against no recompute, in the "
+        f"bubble: 1F1B cap {against('matched', '1f1b-recompute-bubble', '1f1b').ratio:.4f}×, 1F1B cool-down "
+        f"{against('matched', '1f1b-recompute-bubble-cooldown', '1f1b').ratio:.4f}×, interleaved cool-down "
+        f"{against('matched', i_b, 'interleaved').ratio:.4f}×: the bubble placement hides "
+        f"{hidden('1f1b', '1f1b-recompute-inline', '1f1b-recompute-bubble')} (1F1B cap) and "
+        f"{hidden('interleaved', i_i, i_b)} (interleaved cool-down) of what the recompute costs inline. "
+        + (f"In 1F1B stage {slowest} has the most work per micro-batch (F + B {1e3 * work[slowest]:.2f} ms against "
+           f"{1e3 * min(work.values()):.2f} ms on the lightest stage), so in the steady state the other ranks wait for "
+           "it every step as well: a rank's waits are not only the warm-up and the cool-down. "
+           if work[slowest] > min(work.values()) else "The 1F1B stages carry equal work per micro-batch. ")
+        + "The simulator, "
+        f"fed the same op times and hop, predicts {1e3 * predicted['matched'][i_b]:.3f} ms for the interleaved "
+        f"cool-down in the bubble against {1e3 * em_step['matched'][i_b]:.3f} ms emulated; inline it charges each "
+        f"recompute a whole forward ({1e3 * predicted['matched'][i_i]:.3f} against {1e3 * em_step['matched'][i_i]:.3f} "
+        "ms), where torch's checkpoint stops recomputing once the backward has every tensor it needs. At the toy's own "
+        f"shapes (a hop of {1e6 * E['hop_s']['toy']:.1f} µs, ops as short as their launches) in the bubble against "
+        f"inline: 1F1B cap {against('toy', '1f1b-recompute-bubble', '1f1b-recompute-inline').ratio:.3f}×, interleaved "
+        f"cool-down {against('toy', i_b, i_i).ratio:.3f}×. All of it is the emulated cluster's time (a model)."))
+
+# %% [markdown]
 # ## What we found, and where it disagrees with the source
 
 # %%
 display(Markdown(f"""
-- **Memory (measured).** The cap policy lowers rank 0's peak saved activations to
-  {peak['1f1b-recompute-bubble'][0] / peak['1f1b'][0]:.2f}× of plain 1F1B, in both recompute placements. The
-  bubble-aware cool-down policy lowers nothing in plain 1F1B (the peak is reached before the cool-down) but
-  {peak['interleaved-recompute-bubble-cooldown'][0] / peak['interleaved'][0]:.2f}× under interleaving, where
-  the cool-down chunks include the longest-lived warm-up chunks.
+- **Memory (measured), on the worst rank.** The cap policy lowers the largest peak over the ranks to
+  {worst['1f1b-recompute-bubble']:.2f}× of plain 1F1B's (rank 0's own: {peak['1f1b-recompute-bubble'][0] / peak['1f1b'][0]:.2f}×),
+  in both recompute placements. The bubble-aware cool-down policy lowers nothing in plain 1F1B (the peak is
+  reached before the cool-down) but {worst['interleaved-recompute-bubble-cooldown']:.2f}× under interleaving
+  (rank 0's own: {peak['interleaved-recompute-bubble-cooldown'][0] / peak['interleaved'][0]:.2f}×, the worst rank
+  now rank {max(range(world_size), key=lambda i: peak['interleaved-recompute-bubble-cooldown'][i])}), where the
+  cool-down chunks include the longest-lived warm-up chunks.
 - **Gradients** are bitwise those of the same schedule without recompute, for every policy and both
   schedules, and the RNG check shows why restoring the state matters.
 - **Time, simulated.** Recomputes placed in the cool-down are free in the simulator for 1F1B, and for the
   interleaved schedule once a gradient hop is slow enough (section 3); those the cap policy forces into the
   steady state are not, in the bubble or inline.
-- **Time, measured here** (section 6): in the bubble vs inline, 1F1B cap:
-  {verdict('1f1b-recompute-bubble', '1f1b-recompute-inline')}; interleaved cool-down:
-  {verdict('interleaved-recompute-bubble-cooldown', 'interleaved-recompute-inline-cooldown')}. The ranks share
+- **Time, measured here** (section 6): in the bubble against inline, 1F1B cap:
+  {judged('1f1b-recompute-bubble', '1f1b-recompute-inline')}; interleaved cool-down:
+  {judged('interleaved-recompute-bubble-cooldown', 'interleaved-recompute-inline-cooldown')}. The ranks share
   {os.cpu_count()} cores, so an idle rank's time is not free hardware: read these as this machine's numbers,
   not a GPU's.
-- The article says bubble utilisation "improves greatly". That holds where a rank really waits — the cool-down
+""" + ("" if E is None else f"""- **Time, on the emulated cluster** (section 7, matched to {E['stands_for']}, a stage per node): in the
+  bubble the interleaved cool-down recompute takes {against('matched', i_b, 'interleaved').ratio:.4f}× the step
+  without recompute against {against('matched', i_i, 'interleaved').ratio:.4f}× inline, and the 1F1B cap recompute
+  {against('matched', '1f1b-recompute-bubble', '1f1b').ratio:.4f}× against
+  {against('matched', '1f1b-recompute-inline', '1f1b').ratio:.4f}×.
+""") + """- The article says bubble utilisation "improves greatly". That holds where a rank really waits — the cool-down
   and gradients in flight — and not in a steady state with no waiting; the warm-up of plain 1F1B cannot host
   a recompute under a memory cap (section 2).
 """))
 
 # %%
-ratio = peak["interleaved-recompute-bubble-cooldown"][0] / peak["interleaved"][0]
+ratio = worst["interleaved-recompute-bubble-cooldown"]
 exact = all(r["bitwise_equal_to_no_recompute"][n] for r in results for n in names if "recompute" in n)
+emulated, emulated_ok = "", None
+if E is not None:
+    vb, vi = against("matched", i_b, "interleaved"), against("matched", i_b, i_i)
+    emulated = (f"{E['gpu']}, one pipeline stage per node over {E['link']} (`{E['cluster']}`), the toy timed as "
+                f"{E['stands_for']}'s layers: the interleaved cool-down recompute in the bubble takes {vb.ratio:.4f}× "
+                f"the step without recompute and {vi.ratio:.4f}× inline's ({vi.word}), hiding "
+                f"{hidden('interleaved', i_i, i_b)} of its inline cost (simulated from the same op times: "
+                f"{predicted['matched'][i_b] / predicted['matched']['interleaved']:.4f}×); 1F1B cap keep = {r0['keep']} "
+                f"in the bubble {against('matched', '1f1b-recompute-bubble', '1f1b').ratio:.4f}× no recompute, inline "
+                f"{against('matched', '1f1b-recompute-inline', '1f1b').ratio:.4f}×")
+    emulated_ok = bool(vi.faster and vb.ratio <= 1.01)  # hidden: faster than inline, within 1 % of no recompute
 headline("10", "recompute in the pipeline bubble (cool-down policy, interleaved 1F1B)",
-         f"rank 0's peak saved activations {ratio:.2f}x of interleaved 1F1B without recompute (measured; 1F1B cap "
-         f"keep = {r0['keep']}: {peak['1f1b-recompute-bubble'][0] / peak['1f1b'][0]:.2f}x), gradients "
+         f"the worst rank's peak saved activations {ratio:.2f}x of interleaved 1F1B without recompute (measured; rank "
+         f"0's own {peak['interleaved-recompute-bubble-cooldown'][0] / peak['interleaved'][0]:.2f}x; 1F1B cap keep = "
+         f"{r0['keep']}: {worst['1f1b-recompute-bubble']:.2f}x), gradients "
          f"{'bitwise equal' if exact else 'NOT bitwise equal'} to no recompute; simulated, the cool-down recomputes add "
          f"{s0['interleaved bubble cooldown'].makespan - s0['interleaved'].makespan:g} step units at comm = 0 and "
          f"none from comm = {min(free['interleaved']):g} on (inline: "
          f"{s0['interleaved inline cooldown'].makespan - s0['interleaved'].makespan:g} at comm = 0)",
-         value=ratio, unit="x rank 0 peak saved activations",
+         value=ratio, unit="x the worst rank's peak saved activations",
          claim="recompute placed in the pipeline bubbles lowers activation memory while hiding its cost",
          source="MindSpeed RiPipe, --recompute-in-bubble; Mario, PPoPP 2025",
          reproduced=bool(ratio < 1 and exact and free["interleaved"]),
-         note="memory and gradients measured; the hidden cost is judged by the simulator (section 3), since the "
-              "ranks here share CPU cores, so a waiting rank is not idle hardware and CPU timings cannot test it")
+         note="memory and gradients measured, on the worst rank's peak; the hidden cost is judged on the emulated "
+              "cluster (\"hiding its cost\" read as faster than inline and within 1 % of no recompute) and by the "
+              "simulator (section 3): the ranks here share CPU cores, so a waiting rank is not idle hardware",
+         emulated=emulated, emulated_reproduced=emulated_ok)
 
 # %% [markdown]
 # ## Try this
@@ -352,6 +471,8 @@ headline("10", "recompute in the pipeline bubble (cool-down policy, interleaved 
 # - `v = 4` with `n_layer = 16`: four interleaved stages per rank (the layers must divide into world size × v).
 # - In lesson 03's explorer (section 9), the schedules `1f1b-recompute-inline` and `1f1b-recompute-bubble`, and a
 #   larger `comm` control: the in-bubble recompute hides more as the latency grows.
+# - `cluster = "pcie-100gbe"` (a slower network between the stages: longer waits for the recompute to fill) or
+#   `stands_for = "llama2-70b"` (more compute per byte on the wire: shorter waits), in section 7.
 #
 # ## Sources
 #

@@ -9,19 +9,25 @@ step on the same micro-batches::
                     module kind
     all-long-lived  policy all, only the micro-batches whose backward comes more than ``skip_within`` actions
                     after their forward (``long_lived``): later ranks offload less, the last rank nothing
+    all-budget      policy all within Megatron's per-rank budget (``per_rank_budget``): each forward sheds
+                    1 - 1/k of its bytes, k the forwards the rank holds at its peak (1F1B: p - r), so every
+                    rank's peak comes down toward the last rank's, and the last rank copies nothing
     save_on_cpu     torch.autograd.graph.save_on_cpu around each forward (no prefetch, not pipeline aware)
 
 and reports, per rank: resident saved-activation bytes after every action and their peak (storage
 ledger, each storage once), the whole rank's tensor peak (MemoryTracker: params, grads, activations,
 buffers in flight), host-store bytes, copies made, late reloads, and whether every parameter gradient is
-bitwise equal to the baseline's. Then ``TIMED`` variants are timed side by side (``bench.compare``).
+bitwise equal to the baseline's. Then ``TIMED`` variants are timed side by side (``bench.compare``), and, on an
+emulated cluster (``launch(..., cluster=)``), once more on its clock with the copies on the host link, at the
+toy's shapes and matched to ``stands_for`` (``emulated``).
 """
 from __future__ import annotations
 
 import torch
 
-from toolkit.memory.offload import (ALL_KINDS, POLICIES, ActivationOffloader, Offload, SaveOnCPU, long_lived,
-                                    resolve_policy, schedule_order)
+from toolkit import planner
+from toolkit.memory.offload import (ALL_KINDS, POLICIES, ActivationOffloader, Offload, SaveOnCPU, in_flight,
+                                    long_lived, per_rank_budget, resolve_policy, schedule_order)
 from toolkit.models import lm_loss, preset
 from toolkit.pipeline.executor import ExecutorHook, PipelineExecutor
 from toolkit.pipeline.harness import PipelineSetup
@@ -31,22 +37,27 @@ from toolkit.runtime.config import Param, common, require_divisible, require_ran
 from toolkit.runtime.memory import MemoryTracker
 
 DEFAULT_POLICIES = ["all", "attention", "mlp", "norms", "qkv", "core", "proj", "ln1", "ln2", "fc1", "act", "fc2"]
-LONG_LIVED = "all-long-lived"
-TIMED = ["none", "all", LONG_LIVED, "attention", "save_on_cpu"]
+LONG_LIVED, BUDGET = "all-long-lived", "all-budget"
+TIMED = ["none", "all", LONG_LIVED, BUDGET, "attention", "save_on_cpu"]
+HOST_LINK = ("d2h", "h2d")  # the emulator's copy engines, one each way
 PARAMS = {**common("model", "n_layer", "seq_len", "m", "micro_batch", "warmup", "bench_steps", "rounds"),
           "policies": Param(list, "offload policies to run (named policies or module kinds)", of=str,
                             choices=tuple(POLICIES) + ALL_KINDS),
           "prefetch": Param(bool, "reload each group one group ahead of its backward"),
           "skip_within": Param(int, "all-long-lived: keep micro-batches whose backward is within this many actions "
-                                    "of their forward", ge=0)}
+                                    "of their forward", ge=0),
+          "stands_for": Param(str, "the real model whose layers the emulated cluster times the toy's as (the "
+                                   "workload-matched mode)", choices=("llama2-7b", "llama2-13b", "llama2-70b"))}
 PRESETS = {
     "smoke": {"model": "smoke", "n_layer": 4, "seq_len": 32, "m": 4, "micro_batch": 2, "policies": DEFAULT_POLICIES,
-              "prefetch": True, "skip_within": 1, "warmup": 1, "bench_steps": 1, "rounds": 3},
+              "prefetch": True, "skip_within": 1, "warmup": 1, "bench_steps": 1, "rounds": 3,
+              "stands_for": "llama2-7b"},
     "default": {"model": "default", "n_layer": 4, "seq_len": 128, "m": 8, "micro_batch": 4,
                 "policies": DEFAULT_POLICIES, "prefetch": True, "skip_within": 1, "warmup": 1, "bench_steps": 2,
-                "rounds": 3},
+                "rounds": 3, "stands_for": "llama2-7b"},
     "full": {"model": "full", "n_layer": 12, "seq_len": 1024, "m": 16, "micro_batch": 4, "policies": DEFAULT_POLICIES,
-             "prefetch": True, "skip_within": 1, "warmup": 2, "bench_steps": 5, "rounds": 3},
+             "prefetch": True, "skip_within": 1, "warmup": 2, "bench_steps": 5, "rounds": 3,
+             "stands_for": "llama2-13b"},
 }
 
 
@@ -81,7 +92,8 @@ def run(ctx, cfg: dict) -> dict:
     order = schedule_order(schedule, rank)
     long = long_lived(order, cfg["skip_within"])
     inputs, targets = setup.inputs, setup.targets
-    variants = ["none"] + [v for v in cfg["policies"] if v != "none"] + [LONG_LIVED, "save_on_cpu"]
+    variants = ["none"] + [v for v in cfg["policies"] if v != "none"] + [LONG_LIVED, BUDGET, "save_on_cpu"]
+    budget = None  # all-budget's bytes per forward: sized from what the baseline's forwards saved (below)
 
     def make(variant: str, trace: list | None = None):
         """(model, modules, executor, offloader) of ``variant`` on a fresh copy of the model; with ``trace``,
@@ -90,8 +102,9 @@ def run(ctx, cfg: dict) -> dict:
         modules = setup.stages(model, schedule, rank)
         off, hooks = None, [SaveOnCPU()]
         if variant != "save_on_cpu":
-            off = ActivationOffloader(modules, order, policy="all" if variant == LONG_LIVED else variant,
-                                      groups=long if variant == LONG_LIVED else None, prefetch=cfg["prefetch"])
+            off = ActivationOffloader(modules, order, policy=policy_of(variant),
+                                      groups=long if variant == LONG_LIVED else None, prefetch=cfg["prefetch"],
+                                      budget_bytes=budget if variant == BUDGET else None)
             hooks = [Offload(off)] + ([ResidentBytes(off, trace)] if trace is not None else [])
         ex = PipelineExecutor(schedule, rank, modules, lm_loss, setup.act_shape, device=ctx.device, hooks=hooks)
         return model, modules, ex, off
@@ -113,8 +126,8 @@ def run(ctx, cfg: dict) -> dict:
         if reference is None:
             reference = grads
         row = {"variant": variant,
-               "kinds": sorted(resolve_policy("all" if variant == LONG_LIVED else variant))
-               if variant != "save_on_cpu" else ["(every saved tensor)"],
+               "kinds": sorted(resolve_policy(policy_of(variant))) if variant != "save_on_cpu"
+               else ["(every saved tensor)"],
                "grads_bitwise_equal": all(torch.equal(a, b) for a, b in zip(grads, reference)),
                "tracker_peak_total": mem.peak["total"], "tracker_peak_act": mem.max_by_category["act"],
                "tracker_peak_host": mem.max_by_category["host"], "param_bytes": mem.peak["param"]}
@@ -125,8 +138,11 @@ def run(ctx, cfg: dict) -> dict:
                     "offloaded_groups": len(off.groups), **off.stats}
             off.remove()
             samples[variant] = trace
+        if variant == "none":  # one forward saves this much that could leave; the budget sheds 1 - 1/k of it
+            chunk_bytes = off.stats["offloadable_bytes"] // sum(op == "F" for op, _ in order)
+            budget = per_rank_budget(chunk_bytes, order)
         rows.append(row)
-        ctx.progress(i + 1, len(variants) + 1, f"variant {variant}")
+        ctx.progress(i + 1, len(variants) + 2, f"variant {variant}")
 
     base = rows[0]
     for row in rows:
@@ -143,7 +159,7 @@ def run(ctx, cfg: dict) -> dict:
             ex.step(inputs, targets)
         return go
 
-    with ctx.part(len(variants), len(variants) + 1, "timing"):
+    with ctx.part(len(variants), len(variants) + 2, "timing"):
         bench = compare({v: stepper(model, ex) for v, (model, _, ex, _) in timed.items()}, warmup=cfg["warmup"],
                         steps=cfg["bench_steps"], rounds=cfg["rounds"], sync=ctx.barrier, on_round=ctx.progress)
     for _, _, _, off in timed.values():
@@ -155,12 +171,65 @@ def run(ctx, cfg: dict) -> dict:
             row["step_s"] = bench[row["variant"]].mean_s
             row["step_ratio"] = bench[row["variant"]].mean_s / bench["none"].mean_s
 
+    with ctx.part(len(variants) + 1, len(variants) + 2, "emulated"):
+        emu = emulated(ctx, cfg, setup, make, stepper)
+
     return {"rank": rank, "p": p, "m": cfg["m"], "stages": schedule.stages_of(rank),
             "order": [f"{op}{k[1]}" for op, k in order], "skip_within": cfg["skip_within"], "prefetch": cfg["prefetch"],
-            "long_lived": sorted(mb for _, mb, _ in long),
+            "long_lived": sorted(mb for _, mb, _ in long), "in_flight": in_flight(order), "chunk_bytes": chunk_bytes,
+            "budget_bytes": budget, "emulated": emu,
             "n_params_stage": sum(q.numel() for module in setup.stages(setup.base, schedule, rank).values()
                                   for q in module.parameters()),
             "rows": rows, "samples": samples,
             "model": {"n_layer": setup.model_cfg.n_layer, "d_model": setup.model_cfg.d_model,
                       "seq_len": cfg["seq_len"], "micro_batch": cfg["micro_batch"]},
             "copies": "cuda side streams + pinned pool" if ctx.device.type == "cuda" else "synchronous copy_ (CPU)"}
+
+
+def policy_of(variant: str) -> str:
+    """The offload policy a variant runs (``all-long-lived`` and ``all-budget`` are ``all`` on fewer groups)."""
+    return "all" if variant in (LONG_LIVED, BUDGET) else variant
+
+
+def emulated(ctx, cfg: dict, setup: PipelineSetup, make, stepper) -> dict | None:
+    """The ``TIMED`` variants once more on the emulated cluster's clock, one step each (virtual time is
+    deterministic: one step is the time), at the toy's own shapes and matched to ``cfg["stands_for"]`` (its
+    layers' GEMMs and activations, ``toolkit.planner.dense_layer_op``; the copies carry the matched bytes too).
+    Per view and variant: the step, the late reloads (reloads whose wait moved the stream's clock) and their
+    wait in all, and the seconds and bytes the host link carried each way (D2H, H2D)."""
+    emu = ctx.emulator
+    if emu is None:
+        return None
+    mc, real = setup.model_cfg, planner.MODELS[cfg["stands_for"]]
+    toy = planner.dense_layer_op(cfg["micro_batch"] * mc.seq_len, mc.d_model, mc.d_ff, emu.cluster.float_bytes)
+    scales = planner.matched_scales(toy, planner.dense_layer_op(real.seq_len * real.micro_batch, real.hidden,
+                                                                real.ffn_hidden or 4 * real.hidden))
+    out = {"cluster": emu.cluster.name, "gpu": emu.cluster.gpu.name, "host_link": emu.cluster.host.name,
+           "stands_for": cfg["stands_for"], "scales": scales}
+    for i, (view, factors) in enumerate((("toy", {}), ("matched", scales))):
+        runs, link_s, link_bytes = {v: make(v) for v in TIMED}, {}, {}
+
+        def on_link(variant: str, step):
+            """``step``, noting the seconds each copy engine was busy during it, and the bytes it carried."""
+            def go():
+                first = len(emu.comms)
+                step()
+                copies = [c for c in emu.comms[first:] if c["link"] in HOST_LINK]
+                link_s[variant] = {q: sum(c["local_end"] - c["start"] for c in copies if c["link"] == q)
+                                   for q in HOST_LINK}
+                link_bytes[variant] = {q: sum(c["bytes"] for c in copies if c["link"] == q) for q in HOST_LINK}
+            return go
+
+        with emu.scaled(**factors):
+            bench = compare({v: on_link(v, stepper(model, ex)) for v, (model, _, ex, _) in runs.items()}, warmup=0,
+                            steps=1, rounds=1, trim=0, sync=ctx.barrier, clock="virtual")
+        out[view] = {}
+        for v, (_, _, _, off) in runs.items():
+            out[view][v] = {"bench": bench[v].to_dict(), "step_s": bench[v].mean_s, "link_s": link_s[v],
+                            "link_bytes": link_bytes[v],
+                            **({k: off.stats[k] for k in ("late_reloads", "reload_wait_s", "offloaded_bytes")}
+                               if off is not None else {})}
+            if off is not None:
+                off.remove()
+        ctx.progress(i + 1, 2, f"emulated: {view}")
+    return out

@@ -15,13 +15,16 @@ on 1F1B and on interleaved 1F1B (v stages per rank)::
 For each: one checked step (loss, gradients bitwise against the same schedule without recompute, saved-
 activation bytes over the step), then all timed side by side, round-robin (sharing the machine's load),
 with per-action spans. Plus, on rank 0, the dropout check: the recompute restores the RNG state, so masks
-(and gradients) repeat; recomputing without it does not.
+(and gradients) repeat; recomputing without it does not. On an emulated cluster (``launch(..., cluster=)``)
+every schedule also runs matched to ``stands_for`` (``emulated``): where a rank's wait for a gradient is real
+idle time, the question "does the recompute hide in it" has a time answer.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
 
+from toolkit import planner
 from toolkit.pipeline.harness import Job, PipelineSetup, grads_bitwise_equal, measure_schedules
 from toolkit.pipeline.recompute import RecomputeQueue
 from toolkit.pipeline.schedule import interleaved_1f1b, one_f_one_b
@@ -30,14 +33,16 @@ from toolkit.runtime.config import Param, common, require_divisible, resolve
 WORLD_SIZE = 4
 PARAMS = {**common("model", "n_layer", "m", "micro_batch", "warmup", "bench_steps", "rounds"),
           "keep": Param(int, "micro-batches whose activations a rank may hold at once (policy 'cap')", ge=1),
-          "v": Param(int, "stages per rank of the interleaved schedule", ge=2)}
+          "v": Param(int, "stages per rank of the interleaved schedule", ge=2),
+          "stands_for": Param(str, "the real model whose layers the emulated cluster times the toy's as (the "
+                                   "workload-matched mode)", choices=("llama2-7b", "llama2-13b", "llama2-70b"))}
 PRESETS = {
-    "smoke": {"model": "smoke", "n_layer": 8, "m": 8, "micro_batch": 2, "keep": 2, "v": 2, "warmup": 1,
-              "bench_steps": 1, "rounds": 3},
+    "smoke": {"model": "smoke", "n_layer": 8, "m": 8, "micro_batch": 2, "keep": 2, "v": 2, "warmup": 0,
+              "bench_steps": 1, "rounds": 3, "stands_for": "llama2-7b"},
     "default": {"model": "default", "n_layer": 8, "m": 8, "micro_batch": 1, "keep": 2, "v": 2, "warmup": 1,
-                "bench_steps": 1, "rounds": 3},
+                "bench_steps": 1, "rounds": 3, "stands_for": "llama2-7b"},
     "full": {"model": "full", "n_layer": 16, "m": 16, "micro_batch": 2, "keep": 2, "v": 2, "warmup": 3,
-             "bench_steps": 5, "rounds": 5},
+             "bench_steps": 5, "rounds": 5, "stands_for": "llama2-13b"},
 }
 
 
@@ -72,8 +77,9 @@ def run(ctx, cfg: dict) -> dict:
                                 device=ctx.device)
     named = schedules(p, cfg)
     jobs = [Job(s) for s in named.values()]
-    records, models = measure_schedules(ctx, setup, jobs, warmup=cfg["warmup"], steps=cfg["bench_steps"],
-                                        rounds=cfg["rounds"])
+    with ctx.part(0, 4 if ctx.emulator else 3, "schedules", size=3):  # the emulated pass: a quarter
+        records, models = measure_schedules(ctx, setup, jobs, warmup=cfg["warmup"], steps=cfg["bench_steps"],
+                                            rounds=cfg["rounds"])
     runs = dict(zip(named, records))
     trained = dict(zip(named, models))
     bitwise = {}
@@ -84,9 +90,36 @@ def run(ctx, cfg: dict) -> dict:
         if base != name:
             mine = setup.stages(trained[base], named[base], ctx.rank).values()  # this rank's stages
             bitwise[name] = grads_bitwise_equal(trained[base], trained[name], mine)
+    emu = None
+    if ctx.emulator:
+        with ctx.part(3, 4, "emulated, matched"):
+            emu = emulated(ctx, cfg, setup, jobs)
     return {"rank": ctx.rank, "p": p, "m": m, "keep": cfg["keep"], "v": cfg["v"], "model": vars(setup.model_cfg),
             "ref_loss": setup.ref_loss, "runs": runs, "bitwise_equal_to_no_recompute": bitwise,
-            "dropout": dropout_check() if ctx.rank == 0 else None}
+            "dropout": dropout_check() if ctx.rank == 0 else None, "emulated": emu}
+
+
+def emulated(ctx, cfg: dict, setup: PipelineSetup, jobs: list[Job]) -> dict:
+    """Every schedule once more on the emulated cluster, matched to ``cfg["stands_for"]`` (its layers' GEMMs and
+    the activations between stages, ``toolkit.planner.dense_layer_op``): one step each (virtual time is
+    deterministic), its op times and spans on the virtual clock, and the time a rank waited for its receives.
+    The toy's own shapes ran on the same clock in ``runs`` (``bench["virtual"]``, ``op_vseconds``). ``hop_s``: one
+    activation or gradient on the link between two stages, α + bytes/β, at both shapes (the simulator's comm)."""
+    emu = ctx.emulator
+    mc, real = setup.model_cfg, planner.MODELS[cfg["stands_for"]]
+    toy = planner.dense_layer_op(cfg["micro_batch"] * mc.seq_len, mc.d_model, mc.d_ff, emu.cluster.float_bytes)
+    real_op = planner.dense_layer_op(real.seq_len * real.micro_batch, real.hidden, real.ffn_hidden or 4 * real.hidden)
+    scales = planner.matched_scales(toy, real_op)
+    link = emu.cluster.link_between([0, 1], ctx.world_size)  # between neighbouring stages
+    with emu.scaled(**scales):
+        records, _ = measure_schedules(ctx, setup, jobs, warmup=0, steps=1, rounds=1, trim=0)
+    return {"cluster": emu.cluster.name, "gpu": emu.cluster.gpu.name, "link": link.name,
+            "stands_for": cfg["stands_for"], "scales": scales,
+            "hop_s": {"toy": link.seconds(toy["wire_bytes"]), "matched": link.seconds(real_op["wire_bytes"])},
+            "runs": {job.schedule.name: {"step_s": rec["bench"]["virtual"]["mean_s"], "bench": rec["bench"]["virtual"],
+                                         "op_seconds": rec["op_vseconds"], "exposed_recv_s": rec["exposed_recv_vs"],
+                                         "spans": rec["spans"]}
+                     for job, rec in zip(jobs, records)}}
 
 
 def dropout_check(seed: int = 0) -> dict:

@@ -21,7 +21,10 @@ Pipeline awareness (the rank's action order comes from the schedule):
   is reloaded ahead of it (prefetch across actions);
 - inside a backward, unpacking the first tensor of group g starts the reload of group g-1;
 - which micro-batches offload at all (``groups``): ``long_lived`` keeps those whose backward comes within k
-  actions of their forward (the last rank of 1F1B: every one), as production systems do.
+  actions of their forward (the last rank of 1F1B: every one), as production systems do;
+- how much of each forward leaves (``budget_bytes``, Megatron's per-rank budget): groups leave in forward order,
+  the longest-lived first, while the forward's offloaded bytes stay within the budget; ``per_rank_budget``
+  sizes it from the schedule so that every rank holds, at its peak, about what the last rank holds.
 
 ``Offload`` is the pipeline executor's hook that calls these around every forward and backward.
 
@@ -36,8 +39,8 @@ events order them against compute, and a device storage is released when its D2H
 On CPU the copies are synchronous ``copy_`` calls at the same points (host RAM to host RAM: the memory
 figures show where the bytes would live on a GPU, the timings the cost of the extra copies). On an emulated
 cluster (``toolkit.runtime.emulator``) the same copies are timed on the host link instead: each group's D2H
-and H2D is a ``host_copy`` on the copy engine, and an unpack waits for its group's H2D on the stream — a late
-reload is one whose wait moved the clock.
+and H2D is a ``host_copy`` on the copy engine (float bytes at the target's element size), and an unpack waits
+for its group's H2D on the stream — a late reload is one whose wait moved the clock.
 
 Resident bytes are counted with a ``MemoryTracker`` used as a storage ledger: every saved storage on the
 device and every reloaded one is registered (``act``), each storage once, and leaves the count when it
@@ -55,7 +58,7 @@ import torch.nn as nn
 
 from toolkit.pipeline.executor import ExecutorHook, key_of
 from toolkit.pipeline.schedule import Action, Key
-from toolkit.runtime.emulator import current as current_emulator
+from toolkit.runtime.emulator import current as current_emulator, element_bytes
 from toolkit.runtime.memory import MemoryTracker
 
 
@@ -90,6 +93,7 @@ class _Stored:
     """
 
     nbytes: int
+    copy_bytes: float  # what a copy moves on the emulated cluster (floats at its element size); nbytes otherwise
     kinds: set[str]
     offloadable: bool
     ref: weakref.ref
@@ -132,10 +136,19 @@ class ActivationOffloader:
         groups: only these (stage, mb, chunk) offload (default: all of this rank's); each must be in ``order``.
         prefetch: reload one group ahead (False: reload each group when its backward first needs it).
         min_bytes: keep storages smaller than this resident (Megatron skips tensors under 1M elements).
+        budget_bytes: at most this many bytes leave per forward (None: no limit): its groups leave in forward
+            order, the longest-lived first, while they fit; the first that does not fit and every later one
+            stay (``per_rank_budget`` sizes it per rank).
     """
 
     def __init__(self, modules: dict[int, nn.Module], order: list[tuple[str, Key]], policy="all",
-                 groups: Iterable[Key] | None = None, prefetch: bool = True, min_bytes: int = 0):
+                 groups: Iterable[Key] | None = None, prefetch: bool = True, min_bytes: int = 0,
+                 budget_bytes: int | None = None):
+        if budget_bytes is not None and (isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int)
+                                         or budget_bytes < 0):
+            raise ValueError(f"budget_bytes must be None (no limit) or an int >= 0 (bytes offloaded per forward), "
+                             f"got {budget_bytes!r}")
+        self.budget_bytes = budget_bytes
         self.kinds = resolve_policy(policy)
         self.order = [(op, tuple(key)) for op, key in order]
         mine = {key for _, key in self.order}
@@ -151,16 +164,20 @@ class ActivationOffloader:
         self._key: Key | None = None
         self._kind: list[str] = []
         self._seq, self._keep_last, self._held = 0, False, None
+        self._spent, self._over_budget = 0, False  # bytes offloaded by the current forward; a group did not fit
         self._by_storage: dict[int, _Stored] = {}  # id(untyped storage) -> _Stored, during one forward
         self._live: dict[Key, dict[int, _Group]] = {}  # key -> group index (forward order) -> group
         self._pool: dict[int, list[torch.Tensor]] = {}
         self._inflight: list[tuple[object, list[torch.Tensor]]] = []  # (event, tensors to keep until it completes)
         self.stats = {"offloaded_bytes": 0, "reloaded_bytes": 0, "wasted_copy_bytes": 0, "late_reloads": 0,
-                      "kept_last": 0, "reload_wait_s": 0.0}
+                      "on_demand_reloads": 0, "kept_last": 0, "reload_wait_s": 0.0, "offloadable_bytes": 0}
         """``late_reloads``: reloads the backward had to wait for — on the emulated cluster the copies whose wait
         moved the stream's clock (``reload_wait_s``: by how much, in all), on a plain run the reloads that were not
-        issued ahead (the only evidence a CPU run has)."""
+        issued ahead (the only evidence a CPU run has). ``on_demand_reloads``: reloads issued only when the
+        backward needed them (not ahead), in any run. ``offloadable_bytes``: bytes saved by the forwards that a
+        policy could move (any policy; parameters, stage inputs, integers and storages under ``min_bytes`` aside)."""
         self.emu = current_emulator()  # copies on the emulated host link, when there is one
+        self._float_bytes = self.emu.cluster.float_bytes if self.emu else None
         if self.cuda:
             self.d2h, self.h2d = torch.cuda.Stream(), torch.cuda.Stream()
         self._hooks = []
@@ -219,6 +236,7 @@ class ActivationOffloader:
         key = tuple(key)
         i = self._index("F", key)  # raises for a chunk the schedule does not have
         self._key, self._live[key], self._seq, self._held, self._by_storage = key, {}, 0, None, {}
+        self._spent, self._over_budget = 0, False
         # the last group of a chunk whose backward is the next one on this rank stays on the device
         self._keep_last = self._next_backward(i) == key
         try:
@@ -245,11 +263,14 @@ class ActivationOffloader:
             # stage inputs (the executor holds them for their gradient) and integer tensors (token ids,
             # targets: held by the caller) would be copied without freeing anything
             held_elsewhere = (t.requires_grad and t.grad_fn is None) or not t.is_floating_point()
-            stored = _Stored(st.nbytes(), set(), not held_elsewhere and st.nbytes() >= self.min_bytes,
+            copy_bytes = (st.nbytes() if self.emu is None
+                          else st.nbytes() // t.element_size() * element_bytes(t.dtype, self._float_bytes))
+            stored = _Stored(st.nbytes(), copy_bytes, set(), not held_elsewhere and st.nbytes() >= self.min_bytes,
                              weakref.ref(st), group, device=_bytes_of(st))
             self._by_storage[id(st)] = stored
             group.stored.append(stored)
             self.meter.register(t, "act")
+            self.stats["offloadable_bytes"] += stored.nbytes if stored.offloadable else 0
         elif stored.group is not group:  # saved again by a later module (core's output is proj's input)
             stored.group.stored.remove(stored)
             stored.group = group
@@ -267,6 +288,12 @@ class ActivationOffloader:
         movers = [s for s in group.stored if s.offloadable and s.kinds <= self.kinds and s.host is None]
         if not movers:
             return
+        if self.budget_bytes is not None:  # groups leave in forward order while they fit; then none
+            size = sum(s.nbytes for s in movers)
+            self._over_budget = self._over_budget or self._spent + size > self.budget_bytes
+            if self._over_budget:
+                return
+            self._spent += size
         if self.cuda:
             self.d2h.wait_stream(torch.cuda.current_stream())  # the activations are computed
             with torch.cuda.stream(self.d2h):
@@ -284,7 +311,7 @@ class ActivationOffloader:
                     s.host = self._host_buffer(s.nbytes)
                     s.host.copy_(s.device)
             if self.emu:
-                copy = self.emu.host_copy(sum(s.nbytes for s in movers), to_host=True)
+                copy = self.emu.host_copy(sum(s.copy_bytes for s in movers), to_host=True)
                 for s in movers:
                     s.event = copy
         for s in movers:
@@ -326,7 +353,7 @@ class ActivationOffloader:
                 for s in movers:
                     s.device = s.host.clone()
             if self.emu:
-                copy = self.emu.host_copy(sum(s.nbytes for s in movers), to_host=False, after=after)
+                copy = self.emu.host_copy(sum(s.copy_bytes for s in movers), to_host=False, after=after)
                 for s in movers:
                     s.event = copy
         for s in movers:
@@ -339,6 +366,7 @@ class ActivationOffloader:
         group, s = saved.group, saved.stored
         if s.device is None:
             self.stats["late_reloads"] += 0 if self.emu else 1  # not prefetched: the backward waits for this copy
+            self.stats["on_demand_reloads"] += 1
             self._reload(s.group)
         if self.prefetch and not group.prefetched:
             group.prefetched = True
@@ -371,6 +399,7 @@ class ActivationOffloader:
         groups = self._live.get(key, {})
         if groups and any(s.device is None for s in groups[max(groups)].stored):
             self.stats["late_reloads"] += 0 if self.emu else 1  # emulated: counted where the wait moves the clock
+            self.stats["on_demand_reloads"] += 1
             self._reload(groups[max(groups)])
 
     def backward_end(self, key: Key) -> None:
@@ -445,6 +474,34 @@ def long_lived(order: list[tuple[str, Key]], skip_within: int) -> set[Key]:
     return {key for i, (op, key) in enumerate(order) if op in ("B", "I") and i - forward[key] > skip_within}
 
 
+def in_flight(order: list[tuple[str, Key]]) -> int:
+    """The most (stage, mb, chunk) whose forward has run and whose backward has not, at any point of ``order``:
+    how many micro-batches' activations the rank holds at its peak (1F1B: p - r on rank r)."""
+    held = peak = 0
+    for op, _ in order:
+        held += 1 if op == "F" else -1 if op in ("B", "I") else 0
+        peak = max(peak, held)
+    return peak
+
+
+def per_rank_budget(chunk_bytes: int, order: list[tuple[str, Key]]) -> int:
+    """The ``budget_bytes`` that brings this rank's peak down to what one forward saves, ``chunk_bytes``: at its
+    peak it holds k = ``in_flight(order)`` forwards, so each sheds 1 - 1/k of its bytes (formula)::
+
+        1F1B, p = 4        k    each forward sheds        held at the peak
+          rank 0           4    3/4 of chunk_bytes         4 x 1/4 = 1 chunk
+          rank 1           3    2/3                        3 x 1/3 = 1 chunk
+          rank 3 (last)    1    nothing                    1 chunk
+
+    Megatron's rule is the same shape with a knob: rank r keeps ``r * delta`` more bytes on the device
+    (``delta_offload_bytes_across_pp_ranks``); here the amount comes from the schedule. What stays of each
+    forward is its last groups, the ones its backward reaches first (see ``budget_bytes``)."""
+    if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 0:
+        raise ValueError(f"chunk_bytes must be an int >= 0 (bytes one forward saves), got {chunk_bytes!r}")
+    k = in_flight(order)
+    return chunk_bytes - chunk_bytes // k if k else 0
+
+
 # ------------------------------------------------------------------------------------------------
 # The executor hooks
 # ------------------------------------------------------------------------------------------------
@@ -471,10 +528,30 @@ class Offload(ExecutorHook):
 
 
 class SaveOnCPU(ExecutorHook):
-    """torch's ``save_on_cpu`` around every forward: every saved tensor to the host, back when its backward
-    unpacks it (no prefetch, not pipeline aware; the baseline lesson 08 compares with)."""
+    """torch's ``save_on_cpu`` around every forward: every saved tensor (parameters included) to the host, back
+    when its backward unpacks it (no prefetch, not pipeline aware; the baseline lesson 08 compares with).
+
+    On a GPU both copies run on the compute stream (pinned: ``copy_(non_blocking=True)`` in pack, ``.to(device,
+    non_blocking=True)`` in unpack), so every kernel after them waits. On a CPU they move nothing (``.cpu()`` of a
+    CPU tensor is the tensor); on the emulated cluster each is timed as on the GPU: a ``host_copy`` of the saved
+    tensor's bytes that the stream waits for, D2H in pack, H2D in unpack."""
 
     def forward_context(self, a: Action) -> ContextManager:
         if a.op != "F":
             return contextlib.nullcontext()
-        return torch.autograd.graph.save_on_cpu(pin_memory=self.executor.device.type == "cuda")
+        hooks = torch.autograd.graph.save_on_cpu(pin_memory=self.executor.device.type == "cuda")
+        emu = current_emulator()
+        if emu is None:
+            return hooks
+
+        def copied(hook, to_host: bool):
+            def run(x):
+                with emu.untimed():  # the copy's time is the host link's
+                    out = hook(x)
+                t = x if to_host else out
+                emu.host_copy(t.numel() * element_bytes(t.dtype, emu.cluster.float_bytes), to_host).wait()
+                return out
+            return run
+
+        return torch.autograd.graph.saved_tensors_hooks(copied(hooks.pack_hook, True),
+                                                        copied(hooks.unpack_hook, False))
