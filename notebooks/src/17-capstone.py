@@ -353,6 +353,9 @@ display(viz.waterfall(chain_names, [wire[n] / 1024 for n in chain_names], yaxis_
                       title="Bytes on the wire per step, all ranks (measured)"))
 display(viz.waterfall(chain_names, [1e3 * step[n] for n in chain_names], yaxis_title="ms",
                       title="Step time on this machine (measured, noisy: see section 7)"))
+if E is not None:
+    display(viz.waterfall(chain_names, [1e3 * vstep[n] for n in chain_names], yaxis_title="ms",
+                          title=f"Step time on the emulated {E['gpu']} at the toy's shapes (virtual time, section 7b)"))
 
 
 def change(a: str, b: str, d: dict) -> str:
