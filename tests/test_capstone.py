@@ -59,7 +59,7 @@ def test_memory_model_within_5_percent_of_every_rank(run):
     names, runs = _by_name(results)
     checked = 0
     for name, c, _ in lesson.configurations(cfg, WORLD):
-        if c.vocab_parallel:
+        if c.vocab_parallel or c.moe_overlap:  # not in the memory model
             continue
         for rank, r in enumerate(runs[name]):
             rows = {(x["stage"], x["mb"]): x["layers"] for x in r["routing"]}
@@ -76,7 +76,7 @@ def test_bytes_model_equals_the_ledger(run):
     cfg, results = run
     names, runs = _by_name(results)
     for name, c, _ in lesson.configurations(cfg, WORLD):
-        if c.vocab_parallel:
+        if c.vocab_parallel or c.moe_overlap:  # not in the bytes model
             continue
         for rank, r in enumerate(runs[name]):
             rows = {(x["stage"], x["mb"]): x["layers"] for x in r["routing"]}
@@ -109,6 +109,25 @@ def test_each_technique_buys_what_it_should(run):
                                                                                 rel=1e-5)
     for r in results:
         assert all(run["bench"]["mean_s"] > 0 for run in r["runs"])
+
+
+def test_dualpipev_with_ep_overlap_is_bitwise_dualpipev(run):
+    """EPOverlap interleaves each F&B pair's halves at their all-to-alls: the same ops on the same values, so after
+    the training steps every rank's losses and parameters are bitwise those of DualPipeV without it, with the same
+    all-to-all traffic; on the emulated cluster the same kernels (launches), in another order (exposed waits)."""
+    _, results = run
+    names, runs = _by_name(results)
+    plain, overlapped = runs["dualpipev"], runs["ep_overlap (on baseline)"]
+    assert overlapped[0]["config"]["moe_overlap"] and not plain[0]["config"]["moe_overlap"]
+    for a, b in zip(plain, overlapped):
+        assert a["losses"] == b["losses"] and a["param_digest"] == b["param_digest"]
+        a2a = [sum(x["sent_bytes"] for x in r["bytes"] if x["op"] == "all_to_all_single") for r in (a, b)]
+        assert a2a[0] == a2a[1] > 0
+    for r in results:
+        pair = r["emulated"]["ep_overlap"]
+        d, o = pair["dualpipev"], pair["ep_overlap (on baseline)"]
+        assert o["launch_s"] == pytest.approx(d["launch_s"]) and o["kernels_s"] == pytest.approx(d["kernels_s"])
+        assert o["exposed_s"] != pytest.approx(d["exposed_s"], rel=1e-6)
 
 
 def test_the_composed_step_on_the_emulated_cluster_beside_the_planner(run):
@@ -176,7 +195,8 @@ BAD = [
     ({"techniques": ["dualpipev", "vocab_parallel"]}, "conflict: vocab_parallel=True with schedule='dualpipev'"),
     ({"techniques": ["bf16", "bf16"]}, "turned on twice"),
     ({"techniques": ["no_such"]}, "not allowed"),
-    ({"techniques": ["moe_overlap"]}, "not allowed"),  # not composed: see test_moe_overlap_is_refused
+    ({"techniques": ["moe_overlap"]}, "not allowed"),  # the technique is called ep_overlap
+    ({"techniques": ["dualpipev", "offload", "ep_overlap"]}, "conflict: moe_overlap=True with offload='all'"),
     ({"n_layer": 6}, "must be divisible by the 4 pipeline stages"),
 ]
 
@@ -210,11 +230,25 @@ def test_conflicts_name_both_sides():
     assert set(LOSS_RTOL) == set(TECHNIQUES)
 
 
-def test_moe_overlap_is_refused_before_launch():
-    """toolkit.moe.overlap runs a whole model; the composed pipeline has no stage-level overlapped forward."""
-    with pytest.raises(ValueError, match="moe_overlap=True is not composed"):
+def test_ep_overlap_needs_dualpipev_experts_and_the_executor_to_itself():
+    with pytest.raises(ValueError, match="moe_overlap=True with schedule='1f1b'"):
         ComposeConfig(moe_overlap=True).validate(4)
-    assert "moe_overlap" not in TECHNIQUES
+    with pytest.raises(ValueError, match="moe_overlap=True with n_expert=4, ep=1"):
+        ComposeConfig(moe_overlap=True, schedule="dualpipev", ep=1).validate(4)
+    with pytest.raises(ValueError, match="moe_overlap must be True or False"):
+        ComposeConfig(moe_overlap=1).validate(4)
+    assert TECHNIQUES["ep_overlap"] == {"schedule": "dualpipev", "moe_overlap": True}
+    from toolkit.models import GPT, lm_loss, preset, split_stages
+    from toolkit.pipeline.ep_overlap import EPOverlap
+    from toolkit.pipeline.executor import ExecutorHook, PipelineExecutor
+    from toolkit.pipeline.schedule import make_schedule
+    schedule = make_schedule("dualpipev", 2, 4)
+    stages = split_stages(GPT(preset("smoke", n_layer=4)), 4)
+    modules = {s: stages[s] for s in schedule.stages_of(0)}
+    with pytest.raises(ValueError, match=r"the hooks \['ExecutorHook'\], which act around each op"):
+        PipelineExecutor(schedule, 0, modules, lm_loss, (2, 32, 32), hooks=[EPOverlap(), ExecutorHook()])
+    with pytest.raises(ValueError, match="ExpertParallelMoE"):  # a dense model has no all-to-all to overlap
+        PipelineExecutor(schedule, 0, modules, lm_loss, (2, 32, 32), hooks=[EPOverlap()])
 
 
 def test_precision_tolerance_is_keyed_on_the_step_before():

@@ -101,6 +101,8 @@ conflicts = {
     "MoE options on a dense model": lambda: ComposeConfig(n_expert=0, ep=1, a2a_codec="int8").validate(),
     "world size not pp x dp": lambda: base.validate(6),
     "DualPipeV with too few micro-batches": lambda: base.replace(schedule="dualpipev", m=3).validate(world_size),
+    "EP overlap in the F&B pairs, with activation offload": lambda: compose.chain(
+        base, ["dualpipev", "offload", "ep_overlap"], world_size),
 }
 errors = {k: refused(f) for k, f in conflicts.items()}
 
@@ -113,6 +115,7 @@ for k, e in errors.items():
 assert "conflict" in errors["DualPipeV, then vocabulary parallelism"] and "1F1B" in errors["DualPipeV, then vocabulary parallelism"]
 assert "MoE options on a dense model" in errors["MoE options on a dense model"]
 assert "pp × dp" in errors["world size not pp x dp"] and "m >= 2 × pp" in errors["DualPipeV with too few micro-batches"]
+assert "moe_overlap=True with offload" in errors["EP overlap in the F&B pairs, with activation offload"]
 
 # %% [markdown]
 # ## 3 · The run
@@ -153,6 +156,7 @@ for r in results:  # every rank reports the same global loss
     for i, name in enumerate(names):
         assert r["runs"][i]["losses"] == losses[name]
 assert abs(losses["baseline"][0] - r0["reference_loss"]) <= 1e-5 * r0["reference_loss"]
+assert all(losses[n] == losses["dualpipev"] for n, c, _ in configs if c.moe_overlap and "dualpipev" in losses)
 worst = {}
 for name, _, against in configs[1:]:
     tech = name.split(" (")[0]
@@ -172,6 +176,9 @@ print("baseline's first loss equals the single-process model's:", abs(losses["ba
 for name, _, against in configs[1:]:
     print(f"{name:28s} within {rtol[name]:g} of {against}: {worst[name] <= rtol[name]}"
           + ("  (bitwise equal)" if worst[name] == 0 else ""))
+for name, c, _ in configs:
+    if c.moe_overlap and "dualpipev" in losses:  # the same schedule without the overlap: bit-exact
+        print(f"{name} bitwise equal to dualpipev: {losses[name] == losses['dualpipev']}")
 
 # %% [markdown]
 # ## 5 · Memory per rank, measured and predicted
@@ -189,7 +196,8 @@ pred, meas, rows = {}, {}, []
 for name, c, _ in configs:
     for rank, run in enumerate(runs[name]):
         routing = {(x["stage"], x["mb"]): x["layers"] for x in run["routing"]}
-        p = compose_bytes.composed_memory(c, results[rank]["coords"]["pp"], routing) if not c.vocab_parallel else None
+        modelled = not (c.vocab_parallel or c.moe_overlap)  # the model knows neither's extra activations
+        p = compose_bytes.composed_memory(c, results[rank]["coords"]["pp"], routing) if modelled else None
         m_ = run["memory"]["peak"]
         pred[(name, rank)], meas[(name, rank)] = p, m_
         rows.append({"configuration": name, "rank": rank, **{k: m_[k] / 1024 for k in ("param", "grad", "optim", "act")},
@@ -235,7 +243,7 @@ for name, c, _ in configs:
             got[b["op"]] = got.get(b["op"], 0) + b["sent_bytes"]
         routing = {(x["stage"], x["mb"]): x["layers"] for x in run["routing"]}
         model = compose_bytes.composed_bytes(c, results[rank]["coords"]["pp"], routing, run["edgc_ranks"]) \
-            if not c.vocab_parallel else {}
+            if not (c.vocab_parallel or c.moe_overlap) else {}
         for op in sorted(set(got) | set(model)):
             brows.append({"configuration": name, "rank": rank, "op": op, "measured B": got.get(op, 0),
                           "model B": model.get(op)})
@@ -336,6 +344,24 @@ else:
         f"{matched['exposed'] * 1e3:.0f} ms for communication, mostly the experts' all-to-alls, which the model "
         "does not have (its DP term carries the gradients of a model with those FLOPs; the matched run's all-reduce "
         "carries the toy's gradients at the activations' byte scale)."))
+    if E["ep_overlap"]:
+        pair = {n: max(r["emulated"]["ep_overlap"][n]["step_s"] for r in results) for n in E["ep_overlap"]}
+        exposed = {n: max(r["emulated"]["ep_overlap"][n]["exposed_s"] for r in results) for n in E["ep_overlap"]}
+        plain, overlapped = pair["dualpipev"], pair["ep_overlap (on baseline)"]
+        real_moe = planner.MODELS[E["stands_for"]]
+        op = planner.op_times(planner.moe_layer_op(real_moe.seq_len, real_moe.hidden, real_moe.ffn_hidden,
+                                                   real_moe.top_k, base.ep), hw_run, "intra")
+        display(Markdown(
+            f"DualPipeV with each F&B pair's expert all-to-alls overlapped (`ep_overlap`), matched the same way, "
+            f"against DualPipeV without: {overlapped * 1e3:.1f} ms against {plain * 1e3:.1f} ms per step "
+            f"({overlapped / plain - 1:+.1%}; exposed communication on the busiest rank {exposed['ep_overlap (on baseline)'] * 1e3:.1f} "
+            f"against {exposed['dualpipev'] * 1e3:.1f} ms), on the same weights and data. On this placement the "
+            f"experts' all-to-alls cross {E['link']}: one dispatch of {E['stands_for']}'s layer takes "
+            f"{op['comm_s'] * 1e3:.2f} ms against {op['gemm_s'] * 1e3:.2f} ms of its expert GEMMs (cost model, ep = "
+            f"{base.ep}), "
+            + ("so there is little to hide, and inside a pair the forward's output leaves only when its last "
+               "segment is done, later than when the forward runs whole before the backward."
+               if overlapped >= plain else "and the overlap hides part of them behind the other half's compute.")))
 
 # %% [markdown]
 # ## 8 · What each technique bought
@@ -415,15 +441,26 @@ display(Markdown("What the bars say, at this size (measured):\n\n" + "\n".join(f
 
 # %%
 branch = [n for n in names if n.endswith("(on baseline)")]
-if branch:
-    n = branch[0]
-    display(Markdown(
-        f"**{n}.** Measured against the baseline: memory of the fullest rank {change('baseline', n, peak)}, bytes "
-        f"{change('baseline', n, wire)}, time {change('baseline', n, step)}. At V = {base.model_config().vocab_size} "
-        f"and d = {base.model_config().d_model} the output layer is small; what the technique balances (a head "
-        f"worth several layers at V = 256k: lesson 13's simulation) is not there to balance, while its extra "
-        f"micro-batch in flight (p + 1) and the S→T state are. Its memory is not in the planner's model (section 5 "
-        f"shows no prediction for it)."))
+texts = []
+for n in branch:
+    measured = (f"**{n}.** Measured against the baseline: memory of the fullest rank {change('baseline', n, peak)}, "
+                f"bytes {change('baseline', n, wire)}, time {change('baseline', n, step)}. ")
+    if cfg_of[n].vocab_parallel:
+        texts.append(measured + f"At V = {base.model_config().vocab_size} and d = {base.model_config().d_model} the "
+                     "output layer is small; what the technique balances (a head worth several layers at V = 256k: "
+                     "lesson 13's simulation) is not there to balance, while its extra micro-batch in flight (p + 1) "
+                     "and the S→T state are. Its memory is not in the planner's model (section 5 shows no prediction "
+                     "for it).")
+    elif cfg_of[n].moe_overlap and "dualpipev" in names:
+        equal = losses[n] == losses["dualpipev"]
+        texts.append(measured + "It is DualPipeV with each F&B pair's expert all-to-alls overlapped by the other "
+                     "half's compute (`toolkit.pipeline.ep_overlap.EPOverlap`); against DualPipeV without the "
+                     "overlap (the chain's first step) its losses are "
+                     + ("bitwise equal" if equal else "not bitwise equal") + f", its bytes on the wire "
+                     f"{change('dualpipev', n, wire)}, its fullest rank's peak {change('dualpipev', n, peak)} (the "
+                     "forward's activations and the backward's not yet freed ones live together inside a pair). "
+                     "Its memory and bytes are not in the planner's model (sections 5 and 6 show no prediction).")
+display(Markdown("\n\n".join(texts)))
 
 # %% [markdown]
 # ## 9 · The article's case study, redone by the planner (a model, no process runs it)

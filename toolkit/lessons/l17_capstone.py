@@ -12,14 +12,17 @@ the same seed and the same data::
     timing    every configuration timed side by side (toolkit.runtime.bench.compare, round-robin); on an
               emulated cluster each result also carries its step on the cluster's virtual clock (toy shapes)
     emulated  (with an emulated cluster) the composed configuration, the chain's end, one more step timed as
-              ``stands_for``'s MoE layers (workload-matched), and the planner's compute model checked: a dense
-              toy's blocks timed as the 13B case study's layers, the MFU they reach on the emulated GPU
+              ``stands_for``'s MoE layers (workload-matched), and so are DualPipeV with and without the expert
+              all-to-alls overlapped in its F&B pairs (``dualpipev`` and ``ep_overlap``, when both ran; their
+              states are bitwise equal, so it is the same step); and the planner's compute model checked: a
+              dense toy's blocks timed as the 13B case study's layers, the MFU they reach on the emulated GPU
 
 The single-process reference (the same model, the global batch, micro-batches in order) gives the baseline's
 first loss on every rank, to check that the composed layout computes the model's loss.
 """
 from __future__ import annotations
 
+import hashlib
 from collections import defaultdict
 
 import torch
@@ -39,16 +42,17 @@ PARAMS = {**common("model", "n_layer", "m", "micro_batch", "steps", "lr", "seed"
           "stands_for": Param(str, "the real MoE whose layers the emulated cluster times the composed run's as (the "
                                    "workload-matched mode)", choices=("mixtral-8x7b",))}
 CHAIN = ["dualpipev", "bf16", "bf16_residual", "offload", "int8_a2a", "edgc"]
+BRANCH = ["vocab_parallel", "ep_overlap"]  # each conflicts with a technique of the chain (DualPipeV, offload)
 PRESETS = {
     "smoke": {"model": "smoke", "n_layer": 4, "m": 4, "micro_batch": 2, "steps": 2, "lr": 1e-3, "seed": 0,
               "warmup": 0, "bench_steps": 1, "rounds": 3, "pp": 2, "n_expert": 4, "top_k": 2,
-              "techniques": CHAIN, "branch": ["vocab_parallel"], "stands_for": "mixtral-8x7b"},
+              "techniques": CHAIN, "branch": BRANCH, "stands_for": "mixtral-8x7b"},
     "default": {"model": "smoke", "n_layer": 4, "m": 4, "micro_batch": 2, "steps": 3, "lr": 1e-3, "seed": 0,
                 "warmup": 0, "bench_steps": 1, "rounds": 3, "pp": 2, "n_expert": 4, "top_k": 2,
-                "techniques": CHAIN, "branch": ["vocab_parallel"], "stands_for": "mixtral-8x7b"},
+                "techniques": CHAIN, "branch": BRANCH, "stands_for": "mixtral-8x7b"},
     "full": {"model": "default", "n_layer": 8, "m": 8, "micro_batch": 4, "steps": 10, "lr": 1e-3, "seed": 0,
              "warmup": 2, "bench_steps": 3, "rounds": 5, "pp": 2, "n_expert": 8, "top_k": 2,
-             "techniques": CHAIN, "branch": ["vocab_parallel"], "stands_for": "mixtral-8x7b"},
+             "techniques": CHAIN, "branch": BRANCH, "stands_for": "mixtral-8x7b"},
 }
 PHASES = [("reference", 1), ("train", 6), ("timing", 3), ("emulated", 1)]
 
@@ -80,6 +84,14 @@ def validate(cfg: dict, world_size: int) -> dict:
                          f"world size")
     configurations(cfg, world_size)  # every prefix of the chain and every branch: conflicts raise here
     return cfg
+
+
+def _digest(params: list[torch.Tensor]) -> str:
+    """sha256 of the parameters' bytes: equal digests, bitwise equal parameters."""
+    h = hashlib.sha256()
+    for p in params:
+        h.update(p.detach().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
 
 
 def _bytes_by_op(ledger, tag: str, steps: int) -> list[dict]:
@@ -127,7 +139,8 @@ def run(ctx, cfg: dict) -> dict:
         composed[name] = job
         runs.append({"name": name, "against": against, "config": c.to_dict(), "losses": losses,
                      "memory": mem.summary(), "bytes": _bytes_by_op(ctx.ledger, f"{name}:memory", 1),
-                     "param_bytes": job.parameter_bytes(), "stages": sorted(job.modules),
+                     "param_bytes": job.parameter_bytes(), "param_digest": _digest(job.params),
+                     "stages": sorted(job.modules),
                      "routing": [{"stage": s, "mb": mb, "layers": r} for (s, mb), r in sorted(rows.items())],
                      "edgc_ranks": [job.history[-1]["ranks"]] if job.history else None,
                      "offload": dict(job.offloader.stats) if job.offloader is not None else None})
@@ -143,13 +156,12 @@ def run(ctx, cfg: dict) -> dict:
         r["bench"] = results[r["name"]].to_dict()
     clock["timing"] = time.perf_counter()
     ctx.phase("emulated")
-    name, composed_cfg, _ = [c for c in configs if not c[0].endswith("(on baseline)")][-1]  # the chain's end
-    out = emulated(ctx, cfg, composed_cfg, composed[name], fixed)
+    out = emulated(ctx, cfg, configs, composed, fixed)
     clock["emulated"] = time.perf_counter()
     names = list(clock)
     return {"phase_seconds": {b: clock[b] - clock[a] for a, b in zip(names, names[1:])}, "rank": ctx.rank,
             "coords": {"pp": grid.rank_in("pp"), "dp": dp_rank}, "world_size": ctx.world_size,
-            "reference_loss": reference, "runs": runs, "emulated": out and {"configuration": name, **out}}
+            "reference_loss": reference, "runs": runs, "emulated": out}
 
 
 def virtual_step(emu, step) -> dict:
@@ -164,29 +176,35 @@ def virtual_step(emu, step) -> dict:
                                                                           "exposed_s")}}
 
 
-def emulated(ctx, cfg: dict, config: ComposeConfig, job: Composed, batch) -> dict | None:
-    """On the emulated cluster (None without one): the composed configuration ``config`` one step more, timed as
-    ``cfg["stands_for"]``'s MoE layers (``planner.moe_layer_op``: its expert GEMMs and its all-to-all bytes at
-    ep = dp), and ``mfu_check`` for the 13B case study. Virtual time is deterministic: one step is the time. The
-    same configuration at the toy's own shapes is in its ``bench["virtual"]`` (the timing phase)."""
+def emulated(ctx, cfg: dict, configs: list, composed: dict[str, Composed], batch) -> dict | None:
+    """On the emulated cluster (None without one): the composed configuration (the chain's end) one step more,
+    timed as ``cfg["stands_for"]``'s MoE layers (``planner.moe_layer_op``: its expert GEMMs and its all-to-all bytes
+    at ep = dp); likewise DualPipeV without and with the EP overlap when both ran; and ``mfu_check`` for the 13B
+    case study. Virtual time is deterministic: one step is the time. Every configuration at the toy's own shapes
+    is in its ``bench["virtual"]`` (the timing phase)."""
     from toolkit import planner
     emu = ctx.emulator
     if emu is None:
         return None
+    name, config, _ = [c for c in configs if not c[0].endswith("(on baseline)")][-1]  # the chain's end
     mc, real = config.model_config(), planner.MODELS[cfg["stands_for"]]
     toy_op = planner.moe_layer_op(config.micro_batch * mc.seq_len, mc.d_model, mc.d_ff, mc.top_k, config.ep,
                                   emu.cluster.float_bytes)
     real_op = planner.moe_layer_op(real.seq_len * real.micro_batch, real.hidden, real.ffn_hidden, real.top_k,
                                    config.ep)
     scales = planner.matched_scales(toy_op, real_op)
-    ctx.barrier()
-    with emu.scaled(**scales):
-        matched = virtual_step(emu, lambda: job.step(*batch))
-    ctx.progress(1, 2, "emulated: the composed configuration, matched")
+    pair = [n for n in ("dualpipev", "ep_overlap (on baseline)") if n in composed]
+    matched = {}
+    for i, n in enumerate([name, *pair] if len(pair) == 2 else [name]):
+        ctx.barrier()
+        with emu.scaled(**scales):
+            matched[n] = virtual_step(emu, lambda job=composed[n]: job.step(*batch))
+        ctx.progress(i + 1, 4, f"emulated: {n}, matched")
     check = mfu_check(emu, case_13b()[0])
-    ctx.progress(2, 2, "emulated: the planner's MFU")
+    ctx.progress(4, 4, "emulated: the planner's MFU")
     return {"cluster": emu.cluster.name, "gpu": emu.cluster.gpu.name, "link": emu.cluster.intra.name,
-            "stands_for": cfg["stands_for"], "scales": scales, "matched": matched, "mfu_check": check}
+            "stands_for": cfg["stands_for"], "scales": scales, "configuration": name, "matched": matched[name],
+            "ep_overlap": {n: matched[n] for n in pair} if len(pair) == 2 else None, "mfu_check": check}
 
 
 def mfu_check(emu, w, toy_seq: int = 32, heads: int = 4) -> dict:
