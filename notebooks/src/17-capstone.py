@@ -60,7 +60,8 @@ base = configs[0][1]
 # ```
 #  1 model      GPT(preset, n_expert); bf16 compute weights when precision is bf16
 #  2 experts    expert_parallel(model, ep group, codec)            int8 all-to-all: codec="int8"
-#  3 pipeline   make_schedule(1f1b | dualpipev) + PipelineExecutor  (vocabulary: the VocabPasses hook)
+#  3 pipeline   make_schedule(1f1b | dualpipev) + PipelineExecutor  (vocabulary: the VocabPasses hook;
+#               DualPipeV's F&B pairs with the expert all-to-alls overlapped: the EPOverlap hook)
 #  4 DP comm    PowerSGDReducer (plain all-reduce) | EDGC, one bucket per stage; experts / dp
 #  5 optimizer  AdamW (fp32) | MasterAdamW (bf16 + fp32 master) | ReuseAdamW (+ int16 residual)
 #  6 memory     ActivationOffloader hooks in the executor (pipeline-aware: by lifetime)
@@ -614,9 +615,12 @@ display(Markdown(f"Worst memory prediction: {worst_mem:.3f} × the measured peak
 # - torchtitan (`JobConfig`: one documented config, parallelisms applied in a fixed order to a model free of them).
 # - Korthikanti et al., *Reducing Activation Recomputation in Large Transformer Models* (2022): the activation
 #   formula of the planner.
-# - Rajbhandari et al., *ZeRO* (SC'20) and *ZeRO-Offload* (ATC'21): bytes per parameter by stage, offload.
-# - The lessons this one composes: 03 (DualPipeV), 04 and 14 (int8 all-to-all, dispatcher), 05 (EDGC),
-#   07 (bf16 + residual), 08 (offload), 13 (vocabulary parallelism).
+# - Rajbhandari et al., *ZeRO* (SC'20) and *ZeRO-Offload* (ATC'21): bytes per parameter by stage, offload;
+#   DeepSpeed's `DeepSpeedZeroConfig` (the ZeRO-3 buffer defaults the memory model counts).
+# - DeepSeek-V3 technical report (2024) and `deepseek-ai/DualPipe`: F&B pairs whose all-to-alls hide behind the
+#   other half's compute; Megatron-LM's combined 1F1B overlaps EP communication the same way.
+# - The lessons this one composes: 02 (forward-under-backward EP overlap), 03 (DualPipeV), 04 and 14 (int8
+#   all-to-all, dispatcher), 05 (EDGC), 07 (bf16 + residual), 08 (offload), 13 (vocabulary parallelism).
 
 # %%
 emulated = ""

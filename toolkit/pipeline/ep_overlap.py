@@ -95,12 +95,13 @@ class EPOverlap(ExecutorHook):
         ex = self.executor
         f, b = action.parts
         ex.wait_inputs(f)
-        start, vstart = time.perf_counter(), ex._vnow()
+        tl = ex.timeline
+        start, vstart = (time.perf_counter(), tl.vnow()) if tl is not None else (None, None)
         with ex.splitting(f), ex.recording(key_of(f)):  # what the executor runs a forward in
             self._run([self._forward_half(f), self._backward_half(b)])
-        if ex.timeline is not None:
-            ex.timeline.add("FB", start - ex.timeline.origin, ex.timeline.now(), vstart=vstart, vend=ex._vnow(),
-                            label=str(action), stage=f.stage, mb=f.mb, chunk=f.chunk, pair="F&B", overlap="EP")
+        if tl is not None:  # one span for the pair: its halves have no separate times
+            tl.add("FB", start - tl.origin, tl.now(), vstart=vstart, vend=tl.vnow(), label=str(action),
+                   stage=f.stage, mb=f.mb, chunk=f.chunk, pair="F&B", overlap="EP")
 
     def _forward_half(self, f: Action):
         ex = self.executor
