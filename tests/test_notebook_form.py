@@ -2,13 +2,16 @@
 
 - ``papermill --help-notebook`` lists every parameter of every notebook with a type (no "Unable to parse",
   no "Unknown type"): the parameters cell uses annotations (``world_size: int = 2``) and its help comments
-  contain no ``=`` (papermill gives up on a line with two).
+  contain no ``=`` (papermill gives up on a line with two). Every notebook declares what ``run_all -p`` may
+  pass to all of them (``world_size``, ``preset``, ``backend``, ``cluster``), and a parameter a notebook does
+  not declare is refused before anything runs (``tools/nb.py``'s ``execute``, ``tools/run_all.py``).
 - Code blocks (diagrams) and tables in markdown cells fit 100 columns, so they do not wrap in JupyterLab's
   default layout with the file browser open.
 """
 from __future__ import annotations
 
 import ast
+import importlib.util
 import logging
 import subprocess
 import sys
@@ -21,6 +24,10 @@ ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 IDS = [p.stem for p in NOTEBOOKS]
 WIDTH = 100
+
+_spec = importlib.util.spec_from_file_location("nb_tool", ROOT / "tools" / "nb.py")
+nb_tool = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(nb_tool)
 
 
 def _parameters_cell(nb) -> str:
@@ -57,8 +64,29 @@ def test_papermill_shows_every_parameter_with_a_type(notebook, caplog):
     assert not untyped, f"papermill shows 'Unknown type' for {untyped}: annotate them (world_size: int = 2)"
     listed = [p["name"] for p in params]
     assert listed == _assigned(source), f"papermill lists {listed}; the cell assigns {_assigned(source)}"
-    for name in ("world_size", "preset", "backend"):
+    for name in ("world_size", "preset", "backend", "cluster"):  # what run_all -p may pass to every notebook
         assert name in listed, f"{notebook.stem}: no {name!r} parameter"
+
+
+@pytest.mark.parametrize("notebook", NOTEBOOKS, ids=IDS)
+def test_the_parameters_cell_runs_on_its_own(notebook):
+    """papermill runs it first, before any import of the notebook's (an annotation needs its own imports)."""
+    exec(compile(_parameters_cell(nbformat.read(notebook, as_version=4)), notebook.name, "exec"), {})
+
+
+def test_an_unknown_parameter_is_refused_before_any_cell_runs(tmp_path):
+    """papermill only logs "Passed unknown parameter" and injects it; tools/nb.py's execute refuses it."""
+    with pytest.raises(ValueError, match=r"no parameter 'mm'; its parameters: world_size, preset, backend"):
+        nb_tool.execute(NOTEBOOKS[0], tmp_path / "out.ipynb", {"preset": "smoke", "mm": 8})
+    assert not (tmp_path / "out.ipynb").exists()
+
+
+def test_run_all_refuses_an_unknown_parameter_before_running(tmp_path):
+    out = subprocess.run([sys.executable, str(ROOT / "tools" / "run_all.py"), "--only", "03", "-p", "mm=8",
+                          "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "03-dualpipev has no parameter 'mm'; its parameters: world_size, preset, backend, cluster" in out.stderr
+    assert "[1/1]" not in out.stdout and not (tmp_path / "out").exists(), "nothing runs, nothing is written"
 
 
 def test_papermill_cli_lists_a_notebook():

@@ -10,9 +10,16 @@ with ``# %% tags=["parameters"]``) and built into ``notebooks/NN-name.ipynb``.
     python tools/nb.py check                # every .ipynb matches its source (used by the tests)
 
 Names are notebook stems like ``00-foundations``; no names = all.
+
+``execute`` is how the project's tools and tests run a notebook with papermill: it refuses a parameter the
+notebook does not declare. papermill itself only logs "Passed unknown parameter" and injects the assignment
+anyway, so a misspelt or undeclared knob would look set in the executed notebook while the run ignored it.
+``suggestions`` reads the items of a notebook's Try section and the knobs they name (checked by
+``tests/test_try_lines.py``; ``tests/test_notebooks.py`` runs one item per lesson).
 """
 from __future__ import annotations
 
+import ast
 import hashlib
 import json
 import os
@@ -20,6 +27,7 @@ import re
 import sys
 import tempfile
 from pathlib import Path
+from typing import NamedTuple
 
 import nbformat
 
@@ -68,6 +76,91 @@ def parse(source: str) -> nbformat.NotebookNode:
     return nb
 
 
+def parameters(notebook: str | Path) -> list[str]:
+    """The names papermill can set in ``notebook``: its cell tagged ``parameters``, in order."""
+    from papermill.inspection import inspect_notebook
+    return list(inspect_notebook(str(notebook)))
+
+
+def check_parameters(notebook: str | Path, params: dict) -> None:
+    """ValueError naming every key of ``params`` that ``notebook`` does not declare, and the ones it does."""
+    known = parameters(notebook)
+    unknown = [name for name in params if name not in known]
+    if unknown:
+        raise ValueError(f"{Path(notebook).stem} has no parameter {', '.join(map(repr, unknown))}; "
+                         f"its parameters: {', '.join(known)}")
+
+
+def execute(notebook: str | Path, output: str | Path, params: dict | None = None, **kwargs):
+    """``papermill.execute_notebook`` after ``check_parameters``: an unknown parameter fails before any cell
+    runs. ``kwargs`` go to papermill (``cwd`` defaults to the notebook's folder)."""
+    import papermill as pm
+    check_parameters(notebook, params or {})
+    kwargs.setdefault("cwd", str(Path(notebook).parent))
+    kwargs.setdefault("progress_bar", False)
+    return pm.execute_notebook(str(notebook), str(output), parameters=params or {}, **kwargs)
+
+
+TRY_HEADING = re.compile(r"^#{2,3}\s+(?:\d+\s*·\s*)?(?:Try\b|Something to try\b)", re.I)
+NO_VALUE = ...
+"""A knob a suggestion names without a value ("raise `m`")."""
+
+
+class Suggestion(NamedTuple):
+    """One item of a notebook's Try section (``## Try``, ``## Try this``, ``## Something to try``).
+
+    ``knobs``: every span in backticks that looks like a knob, a name (`m`) or an assignment (`m = 8`,
+    `zipf_s=0`), as ``{name: value}`` (the first value the text gives it, ``NO_VALUE`` for a bare name).
+    ``how``: "explorer" or "code edit" when the text says so (its knobs are then not parameters), else
+    "parameters"."""
+
+    text: str
+    knobs: dict
+    how: str
+
+
+def knobs(text: str) -> dict:
+    """The knob-like spans in backticks of ``text`` (see ``Suggestion.knobs``)."""
+    found: dict = {}
+    for span in re.findall(r"`([^`]+)`", text):
+        try:
+            body = ast.parse(span.strip()).body
+        except SyntaxError:
+            continue
+        node = body[0] if len(body) == 1 else None
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Name):
+            found.setdefault(node.value.id, NO_VALUE)
+        elif isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            try:
+                value = ast.literal_eval(node.value)
+            except ValueError:
+                value = NO_VALUE
+            if found.get(node.targets[0].id, NO_VALUE) is NO_VALUE:
+                found[node.targets[0].id] = value
+    return found
+
+
+def suggestions(name: str) -> list[Suggestion]:
+    """The items of notebook ``name``'s Try section, read from its source (``notebooks/src/name.py``)."""
+    items: list[list[str]] = []
+    for cell in parse((SRC_DIR / f"{name}.py").read_text()).cells:
+        inside = False
+        for line in cell.source.splitlines() if cell.cell_type == "markdown" else []:
+            if line.startswith("#"):
+                inside = bool(TRY_HEADING.match(line))
+            elif inside and line.startswith("- "):
+                items.append([line[2:]])
+            elif inside and line.startswith("  ") and items:
+                items[-1].append(line.strip())
+    out = []
+    for lines in items:
+        text = " ".join(lines)
+        how = ("explorer" if re.search(r"\bexplorer\b", text) else
+               "code edit" if re.search(r"\bcode edit\b", text, re.I) else "parameters")
+        out.append(Suggestion(text, knobs(text), how))
+    return out
+
+
 def _names(args: list[str]) -> list[str]:
     return args or sorted(p.stem for p in SRC_DIR.glob("*.py"))
 
@@ -87,13 +180,12 @@ def build(names: list[str]) -> None:
 
 
 def refresh(names: list[str]) -> None:
-    import papermill as pm
     os.environ.update(TOOLKIT_PRESET="smoke", TOOLKIT_PLAIN_PROGRESS="1")
     for name in _names(names):
         target = NB_DIR / f"{name}.ipynb"
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / target.name
-            pm.execute_notebook(str(target), str(out), cwd=str(NB_DIR), progress_bar=False)
+            execute(target, out)
             executed = nbformat.read(out, as_version=4)
         nb = nbformat.read(target, as_version=4)
         ran = {c.source: c for c in executed.cells if c.cell_type == "code"}

@@ -7,7 +7,8 @@ Writes out/notebooks/NN-name.ipynb (executed), out/summary.json (status and seco
 out/html/NN-name.html (one offline page per lesson), out/index.html (with each notebook's time) and
 out/results.html + out/results.json (the course results page: each lesson's headline measurement beside its
 source's claim, collected from the executed notebooks' ``toolkit.report.headline`` outputs).
-Exits non-zero if any notebook failed; the others still run.
+Exits non-zero if any notebook failed; the others still run. A ``-p`` name one of the notebooks does not declare
+stops it before any notebook runs (exit status 2), naming the notebook's parameters.
 """
 from __future__ import annotations
 
@@ -37,28 +38,39 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("-p", "--param", action="append", default=[], help="extra papermill parameter NAME=VALUE")
     args = ap.parse_args(argv)
 
-    import papermill as pm
-
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import book
+    import nb as nb_tool
 
+    params = {"preset": args.preset, "backend": args.backend}
+    for p in args.param:
+        name, eq, value = p.partition("=")
+        if not (eq and name):
+            ap.error(f"-p {p!r}: expected NAME=VALUE")
+        params[name] = _value(value)
+    notebooks = sorted((ROOT / "notebooks").glob("*.ipynb"))
+    if args.only:
+        notebooks = [nb for nb in notebooks if any(nb.name.startswith(o) for o in args.only)]
+    unknown = []  # every notebook's parameters checked before the first one runs
+    for nb in notebooks:
+        try:
+            nb_tool.check_parameters(nb, params)
+        except ValueError as exc:
+            unknown.append(str(exc))
+    if unknown:
+        ap.error("unknown parameter (-p NAME=VALUE must name a parameter of every notebook run):\n  "
+                 + "\n  ".join(unknown))
     os.environ.setdefault("TOOLKIT_PLAIN_PROGRESS", "1")
     out = (ROOT / args.out).resolve() if not Path(args.out).is_absolute() else Path(args.out)
     (out / "notebooks").mkdir(parents=True, exist_ok=True)
     (out / "html").mkdir(parents=True, exist_ok=True)
-    params = {"preset": args.preset, "backend": args.backend}
-    params.update({k: _value(v) for k, _, v in (p.partition("=") for p in args.param)})
-    notebooks = sorted((ROOT / "notebooks").glob("*.ipynb"))
-    if args.only:
-        notebooks = [nb for nb in notebooks if any(nb.name.startswith(o) for o in args.only)]
     rows = []
     for i, nb in enumerate(notebooks, 1):
         print(f"[{i}/{len(notebooks)}] {nb.stem} (preset={args.preset})", flush=True)
         target = out / "notebooks" / nb.name
         start, status, error = time.monotonic(), "ok", ""
         try:
-            pm.execute_notebook(str(nb), str(target), parameters=params, cwd=str(nb.parent), progress_bar=False,
-                                kernel_name="python3")
+            nb_tool.execute(nb, target, params, kernel_name="python3")
         except Exception as exc:  # noqa: BLE001 - report and go on with the other lessons
             status, error = "failed", str(exc).strip().splitlines()[-1][:300] if str(exc).strip() else repr(exc)
         seconds = time.monotonic() - start

@@ -19,11 +19,13 @@
 
 # %% tags=["parameters"]
 import os
+from typing import Optional
 
 world_size: int = 2
 preset: str = os.environ.get("TOOLKIT_PRESET", "default")  # smoke | default | full
 backend: str = "auto"  # auto | gloo | nccl
 cluster: str = "h100-ib400"  # emulated cluster of section 6b: h100-ib400 | a100-ib200 | pcie-100gbe
+model: Optional[str] = None  # toolkit.models size of the run: smoke | default | full (None: the preset's)
 timeout_s: int = 600
 
 # %%
@@ -38,7 +40,8 @@ from toolkit.comm.bandwidth import check_nccl_settings, parse_exports
 from toolkit.memory import checkpointing
 from toolkit.planner import Workload, plan
 
-results = launch("l00_foundations", world_size, {"preset": preset}, backend=backend, timeout_s=timeout_s)
+results = launch("l00_foundations", world_size, {"preset": preset, "model": model}, backend=backend,
+                 timeout_s=timeout_s)
 r0 = results[0]
 print(f"{world_size} ranks, backend {r0['bandwidth']['backend']}, model {r0['model']['n_layer']} layers × "
       f"d={r0['model']['d_model']}, wall {results.wall_s:.1f} s")
@@ -619,9 +622,13 @@ headline("00", "data parallelism: DDP, ZeRO-1/2/3, FSDP2",
 
 # %% [markdown]
 # ## Try this
-# - Run with `world_size = 4` and compare the bus bandwidth curves: gloo's all-reduce is not bandwidth-optimal.
-# - In the decision guide, drop `inter_gbps` to 12.5 (100 Gb/s Ethernet) and watch ZeRO-3 and large DP fall.
-# - Add a `"mlp"` + `"attn"` policy combination in `toolkit/memory/checkpointing.py` and measure it.
+# - `world_size = 4` with `model = "default"` (four heads, one per rank of the tensor-parallel section): compare
+#   the bus bandwidth curves; gloo's all-reduce is not bandwidth-optimal.
+# - `cluster = "pcie-100gbe"`: section 6b's two nodes become PCIe GPUs on 100 Gb Ethernet; every op still meets
+#   its closed form, with that cluster's α and β.
+# - In the decision guide's explorer (section 8), drop the `inter_gbps` control to 12.5 (100 Gb/s Ethernet) and
+#   watch ZeRO-3 and large DP fall.
+# - A code edit: add a `"mlp"` + `"attn"` policy combination to `toolkit/memory/checkpointing.py` and measure it.
 #
 # ## Sources
 # - Source article: `shared/seeds/001_bba0d011f7f175cd.txt` (claims tested above).

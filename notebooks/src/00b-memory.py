@@ -34,6 +34,7 @@ backend: str = "auto"  # auto | gloo | nccl
 nvme_path: Optional[str] = None  # directory for the disk offload and the spill (None: the system temp directory)
 stage: Optional[int] = None  # ZeRO stage 1, 2 or 3 the offload runs on (None: the preset's, 3)
 buffer_count: Optional[int] = None  # disk offload staging buffers in flight (None: the preset's)
+stands_for: Optional[str] = None  # the real model the matched bucket sweep times (None: the preset's, llama2-7b)
 cluster: str = "h100-ib400"  # emulated cluster under the run: h100-ib400 | a100-ib200 | pcie-100gbe | none
 timeout_s: int = 600
 
@@ -49,7 +50,8 @@ from toolkit.memory.spill import DiskSpill
 from toolkit.planner import Workload, memory_per_gpu, offload_per_gpu
 from toolkit.runtime.cluster import cluster as make_cluster
 
-cfg = {"preset": preset, "nvme_path": nvme_path, "stage": stage, "buffer_count": buffer_count}  # None: the preset's
+cfg = {"preset": preset, "nvme_path": nvme_path, "stage": stage, "buffer_count": buffer_count,  # None: the preset's
+       "stands_for": stands_for}
 # one GPU per node: the data-parallel all-reduce of section 5 crosses the network, as it does at scale
 nodes = make_cluster(cluster, ranks_per_node=1) if cluster != "none" else None
 results = launch("l00b_memory", world_size, cfg, backend=backend, timeout_s=timeout_s, cluster=nodes)
@@ -606,11 +608,18 @@ headline("00b", f"ZeRO-{off['stage']} + optimizer offload to host and disk (ZeRO
          note="fp32 here (ZeRO-Offload moves fp16); the article's 18 GB → 9.2 GB for 13B needs GPUs")
 
 # %% [markdown]
-# **Try:** `stage=1` or `2` (the offload works on every stage; `nvme_params` needs 3); `buffer_count=1` vs `4`
-# with `nvme_path` on a real NVMe drive; `cluster="pcie-100gbe"` (100 GbE between the nodes: a higher α and a
-# lower β than InfiniBand move the optimum).
+# ## Try this
 #
-# **Sources.** Rajbhandari et al., *ZeRO* (SC'20); Ren et al., *ZeRO-Offload* (ATC'21); Rajbhandari et al.,
+# - `stage = 1` or `stage = 2`: the optimizer offload works on every ZeRO stage; offloading the parameters to
+#   disk as well needs stage 3, so that row is left out.
+# - `buffer_count = 1` vs `buffer_count = 4`, with `nvme_path` set to a directory on a real NVMe drive.
+# - `cluster = "pcie-100gbe"`: 100 GbE between the nodes, a higher α and a lower β than InfiniBand, move the
+#   bucket optimum.
+# - `stands_for = "llama2-70b"`: the matched sweep times the toy's gradient as a 70B model's.
+#
+# ## Sources
+#
+# Rajbhandari et al., *ZeRO* (SC'20); Ren et al., *ZeRO-Offload* (ATC'21); Rajbhandari et al.,
 # *ZeRO-Infinity* (SC'21) and DeepSpeed's `offload_optimizer`/`offload_param` (`buffer_count`, `buffer_size`);
 # PyTorch FSDP2 `CPUOffloadPolicy`; Li et al., *PyTorch Distributed: Experiences on Accelerating Data Parallel
 # Training* (VLDB'20, DDP gradient bucketing); `torch.utils.checkpoint`, `torch.autograd.graph.saved_tensors_hooks`;

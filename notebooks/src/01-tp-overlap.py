@@ -42,11 +42,17 @@
 
 # %% tags=["parameters"]
 import os
+from typing import Optional
 
 world_size: int = 2
 preset: str = os.environ.get("TOOLKIT_PRESET", "default")  # smoke | default | full
 backend: str = "auto"  # auto | gloo | nccl
 cluster: str = "h100-ib400"  # emulated cluster under the run: h100-ib400 | a100-ib200 | pcie-100gbe | none
+n_head: Optional[int] = None  # attention heads, a multiple of world_size (None: the preset's)
+d_model: Optional[int] = None  # hidden size, a multiple of world_size (None: the preset's)
+micro_batch: Optional[int] = None  # sequences per micro-batch (None: the preset's)
+tiles: Optional[int] = None  # row tiles per chunk of the tiled ring, 1 is the plain ring (None: the preset's)
+stands_for: Optional[str] = None  # real model the emulated cluster times the toy as (None: the preset's)
 timeout_s: int = 600
 
 # %%
@@ -59,6 +65,9 @@ from toolkit.lessons import l01_tp_overlap as lesson
 from toolkit.parallel import tp_overlap
 from toolkit.runtime.bench import verdict
 from toolkit.runtime.timeline import merge
+
+knobs = {"preset": preset, "n_head": n_head, "d_model": d_model, "micro_batch": micro_batch, "tiles": tiles,
+         "stands_for": stands_for}  # None: the preset's value
 
 # %% [markdown]
 # ## 1 · The code that matters
@@ -88,7 +97,7 @@ print(inspect.getsource(tp_overlap._AllGatherLinear.backward))
 
 # %%
 # NBVAL_CHECK_OUTPUT
-cfg = lesson.validate({"preset": preset}, world_size)
+cfg = lesson.validate(knobs, world_size)
 mc = lesson.model_config(cfg)
 M = cfg["micro_batch"] * mc.seq_len
 print(f"tp = {world_size}, M = {M} tokens, D = {mc.d_model}, {mc.n_layer} layer(s)")
@@ -105,8 +114,7 @@ print(f"extra bytes held per layer when keeping: {tp_overlap.kept_bytes_per_laye
 # re-gathering or keeping the gathered input. Then the micro-benchmarks at the MLP's shapes.
 
 # %%
-results = launch("l01_tp_overlap", world_size, {"preset": preset}, backend=backend, timeout_s=timeout_s,
-                 cluster=cluster)
+results = launch("l01_tp_overlap", world_size, knobs, backend=backend, timeout_s=timeout_s, cluster=cluster)
 r0 = results[0]
 V = r0["variants"]
 print(f"{world_size} ranks, {r0['n_layer']} layer(s), d_model={r0['model']['d_model']}, {r0['tokens']} tokens "
@@ -411,13 +419,19 @@ headline("01", "TP communication overlapped with the GEMMs (flux-style ring AG+G
 #
 # (The production ops are `torch.ops.symm_mem`'s: symmetric memory and copy engines, where available.)
 #
-# **Try:** `world_size = 4` (with `n_head` a multiple of 4 in the cfg: the ring then takes three hops and
-# the reduce-scatter is no longer bitwise); a larger `d_model` (more GEMM per byte); `micro_batch = 1`
-# (short messages: the fixed cost of each one dominates); `tiles` in the cfg (1 is the plain ring; more tiles
-# cover more of the GEMM and send more messages); `cluster = "a100-ib200"` (a slower NVLink and GPU: the
-# ratio moves) or `stands_for = "llama2-70b"` in the cfg (a wider MLP per token).
+# ## Try this
 #
-# **Sources.** Chang et al., *FLUX: Fast Software-based Communication Overlap on GPUs Through Kernel
+# - `world_size = 4` with `n_head = 4`: the ring then takes three hops, and the reduce-scatter is no longer
+#   bitwise.
+# - A larger `d_model` (more GEMM per byte), or `micro_batch = 1` (short messages: the fixed cost of each one
+#   dominates).
+# - `tiles = 1` (the plain ring) or more tiles (they cover more of the GEMM and send more messages).
+# - `cluster = "a100-ib200"` (a slower NVLink and GPU: the ratio moves) or `stands_for = "llama2-70b"` (a wider
+#   MLP per token).
+#
+# ## Sources
+#
+# Chang et al., *FLUX: Fast Software-based Communication Overlap on GPUs Through Kernel
 # Fusion* (arXiv 2406.06858) and `bytedance/flux` (`AGKernel`, `GemmRS`); Wang et al., *Overlap
 # Communication with Dependent Computation via Decomposition* (ASPLOS 2023); PyTorch async-TP
 # (`torch.distributed._symmetric_memory`, "Distributed w/ TorchTitan: Introducing Async Tensor

@@ -402,11 +402,14 @@ headline("02", "MoE all-to-all overlapped across micro-batches (forward with for
 #
 # ## Try this
 #
-# - `d_ff=2048` (heavier experts): the comm/compute ratio falls; does the exposed fraction follow the cost model?
-# - `m=8`: fb's unpaired first forward and last backward weigh less; overlapped holds twice as many activations.
-# - `world_size=4` with `n_expert=8`: three quarters of each rank's tokens leave the rank instead of half.
-# - `preset="full"`, `backend="nccl"` on GPUs: the same three schedules; profile them with `torch.profiler` to see the
-#   two streams.
+# - `d_ff = 2048` (heavier experts): the compute grows, the all-to-all bytes stay, so the comm/compute ratio falls;
+#   does the exposed fraction follow the cost model?
+# - `m = 16`: fb's unpaired first forward and last backward weigh less; overlapped would hold twice as many
+#   activations.
+# - `world_size = 4` with `n_expert = 8`: under uniform routing three quarters of each rank's tokens leave the rank
+#   instead of half (theory).
+# - `preset = "full"` and `backend = "nccl"` on GPUs: the same three schedules; profile them with `torch.profiler` to
+#   see the two streams.
 #
 # ## Sources
 #

@@ -41,11 +41,13 @@
 
 # %% tags=["parameters"]
 import os
+from typing import Optional
 
 world_size: int = 2
 preset: str = os.environ.get("TOOLKIT_PRESET", "default")  # smoke | default | full
 backend: str = "auto"  # auto | gloo | nccl
 cluster: str = "h100-ib400"  # emulated cluster under the run: h100-ib400 | a100-ib200 | pcie-100gbe | none
+m: Optional[int] = None  # micro-batches per step (None: the preset's)
 timeout_s: int = 600
 
 # %%
@@ -134,7 +136,7 @@ for r in rows:
 # and the cell below says why).
 
 # %%
-results = launch("l03_dualpipev", world_size, {"preset": preset}, backend=backend, timeout_s=timeout_s,
+results = launch("l03_dualpipev", world_size, {"preset": preset, "m": m}, backend=backend, timeout_s=timeout_s,
                  cluster=cluster)
 r0 = results[0]
 
@@ -529,10 +531,16 @@ headline("03", "DualPipeV (V-folded pipeline, zero-bubble W split, F&B pairs)",
          emulated=emulated, emulated_reproduced=emulated_ok)
 
 # %% [markdown]
-# **Try:** raise `m` (the bubble fraction falls as 1/m); set F&B/(F+B) = 0.5 in the explorer; compare
-# `torch:zbv` (ZB-V, also a V) with DualPipeV at equal costs.
+# ## Try this
 #
-# **Sources.** DeepSeek-V3 technical report §3.2 (arXiv 2412.19437); `deepseek-ai/DualPipe`
+# - `m = 8` (the smoke preset runs 4) or `m = 16` (the default runs 8): the bubble fraction falls as 1/m.
+# - In the explorer (section 9), set the `overlap` control, F&B/(F+B), to 0.5.
+# - In the explorer, compare `schedule = "torch:zbv"` (ZB-V, also a V) with `schedule = "dualpipev"` at
+#   equal costs.
+#
+# ## Sources
+#
+# DeepSeek-V3 technical report §3.2 (arXiv 2412.19437); `deepseek-ai/DualPipe`
 # (`dualpipe/dualpipev.py`, README bubble table); Qi et al., *Zero Bubble Pipeline Parallelism*, ICLR 2024;
 # `torch.distributed.pipelining.ScheduleDualPipeV` (pytorch#159591); MindSpeed-LLM `dualpipev` and MLA
 # `a2a_hooked_on_attention`.

@@ -26,14 +26,20 @@
 # ```
 #
 # "Pipeline stages" are emulated by parameter groups: stage 0 = embedding + first half of the blocks,
-# stage 1 = second half + head; each has its own rank.
+# stage 1 = second half + head; each has its own PowerSGD rank r (the rank of its low-rank sketch; a *process*
+# rank is always written "rank 0", "every rank").
 
 # %% tags=["parameters"]
 import os
+from typing import Optional
 
 world_size: int = 2
 preset: str = os.environ.get("TOOLKIT_PRESET", "default")  # smoke | default | full
 backend: str = "auto"  # auto | gloo | nccl
+cluster: str = "none"  # emulated cluster under the run: none | h100-ib400 | a100-ib200 | pcie-100gbe
+r_min: Optional[int] = None  # smallest PowerSGD rank the controller may pick (None: the preset's)
+ref_bits: Optional[float] = None  # bits per element the warm-up gradient is described with (None: the preset's)
+torch_rank: Optional[int] = None  # PowerSGD rank of the torch powerSGD_hook comparison (None: the preset's)
 timeout_s: int = 1200
 loss_tolerance: float = 0.02  # EDGC's held-out loss may exceed the baseline's by at most this fraction
 
@@ -47,7 +53,8 @@ from toolkit.comm import edgc as E
 from toolkit.report import headline
 from toolkit.runtime.spread import pm
 
-results = launch("l05_edgc", world_size, {"preset": preset}, backend=backend, timeout_s=timeout_s)
+cfg = {"preset": preset, "r_min": r_min, "ref_bits": ref_bits, "torch_rank": torch_rank}  # None: the preset's
+results = launch("l05_edgc", world_size, cfg, backend=backend, timeout_s=timeout_s, cluster=cluster)
 r0 = results[0]
 cfg = r0["cfg"]
 warm = cfg["edgc_warmup"]
@@ -69,11 +76,13 @@ print(inspect.getsource(E.PowerSGDReducer._reduce_bucket))
 #
 # PyTorch ships PowerSGD as a DDP communication hook (`PowerSGDState` + `powerSGD_hook`). The lesson trains
 # two copies of the model on the same batches: one under DDP with torch's hook, one with our reducer, at the
-# same rank, seed and start step. *Bitwise* equality needs four details of the hook reproduced exactly; miss
-# any one and the numbers drift apart:
+# same PowerSGD rank, seed and start step. *Bitwise* equality needs four details of the hook reproduced exactly;
+# miss any one and the numbers drift apart:
 #
-# - the order of the gradients in DDP's bucket (DDP re-packs it after step 0 in the order gradients become
-#   ready; the lesson reads it from the hook),
+# - the order of the gradients in DDP's bucket, from the step DDP re-packs it on (after step 0, in the order
+#   gradients become ready; the lesson reads it from the hook), uncompressed steps included: beyond two processes
+#   gloo's ring adds an element's contributions in an order set by its offset in the buffer, so a stale layout
+#   changes the last bits (with two, a + b = b + a hides it),
 # - the order of the factor memories: torch groups the compressed matrices *by shape* (first appearance)
 #   before drawing the random Q, even when it does not batch them,
 # - the Q initialisation: a numpy `RandomState(seed)` draws one torch seed per bucket, `randn` on the CPU,
@@ -85,12 +94,12 @@ print(inspect.getsource(E.PowerSGDReducer._reduce_bucket))
 tv = r0["torch_vs_ours"]
 viz.table([{k: row[k] for k in ("step", "compressed", "loss_torch", "loss_ours", "grad_max_abs_diff",
                                  "grads_bitwise_equal")} for row in tv["steps"]],
-          title=f"torch powerSGD_hook vs our reducer, rank {tv['rank']}", formats={"loss_torch": ".6f",
+          title=f"torch powerSGD_hook vs our reducer, PowerSGD rank {tv['rank']}", formats={"loss_torch": ".6f",
                                                                                  "loss_ours": ".6f"}).show()
 
 # %%
 # NBVAL_CHECK_OUTPUT
-print("rank", tv["rank"], "| compression from step", tv["start"])
+print("PowerSGD rank", tv["rank"], "| compression from step", tv["start"], "| processes", len(results))
 print("gradients bitwise equal at every step, every rank:",
       all(row["grads_bitwise_equal"] for r in results for row in r["torch_vs_ours"]["steps"]))
 print("parameters bitwise equal after the run:", all(r["torch_vs_ours"]["params_bitwise_equal"] for r in results))
@@ -176,14 +185,14 @@ assert sp["diff"] / sp["base"]["mean"] <= loss_tolerance, f"EDGC's loss is more 
 assert r0["edgc"]["loss"][:warm] == r0["baseline"]["loss"][:warm]
 
 # %% [markdown]
-# ## 5 · Entropy and rank over time
+# ## 5 · Entropy and PowerSGD rank over time
 #
 # The sampler measures the differential entropy of each stage's local gradient on rank 0 every
 # `isr_every`-th step (ISR α = 1/isr_every), from a fraction β = `gsr` of the elements. A drop of one bit
 # means the spread of the gradient halved. At every window boundary the mean entropy of the window sets the
-# rank of each stage; rank 0's decision is broadcast, and a small all-gather checks that every rank holds
-# the same ranks before any P or Q is sent (mismatched ranks would mean mismatched buffer sizes: a hang, not
-# an error).
+# PowerSGD rank of each stage; rank 0's decision is broadcast, and a small all-gather checks that every process
+# holds the same PowerSGD ranks before any P or Q is sent (mismatched ones would mean mismatched buffer sizes: a
+# hang, not an error).
 
 # %%
 sampled = [(s, h) for s, h in enumerate(r0["edgc"]["entropy"]) if h is not None]
@@ -192,14 +201,14 @@ viz.lines({f"stage {i}": [h[i] for _, h in sampled] for i in range(cfg["stages"]
           yaxis_title="h (bits)").show()
 ranks = r0["edgc"]["ranks"]
 viz.lines({f"stage {i}": [r[i] or 0 for r in ranks] for i in range(cfg["stages"])}, x=steps,
-          title="Rank per stage (0 = plain all-reduce during the warm-up)", xaxis_title="step",
-          yaxis_title="rank").show()
+          title="PowerSGD rank per stage (0 = plain all-reduce during the warm-up)", xaxis_title="step",
+          yaxis_title="PowerSGD rank").show()
 
 # %%
 # NBVAL_CHECK_OUTPUT
 decisions = ranks[warm::cfg["window"]]
-print("ranks per window (stage 0, stage 1):", [tuple(r) for r in decisions])
-print("all ranks used the same ranks:", all(r["edgc"]["ranks"] == ranks for r in results))
+print("PowerSGD ranks per window (stage 0, stage 1):", [tuple(r) for r in decisions])
+print("every process used the same PowerSGD ranks:", all(r["edgc"]["ranks"] == ranks for r in results))
 
 # %%
 assert all(r["edgc"]["ranks"] == ranks for r in results)
@@ -235,12 +244,12 @@ assert at["error_mp"] > 2 * at["error_grad_end"], "the MP model should overstate
 display(Markdown(
     f"**The Marchenko–Pastur model mispredicts the real gradient's error.** At r = {at['rank']} it says a sketch "
     f"misses {at['error_mp']:.2f} of ‖M‖²; this model's real gradient misses {at['error_grad_end']:.4f} at the end "
-    f"of training ({at['error_grad_init']:.4f} at initialisation): {factor:.0f}× less. A rank rule built on it "
-    f"would keep ranks far too large, so it is **not** the rank rule used here: the rank comes from the entropy "
+    f"of training ({at['error_grad_init']:.4f} at initialisation): {factor:.0f}× less. A PowerSGD-rank rule built on "
+    f"it would keep ranks far too large, so it is **not** the rule used here: the PowerSGD rank comes from the entropy "
     f"(section 5), and the Marchenko–Pastur curve only marks the worst case, a gradient with no structure at all."))
 
 # %% [markdown]
-# **Time.** The other half of the model maps rank to communication time: t = latency + bytes / bandwidth
+# **Time.** The other half of the model maps the PowerSGD rank to communication time: t = latency + bytes / bandwidth
 # per all-reduce, fitted to all-reduces of four sizes measured at the start of the run. A compressed step
 # makes three all-reduces per stage instead of one, so on a latency-bound link (small model, CPU, gloo) the
 # saving in bytes need not become a saving in time. These are timings of this machine, shared with other
@@ -250,7 +259,7 @@ display(Markdown(
 tm = r0["time_model"]
 print(f"fitted latency {tm['latency_s'] * 1e6:.0f} µs, bandwidth {tm['bytes_per_s'] / 1e9:.2f} GB/s")
 viz.lines({"predicted": [c["predicted_s"] * 1e3 for c in curve]}, x=[c["rank"] for c in curve],
-          title="Predicted communication time of one compressed step vs rank", xaxis_title="rank",
+          title="Predicted communication time of one compressed step vs PowerSGD rank", xaxis_title="PowerSGD rank",
           yaxis_title="ms").show()
 med = lambda xs: sorted(xs)[len(xs) // 2]
 rows = [{"run": "plain all-reduce", "predicted_ms": tm["predicted_step_s_plain"] * 1e3,
@@ -312,9 +321,11 @@ headline("05", "EDGC (entropy-driven low-rank gradient compression)",
 #
 # ## Something to try
 #
-# - Lower `r_min` to 1 and `ref_bits` to 3 (a more aggressive controller): how far do bytes fall, and the loss?
-# - Set `torch_rank` to 2: torch switches from QR to Gram–Schmidt; the equality must still hold.
-# - Run with `world_size = 4`: the P and Q sums now go round a longer ring, and the byte ratio is unchanged.
+# - `r_min = 1` and `ref_bits = 3` (a more aggressive controller): how far do bytes fall, and the loss?
+# - `torch_rank = 2`: torch switches from QR to Gram–Schmidt; the equality must still hold.
+# - `world_size = 4`: the P and Q sums go round a longer ring, where the order of the additions depends on where an
+#   element lies in the buffer; our reducer still matches torch's hook bit for bit (section 2), and the byte model
+#   still predicts every step's all-reduce bytes.
 #
 # ## Sources
 #

@@ -34,10 +34,13 @@
 
 # %% tags=["parameters"]
 import os
+from typing import Optional
 
 world_size: int = 4  # 2 nodes x 2 ranks (2 ranks: 2 nodes x 1)
 preset: str = os.environ.get("TOOLKIT_PRESET", "default")  # smoke | default | full
 backend: str = "auto"  # auto | gloo | nccl
+cluster: str = "none"  # emulated cluster under the run: none | h100-ib400 | a100-ib200 | pcie-100gbe
+steps: Optional[int] = None  # training steps of every run (None: the preset's)
 timeout_s: int = 1800
 loss_tolerance: float = 0.02  # SDP4Bit's held-out loss may exceed the baseline's by at most this fraction
 
@@ -51,7 +54,8 @@ from toolkit.comm import sdp4bit as S
 from toolkit.report import headline
 from toolkit.runtime.spread import pm
 
-results = launch("l06_sdp4bit", world_size, {"preset": preset}, backend=backend, timeout_s=timeout_s)
+results = launch("l06_sdp4bit", world_size, {"preset": preset, "steps": steps}, backend=backend, timeout_s=timeout_s,
+                 cluster=cluster)
 r0 = results[0]
 cfg, runs = r0["cfg"], r0["runs"]
 print(f"{world_size} ranks = {r0['nodes']} nodes x {r0['local']}, model {cfg['model']} width with {cfg['n_layer']} "
@@ -282,8 +286,9 @@ headline("06", "SDP4Bit (4-bit weight differences, two-level 8/4-bit gradients w
 #
 # - `world_size = 2`: two nodes of one rank; the intra-node leg disappears and the gradient ratio drops to
 #   the inter-node one.
-# - Change `weight_group` in `S.SDPConfig` to 128: scales cost more bytes, the Δ error shrinks.
-# - Train longer (`steps`) and watch whether direct 4-bit weights fall further behind.
+# - A code edit: `weight_group = 128` in `SDPConfig` (`toolkit/comm/sdp4bit.py`): scales cost more bytes, the Δ
+#   error shrinks.
+# - Train longer (`steps = 100`) and watch whether direct 4-bit weights fall further behind.
 #
 # ## Sources
 #

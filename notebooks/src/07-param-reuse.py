@@ -50,6 +50,7 @@ from typing import Optional
 world_size: int = 2
 preset: str = os.environ.get("TOOLKIT_PRESET", "default")  # smoke | default | full
 backend: str = "auto"  # auto | gloo | nccl
+cluster: str = "none"  # emulated cluster under the run: none | h100-ib400 | a100-ib200 | pcie-100gbe
 steps: Optional[int] = None  # None: the preset's (smoke 20, default 40, full 1000)
 timeout_s: int = 900
 
@@ -124,7 +125,7 @@ from toolkit import launch, viz
 from toolkit.report import headline
 
 cfg = {"preset": preset, "steps": steps}  # None: the preset's value
-results = launch("l07_param_reuse", world_size, cfg, backend=backend, timeout_s=timeout_s)
+results = launch("l07_param_reuse", world_size, cfg, backend=backend, timeout_s=timeout_s, cluster=cluster)
 r0 = results[0]
 print(f"preset {preset}: GPT d_model={r0['model']['d_model']}, {r0['model']['n_layer']} layers, "
       f"{r0['n_params']:,} parameters, {r0['steps']} steps on DP={r0['dp']}; wall {results.wall_s:.1f} s")
@@ -316,11 +317,13 @@ headline("07", "parameter copy reuse (fp32 master = bf16 weight + int16 residual
 # %% [markdown]
 # ## Try this
 #
-# - `world_size=4`: the per-rank saving halves (2/DP), the saving over the job stays 2 B per parameter.
-# - Truncation instead of rounding (`hi = i >> 16`, no `+ 0x8000`) is also exactly invertible: the master is
-#   unaffected, but the compute weights are biased toward zero. Swap it into `split` and compare the loss.
-# - MindSpeed's deterministic mode is round-half-even exact: it detects `(i & 0x1FFFF) == 0x8000`, subtracts 1
-#   before adding 0x8000, and stores the flag in the sign bit of `exp_avg_sq`. Where is that flag lost?
+# - `world_size = 4`: the per-rank saving halves (2/DP), the saving over the job stays 2 B per parameter.
+# - A code edit: truncation instead of rounding (`hi = i >> 16`, no `+ 0x8000`) is also exactly invertible: the
+#   master is unaffected, but the compute weights are biased toward zero. Swap it into `split`
+#   (`toolkit/memory/param_reuse.py`) and compare the loss.
+# - A code edit: MindSpeed's deterministic mode is round-half-even exact: it detects `(i & 0x1FFFF) == 0x8000`,
+#   subtracts 1 before adding 0x8000, and stores the flag in the sign bit of `exp_avg_sq`. Add it to `split` and
+#   its inverse in `toolkit/memory/param_reuse.py`: where is that flag lost?
 #
 # ## Sources
 #

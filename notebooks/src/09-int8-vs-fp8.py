@@ -47,7 +47,8 @@ from typing import Optional
 world_size: int = 2
 preset: str = os.environ.get("TOOLKIT_PRESET", "default")  # smoke | default | full
 backend: str = "auto"  # auto | gloo | nccl
-blocks: Optional[list] = None  # block sizes to compare, 0 for one scale per tensor (None: the preset's)
+cluster: str = "none"  # emulated cluster under the run: none | h100-ib400 | a100-ib200 | pcie-100gbe
+blocks: Optional[list] = None  # block sizes, 0 for one scale per tensor; the checks read 128, 32, 0 (None: the preset's)
 train_fmts: Optional[list] = None  # training runs, "bf16@1" is bf16 with another seed (None: the preset's)
 timeout_s: int = 900
 
@@ -89,7 +90,7 @@ from toolkit import launch, viz
 from toolkit.report import headline
 
 results = launch("l09_int8_vs_fp8", world_size, {"preset": preset, "blocks": blocks, "train_fmts": train_fmts},
-                 backend=backend, timeout_s=timeout_s)
+                 backend=backend, timeout_s=timeout_s, cluster=cluster)
 r0 = results[0]
 rows, kappa, curves = r0["rows"], r0["kappa"], r0["curves"]
 blocks, train_fmts = r0["config"]["blocks"], r0["config"]["train_fmts"]  # as the run resolved them
@@ -268,12 +269,15 @@ headline("09", "block-wise INT8 vs FP8-E4M3 (block 128, along the reduction dim)
 # %% [markdown]
 # ## Try this
 #
-# - `blocks=[16, 32, 64]` and `world_size=4`: how fast does INT8 gain as blocks shrink, and FP8?
-# - Rotate before quantizing: `toolkit.quant.hadamard32` spreads an outlier over 32 values and lowers κ.
-#   Does INT8 beat FP8 on `outlier_channels` after `hadamard32` (blocks of 32 or more)?
-# - Power-of-two scales (E8M0, as in MXINT8/MXFP8): round `s` up to a power of two (at most doubling it) in
-#   `kernels/reference.py` and measure what INT8 loses.
-# - On a GPU, `python benchmarks/bench_kernels.py` times the Triton kernels against the memory bandwidth.
+# - `blocks = [16, 32, 64, 128, 0]` (16 added, 256 left out): how fast does INT8 gain as blocks shrink, and FP8?
+# - `world_size = 4`: four ranks share the grid of experiments; the table is the same.
+# - A code edit: rotate before quantizing, in `toolkit/lessons/l09_int8_vs_fp8.py`: `toolkit.quant.hadamard32`
+#   spreads an outlier over 32 values and lowers κ. Does INT8 beat FP8 on `outlier_channels` after
+#   `hadamard32` (blocks of 32 or more)?
+# - A code edit: power-of-two scales (E8M0, as in MXINT8/MXFP8): round `s` up to a power of two (at most
+#   doubling it) in `kernels/reference.py` and measure what INT8 loses.
+# - On a GPU, the command `python benchmarks/bench_kernels.py` times the Triton kernels against the memory
+#   bandwidth.
 #
 # ## Sources
 #

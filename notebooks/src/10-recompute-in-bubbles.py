@@ -21,10 +21,15 @@
 
 # %% tags=["parameters"]
 import os
+from typing import Optional
 
 world_size: int = 4  # pipeline stages, one process each
 preset: str = os.environ.get("TOOLKIT_PRESET", "default")  # smoke | default | full
 backend: str = "auto"  # auto | gloo | nccl
+cluster: str = "none"  # emulated cluster under the run: none | h100-ib400 | a100-ib200 | pcie-100gbe
+keep: Optional[int] = None  # micro-batches a rank may hold under the cap policy (None: the preset's, 2)
+v: Optional[int] = None  # stages per rank of the interleaved schedule (None: the preset's, 2)
+n_layer: Optional[int] = None  # layers, a multiple of world_size × v (None: the preset's)
 timeout_s: int = 600
 
 # %%
@@ -40,6 +45,10 @@ from toolkit.pipeline.recompute import RecomputeQueue
 from toolkit.pipeline.schedule import cap_policy, cooldown_policy
 from toolkit.pipeline.simulate import MeasuredCosts, timeline_bubble
 from toolkit.viz.pipeline import memory_steps, schedule_gantt
+
+knobs = {"preset": preset, "keep": keep, "v": v, "n_layer": n_layer}  # None: the preset's value
+cfg = lesson.validate(knobs, world_size)  # a bad combination stops here, before any process starts
+K, V = cfg["keep"], cfg["v"]  # the cap and the interleaving of every schedule below, simulated and run
 
 # %% [markdown]
 # ## 1 · The mechanism
@@ -79,19 +88,19 @@ print(inspect.getsource(cooldown_policy))
 
 # %%
 # NBVAL_CHECK_OUTPUT
-print("1F1B, cap keep = 2, in the bubble:")
-print(one_f_one_b(4, 8, "bubble", keep=2).table())
+print(f"1F1B, cap keep = {K}, in the bubble:")
+print(one_f_one_b(4, 8, "bubble", keep=K).table())
 print("1F1B, cool-down policy, in the bubble:")
 print(one_f_one_b(4, 8, "bubble", policy="cooldown").table())
-print("interleaved v = 2, cool-down policy: checkpointed (stage, micro-batch) per rank")
-inter = interleaved_1f1b(4, 8, 2, "bubble", policy="cooldown")
+print(f"interleaved v = {V}, cool-down policy: checkpointed (stage, micro-batch) per rank")
+inter = interleaved_1f1b(4, 8, V, "bubble", policy="cooldown")
 for r in range(4):
     print(f"  rank {r}: {sorted((s, mb) for s, mb, _ in inter.checkpointed if inter.stage_rank[s] == r)}")
 
 # %% [markdown]
 # ## 3 · Simulated first: where does a recompute cost nothing?
 #
-# Unit costs per micro-batch and rank F = 1, B = 2 (a recompute costs a forward; interleaved chunks half of
+# Unit costs per micro-batch and rank F = 1, B = 2 (a recompute costs a forward; interleaved chunks 1/v of
 # each), p = 4, m = 8. `comm` is the latency of one activation or gradient hop: the larger it is, the longer
 # ranks wait, and the more recompute fits. **Simulator only** in this section.
 
@@ -106,16 +115,15 @@ def variants(p: int, m: int, keep: int, v: int) -> dict:
             "interleaved bubble cooldown": interleaved_1f1b(p, m, v, "bubble", policy="cooldown")}
 
 
-unit = {1: Costs(1, 2, 1), 2: Costs(0.5, 1, 0.5)}  # per stage chunk: a rank's work per micro-batch is F = 1, B = 2
 sim_table = {}
 for comm in (0.0, 0.25, 0.5, 1.0):
-    for name, sched in variants(4, 8, 2, 2).items():
-        c = unit[sched.stages_per_rank]
-        sim_table[(comm, name)] = simulate(sched, Costs(c.F, c.B, c.W, comm=comm))
+    for name, sched in variants(4, 8, K, V).items():
+        n = sched.stages_per_rank  # per stage chunk: a rank's work per micro-batch is F = 1, B = 2
+        sim_table[(comm, name)] = simulate(sched, Costs(1 / n, 2 / n, 1 / n, comm=comm))
 
 # %%
 # NBVAL_CHECK_OUTPUT
-for name in variants(4, 8, 2, 2):
+for name in variants(4, 8, K, V):
     cells = "  ".join(f"{sim_table[(comm, name)].makespan:5.2f}" for comm in (0.0, 0.25, 0.5, 1.0))
     print(f"{name:28s} step at comm 0 / .25 / .5 / 1: {cells}   peak (micro-batches) per rank "
           f"{[round(x, 2) for x in sim_table[(0.0, name)].peak_mb]}")
@@ -132,28 +140,28 @@ for comm in (0.0, 0.25, 0.5, 1.0):
 assert free["1f1b"] == [0.0, 0.25, 0.5, 1.0] and 1.0 in free["interleaved"]
 assert sim_table[(0.0, "1f1b bubble cooldown")].peak_mb == sim_table[(0.0, "1f1b")].peak_mb
 assert sim_table[(0.0, "1f1b bubble cap")].makespan > sim_table[(0.0, "1f1b")].makespan
-assert max(sim_table[(0.0, "1f1b bubble cap")].peak_mb) == 2
+assert max(sim_table[(0.0, "1f1b bubble cap")].peak_mb) == K
 assert sim_table[(0.0, "interleaved bubble cooldown")].peak_mb[0] < sim_table[(0.0, "interleaved")].peak_mb[0]
-s0 = {name: sim_table[(0.0, name)] for name in variants(4, 8, 2, 2)}
+s0 = {name: sim_table[(0.0, name)] for name in variants(4, 8, K, V)}
 display(Markdown(
     f"Simulated, no communication cost: in the bubble the cool-down recomputes cost "
     f"{s0['1f1b bubble cooldown'].makespan - s0['1f1b'].makespan:g} in 1F1B and "
     f"{s0['interleaved bubble cooldown'].makespan - s0['interleaved'].makespan:g} interleaved, against "
     f"{s0['1f1b inline cooldown'].makespan - s0['1f1b'].makespan:g} and "
     f"{s0['interleaved inline cooldown'].makespan - s0['interleaved'].makespan:g} inline. They are free at every "
-    f"latency in 1F1B, and interleaved (half-size chunks, shorter cool-down gaps) from comm = "
+    f"latency in 1F1B, and interleaved ({V} chunks per rank, shorter cool-down gaps) from comm = "
     f"{min(free['interleaved']):g} on. They lower rank 0's peak only "
     f"with interleaving ({s0['interleaved'].peak_mb[0]:g} → {s0['interleaved bubble cooldown'].peak_mb[0]:g} "
     f"micro-batches; 1F1B stays at {s0['1f1b bubble cooldown'].peak_mb[0]:g}). The cap policy bounds the peak at "
-    f"2 on every rank but its recomputes mostly sit in the steady state: {s0['1f1b bubble cap'].makespan:g} in the "
+    f"{K} on every rank but its recomputes mostly sit in the steady state: {s0['1f1b bubble cap'].makespan:g} in the "
     f"bubble vs {s0['1f1b inline cap'].makespan:g} inline, both above {s0['1f1b'].makespan:g}."))
 
 # %%
-s = one_f_one_b(4, 8, "bubble", keep=2)
+s = one_f_one_b(4, 8, "bubble", keep=K)
 sim = simulate(s, Costs(1, 2, 1, comm=0.25))
-display(schedule_gantt(sim, title="1F1B, recompute in the bubble, cap keep = 2 (simulated, comm = 0.25)"))
-display(memory_steps(sim, title="Activation chunks held (cap keep = 2, simulated)"))
-sim = simulate(interleaved_1f1b(4, 8, 2, "bubble", policy="cooldown"), Costs(0.5, 1, 0.5, comm=0.25))
+display(schedule_gantt(sim, title=f"1F1B, recompute in the bubble, cap keep = {K} (simulated, comm = 0.25)"))
+display(memory_steps(sim, title=f"Activation chunks held (cap keep = {K}, simulated)"))
+sim = simulate(interleaved_1f1b(4, 8, V, "bubble", policy="cooldown"), Costs(1 / V, 2 / V, 1 / V, comm=0.25))
 display(schedule_gantt(sim, title="Interleaved 1F1B, cool-down recompute in the bubble (simulated, comm = 0.25)"))
 
 # %% [markdown]
@@ -166,7 +174,7 @@ display(schedule_gantt(sim, title="Interleaved 1F1B, cool-down recompute in the 
 # backward that needs it is done. All variants are timed side by side (`bench.compare`, round-robin).
 
 # %%
-results = launch("l10_recompute_bubbles", world_size, {"preset": preset}, backend=backend, timeout_s=timeout_s)
+results = launch("l10_recompute_bubbles", world_size, knobs, backend=backend, timeout_s=timeout_s, cluster=cluster)
 r0 = results[0]
 names = list(r0["runs"])
 runs = {name: [r["runs"][name] for r in results] for name in names}
@@ -279,7 +287,7 @@ for base, recomputed in (("1f1b", "1f1b-recompute-bubble"), ("interleaved", "int
             print(f"{name:40s} simulated {sim.makespan * 1e3:8.2f} ms   bench {step[name][0] * 1e3:8.2f} ms")
 
 # %% [markdown]
-# **What if.** The same measured op times (1F1B), p = 4, m = 16, keep = 2, for a growing p2p latency (the time a
+# **What if.** The same measured op times (1F1B), p = 4, m = 16, the run's `keep`, for a growing p2p latency (the time a
 # gradient is in flight): the in-bubble variant hides more and more of the recompute. Simulated.
 
 # %%
@@ -290,8 +298,8 @@ comms = [0.0, 0.05, 0.1, 0.2, 0.4]
 for comm in comms:
     c = Costs(mean.F * 1e3, mean.B * 1e3, mean.B * 1e3 / 2, R=sum(r_ms) / len(r_ms) * 1e3, comm=comm * mean.F * 1e3)
     for mode in series:
-        series[mode].append(simulate(one_f_one_b(4, 16, mode, keep=2), c).makespan)
-display(viz.lines(series, x=comms, title="Simulated step, p = 4, m = 16, keep = 2, measured op times",
+        series[mode].append(simulate(one_f_one_b(4, 16, mode, keep=K), c).makespan)
+display(viz.lines(series, x=comms, title=f"Simulated step, p = 4, m = 16, keep = {K}, measured op times",
                   xaxis_title="p2p latency (in units of one forward)", yaxis_title="step (ms)"))
 
 # %% [markdown]
@@ -337,9 +345,16 @@ headline("10", "recompute in the pipeline bubble (cool-down policy, interleaved 
               "ranks here share CPU cores, so a waiting rank is not idle hardware and CPU timings cannot test it")
 
 # %% [markdown]
-# **Try:** `keep = 1` vs `keep = 2` at p = 4 in section 3; a larger `comm`; `v = 4` (with `n_layer` a multiple
-# of 16); the explorer of lesson 03 with the schedules `1f1b-recompute-inline` and `1f1b-recompute-bubble`.
+# ## Try this
 #
-# **Sources.** MindSpeed RiPipe (`ripipe_schedules.py`, `CheckpointFunctionRipipe`,
+# - `keep = 1` (the presets hold 2): the cap policy holds one micro-batch per rank, in section 3's simulation
+#   and in the run; the peak follows, and more forwards are recomputed.
+# - `v = 4` with `n_layer = 16`: four interleaved stages per rank (the layers must divide into world size × v).
+# - In lesson 03's explorer (section 9), the schedules `1f1b-recompute-inline` and `1f1b-recompute-bubble`, and a
+#   larger `comm` control: the in-bubble recompute hides more as the latency grows.
+#
+# ## Sources
+#
+# MindSpeed RiPipe (`ripipe_schedules.py`, `CheckpointFunctionRipipe`,
 # `--recompute-in-bubble`); Mario (PPoPP'25), recomputation moved into pipeline bubbles; Chen et al.,
 # *Training Deep Nets with Sublinear Memory Cost* (2016); `torch.utils.checkpoint`.

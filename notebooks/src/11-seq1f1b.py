@@ -27,11 +27,15 @@
 
 # %% tags=["parameters"]
 import os
+from typing import Optional
 
 world_size: int = 4  # pipeline stages, one process each
 preset: str = os.environ.get("TOOLKIT_PRESET", "default")  # smoke | default | full
 backend: str = "auto"  # auto | gloo | nccl
+cluster: str = "none"  # emulated cluster under the run: none | h100-ib400 | a100-ib200 | pcie-100gbe
 seq_chunks: int = 4  # k
+seq_len: Optional[int] = None  # tokens per sequence (None: the preset's)
+d_model: Optional[int] = None  # hidden size, a multiple of the preset's heads (None: the preset's)
 timeout_s: int = 600
 
 # %%
@@ -48,7 +52,8 @@ from toolkit.pipeline.schedule import one_f_one_b
 from toolkit.pipeline.simulate import Costs, simulate
 from toolkit.report import headline
 
-cfg = lesson.validate({"preset": preset, "seq_chunks": seq_chunks}, world_size)
+cfg = lesson.validate({"preset": preset, "seq_chunks": seq_chunks, "seq_len": seq_len, "d_model": d_model},
+                      world_size)  # None: the preset's value
 p, m, k = world_size, cfg["m"], cfg["seq_chunks"]
 print(f"p={p} stages, m={m} micro-batches of {cfg['micro_batch']}x{cfg['seq_len']} tokens, k={k} chunks")
 
@@ -117,7 +122,7 @@ print(s1.seq1f1b(p, p, k).table())
 
 # %%
 print(inspect.getsource(s1.SequenceChunks.stage_fn))
-results = launch("l11_seq1f1b", world_size, cfg, backend=backend, timeout_s=timeout_s)
+results = launch("l11_seq1f1b", world_size, cfg, backend=backend, timeout_s=timeout_s, cluster=cluster)
 runs = list(results[0]["runs"])
 print(f"wall {results.wall_s:.1f} s; runs: {runs}")
 
@@ -321,7 +326,7 @@ headline("11", "Seq1F1B (sequence-chunk pipelining)",
 #
 # - `seq_chunks = 8`: the first stage's peak drops to 1 + (p−1)/8; how do the saved bytes follow?
 # - `seq_chunks = 1`: Seq1F1B is exactly 1F1B (the same action lists).
-# - Raise the model's `seq_len` far above `d_model` and rerun section 2: the equal-compute lengths spread.
+# - `seq_len = 512`, far above `d_model`: section 2's equal-compute lengths spread.
 #
 # ## Sources
 #

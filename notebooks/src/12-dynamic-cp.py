@@ -28,9 +28,11 @@ from typing import Optional
 world_size: int = 4
 preset: str = os.environ.get("TOOLKIT_PRESET", "default")  # smoke | default | full
 backend: str = "auto"  # auto | gloo | nccl
+cluster: str = "none"  # emulated cluster under the run: none | h100-ib400 | a100-ib200 | pcie-100gbe
 timeout_s: int = 600
 sim_gbs: Optional[int] = None  # sequences per global batch in the simulation (None: 2048 as in the blog, 512 at smoke)
 sim_cap: int = 8192  # tokens per rank per micro-batch in the simulation
+lengths: Optional[list] = None  # the run's sequence lengths in tokens instead of the corpus's (None: the corpus's)
 
 # %%
 import inspect
@@ -44,6 +46,7 @@ from toolkit.context.dynamic_cp import schedule_dynamic
 from toolkit.data import doc_lengths
 from toolkit.lessons import l12_dynamic_cp as lesson
 from toolkit.report import headline
+from toolkit.runtime.bench import verdict
 
 # %% [markdown]
 # ## 1 · Ring attention, the mechanism CP rests on
@@ -132,8 +135,8 @@ for kwargs in ({"refill": False, "max_imbalance": None}, {}):
 # launch reads the configuration the run resolved, `r0["cfg"]`.
 
 # %%
-cfg = {"preset": preset}  # add knobs here, e.g. "cap": 128; launch validates them before any process starts
-results = launch("l12_dynamic_cp", world_size, cfg, backend=backend, timeout_s=timeout_s)
+cfg = {"preset": preset, "lengths": lengths}  # add knobs here, e.g. "cap": 128; launch validates them first
+results = launch("l12_dynamic_cp", world_size, cfg, backend=backend, timeout_s=timeout_s, cluster=cluster)
 r0 = results[0]
 cfg = r0["cfg"]  # the configuration the run resolved: every plan below was built from it
 plans = lesson.plans_of(r0)
@@ -237,36 +240,37 @@ display(Markdown(
 # cores: this timing says little about GPUs — section 4 estimates that, by simulation.
 
 # %%
-bench = {label[k]: v for k, v in r0["bench"].items()}
-ms = {k: v["mean_s"] * 1e3 for k, v in bench.items()}
+bench = {label[k]: [r["bench"][k] for r in results] for k in r0["bench"]}  # per plan, every rank's rounds
+ms = {k: v[0]["mean_s"] * 1e3 for k, v in bench.items()}
 display(viz.bars([{"plan": k, "ms": v} for k, v in ms.items()], x="plan", y="ms",
                  title="Training step (forward + backward over the micro-batches), measured", text_format=".1f"))
 
 
 def versus(a: str, b: str) -> str:
-    """Plan ``a``'s measured step against plan ``b``'s, worded from the numbers: faster or slower only when
-    every round of one is below every round of the other, else within the rounds' spread."""
-    ra_, rb = bench[a]["round_means_s"], bench[b]["round_means_s"]
-    ratio, other = ms[b] / ms[a], {"static": "static CP", M: "Megatron's rules"}.get(b, b)
-    if max(ra_) < min(rb):
-        return f"{ratio:.2f}× faster than {other}"
-    if min(ra_) > max(rb):
-        return f"{1 / ratio:.2f}× slower than {other}"
-    return f"not distinguishable from {other} on this run ({ratio:.2f}×, within the spread of the rounds)"
+    """Plan ``a``'s measured step against plan ``b``'s, judged by ``bench.verdict`` over the paired rounds of every
+    rank: faster, slower or within noise, with the interval it used."""
+    v = verdict(bench[b], bench[a])
+    other = {"static": "static CP", M: "Megatron's rules"}.get(b, b)
+    relation = {"faster": "faster than", "slower": "slower than", "within noise": "within noise of"}.get(
+        v.word, "not decidable against")
+    return (f"{relation} {other} ({v.ratio:.2f}× its time, 95 % interval [{v.low:.2f}, {v.high:.2f}] over "
+            f"{v.rounds} paired rounds)")
 
 
-agrees = ms[T] < ms["static"]
+follows = verdict(bench["static"], bench[T]).word  # does the measured step follow the critical-path work?
 display(Markdown(
     f"Measured step: static CP {ms['static']:.1f} ms, Megatron's rules {ms[M]:.1f} ms, the toolkit's plan "
-    f"{ms[T]:.1f} ms ({len(bench[T]['round_means_s'])} rounds each). The toolkit's dynamic plan is "
+    f"{ms[T]:.1f} ms (rank 0's trimmed means). The toolkit's dynamic plan is "
     f"{versus(T, 'static')}; Megatron's rules are {versus(M, 'static')}; the toolkit's plan is "
     f"{versus(T, M)}. "
-    + ("This agrees in direction with the critical-path work above, "
-       f"{crit['static'] / crit[T]:.2f}× smaller than static CP. " if agrees else
-       f"So on this machine the step does not follow the critical-path work above ({crit['static'] / crit[T]:.2f}× "
-       f"smaller than static CP): with the ranks sharing cores, waiting costs little, while the "
-       f"{ring_mib[T]:.1f} MiB of ring traffic (static {ring_mib['static']:.1f}, Megatron's rules "
-       f"{ring_mib[M]:.1f}) are hops between processes that must all be scheduled. ")
+    + {"faster": "This agrees in direction with the critical-path work above, "
+                 f"{crit['static'] / crit[T]:.2f}× smaller than static CP. ",
+       "slower": f"So on this machine the step does not follow the critical-path work above "
+                 f"({crit['static'] / crit[T]:.2f}× smaller than static CP): with the ranks sharing cores, waiting "
+                 f"costs little, while the {ring_mib[T]:.1f} MiB of ring traffic (static {ring_mib['static']:.1f}, "
+                 f"Megatron's rules {ring_mib[M]:.1f}) are hops between processes that must all be scheduled. "}.get(
+        follows, f"So this run cannot tell whether the step follows the critical-path work above "
+                 f"({crit['static'] / crit[T]:.2f}× smaller than static CP). ")
     + "A CPU timing is not evidence about GPU step times either way."))
 display(viz.gantt([s for r in results for s in r["spans"]], color_by="kind", label="cp",
                   title="The checked steps, per rank: each bar a micro-batch (label = its CP size)"))
@@ -442,12 +446,18 @@ headline("12", "dynamic context parallelism",
               f"{gh['dynamic']['speedup_vs_static']:.2f}× and {cc['dynamic']['speedup_vs_static']:.2f}×")
 
 # %% [markdown]
+# ## Try this
 #
-# **Try:** `sim_cap=4096` (longer sequences need more ranks); `eff=dcp_sim.Efficiency(attention=...)` or
-# `dcp_sim.Setup(pp=4, dcp=16)` in section 4; `schedule_dynamic(..., max_imbalance=1.3)` and compare the ring
-# bytes; a `lengths=[...]` list in the lesson's cfg with one very long sequence among short ones.
+# - `sim_cap = 4096`: in section 4 each rank holds half the tokens, so a sequence needs twice the ranks.
+# - A code edit in section 4's first cell: `eff = dcp_sim.Efficiency(attention=...)` or `dcp_sim.Setup(pp=4, dcp=16)`.
+# - A code edit: `schedule_dynamic(..., max_imbalance=1.3)` in `toolkit/lessons/l12_dynamic_cp.py`, and compare
+#   the ring bytes.
+# - `lengths = [240, 8, 8, 8, 8, 8, 8, 8]`: one long sequence among short ones (a multiple of `world_size` of
+#   them, each at most static CP × cap tokens).
 #
-# **Sources.** NVIDIA technical blog, *Speeding Up Variable-Length Training with Dynamic Context Parallelism and
+# ## Sources
+#
+# NVIDIA technical blog, *Speeding Up Variable-Length Training with Dynamic Context Parallelism and
 # NVIDIA Megatron Core* (2026-01-28); Megatron-LM `megatron/core/datasets/data_schedule.py`
 # (`DefaultDynamicCPScheduler`) and `data_schedule_utils.py` (`next_hdp_group`, `dcp_make_buckets_equal`,
 # `reroute_samples_to_dcp_ranks`), PRs #2000, #2054, #2282, #5154; Liu et al., *Ring Attention with Blockwise

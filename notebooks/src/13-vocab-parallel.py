@@ -32,10 +32,14 @@
 
 # %% tags=["parameters"]
 import os
+from typing import Optional
 
 world_size: int = 4  # pipeline stages, one process each
 preset: str = os.environ.get("TOOLKIT_PRESET", "default")  # smoke | default | full
 backend: str = "auto"  # auto | gloo | nccl
+cluster: str = "none"  # emulated cluster under the run: none | h100-ib400 | a100-ib200 | pcie-100gbe
+vocab_size: Optional[int] = None  # tokens in the vocabulary, a multiple of world_size (None: the preset's)
+m: Optional[int] = None  # micro-batches per step (None: the preset's)
 timeout_s: int = 600
 
 # %%
@@ -54,7 +58,7 @@ from toolkit.report import headline
 from toolkit.runtime.cluster import cluster as make_cluster
 from toolkit.viz.pipeline import schedule_gantt
 
-cfg = lesson.validate({"preset": preset}, world_size)
+cfg = lesson.validate({"preset": preset, "vocab_size": vocab_size, "m": m}, world_size)  # None: the preset's
 p, m = world_size, cfg["m"]
 print(f"p={p} stages, {cfg['n_layer']} layers, d={cfg['d_model']}, V={cfg['vocab_size']}, "
       f"m={m} micro-batches of {cfg['micro_batch']}x{cfg['seq_len']} tokens")
@@ -103,7 +107,7 @@ print(inspect.getsource(vx.VocabPasses.vocab_t))
 # schedules above, through the executor with `VocabPasses`); then all three timed side by side (`bench.compare`).
 
 # %%
-results = launch("l13_vocab_parallel", world_size, cfg, backend=backend, timeout_s=timeout_s)
+results = launch("l13_vocab_parallel", world_size, cfg, backend=backend, timeout_s=timeout_s, cluster=cluster)
 r0 = results[0]
 runs = list(r0["runs"])
 vocab_runs = [f"vocab-{alg}" for alg in vp.ALGORITHMS]
@@ -478,9 +482,11 @@ headline("13", "vocabulary parallelism",
 # %% [markdown]
 # ## Try
 #
-# - Set `vocab_size` so it is not a multiple of `world_size`: `validate` refuses it before any process starts.
-# - `m = 16`: the bubble share shrinks, so does the gain of balancing the stages; p + 1 and p + 2 stay.
-# - Change `M24` to 8 or 64 in section 9: the bubble share changes and so does the simulated speedup.
+# - `vocab_size = 1001`, not a multiple of `world_size`: the lesson refuses it before any process starts.
+# - `m = 12` (the smoke preset runs 6, the default 8): the bubble share shrinks, so does the gain of balancing the
+#   stages; p + 1 and p + 2 stay.
+# - A code edit: `M24` to 8 or 64 in section 9's first cell: the bubble share changes and so does the simulated
+#   speedup.
 #
 # ## Sources
 #

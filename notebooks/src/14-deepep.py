@@ -54,6 +54,7 @@ import os
 world_size: int = 4  # 2 emulated nodes x ranks_per_node ranks
 preset: str = os.environ.get("TOOLKIT_PRESET", "default")  # smoke | default | full
 backend: str = "auto"  # auto | gloo | nccl
+cluster: str = "none"  # emulated cluster under the run: none | h100-ib400 | a100-ib200 | pcie-100gbe
 ranks_per_node: int = 0  # 0: world_size // 2 (two nodes)
 max_nodes: int = 0  # DeepSeek-V3 node-limited routing: at most this many nodes per token (0: off)
 overlap_matmuls: int = 0  # other work beside the low-latency hook (0: as long as one blocking dispatch)
@@ -96,7 +97,7 @@ from toolkit import launch, viz
 from toolkit.report import headline
 
 cfg = {"preset": preset, "ranks_per_node": ranks_per_node, "max_nodes": max_nodes, "overlap_matmuls": overlap_matmuls}
-results = launch("l14_deepep", world_size, cfg, backend=backend, timeout_s=timeout_s)
+results = launch("l14_deepep", world_size, cfg, backend=backend, timeout_s=timeout_s, cluster=cluster)
 r0 = results[0]
 c = r0["config"]
 R, rpn = r0["world_size"], c["ranks_per_node"]
@@ -398,9 +399,11 @@ headline("14", "DeepEP-style dispatch (dedup, two-hop forwarding, FP8)",
 # %% [markdown]
 # ## Try this
 #
-# - `max_nodes=1`: every token's experts on one node; how many bytes cross nodes now?
-# - `preset="full"` with `backend="nccl"` on a cluster, `ranks_per_node=8`, `max_nodes=4`: DeepSeek-V3's shape.
-# - `TokenDispatcher(..., capacity=..., overflow="drop")` in `toolkit.moe`: what a capacity does to the same routing.
+# - `max_nodes = 1`: every token's experts on one node; how many bytes cross nodes now?
+# - `preset = "full"` with `backend = "nccl"` on a cluster, `world_size = 64`, `ranks_per_node = 8` and
+#   `max_nodes = 4`: DeepSeek-V3's shape.
+# - A code edit: `TokenDispatcher(..., capacity=..., overflow="drop")` (`toolkit.moe.TokenDispatcher`) in
+#   `toolkit/lessons/l14_deepep.py`: what a capacity does to the same routing.
 #
 # ## Sources
 #

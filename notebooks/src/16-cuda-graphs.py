@@ -47,9 +47,11 @@ from typing import Optional
 world_size: int = 4
 pp: int = 2  # pipeline ranks (the data-parallel size is world_size // pp)
 n_layer: Optional[int] = None  # None: the preset's; DualPipeV needs a multiple of 2·pp
+m: Optional[int] = None  # micro-batches per replica, DualPipeV needs at least 2·pp (None: the preset's)
 preset: str = os.environ.get("TOOLKIT_PRESET", "default")  # smoke | default | full
 backend: str = "auto"  # auto | gloo | nccl
 cluster: str = "h100-ib400"  # emulated cluster (pp ranks per node): h100-ib400 | a100-ib200 | pcie-100gbe | none
+micro_batch: Optional[int] = None  # sequences per micro-batch (None: the preset's)
 timeout_s: int = 600
 
 # %%
@@ -89,7 +91,8 @@ print(inspect.getsource(dp_separate.last_grad_ops))
 # replicas), DualPipeV over the pp ranks of each replica, each replica on its own micro-batches of real text.
 
 # %%
-run_cfg = {"preset": preset, "pp": pp, "dp": max(1, world_size // pp), "n_layer": n_layer}  # None: the preset's
+run_cfg = {"preset": preset, "pp": pp, "dp": max(1, world_size // pp), "n_layer": n_layer,  # None: the preset's
+           "m": m, "micro_batch": micro_batch}
 cfg = lesson.validate(run_cfg, world_size)  # a bad combination stops here, before any process starts
 from toolkit.runtime.cluster import cluster as make_cluster
 
@@ -376,11 +379,16 @@ headline("16", "CUDA graphs with DualPipeV, DP all-reduce separated",
 # | DP separation | DualPipeV on gloo, `async_op=True` per stage | the same on NCCL, without graphs |
 # |  |  | (4 GPUs: `dp=2, pp=2`; 2 GPUs: `dp=2, pp=1`) |
 #
-# **Try:** `pp = 4, n_layer = 8` with `world_size = 4` (dp = 1): more pipeline ranks, earlier phase-1 chunks;
-# `world_size = 8` on a GPU node (dp = 4); a larger `micro_batch` in the cfg, and the share of host time in
-# section 4 falls.
+# ## Try this
 #
-# **Sources.** NVIDIA, *CUDA Graphs* (CUDA programming guide); PyTorch `torch.cuda.graphs`,
+# - `pp = 4`, `n_layer = 8` and `m = 8` with `world_size = 4` (dp = 1): more pipeline ranks, earlier phase-1
+#   chunks.
+# - `world_size = 8` on a GPU node (dp = 4).
+# - A larger `micro_batch`: the share of host time in section 4 falls.
+#
+# ## Sources
+#
+# NVIDIA, *CUDA Graphs* (CUDA programming guide); PyTorch `torch.cuda.graphs`,
 # `make_graphed_callables`, and `torch.compile(mode="reduce-overhead")`; Megatron-LM `--cuda-graph-impl`,
 # `--cuda-graph-modules` and its per-layer `_CudaGraphRunner`; DeepSeek-V3 technical report §3.2 and
 # `deepseek-ai/DualPipe` (DualPipeV); Qi et al., *Zero Bubble Pipeline Parallelism* (ICLR 2024).

@@ -28,7 +28,7 @@ import os
 world_size: int = 4  # processes: pp x dp
 preset: str = os.environ.get("TOOLKIT_PRESET", "default")  # smoke | default | full
 backend: str = "auto"  # auto | gloo | nccl
-cluster: str = "a100-ib200"  # emulated cluster under the run: a100-ib200 | h100-ib400 | pcie-100gbe | none
+cluster: str = "a100-ib200"  # emulated cluster under the run: none | h100-ib400 | a100-ib200 | pcie-100gbe
 pp: int = 2  # pipeline ranks; dp is world_size / pp
 timeout_s: int = 900
 
@@ -597,16 +597,16 @@ display(Markdown(f"Worst memory prediction: {worst_mem:.3f} × the measured peak
                  f"exact for every operation on every rank."))
 
 # %% [markdown]
-# ## Try
+# ## Try this
 #
-# - `pp = 4` (dp = 1): `validate` refuses the chain at the first technique that cannot apply, before any process
-#   starts; read which and why.
-# - Reorder the chain: `lesson.validate({"techniques": ["bf16", "dualpipev", ...]}, 4)`; the end point is the
-#   same configuration as long as `bf16` stays before `bf16_residual` (both set the precision: the later one
-#   wins), the bars in between are not. Each step's tolerance follows the configuration before it
-#   (`compose.loss_rtol`).
-# - In `case_13b`, set the inter-node link's `bytes_per_s` to 1.25e9 (10 Gb Ethernet, the article's fallback)
-#   and see which knob the planner turns.
+# - `pp = 4` (dp = 1): the lesson refuses the chain at the first technique that cannot apply, before any
+#   process starts; read which and why.
+# - A code edit: reorder the chain, `lesson.validate({"techniques": ["bf16", "dualpipev", ...]}, 4)` in a new
+#   cell; the end point is the same configuration as long as `bf16` stays before `bf16_residual` (both set the
+#   precision: the later one wins), the bars in between are not. Each step's tolerance follows the configuration
+#   before it (`compose.loss_rtol`).
+# - A code edit: in `case_13b` (`toolkit/lessons/l17_capstone.py`), set the inter-node link's `bytes_per_s` to 1.25e9 (10 Gb Ethernet,
+#   the article's fallback) and see which knob the planner turns.
 #
 # ## Sources
 #

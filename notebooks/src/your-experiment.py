@@ -26,6 +26,7 @@ import os
 world_size: int = 2
 preset: str = os.environ.get("TOOLKIT_PRESET", "default")  # smoke | default | full
 backend: str = "auto"  # auto | gloo | nccl
+cluster: str = "none"  # emulated cluster under the run: none | h100-ib400 | a100-ib200 | pcie-100gbe
 timeout_s: float = 300
 
 # %%
@@ -109,7 +110,7 @@ def experiment(ctx, cfg):
 # ## 3 · The run
 
 # %%
-results = launch(experiment, world_size, cfg, backend=backend, timeout_s=timeout_s)
+results = launch(experiment, world_size, cfg, backend=backend, timeout_s=timeout_s, cluster=cluster)
 r0 = results[0]
 
 # %% [markdown]
@@ -159,14 +160,16 @@ print(f"replicas identical: {len({r['weights_sha256'] for r in results}) == 1}")
 # %% [markdown]
 # ## 7 · Something to try
 #
-# - **Your model**: replace `MyModel` and the loss in `experiment`; keep the spans, the ledger tag and the marks.
-# - **ZeRO-3** instead of DDP: `zdp = toolkit.ZeroDataParallel(model, stage=3)`, then `zdp(x)...backward()`,
-#   `zdp.step()`: the ledger shows the all-gathers and reduce-scatters, the memory plot the shards.
-# - **A pipeline**: `stages = toolkit.pipeline_stages(list_of_layers, toolkit.make_schedule("1f1b", world_size, m),
+# - **Your model** (a code edit of section 2): replace `MyModel` and the loss in `experiment`; keep the spans, the
+#   ledger tag and the marks.
+# - **ZeRO-3** instead of DDP (a code edit of `experiment`): `zdp = toolkit.ZeroDataParallel(model, stage=3)`, then
+#   `zdp(x)...backward()`, `zdp.step()`: the ledger shows the all-gathers and reduce-scatters, the memory plot the
+#   shards.
+# - **A pipeline** (a code edit of `experiment`): `stages = toolkit.pipeline_stages(list_of_layers, toolkit.make_schedule("1f1b", world_size, m),
 #   ctx.rank)` and `toolkit.PipelineExecutor(schedule, ctx.rank, stages, loss_fn, act_shape,
 #   timeline=ctx.timeline).step(inputs, targets)`: the Gantt chart then shows F and B of every micro-batch
 #   (`examples/pipeline_dualpipev.py` does it with DualPipeV and checks the gradients against one process).
-# - **Compressed gradients**: `ddp.register_comm_hook(toolkit.EDGCHook(toolkit.EDGCConfig(warmup=5)),
+# - **Compressed gradients** (a code edit of `experiment`): `ddp.register_comm_hook(toolkit.EDGCHook(toolkit.EDGCConfig(warmup=5)),
 #   toolkit.EDGCHook.hook)` and compare `allreduce_bytes` (`examples/edgc_ddp.py`).
 # - `toolkit.doc("name")` prints any public name's shapes, what runs on every rank and an example.
 #

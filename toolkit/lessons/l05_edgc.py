@@ -175,8 +175,10 @@ def _torch_vs_ours(ctx, model0: GPT, cfg: dict) -> dict:
         opt_o.zero_grad(set_to_none=False)
         loss_o = m_ours(x, y)
         loss_o.backward()
-        if reducer is None or step == start:  # DDP packs its bucket anew after step 0: follow its order
-            reducer = PowerSGDReducer([[ours_params[n] for n in seen[-1]]], [rank if step == start else None], seed=0)
+        if reducer is None or step == start or seen[-1] != seen[-2]:  # DDP packs its bucket anew after step 0:
+            # follow its order, so that every all-reduce sums the same elements at the same offsets (beyond two
+            # ranks, gloo's ring adds an element's contributions in an order set by where it lies in the buffer)
+            reducer = PowerSGDReducer([[ours_params[n] for n in seen[-1]]], [rank if step >= start else None], seed=0)
         with ctx.ledger.tag("ours_powersgd"):
             reducer.reduce_()
         diff = max((p_t.grad - ours_params[n].grad).abs().max().item() for n, p_t in m_torch.named_parameters())

@@ -156,7 +156,7 @@ def run(ctx, cfg: dict) -> dict:
             row["step_ratio"] = bench[row["variant"]].mean_s / bench["none"].mean_s
 
     return {"rank": rank, "p": p, "m": cfg["m"], "stages": schedule.stages_of(rank),
-            "order": [f"{op}{k[1]}" for op, k in order], "skip_within": cfg["skip_within"],
+            "order": [f"{op}{k[1]}" for op, k in order], "skip_within": cfg["skip_within"], "prefetch": cfg["prefetch"],
             "long_lived": sorted(mb for _, mb, _ in long),
             "n_params_stage": sum(q.numel() for module in setup.stages(setup.base, schedule, rank).values()
                                   for q in module.parameters()),
