@@ -125,8 +125,8 @@ assert "moe_overlap=True with offload" in errors["EP overlap in the F&B pairs, w
 # steps, runs one more inside a `MemoryTracker` (tensor bytes by category at the peak, the ledger's bytes by
 # operation, the router's decisions), then times all configurations side by side (`bench.compare`,
 # round-robin, so a slow phase of the machine lands on all of them). On an emulated cluster (the `cluster`
-# parameter) it then times the composed configuration once more as a real model's layers, and checks the
-# planner's MFU (sections 7b and 9).
+# parameter) it then times every configuration one more step on the cluster's virtual clock, the composed one
+# also as a real model's layers, and checks the planner's MFU (sections 7b and 9).
 
 # %%
 results = launch("l17_capstone", world_size, cfg, backend=backend, timeout_s=timeout_s, cluster=cluster)
@@ -289,9 +289,11 @@ display(viz.table([{"configuration": n, "step (ms)": 1e3 * step[n], "round sprea
 # On shared CPU cores the step time says little about a GPU cluster. The launch also ran on an **emulated
 # cluster** (the `cluster` parameter; `toolkit.runtime.emulator`): every op of every rank timed by the target
 # GPU's roofline, every transfer by `α + S/β` of its link, on a virtual clock per rank, the run itself unchanged.
-# Each configuration's step of section 7 also carries its virtual time at the toy's own shapes; the composed
-# configuration (the chain's end) ran one step more **matched** to a real MoE: every op counted with the FLOPs,
-# every tensor with the bytes, of that model's MoE layers (`planner.moe_layer_op`, `planner.matched_scales`).
+# Training and section 7's timing ran with the emulator paused (its overhead is not in section 7's times);
+# then every configuration took one more step on the virtual clock at the toy's own shapes (deterministic: one
+# step is the time), and the composed configuration (the chain's end) one more **matched** to a real MoE: every
+# op counted with the FLOPs, every tensor with the bytes, of that model's MoE layers (`planner.moe_layer_op`,
+# `planner.matched_scales`).
 # Beside each, the planner's step-time model of the same configuration (`lesson.planner_step`:
 # `planner.configuration_time` for a dense decoder of the active parameters, the schedule's simulated bubble,
 # the DP all-reduce), the model that tunes the 13B case in section 9. Every virtual time is the emulated
@@ -305,7 +307,7 @@ if E is None:
 else:
     hw_run = make_cluster(cluster)
     composed_name = E["configuration"]
-    vstep = {n: max(run["bench"]["virtual"]["mean_s"] for run in runs[n]) for n in names}
+    vstep = {n: max(r["emulated"]["toy"][n]["step_s"] for r in results) for n in names}
     model_step = {n: lesson.planner_step(cfg_of[n], hw_run)["total"] for n in names}
     display(viz.table([{"configuration": n, "emulated step (ms, virtual)": 1e3 * vstep[n],
                         "planner's model (µs)": 1e6 * model_step[n], "emulated / model": vstep[n] / model_step[n]}

@@ -9,19 +9,22 @@ the same seed and the same data::
     train     ``steps`` training steps: the loss of each (global batch, all-reduced)
     memory    one more step inside a MemoryTracker: this rank's tensor peak by category, the bytes it sent by op
               and group (ledger), and the router's decisions (rows per MoE layer: the planner's input)
-    timing    every configuration timed side by side (toolkit.runtime.bench.compare, round-robin); on an
-              emulated cluster each result also carries its step on the cluster's virtual clock (toy shapes)
-    emulated  (with an emulated cluster) the composed configuration, the chain's end, one more step timed as
-              ``stands_for``'s MoE layers (workload-matched), and so are DualPipeV with and without the expert
-              all-to-alls overlapped in its F&B pairs (``dualpipev`` and ``ep_overlap``, when both ran; their
-              states are bitwise equal, so it is the same step); and the planner's compute model checked: a
-              dense toy's blocks timed as the 13B case study's layers, the MFU they reach on the emulated GPU
+    timing    every configuration timed side by side (toolkit.runtime.bench.compare, round-robin); training
+              and timing run with the emulator paused (``Emulator.paused``): none of their virtual times is read
+    emulated  (with an emulated cluster) every configuration one more step on the cluster's virtual clock at the
+              toy's shapes (deterministic: one step is the time); the composed configuration, the chain's end,
+              one more timed as ``stands_for``'s MoE layers (workload-matched), and so are DualPipeV with and
+              without the expert all-to-alls overlapped in its F&B pairs (``dualpipev`` and ``ep_overlap``, when
+              both ran; their states are bitwise equal, so it is the same step); and the planner's compute model
+              checked: a dense toy's blocks timed as the 13B case study's layers, the MFU they reach on the
+              emulated GPU
 
 The single-process reference (the same model, the global batch, micro-batches in order) gives the baseline's
 first loss on every rank, to check that the composed layout computes the model's loss.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from collections import defaultdict
 
@@ -128,12 +131,14 @@ def run(ctx, cfg: dict) -> dict:
     clock["reference"] = time.perf_counter()
 
     ctx.phase("train")
+    # no virtual time is read before the emulated phase: training and wall timing run with the emulator paused
+    paused = ctx.emulator.paused if ctx.emulator is not None else contextlib.nullcontext
     runs, composed = [], {}
     for i, (name, c, against) in enumerate(configs):
-        job = Composed.build(c, grid, ctx.device, ledger=ctx.ledger)
-        with ctx.ledger.tag(f"{name}:train"):
+        job = Composed.build(c, grid, ctx.device, ledger=ctx.ledger)  # emulator on: offload's copies use its clock
+        with paused(), ctx.ledger.tag(f"{name}:train"):
             losses = [job.step(*data[k]) for k in range(cfg["steps"])]
-        with MemoryTracker(list(job.modules.values()), job.optimizer, every_op=False) as mem, \
+        with paused(), MemoryTracker(list(job.modules.values()), job.optimizer, every_op=False) as mem, \
                 job.record_routing() as rows, ctx.ledger.tag(f"{name}:memory"):
             job.step(*data[cfg["steps"]])
         composed[name] = job
@@ -149,9 +154,10 @@ def run(ctx, cfg: dict) -> dict:
     clock["train"] = time.perf_counter()
     ctx.phase("timing")
     fixed = data[0]
-    results = compare({name: (lambda job=job: job.step(*fixed)) for name, job in composed.items()},
-                      warmup=cfg["warmup"], steps=cfg["bench_steps"], rounds=cfg["rounds"], sync=ctx.barrier,
-                      on_round=lambda done, total: ctx.progress(done, total, "timing every configuration"))
+    with paused():
+        results = compare({name: (lambda job=job: job.step(*fixed)) for name, job in composed.items()},
+                          warmup=cfg["warmup"], steps=cfg["bench_steps"], rounds=cfg["rounds"], sync=ctx.barrier,
+                          on_round=lambda done, total: ctx.progress(done, total, "timing every configuration"))
     for r in runs:
         r["bench"] = results[r["name"]].to_dict()
     clock["timing"] = time.perf_counter()
@@ -177,11 +183,11 @@ def virtual_step(emu, step) -> dict:
 
 
 def emulated(ctx, cfg: dict, configs: list, composed: dict[str, Composed], batch) -> dict | None:
-    """On the emulated cluster (None without one): the composed configuration (the chain's end) one step more,
-    timed as ``cfg["stands_for"]``'s MoE layers (``planner.moe_layer_op``: its expert GEMMs and its all-to-all bytes
-    at ep = dp); likewise DualPipeV without and with the EP overlap when both ran; and ``mfu_check`` for the 13B
-    case study. Virtual time is deterministic: one step is the time. Every configuration at the toy's own shapes
-    is in its ``bench["virtual"]`` (the timing phase)."""
+    """On the emulated cluster (None without one): every configuration one step more at the toy's own shapes
+    (``toy``); the composed configuration (the chain's end) one step more, timed as ``cfg["stands_for"]``'s MoE
+    layers (``planner.moe_layer_op``: its expert GEMMs and its all-to-all bytes at ep = dp); likewise DualPipeV
+    without and with the EP overlap when both ran; and ``mfu_check`` for the 13B case study. Virtual time is
+    deterministic: one step is the time."""
     from toolkit import planner
     emu = ctx.emulator
     if emu is None:
@@ -194,15 +200,20 @@ def emulated(ctx, cfg: dict, configs: list, composed: dict[str, Composed], batch
                                    config.ep)
     scales = planner.matched_scales(toy_op, real_op)
     pair = [n for n in ("dualpipev", "ep_overlap (on baseline)") if n in composed]
-    matched = {}
-    for i, n in enumerate([name, *pair] if len(pair) == 2 else [name]):
+    to_match = [name, *pair] if len(pair) == 2 else [name]
+    total, toy, matched = len(composed) + len(to_match) + 1, {}, {}
+    for i, (n, job) in enumerate(composed.items()):
+        ctx.barrier()
+        toy[n] = virtual_step(emu, lambda job=job: job.step(*batch))
+        ctx.progress(i + 1, total, f"emulated: {n}")
+    for i, n in enumerate(to_match):
         ctx.barrier()
         with emu.scaled(**scales):
             matched[n] = virtual_step(emu, lambda job=composed[n]: job.step(*batch))
-        ctx.progress(i + 1, 4, f"emulated: {n}, matched")
+        ctx.progress(len(toy) + i + 1, total, f"emulated: {n}, matched")
     check = mfu_check(emu, case_13b()[0])
-    ctx.progress(4, 4, "emulated: the planner's MFU")
-    return {"cluster": emu.cluster.name, "gpu": emu.cluster.gpu.name, "link": emu.cluster.intra.name,
+    ctx.progress(total, total, "emulated: the planner's MFU")
+    return {"cluster": emu.cluster.name, "gpu": emu.cluster.gpu.name, "link": emu.cluster.intra.name, "toy": toy,
             "stands_for": cfg["stands_for"], "scales": scales, "configuration": name, "matched": matched[name],
             "ep_overlap": {n: matched[n] for n in pair} if len(pair) == 2 else None, "mfu_check": check}
 
@@ -245,7 +256,7 @@ def active_params(config: ComposeConfig) -> float:
     """Parameters one token meets in ``config``'s model: all but the experts, plus ``top_k`` of each MoE layer's
     experts (the Ψ of the planner's 6·Ψ·tokens)."""
     from toolkit.models import GPT
-    with torch.device("meta"):
+    with torch.random.fork_rng(devices=[]):  # a toy-sized model built on the CPU (its init leaves the RNG alone)
         model = GPT(config.model_config())
     total = sum(p.numel() for p in model.parameters())
     experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)

@@ -290,6 +290,20 @@ class Emulator:
             self._replay_depth -= 1
 
     @contextlib.contextmanager
+    def paused(self):
+        """Inside, the emulator is off, so the run costs what it costs without one: no op is timed, no transfer is
+        clocked or exchanges its stamp, and ``current()`` is None; the clocks stand where they were (objects that
+        hold the emulator, such as the activation offloader, still clock their copies). For a phase whose virtual
+        times nobody reads, e.g. training a configuration before it is timed: every rank of a group must pause
+        around the same calls, as a collective's clocks meet only when all its ranks time it."""
+        ledger = self.ledger
+        self.uninstall()
+        try:
+            yield self
+        finally:
+            self.install(ledger)
+
+    @contextlib.contextmanager
     def internal(self):
         """Ops inside are the emulator's own bookkeeping: not timed."""
         previous = getattr(self._local, "internal", False)
