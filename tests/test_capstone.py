@@ -131,39 +131,34 @@ def test_dualpipev_with_ep_overlap_is_bitwise_dualpipev(run):
 
 
 def test_the_composed_step_on_the_emulated_cluster_beside_the_planner(run):
-    """Every configuration's step at the toy's shapes, and the composed one matched, on the virtual clock (whole
-    launches, the ranks meeting at the step's end); the planner's model is the configuration_time of that
+    """The composed step at the toy's shapes and matched, on the virtual clock (whole launches, the same number in
+    both, the ranks meeting at the step's end); the planner's model is the configuration_time of that
     configuration."""
     cfg, results = run
     names, runs = _by_name(results)
     configs = {n: c for n, c, _ in lesson.configurations(cfg, WORLD)}
     E = [r["emulated"] for r in results]
     hw = cluster(CLUSTER)
-    # wall timing ran with the emulator paused (Emulator.paused: bench saw no emulated cluster), then it timed
-    # each configuration one virtual step
-    for r, e in zip(results, E):
-        assert all(run["bench"]["virtual"] is None for run in r["runs"]) and list(e["toy"]) == names
-        for t in e["toy"].values():
-            assert t["step_s"] >= t["kernels_s"] > 0 and t["launch_s"] == pytest.approx(
-                round(t["launch_s"] / hw.gpu.launch_s) * hw.gpu.launch_s)  # whole launches
-        # the overlap reorders DualPipeV's kernels, it adds none
-        assert e["toy"]["ep_overlap (on baseline)"]["launch_s"] == pytest.approx(e["toy"]["dualpipev"]["launch_s"])
+    for r in results:  # wall timing ran with the emulator paused (Emulator.paused: bench saw no emulated cluster)
+        assert all(run["bench"]["virtual"] is None for run in r["runs"])
     composed = names[len(cfg["techniques"])]  # the chain's end
     assert all(e["configuration"] == composed and e["cluster"] == CLUSTER for e in E)
     assert E[0]["scales"] == planner.matched_scales(
         planner.moe_layer_op(2 * 32, 32, 128, 2, 2, 2), planner.moe_layer_op(4096, 4096, 14336, 2, 2))
     for e in E:
-        m = e["matched"]
-        assert m["step_s"] > m["kernels_s"] > 0 and m["launch_s"] == pytest.approx(
-            round(m["launch_s"] / hw.gpu.launch_s) * hw.gpu.launch_s)  # whole launches
-    step = [e["matched"]["step_s"] for e in E]
-    assert max(step) == pytest.approx(min(step), rel=1e-3)  # the step ends in an all-reduce: the ranks meet there
+        for m in (e["toy"], e["matched"]):
+            assert m["step_s"] > m["kernels_s"] > 0 and m["launch_s"] == pytest.approx(
+                round(m["launch_s"] / hw.gpu.launch_s) * hw.gpu.launch_s)  # whole launches
+        assert e["toy"]["launch_s"] == pytest.approx(e["matched"]["launch_s"])  # matching scales work, not launches
+    for key in ("toy", "matched"):  # the step ends in an all-reduce: the ranks meet there
+        step = [e[key]["step_s"] for e in E]
+        assert max(step) == pytest.approx(min(step), rel=1e-3)
     model = lesson.planner_step(configs[composed], hw, E[0]["scales"]["flops"])
     assert model["total"] == pytest.approx(model["compute"] + model["bubble"] + model["dp_comm"])
     toy = lesson.planner_step(configs[composed], hw)
     assert model["compute"] == pytest.approx(E[0]["scales"]["flops"] * toy["compute"])
     # at the toy's shapes the planner, which has no launch term, is far below the launch-bound virtual step
-    assert E[0]["toy"][composed]["step_s"] > 100 * toy["total"]
+    assert E[0]["toy"]["step_s"] > 100 * toy["total"]
 
 
 def test_the_planner_mfu_is_checked_on_the_emulated_gpu(run):

@@ -125,8 +125,8 @@ assert "moe_overlap=True with offload" in errors["EP overlap in the F&B pairs, w
 # steps, runs one more inside a `MemoryTracker` (tensor bytes by category at the peak, the ledger's bytes by
 # operation, the router's decisions), then times all configurations side by side (`bench.compare`,
 # round-robin, so a slow phase of the machine lands on all of them). On an emulated cluster (the `cluster`
-# parameter) it then times every configuration one more step on the cluster's virtual clock, the composed one
-# also as a real model's layers, and checks the planner's MFU (sections 7b and 9).
+# parameter) it then times the composed configuration on the cluster's virtual clock, at the toy's shapes and
+# as a real model's layers, and checks the planner's MFU (sections 7b and 9).
 
 # %%
 results = launch("l17_capstone", world_size, cfg, backend=backend, timeout_s=timeout_s, cluster=cluster)
@@ -290,9 +290,9 @@ display(viz.table([{"configuration": n, "step (ms)": 1e3 * step[n], "round sprea
 # cluster** (the `cluster` parameter; `toolkit.runtime.emulator`): every op of every rank timed by the target
 # GPU's roofline, every transfer by `α + S/β` of its link, on a virtual clock per rank, the run itself unchanged.
 # Training and section 7's timing ran with the emulator paused (its overhead is not in section 7's times);
-# then every configuration took one more step on the virtual clock at the toy's own shapes (deterministic: one
-# step is the time), and the composed configuration (the chain's end) one more **matched** to a real MoE: every
-# op counted with the FLOPs, every tensor with the bytes, of that model's MoE layers (`planner.moe_layer_op`,
+# then the composed configuration (the chain's end) took one more step on the virtual clock at the toy's own
+# shapes (deterministic: one step is the time), and one more **matched** to a real MoE: every op counted with
+# the FLOPs, every tensor with the bytes, of that model's MoE layers (`planner.moe_layer_op`,
 # `planner.matched_scales`).
 # Beside each, the planner's step-time model of the same configuration (`lesson.planner_step`:
 # `planner.configuration_time` for a dense decoder of the active parameters, the schedule's simulated bubble,
@@ -307,14 +307,8 @@ if E is None:
 else:
     hw_run = make_cluster(cluster)
     composed_name = E["configuration"]
-    vstep = {n: max(r["emulated"]["toy"][n]["step_s"] for r in results) for n in names}
-    model_step = {n: lesson.planner_step(cfg_of[n], hw_run)["total"] for n in names}
-    display(viz.table([{"configuration": n, "emulated step (ms, virtual)": 1e3 * vstep[n],
-                        "planner's model (µs)": 1e6 * model_step[n], "emulated / model": vstep[n] / model_step[n]}
-                       for n in names],
-                      title=f"Step at the toy's shapes on the emulated {E['gpu']} (virtual time) and the planner's "
-                            "cost model", formats={"emulated step (ms, virtual)": ".3f", "planner's model (µs)": ".2f",
-                                                   "emulated / model": ",.0f"}))
+    toy_step = max(r["emulated"]["toy"]["step_s"] for r in results)  # the ranks meet at the step's all-reduce
+    toy_model = lesson.planner_step(cfg_of[composed_name], hw_run)["total"]
     per_rank = [r["emulated"]["matched"] for r in results]
     matched = {"step": max(x["step_s"] for x in per_rank), "kernels": max(x["kernels_s"] for x in per_rank),
                "exposed": max(x["exposed_s"] for x in per_rank), "launch": max(x["launch_s"] for x in per_rank)}
@@ -326,12 +320,12 @@ else:
     display(viz.table([{"term": k, "planner (ms, cost model)": 1e3 * v} for k, v in pm.items() if k != "bubble_fraction"],
                       title=f"The planner's model of the same step ({E['stands_for']}-sized FLOPs, cost model)",
                       formats={"planner (ms, cost model)": ".1f"}))
-    toy_off = vstep[composed_name] / model_step[composed_name]
+    toy_off = toy_step / toy_model
     kernels = round(matched["launch"] / hw_run.gpu.launch_s)  # every launch costs the host the same
     off = matched["step"] / pm["total"]
     display(Markdown(
-        f"At the toy's shapes the emulated {E['gpu']} takes {vstep[composed_name] * 1e3:.2f} ms for a step of "
-        f"{composed_name}, the planner's model {model_step[composed_name] * 1e6:.2f} µs: the model is off by "
+        f"At the toy's shapes the emulated {E['gpu']} takes {toy_step * 1e3:.2f} ms for a step of "
+        f"{composed_name}, the planner's model {toy_model * 1e6:.2f} µs: the model is off by "
         f"{toy_off:,.0f}×. The step is {kernels:,} kernels on its busiest rank, each paying "
         f"{hw_run.gpu.launch_s * 1e6:.0f} µs of launch on the host ({matched['launch'] * 1e3:.1f} ms in all), most "
         "of them far shorter than their launch, and the planner has no launch term: it is a model for GPU-sized "
@@ -382,9 +376,6 @@ display(viz.waterfall(chain_names, [wire[n] / 1024 for n in chain_names], yaxis_
                       title="Bytes on the wire per step, all ranks (measured)"))
 display(viz.waterfall(chain_names, [1e3 * step[n] for n in chain_names], yaxis_title="ms",
                       title="Step time on this machine (measured, noisy: see section 7)"))
-if E is not None:
-    display(viz.waterfall(chain_names, [1e3 * vstep[n] for n in chain_names], yaxis_title="ms",
-                          title=f"Step time on the emulated {E['gpu']} at the toy's shapes (virtual time, section 7b)"))
 
 
 def change(a: str, b: str, d: dict) -> str:
@@ -628,8 +619,8 @@ display(Markdown(f"Worst memory prediction: {worst_mem:.3f} × the measured peak
 emulated = ""
 if E is not None:
     emulated = (f"{E['gpu']} (`{E['cluster']}`): the composed configuration ({composed_name}) steps in "
-                f"{vstep[composed_name] * 1e3:.2f} ms at the toy's shapes against the planner's model "
-                f"{model_step[composed_name] * 1e6:.2f} µs ({toy_off:,.0f}×, launch-bound), and matched to "
+                f"{toy_step * 1e3:.2f} ms at the toy's shapes against the planner's model "
+                f"{toy_model * 1e6:.2f} µs ({toy_off:,.0f}×, launch-bound), and matched to "
                 f"{E['stands_for']} in {matched['step'] * 1e3:.0f} ms against {pm['total'] * 1e3:.0f} ms "
                 f"({off:.2f}×); the 13B layers reach {C['mfu']:.1%} MFU on the roofline against the assumed "
                 f"{assume13.mfu:.0%}, and the planner's choice "

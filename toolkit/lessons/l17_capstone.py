@@ -11,9 +11,9 @@ the same seed and the same data::
               and group (ledger), and the router's decisions (rows per MoE layer: the planner's input)
     timing    every configuration timed side by side (toolkit.runtime.bench.compare, round-robin); training
               and timing run with the emulator paused (``Emulator.paused``): none of their virtual times is read
-    emulated  (with an emulated cluster) every configuration one more step on the cluster's virtual clock at the
-              toy's shapes (deterministic: one step is the time); the composed configuration, the chain's end,
-              one more timed as ``stands_for``'s MoE layers (workload-matched), and so are DualPipeV with and
+    emulated  (with an emulated cluster) the composed configuration, the chain's end, one more step on the
+              cluster's virtual clock at the toy's shapes (deterministic: one step is the time) and one more
+              timed as ``stands_for``'s MoE layers (workload-matched), and so are DualPipeV with and
               without the expert all-to-alls overlapped in its F&B pairs (``dualpipev`` and ``ep_overlap``, when
               both ran; their states are bitwise equal, so it is the same step); and the planner's compute model
               checked: a dense toy's blocks timed as the 13B case study's layers, the MFU they reach on the
@@ -183,9 +183,8 @@ def virtual_step(emu, step) -> dict:
 
 
 def emulated(ctx, cfg: dict, configs: list, composed: dict[str, Composed], batch) -> dict | None:
-    """On the emulated cluster (None without one): every configuration one step more at the toy's own shapes
-    (``toy``); the composed configuration (the chain's end) one step more, timed as ``cfg["stands_for"]``'s MoE
-    layers (``planner.moe_layer_op``: its expert GEMMs and its all-to-all bytes at ep = dp); likewise DualPipeV
+    """On the emulated cluster (None without one): the composed configuration (the chain's end) one step more at
+    the toy's own shapes (``toy``) and one more timed as ``cfg["stands_for"]``'s MoE layers (``planner.moe_layer_op``: its expert GEMMs and its all-to-all bytes at ep = dp); likewise DualPipeV
     without and with the EP overlap when both ran; and ``mfu_check`` for the 13B case study. Virtual time is
     deterministic: one step is the time."""
     from toolkit import planner
@@ -201,16 +200,15 @@ def emulated(ctx, cfg: dict, configs: list, composed: dict[str, Composed], batch
     scales = planner.matched_scales(toy_op, real_op)
     pair = [n for n in ("dualpipev", "ep_overlap (on baseline)") if n in composed]
     to_match = [name, *pair] if len(pair) == 2 else [name]
-    total, toy, matched = len(composed) + len(to_match) + 1, {}, {}
-    for i, (n, job) in enumerate(composed.items()):
-        ctx.barrier()
-        toy[n] = virtual_step(emu, lambda job=job: job.step(*batch))
-        ctx.progress(i + 1, total, f"emulated: {n}")
+    total, matched = len(to_match) + 2, {}
+    ctx.barrier()
+    toy = virtual_step(emu, lambda: composed[name].step(*batch))
+    ctx.progress(1, total, f"emulated: {name}")
     for i, n in enumerate(to_match):
         ctx.barrier()
         with emu.scaled(**scales):
             matched[n] = virtual_step(emu, lambda job=composed[n]: job.step(*batch))
-        ctx.progress(len(toy) + i + 1, total, f"emulated: {n}, matched")
+        ctx.progress(i + 2, total, f"emulated: {n}, matched")
     check = mfu_check(emu, case_13b()[0])
     ctx.progress(total, total, "emulated: the planner's MFU")
     return {"cluster": emu.cluster.name, "gpu": emu.cluster.gpu.name, "link": emu.cluster.intra.name, "toy": toy,
