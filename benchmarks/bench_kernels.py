@@ -26,6 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
+from toolkit.runtime import machine  # noqa: E402
 
 
 def peak_bandwidth_gbs(device: int = 0) -> float | None:
@@ -109,6 +110,7 @@ def main() -> int:
     parser.add_argument("--numel", type=int, default=1 << 26, help="elements per tensor (default 64M)")
     parser.add_argument("--check-only", action="store_true", help="only compare with the reference")
     args = parser.parse_args()
+    print(f"machine: {machine.describe()}", flush=True)  # what the times below mean
     if not torch.cuda.is_available():
         print("bench_kernels: no CUDA GPU visible, nothing to measure (Triton has no CPU backend; "
               "tests/test_kernels.py checks the kernels under TRITON_INTERPRET=1).")

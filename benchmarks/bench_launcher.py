@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from toolkit import launch
+from toolkit.runtime import machine
 
 BARE = """
 import torch, torch.distributed as dist
@@ -37,6 +38,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
+    print(f"machine: {machine.describe()}", flush=True)  # what the times below mean
     script = Path(tempfile.mkdtemp()) / "bare.py"
     script.write_text(BARE)
     bare, ours = [], []

@@ -22,6 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from toolkit import launch  # noqa: E402
+from toolkit.runtime import machine  # noqa: E402
 
 TARGET = 0.5
 
@@ -35,6 +36,7 @@ def main() -> int:
     ap.add_argument("--bench-steps", type=int, default=3)
     ap.add_argument("--backend", default="auto")
     args = ap.parse_args()
+    print(f"machine: {machine.describe()}", flush=True)  # what the times below mean
     cfg = {"preset": args.preset, "rounds": args.rounds, "bench_steps": args.bench_steps}
     ratios, step_ratios = [], []
     for rep in range(args.repeats):

@@ -26,6 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
+from toolkit.runtime import machine  # noqa: E402
 
 from toolkit.memory.param_reuse import MasterAdamW, ReuseAdamW, merge, split  # noqa: E402
 from toolkit.runtime.bench import measure  # noqa: E402
@@ -72,6 +73,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--chunk", type=int, default=1 << 20)
     args = ap.parse_args()
+    print(f"machine: {machine.describe()}", flush=True)  # what the times below mean
     device = "cuda" if torch.cuda.is_available() else "cpu"
 
     n, secs = round_trip(args.patterns, device=device)

@@ -56,6 +56,7 @@ def unavailable(names: list[str]) -> dict[str, str]:
 def main() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # so the ranks can import benchmarks.bench_pipeline
     from toolkit import launch
+    from toolkit.runtime import machine
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--world-size", type=int, default=2)
@@ -67,6 +68,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--schedules", nargs="*", default=list(NAMES), choices=NAMES)
     args = ap.parse_args()
+    print(f"machine: {machine.describe()}", flush=True)  # what the times below mean
     p = args.world_size
     if args.m < 2 * p or args.m % p:
         raise SystemExit(f"--m={args.m} must be >= 2 * world size and a multiple of it (DualPipeV, interleaved)")

@@ -39,6 +39,7 @@ OPS = ("AG+GEMM", "GEMM+RS")
 def main() -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from toolkit import launch
+    from toolkit.runtime import machine
     from toolkit.parallel.tp_overlap import overlap_ceiling
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -51,6 +52,7 @@ def main() -> int:
     ap.add_argument("--strict", action="store_true", help="exit 1 when the target is missed")
     ap.add_argument("--cluster", default="h100-ib400", help="emulated cluster preset (or none)")
     args = ap.parse_args()
+    print(f"machine: {machine.describe()}", flush=True)  # what the times below mean
     met = None
     print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     for d_model in args.d_model:

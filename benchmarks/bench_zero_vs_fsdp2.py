@@ -22,6 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from toolkit import launch  # noqa: E402
+from toolkit.runtime import machine  # noqa: E402
 
 VARIANTS = {"zero3": {"kind": "zero", "stage": 3}, "fsdp2": {"kind": "fsdp2", "reshard": True}}  # DataParallelTrainer
 
@@ -72,6 +73,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--warmup", type=int, default=3)
     a = ap.parse_args()
+    print(f"machine: {machine.describe()}", flush=True)  # what the times below mean
     cfg = {"preset": a.preset, "batch_size": a.batch_size, "steps": a.steps, "rounds": a.rounds, "warmup": a.warmup}
     res = launch("benchmarks.bench_zero_vs_fsdp2:rank_main", a.world_size, cfg, timeout_s=1200, progress="plain")
     r0 = res[0]

@@ -30,6 +30,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 CHECK_DIR = ROOT / "benchmarks" / "gpu"
 
+from toolkit.runtime import machine  # noqa: E402
+
 
 def discover(directory: Path = CHECK_DIR) -> list[Path]:
     """The check modules of ``directory`` (every ``*.py`` not starting with an underscore), sorted."""
@@ -91,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dir", type=Path, default=CHECK_DIR, help="folder of check modules")
     parser.add_argument("--only", nargs="*", default=None, help="module names to run (default: all)")
     args = parser.parse_args(argv)
+    print(f"machine: {machine.describe()}", flush=True)  # what the times below mean
     paths = discover(args.dir)
     if args.only:
         unknown = sorted(set(args.only) - {p.stem for p in paths})

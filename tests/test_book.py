@@ -3,6 +3,7 @@ views become a note, titles and navigation, the index shows each notebook's time
 (tests/test_browser.py opens the pages in Chromium.)"""
 from __future__ import annotations
 
+import html
 import json
 import re
 import sys
@@ -13,6 +14,7 @@ import plotly.io as pio
 import pytest
 
 from toolkit import viz
+from toolkit.runtime.machine import describe, fingerprint
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
@@ -106,10 +108,17 @@ def test_results_page_collects_each_lessons_headline(out):
     nb.cells[-1].outputs.append(nbformat.v4.new_output("display_data", data={report.MIME: rec,
                                                                              "text/markdown": "**Headline**"}))
     nbformat.write(nb, path)
+    machine = fingerprint()
+    (out / "machine.json").write_text(json.dumps(machine))  # what run_all leaves beside the notebooks
     book.build(out, [{"name": "00-x", "status": "failed", "seconds": 1.0}, {"name": "03-x", "status": "ok",
                                                                              "seconds": 2.0}])
-    lessons = {r["name"]: r for r in json.loads((out / "results.json").read_text())["lessons"]}
+    written = json.loads((out / "results.json").read_text())
+    lessons = {r["name"]: r for r in written["lessons"]}
     assert lessons["03-x"]["headline"] == rec and lessons["00-x"]["headline"] is None
+    assert written["machine"] == machine
     page = (out / "results.html").read_text()
     assert "bubble 0.21 vs 0.38" in page and "notebook failed" in page
-    assert "<a href='results.html'>" in (out / "index.html").read_text()
+    index = (out / "index.html").read_text()
+    assert "<a href='results.html'>" in index
+    for text in (page, index):  # the times and verdicts say which machine they are from
+        assert f"Machine: {html.escape(describe(machine))}" in text

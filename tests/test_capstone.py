@@ -139,7 +139,7 @@ def test_the_composed_step_on_the_emulated_cluster_beside_the_planner(run):
     configs = {n: c for n, c, _ in lesson.configurations(cfg, WORLD)}
     E = [r["emulated"] for r in results]
     hw = cluster(CLUSTER)
-    for r in results:  # wall timing ran with the emulator paused (Emulator.paused: bench saw no emulated cluster)
+    for r in results:  # wall timing ran with the emulator paused (Emulator.paused): it reports no virtual time
         assert all(run["bench"]["virtual"] is None for run in r["runs"])
     composed = names[len(cfg["techniques"])]  # the chain's end
     assert all(e["configuration"] == composed and e["cluster"] == CLUSTER for e in E)

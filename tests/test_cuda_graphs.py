@@ -1,6 +1,7 @@
 """Lesson 16 on real processes (dp × pp = 2 × 2 and 2 × 1): the DP all-reduce separated from DualPipeV's
-compute equals the plain one bitwise and one process within float tolerance; op counting, capture audit
-and the replay model; bad input."""
+compute, per stage or bucket by bucket, equals the plain one bitwise (dp = 2) and one process within float
+tolerance; buckets leave inside the stage's last gradient op; the emulated cluster's DP waits; op counting,
+capture audit and the replay model; bad input."""
 from __future__ import annotations
 
 import pytest
@@ -12,7 +13,8 @@ from toolkit.graphs import OpCounter, audit, count_ops, dispatch_cost, replay_mo
 from toolkit.graphs import cuda_graphs
 from toolkit.lessons import l16_cuda_graphs as l16
 from toolkit.pipeline import make_schedule
-from toolkit.pipeline.dp_separate import last_grad_ops
+from toolkit.pipeline.dp_separate import DataParallelSeparation, last_grad_ops, make_buckets, written_by
+from toolkit.pipeline.executor import split_weight_grads
 
 FAST = {"warmup": 0, "bench_steps": 1, "rounds": 1}
 
@@ -37,8 +39,16 @@ def results(request):
 
 def test_separated_dp_communication_is_bitwise_the_plain_one(results):
     for r in results:
-        assert r["grads_bitwise_plain_vs_separated"] and r["losses_equal"]
-        assert r["runs"]["plain"]["dp_bytes"] == r["runs"]["separated"]["dp_bytes"]
+        assert r["dp"] == 2  # bucketed is bitwise the plain one at dp = 2 only (a sum of two has one order)
+        assert r["grads_bitwise_plain_vs_separated"] and r["grads_bitwise_plain_vs_bucketed"] and r["losses_equal"]
+        assert r["runs"]["plain"]["dp_bytes"] == r["runs"]["separated"]["dp_bytes"] == r["runs"]["bucketed"]["dp_bytes"]
+        buckets = r["runs"]["bucketed"]["reduces"]
+        assert len(buckets) > len(r["stages"])  # the smoke preset's bucket_bytes cuts every stage
+        assert sum(x["bytes"] for x in buckets) == sum(x["bytes"] for x in r["runs"]["plain"]["reduces"])
+        for stage in r["stages"]:  # per stage, its buckets in order, at least bucket_bytes but the last
+            mine = [x for x in buckets if x["stage"] == stage]
+            assert [x["bucket"] for x in mine] == list(range(len(mine)))
+            assert all(x["bytes"] >= l16.PRESETS["smoke"]["bucket_bytes"] for x in mine[:-1])
 
 
 def test_both_equal_one_process_over_all_micro_batches(results):
@@ -60,17 +70,28 @@ def test_one_all_reduce_per_stage_of_the_stage_gradients(results):
         assert reduces[0]["stage"] == max(r["stages"])
 
 
-def test_separated_reduce_leaves_before_the_last_op_plain_after_it(grid2x2):
+def test_separated_reduces_leave_before_the_last_op_plain_after_it(grid2x2):
     for r in grid2x2:
         for name in l16.VARIANTS:
             t = r["traced"][name]
             ops = [s for s in t["spans"] if s["meta"].get("lane") != "dp"]
             first_issue = min(x["issued"] for x in t["reduces"])
-            if name == "separated":
-                assert first_issue <= max(s["start"] for s in ops)  # in flight while the schedule still runs
-            else:
+            if name == "plain":
                 assert first_issue >= max(s["end"] for s in ops)
+            else:
+                assert first_issue <= max(s["start"] for s in ops)  # in flight while the schedule still runs
             assert {s["kind"] for s in t["spans"]} >= {"F", "W", "DP all-reduce"}
+
+
+def test_buckets_leave_inside_the_stages_last_gradient_op(grid2x2):
+    for r in grid2x2:
+        t = r["traced"]["bucketed"]
+        ops = [s for s in t["spans"] if s["meta"].get("lane") != "dp"]
+        for stage in r["stages"]:
+            last = max((s for s in ops if s["meta"]["stage"] == stage and s["kind"] in ("B", "I", "W")),
+                       key=lambda s: s["start"])
+            issued = sorted(x["issued"] for x in t["reduces"] if x["stage"] == stage)
+            assert last["start"] <= issued[0] < last["end"], (r["rank"], stage)  # the first, before the op ends
 
 
 def test_op_counts_host_cost_and_audit(grid2x2):
@@ -98,6 +119,20 @@ def test_graph_replay_on_the_emulated_cluster_removes_launches_and_separation_th
             assert eager["launch_s"] > 4 * graphed["launch_s"] and graphed["step_s"] < eager["step_s"]
         assert runs["eager · separated"]["dp_wait_s"] <= runs["eager · plain"]["dp_wait_s"]
         assert runs["graphed · plain"]["dp_wait_s"] > 0  # the reduce left for the end is waited for
+        assert "graphed · bucketed" not in runs
+
+
+def test_matched_dp_waits_on_the_emulated_cluster(grid2x2):
+    """Matched to a real model's layers, the phase-0 chunk's reduce (its last op is the rank's last) waits as
+    long separated as plain; bucket by bucket it starts inside that op and waits less."""
+    for r in grid2x2:
+        runs = r["emulated"]["matched"]["runs"]
+        assert runs["bucketed"]["dp_wait_s"] <= runs["separated"]["dp_wait_s"] < runs["plain"]["dp_wait_s"]
+        first = str(min(r["stages"]))  # the phase-0 chunk: done last
+        assert runs["separated"]["dp_wait_by_stage"][first] > 0
+        assert runs["separated"]["dp_wait_by_stage"][str(max(r["stages"]))] == 0  # hidden behind the other chunk
+        assert runs["bucketed"]["dp_wait_by_stage"][first] < runs["separated"]["dp_wait_by_stage"][first]
+        assert runs["bucketed"]["reduces"] > runs["separated"]["reduces"] == len(r["stages"])
 
 
 def test_last_grad_ops_from_the_schedule():
@@ -109,6 +144,19 @@ def test_last_grad_ops_from_the_schedule():
         assert flat[i].stage == stage and flat[i].op in ("B", "I", "W")
         assert not any(p.stage == stage and p.op in ("B", "I", "W") for p in flat[i + 1:])
     assert last[3] < last[0] == len(flat) - 1
+
+
+def test_buckets_and_what_each_gradient_op_writes():
+    block = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.Linear(8, 2))
+    params = list(block.parameters())  # 0.w 0.b ln.w ln.b 2.w 2.b
+    assert make_buckets(params, None) == [params[::-1]]
+    buckets = make_buckets(params, 64)  # 2.b (8 B) + 2.w (64 B) | ln.b + ln.w (64 B) | 0.b + 0.w
+    assert [[id(p) for p in b] for b in buckets] == [[id(p) for p in params[::-1][i:i + 2]] for i in (0, 2, 4)]
+    assert make_buckets(params, 10 ** 9) == [params[::-1]]
+    split_weight_grads(block)
+    linears = {id(p) for i in (0, 2) for p in block[i].parameters()}
+    assert written_by("W", block) == linears and written_by("B", block) == {id(p) for p in params}
+    assert written_by("I", block) == {id(p) for p in block[1].parameters()}
 
 
 def test_op_counter_and_audit_on_small_functions():
@@ -157,3 +205,9 @@ def test_bad_input_names_the_parameter():
         l16.validate({"preset": "smoke", "n_layer": 6}, 4)
     with pytest.raises(ValueError, match="dp must be >= 1"):
         l16.validate({"preset": "smoke", "dp": 0}, 4)
+    with pytest.raises(ValueError, match="bucket_bytes must be >= 1"):
+        l16.validate({"preset": "smoke", "bucket_bytes": 0}, 4)
+    with pytest.raises(ValueError, match="bucket_bytes=0 must be None"):
+        DataParallelSeparation(bucket_bytes=0)
+    with pytest.raises(ValueError, match="bucket_bytes needs separate=True"):
+        DataParallelSeparation(separate=False, bucket_bytes=1024)

@@ -1,5 +1,6 @@
 """Lesson 14 (DeepEP-style dispatch/combine): the invariants on 4 real processes (2 emulated nodes x 2 ranks),
-exact byte counts from the ledger against their closed forms, and the bad-input errors."""
+exact byte counts from the ledger against their closed forms, why only low-latency mode can be captured in a CUDA
+graph (the audit and the count exchange on the emulated cluster), and the bad-input errors."""
 from __future__ import annotations
 
 import math
@@ -10,12 +11,17 @@ import torch
 from toolkit import launch
 from toolkit.lessons import l14_deepep as l14
 from toolkit.moe import dispatch_layout, route, run_experts
+from toolkit.moe import Codec
 from toolkit.moe.deepep import TwoHop, dyadic, layout_brute_force, node_limited_route
+from toolkit.quant import dequantize_blockwise, quantize_fp8_blockwise
+from toolkit.runtime.cluster import cluster
+
+H100 = cluster("h100-ib400", ranks_per_node=2)  # the lesson's two emulated nodes, timed
 
 
 @pytest.fixture(scope="module")
 def results():
-    return launch("l14_deepep", 4, {"preset": "smoke"}, timeout_s=300, progress="none")
+    return launch("l14_deepep", 4, {"preset": "smoke"}, timeout_s=300, progress="none", cluster=H100)
 
 
 def test_layout_equals_brute_force(results):
@@ -84,6 +90,42 @@ def test_deepep_scale_and_timing_reported(results):
     assert scale["rank_rows"] < scale["pairs"] and scale["remote_node_rows"] < scale["remote_node_rank_rows"]
     assert scale["fp8_row_bytes"] == 7168 + 4 * 56
     assert set(results[0]["timing"]) >= {"plain bf16", "dedup bf16", "dedup fp8", "two-hop fp8"}
+
+
+def test_only_low_latency_mode_can_be_captured(results):
+    for res in results:
+        cap = res["capture"]
+        assert "toolkit.to_host" in cap["normal"]["breaks_capture"]  # the host reads the exchanged counts
+        assert cap["low_latency"]["breaks_capture"] == {}  # no host sync, no data-dependent shape
+        assert "c10d.alltoall_base_" in cap["low_latency"]["collectives"]
+        assert "c10d._allgather_base_" in cap["normal"]["collectives"]  # the count exchange
+
+
+def test_count_exchange_on_the_emulated_cluster(results):
+    """Virtual time is deterministic: these are facts of the model, not of this machine's speed."""
+    for res in results:
+        e = res["emulated"]
+        assert e["link"] == H100.inter.name and 0 < e["ll_written"] < 1
+        for shapes, runs in e["runs"].items():
+            normal, ll, graph = runs["normal"], runs["low latency"], runs["low latency, one graph replay"]
+            assert normal["host_syncs"] >= 1 and ll["host_syncs"] == graph["host_syncs"] == 0
+            assert normal["plan_s"] > H100.inter.latency_s  # the counts' all-gather across nodes, then the read
+            assert graph["launch_s"] == pytest.approx(H100.gpu.launch_s)  # one launch for it all
+            assert graph["launch_s"] < ll["launch_s"]
+            assert graph["round_trip_s"] < ll["round_trip_s"]
+        toy, real = (e["runs"][k]["normal"]["plan_s"] for k in ("toy", e["stands_for"]))
+        assert real == pytest.approx(toy, rel=0.05)  # the exchange does not grow with the token rows
+
+
+def test_codec_without_the_finiteness_check():
+    x = torch.ones(2, 256)
+    x[1, 3] = float("nan")
+    with pytest.raises(ValueError, match="NaN"):
+        quantize_fp8_blockwise(x)
+    got = dequantize_blockwise(quantize_fp8_blockwise(x, check_finite=False))
+    assert got[0].isfinite().all() and got[1, 128:].isfinite().all()
+    assert got[1, :128].isnan().all()  # the NaN's block decodes to NaN, and nobody waited to find out
+    assert Codec("fp8").check_finite and not Codec("fp8", check_finite=False).check_finite
 
 
 def test_layout_and_routing_without_processes():

@@ -1,7 +1,8 @@
 """ECHO hot-expert cloning (lesson 15): the greedy planner (pure, deterministic), the target on Zipf(1.2) routing,
-and the runtime on real processes (2 and 4 ranks): outputs and gradients equal to no cloning, home grad + Σ clone
-grads = the grad without cloning, tokens conserved, clone weights bitwise the home's, the plan the same on every rank.
-No timing is asserted."""
+every source's pairs split in the plan's proportions, the break-even cost model, and the runtime on real processes
+(2 and 4 ranks): outputs and gradients equal to no cloning, home grad + Σ clone grads = the grad without cloning,
+tokens conserved, clone weights bitwise the home's, the plan the same on every rank; the lesson's clone budgets on
+the emulated cluster (virtual time, deterministic). No wall or CPU timing is asserted."""
 from __future__ import annotations
 
 import random
@@ -12,7 +13,9 @@ import torch
 from toolkit import launch
 from toolkit.lessons import l15_echo as l15
 from toolkit.lessons.l04_int8_a2a import collect_errors
-from toolkit.moe.echo import (assign_slots, check_plan, expert_counts, fit_cost_model, plan_clones, zipf_routing)
+from toolkit.moe.echo import (assign_slots, check_plan, clone_break_even, expert_counts, fit_cost_model, plan_clones,
+                              proportional_split, zipf_routing)
+from toolkit.runtime.cluster import cluster
 
 
 # ---- the planner, without processes ---------------------------------------------------------------------------------
@@ -69,6 +72,50 @@ def test_assign_slots_conserves_every_pair():
         assert all(slot_expert[s] == e for s, e in zip(slots.reshape(-1).tolist(), i.reshape(-1).tolist()))
 
 
+def test_proportional_split_exact_totals_and_near_proportions():
+    rng = random.Random(1)
+    for _ in range(1000):
+        S, J = rng.randint(1, 16), rng.randint(1, 5)
+        per_source = [rng.choice([0, rng.randint(0, 20), rng.randint(0, 3000)]) for _ in range(S)]
+        total = sum(per_source)
+        cuts = sorted(rng.randint(0, total) for _ in range(J - 1))
+        shares = [b - a for a, b in zip([0] + cuts, cuts + [total])]
+        n = proportional_split(per_source, shares)
+        assert [sum(row) for row in n] == per_source and [sum(col) for col in zip(*n)] == shares
+        assert all(v >= 0 for row in n for v in row)
+        if total:  # each source sends each place its share, to within the bound the docstring promises
+            assert max(abs(n[s][j] - per_source[s] * shares[j] / total) for s in range(S) for j in range(J)) < 3
+    assert proportional_split([10, 30], [20, 20]) == [[5, 5], [15, 15]]  # each source splits half and half
+    with pytest.raises(ValueError, match="sum to the pairs 40"):
+        proportional_split([10, 30], [20, 10])
+
+
+def test_every_source_sends_each_clone_its_share():
+    R, E, K, local, spare = 4, 8, 2, 2, 1
+    ids = [zipf_routing(400, E, K, 1.2, seed=10 + r) for r in range(R)]
+    p = plan_clones(torch.stack([expert_counts(i, E) for i in ids]), local, spare)
+    assert p.clones
+    per_rank = local + spare
+    for e in {c.expert for c in p.clones}:
+        places = [(e // local) * per_rank + e % local] + [c.rank * per_rank + c.slot for c in p.clones if c.expert == e]
+        split = p.split(e)
+        for r, i in enumerate(ids):
+            slots = assign_slots(i, p, r).reshape(-1)[i.reshape(-1) == e]
+            assert [int((slots == s).sum()) for s in places] == split[r]  # this source's row of the split
+            assert all(split[r][j] > 0 for j in range(len(places)) if p.counts[r][e] >= 8 * len(places))
+
+
+def test_clone_break_even_closed_form():
+    h100 = cluster("h100-ib400")
+    be = clone_break_even(7168, 2048, h100.inter, h100.gpu)
+    params = 3 * 7168 * 2048  # a DeepSeek-V3 routed expert: SwiGLU, no biases
+    assert be["params"] == params and be["bytes"] == 2 * params == 88_080_384 and be["rows"] == 3 * 2048
+    clone_s = 2 * (h100.inter.latency_s + 2 * params / h100.inter.bytes_per_s)
+    pair_s = 3 * 2 * 3 * 7168 * 2048 / h100.gpu.bf16_flops  # forward 3 GEMMs of 2·h·h_ff, backward twice that
+    assert be["clone_s"] == pytest.approx(clone_s) and be["pair_s"] == pytest.approx(pair_s)
+    assert be["break_even_pairs"] == pytest.approx(clone_s / pair_s)
+
+
 def test_cost_model_fit_recovers_a_b_and_c():
     A, B, C = 2e-5, 1e-3, 7e-3
     tokens, clones = [1000, 800, 600, 500, 900], [0, 1, 2, 3, 3]
@@ -97,8 +144,10 @@ def test_bad_input_without_processes():
         l15.validate({"preset": "smoke", "n_expert": 6}, 4)
     with pytest.raises(ValueError, match="top_k=9 must be in 1..n_expert=8"):
         l15.validate({"preset": "smoke", "top_k": 9}, 4)
-    with pytest.raises(ValueError, match="budgets=.*at least 3 different"):
-        l15.validate({"preset": "smoke", "budgets": [0, 1, 1]}, 4)
+    with pytest.raises(ValueError, match="budgets=.*at least 2 different"):
+        l15.validate({"preset": "smoke", "budgets": [1, 1]}, 4)
+    with pytest.raises(ValueError, match="tokens=1 must be >= 2"):
+        l15.validate({"preset": "smoke", "tokens": 1}, 4)
     with pytest.raises(ValueError, match="spare_slots must be >= 1"):
         l15.validate({"preset": "smoke", "spare_slots": 0}, 4)
 
@@ -189,7 +238,8 @@ def test_bad_input_same_error_on_every_rank(results):
 
 
 def test_lesson_runs_at_smoke():
-    res = launch("l15_echo", 4, {"preset": "smoke"}, timeout_s=300, progress="none")
+    h100 = cluster("h100-ib400")
+    res = launch("l15_echo", 4, {"preset": "smoke"}, timeout_s=300, progress="none", cluster=h100)
     r0 = res[0]
     assert r0["zipf"]["plan"]["ratio_after"] <= 1.15 <= 1.8 <= r0["zipf"]["plan"]["ratio_before"]
     sweep = r0["zipf"]["budget_sweep"]
@@ -200,3 +250,17 @@ def test_lesson_runs_at_smoke():
     hist = r0["learned"]["history"]
     assert len(hist) == 4 and all(l["ratio_after"] <= l["ratio_before"] for h in hist for l in h["layers"])
     assert all(all(inv.values()) for inv in r0["learned"]["invariants"])
+    # (c') on the emulated cluster, matched to DeepSeek-V3's experts: virtual times are deterministic
+    em = r0["emulated"]
+    # the slowest rank's step, gathered: the same points and fit on every rank
+    assert all([p["step_s"] for p in r["emulated"]["points"]] == [p["step_s"] for p in em["points"]]
+               and r["emulated"]["cost_model"] == em["cost_model"] for r in res)
+    assert em["link"] == h100.intra.name and sorted({p["tokens"] for p in em["points"]}) == [128, 256]
+    for t in (128, 256):
+        clones = [p["clones"] for p in em["points"] if p["tokens"] == t]
+        assert clones == sorted(clones) and clones[0] == 0 and clones[-1] >= 2
+    fit = em["cost_model"]
+    assert fit["rank"] == 3 and fit["dof"] == len(em["points"]) - 3 and fit["A"] > 0 and fit["B"] > 0
+    # a pair's emulated cost is at least its expert work at the peak; a clone's at most both transfers one at a time
+    be = em["break_even"][h100.intra.name]
+    assert be["pair_s"] <= fit["A"] and 0 < fit["B"] <= be["clone_s"] * 1.05

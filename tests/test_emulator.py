@@ -4,6 +4,7 @@
 (c) an async op under compute completes at issue + max(transfer, compute)  (d) two transfers share a rank's link
 (e) pipeline schedules = toolkit.pipeline.simulate fed the same op times and link, within 5 %
 (f) the same job at 2 and at 4 ranks on 2 cores: the same virtual time      (g) results bitwise those without it
+(h) a host read (``host_read``) makes the host wait for its stream; ``paused()`` stops the clock, not the run
 """
 from __future__ import annotations
 
@@ -97,6 +98,21 @@ def test_g_emulation_changes_no_result_and_models_communication(emulated, plain)
     assert [r["checksum"] for r in emulated] == [r["checksum"] for r in plain]
     assert all(r["totals"]["comm_s"] > 0 and r["totals"]["exposed_s"] > 0 for r in emulated)
     assert all(r["totals"] is None and r["ops"][0]["virtual_s"] is None for r in plain)
+
+
+def test_h_a_host_read_waits_for_the_stream_and_pausing_stops_the_clock():
+    h100 = cluster("h100-ib400", float_bytes=4)
+    emulated = launch(f"{CHECKS}:host", 2, {}, cluster=h100, progress="none", timeout_s=300)
+    plain = launch(f"{CHECKS}:host", 2, {}, progress="none", timeout_s=300)
+    launch_s = h100.gpu.launch_s
+    read_s = 2 * 4 * 8 / h100.gpu.hbm_bytes_per_s  # 4 int64 read and written by the copy to the host
+    for r in emulated:
+        # without the read the host launched the short matmul while the long one ran: its launch is hidden
+        assert r["tolist_s"] == pytest.approx(launch_s + kernel_s(2048) + kernel_s(256), rel=1e-9)
+        # the read (a kernel: a launch) makes the host wait; the short matmul's launch comes after the long kernel
+        assert r["host_read_s"] == pytest.approx(2 * launch_s + kernel_s(2048) + read_s + kernel_s(256), rel=1e-9)
+        assert r["paused_moved_s"] == 0 and r["paused_calls"] == 1  # counted by the ledger, not timed
+    assert [r["checksum"] for r in emulated] == [r["checksum"] for r in plain]
 
 
 @pytest.mark.parametrize("p", [2, 4])

@@ -273,6 +273,9 @@ def test_spill_side_channel_and_buckets(lesson):
             assert c["allreduce_s_per_step"][mode] > 0
             assert c["exposed_comm_s_per_step"][mode] == pytest.approx(
                 c["exposed_collect_s_per_step"][mode] + c["allreduce_s_per_step"][mode])
+            # bench.verdict pairs the exposed time of each step with compare's rounds
+            rounds = len(c["bench"][mode]["round_means_s"])
+            assert len(c["exposed_comm"][mode]["round_means_s"]) == rounds >= 2
     rows = r0["buckets"]["rows"]
     counts = [row["buckets"] for row in rows]
     assert counts == sorted(counts, reverse=True) and counts[-1] == 1 and counts[0] > 3

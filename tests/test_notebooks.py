@@ -7,7 +7,8 @@ hold at those values; ``TRIED`` also checks what the item predicts where that is
 load ratio, a peak from the schedule, an equality; never a timing); and the prose the run rendered must not
 contradict its headline (``verdict_conflicts``). nbval (``pytest --nbval-lax notebooks``) executes every
 notebook once more at its defaults and compares the cells marked ``# NBVAL_CHECK_OUTPUT`` with the outputs
-stored in the notebook.
+stored in the notebook. A notebook without a Try item (``your-experiment``) would run twice at its
+defaults: in a session where nbval runs it (``make test``), its papermill run here is deselected (conftest.py).
 """
 from __future__ import annotations
 

@@ -101,7 +101,7 @@ ENTRIES: list[Entry] = [
     Entry("Emulator", "toolkit.runtime.emulator:Emulator", AREAS[0],
           "A rank's virtual clock on an emulated cluster: ops timed by the GPU's roofline, transfers by α-β.",
           "ctx.emulator.now() in seconds; scaled(flops=, bytes=) times ops as a bigger model's; graph_replay(); "
-          "report() per op and per transfer",
+          "paused() for sections that measure the real run only; report() per op and per transfer",
           "built on every rank by launch(..., cluster=); results stay bitwise those of the run without it",
           'def exp(ctx, cfg):\n    t0 = ctx.emulator.now(); step()\n'
           '    return {"step_on_h100_s": ctx.emulator.now() - t0}'),
@@ -366,15 +366,18 @@ ENTRIES: list[Entry] = [
           "local (no collectives)",
           'layout = CPLayout([16, 8], cp=2)\nseq, pos, idx = layout.coords(0)\nprint(idx.tolist())'),
     Entry("schedule_dynamic", "toolkit.context.dynamic_cp:schedule_dynamic", AREAS[6],
-          "Dynamic CP (Megatron's DefaultDynamicCPScheduler, plus refill and merge steps): per micro-batch, a CP "
-          "size per sequence and aligned power-of-two CP groups of equal work L^2/cp.",
-          "lengths [n], n_ranks (DP x CP, a power of two), cap tokens per rank -> Plan (micro-batches of groups)",
+          "Dynamic CP (Megatron's DefaultDynamicCPScheduler; with cost=, the toolkit's refill and merge steps, taken "
+          "where the modelled time, ring included, goes down): per micro-batch, a CP size per sequence and aligned "
+          "power-of-two CP groups of equal work L^2/cp.",
+          "lengths [n], n_ranks (DP x CP, a power of two), cap tokens per rank, cost (a GroupCost, e.g. "
+          "dcp_sim.CostModel(); None: Megatron's rules) -> Plan (micro-batches of groups)",
           "local and deterministic: every rank computes the same plan from the all-gathered lengths",
           'plan = schedule_dynamic([900, 300, 120, 40], n_ranks=4, cap=512)\nplan.check()\n'
           'print(plan.balance(), plan.cp_sizes())'),
     Entry("schedule_static", "toolkit.context.dynamic_cp:schedule_static", AREAS[6],
-          "Static CP: one CP size, sequences packed in data order up to cp*cap tokens per DP replica.",
-          "lengths [n], n_ranks, cp, cap -> Plan", "local and deterministic",
+          "Static CP: one CP size, sequences packed (in data order, or longest first) up to cp*cap tokens per DP "
+          "replica.",
+          "lengths [n], n_ranks, cp, cap, order ('data' | 'length') -> Plan", "local and deterministic",
           'plan = schedule_static([900, 300, 120, 40], n_ranks=4, cp=2, cap=512)\nprint(plan.balance())'),
     Entry("reroute", "toolkit.context.dynamic_cp:reroute", AREAS[6],
           "Send every rank the CP shards of the sequences its groups hold, all micro-batches, one all_to_all_single.",
@@ -444,7 +447,8 @@ ENTRIES: list[Entry] = [
     Entry("plan_clones", "toolkit.moe.echo:plan_clones", AREAS[7],
           "ECHO's greedy planner (pure, integers): spill of over-loaded ranks' hot experts onto spare slots of "
           "under-loaded ranks by interval overlap; one expert per slot, budget, reclaim of small clones.",
-          "counts [R, E] (pairs per source rank per expert), local, spare_slots -> ClonePlan", "local (no collectives)",
+          "counts [R, E] (pairs per source rank per expert), local, spare_slots -> ClonePlan (split(e): the pairs "
+          "each source sends home and to each clone)", "local (no collectives)",
           'plan = plan_clones([[10, 50, 5, 5], [0, 30, 5, 15]], local=2, spare_slots=1)\n'
           'print(plan.load_before, plan.load_after, plan.clones)'),
 ]

@@ -6,7 +6,8 @@ on; ``Composed`` builds one rank's share, always in this order, because each pie
 before it made::
 
     1 model       GPT(preset, n_expert), weights from the seed; bf16 compute weights      toolkit.models
-                  when precision is bf16 (the master copy is the optimizer's business, step 5)
+                  when precision is bf16 (the master copy is the optimizer's business, step 5);
+                  their GEMMs in fp32, rounded once, where the CPU's bf16 GEMMs are slow  toolkit.runtime.bf16
     2 experts     expert_parallel(model, ep group, codec)                                   toolkit.moe
                   every MoE layer now dispatches its tokens to the expert's rank (all-to-all)
                   a2a_codec="int8": tokens travel as int8 + scales (bf16 combine)
@@ -44,6 +45,8 @@ from dataclasses import dataclass, field, fields
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+
+from toolkit.runtime.bf16 import bf16_as_storage
 
 SCHEDULES = ("1f1b", "dualpipev")
 PRECISIONS = ("fp32", "bf16", "bf16_residual")
@@ -356,7 +359,9 @@ class Composed:
         """One training step over this replica's m micro-batches; the global batch's loss on every rank."""
         for p in self.params:
             p.grad = None
-        loss = self.executor.step(inputs, targets)  # p2p and the experts' all-to-alls happen in here
+        bf16_gemms = bf16_as_storage() if self.cfg.dtype == torch.bfloat16 else contextlib.nullcontext()
+        with bf16_gemms:  # on a CPU whose bf16 GEMMs are slow: in fp32 from the bf16 tensors, rounded once
+            loss = self.executor.step(inputs, targets)  # p2p and the experts' all-to-alls happen in here
         dp = self.grid.sizes["dp"]
         if self.expert_params and dp > 1:
             for p in self.expert_params:  # summed over every replica's tokens by the all-to-alls: make it a mean

@@ -447,9 +447,12 @@ MODELS: dict[str, Workload] = {
     "llama2-70b": Workload(params=69e9, layers=80, hidden=8192, heads=64, seq_len=4096, ffn_hidden=28672),
     "mixtral-8x7b": Workload(params=46.7e9, layers=32, hidden=4096, heads=32, seq_len=4096, ffn_hidden=14336,
                              experts=8, top_k=2),
+    "deepseek-v3": Workload(params=671e9, layers=61, hidden=7168, heads=128, seq_len=4096, ffn_hidden=2048,
+                            experts=256, top_k=8),
 }
-"""Llama 2's shapes (Touvron et al. 2023, Table 1 and the released configs) and Mixtral 8x7B's (Jiang et al. 2024,
-Table 1), one sequence of 4096 per micro-batch."""
+"""Llama 2's shapes (Touvron et al. 2023, Table 1 and the released configs), Mixtral 8x7B's (Jiang et al. 2024,
+Table 1) and DeepSeek-V3's (its technical report §4.2 and released config: 256 routed SwiGLU experts of width 2048,
+top-8; the shared expert and the dense first layers left out), one sequence of 4096 per micro-batch."""
 
 
 def dense_layer_op(tokens: int, hidden: int, ffn: int, elem: int = 2) -> dict[str, float]:

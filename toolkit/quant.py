@@ -95,13 +95,16 @@ def _triton_available() -> bool:
     return True
 
 
-def _check_input(x: torch.Tensor, name: str = "x") -> None:
+def _check_input(x: torch.Tensor, name: str = "x", finite: bool = True) -> None:
+    """Type, dtype and emptiness; ``finite``: no NaN/Inf either (the host reads a flag: it waits for the device)."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in ref.SUPPORTED_DTYPES:
         raise ValueError(f"{name}.dtype={x.dtype} is not supported; allowed: {ref.SUPPORTED_DTYPES}")
     if x.numel() == 0:
         raise ValueError(f"{name} is empty (shape {tuple(x.shape)}); nothing to quantize")
+    if not finite:
+        return
     finite = torch.isfinite(x)
     if not bool(finite.all()):
         n_nan, n_inf = int(torch.isnan(x).sum()), int(torch.isinf(x).sum())
@@ -117,7 +120,7 @@ def _check_block(block: int, bits: int | None = None) -> None:
 
 
 def quantize_blockwise(x: torch.Tensor, bits: int = 8, block: int = 128, stochastic: bool = False,
-                       seed: int | None = None, impl: str = "auto") -> Quantized:
+                       seed: int | None = None, impl: str = "auto", check_finite: bool = True) -> Quantized:
     """Symmetric block-wise integer quantization of ``x`` (see the module docstring).
 
     Args:
@@ -126,13 +129,14 @@ def quantize_blockwise(x: torch.Tensor, bits: int = 8, block: int = 128, stochas
         stochastic: round x/s up with probability frac(x/s) (unbiased: E[q*s] = x); seeded.
         seed: seed of the stochastic rounding; None draws one from torch's global generator.
         impl: "auto", "torch" or "triton".
+        check_finite: refuse NaN/Inf (a host sync); False skips it (``quantize_fp8_blockwise``).
     Raises:
-        ValueError: NaN/Inf in ``x``, unsupported dtype, bits not in {4, 8}, bad block.
+        ValueError: NaN/Inf in ``x`` (when checked), unsupported dtype, bits not in {4, 8}, bad block.
     """
     if bits not in FORMATS:
         raise ValueError(f"bits={bits!r} is not supported; allowed: {sorted(FORMATS)}")
     _check_block(block, bits)
-    _check_input(x)
+    _check_input(x, finite=check_finite)
     if stochastic and seed is None:
         seed = int(torch.randint(0, 2**31 - 1, (1,)).item())
     seed = int(seed or 0)
@@ -146,13 +150,16 @@ def quantize_blockwise(x: torch.Tensor, bits: int = 8, block: int = 128, stochas
     return Quantized(payload, scales, bits, block, torch.Size(x.shape), FORMATS[bits])
 
 
-def quantize_fp8_blockwise(x: torch.Tensor, block: int = 128, impl: str = "auto") -> Quantized:
+def quantize_fp8_blockwise(x: torch.Tensor, block: int = 128, impl: str = "auto",
+                           check_finite: bool = True) -> Quantized:
     """Block-wise FP8-E4M3FN: s = amax/448, x/s rounded to the nearest E4M3 value (ties to even).
 
-    The payload is the uint8 view of the float8 codes (gloo cannot send float8 tensors).
+    The payload is the uint8 view of the float8 codes (gloo cannot send float8 tensors). ``check_finite=False``
+    skips the NaN/Inf check, a host sync (where nothing may wait for the device, e.g. a path captured in a CUDA
+    graph): a block holding NaN/Inf then decodes to NaN.
     """
     _check_block(block)
-    _check_input(x)
+    _check_input(x, finite=check_finite)
     if _use_triton(x, impl, block):
         from kernels import quant_triton as qt
         payload, scales = qt.quantize_fp8(x, block)

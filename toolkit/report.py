@@ -92,17 +92,22 @@ def collect(notebook: str | Path) -> dict | None:
     return found
 
 
-def write_results(rows: list[dict], out: str | Path, params: dict | None = None) -> tuple[Path, Path]:
+def write_results(rows: list[dict], out: str | Path, params: dict | None = None,
+                  machine: dict | None = None) -> tuple[Path, Path]:
     """``out/results.json`` and ``out/results.html``: one row per lesson (``rows``: ``{"name", "status",
-    "headline"}`` with the collected record or None). Returns both paths."""
+    "headline"}`` with the collected record or None), and the machine they ran on
+    (``toolkit.runtime.machine.fingerprint()``, None: not recorded). Returns both paths."""
     out = Path(out)
-    (out / "results.json").write_text(json.dumps({"params": params or {}, "lessons": rows}, indent=1))
-    (out / "results.html").write_text(results_html(rows, params or {}))
+    (out / "results.json").write_text(json.dumps({"params": params or {}, "machine": machine, "lessons": rows},
+                                                 indent=1))
+    (out / "results.html").write_text(results_html(rows, params or {}, machine))
     return out / "results.json", out / "results.html"
 
 
-def results_html(rows: list[dict], params: dict) -> str:
+def results_html(rows: list[dict], params: dict, machine: dict | None = None) -> str:
     """The course results page (self-contained HTML, no scripts)."""
+    from toolkit.runtime.machine import describe
+
     esc = html.escape
     body = []
     for r in rows:
@@ -135,6 +140,7 @@ vertical-align:top}}.yes{{color:#109618}}.no{{color:#dc3912}}.none{{color:#777}}
 read from each executed notebook's <code>toolkit.report.headline</code> output, never typed in. Parameters:
 {esc(json.dumps(params))}. Reproduced: {counts[True]}, not reproduced: {counts[False]}, not testable here:
 {counts[None]}.</p>
+<p>Machine: {esc(describe(machine)) if machine else "not recorded"}. Times and timing verdicts are this machine's.</p>
 <table><tr><th>lesson</th><th>technique</th><th>measured (this run)</th><th>source's claim</th>
 <th>reproduced</th><th>time effect on the emulated cluster (virtual time: a model of the named GPUs and links,
 fed this run's real ops)</th></tr>

@@ -106,13 +106,16 @@ def mathjax_dir() -> Path:
     return Path(mathjax.__file__).parent / "static" / "mathjax" / "es5"
 
 
-def build(out: Path, rows: list[dict] | None = None, params: dict | None = None) -> list[dict]:
+def build(out: Path, rows: list[dict] | None = None, params: dict | None = None,
+          machine: dict | None = None) -> list[dict]:
     """Write ``out/html/*.html`` from ``out/notebooks/*.ipynb`` and ``out/index.html``; returns one dict per page
-    (name, title, href, figures). ``rows`` are run_all's per-notebook results (status, seconds, error)."""
+    (name, title, href, figures). ``rows`` are run_all's per-notebook results (status, seconds, error);
+    ``machine`` the fingerprint of the machine they ran on (default: ``out/machine.json``, run_all's)."""
     import nbformat
     from nbconvert import HTMLExporter
 
     rows = rows if rows is not None else _summary(out)
+    machine = machine if machine is not None else _machine(out)
     notebooks = sorted((out / "notebooks").glob("*.ipynb"))
     html_dir = out / "html"
     copy_assets(html_dir / "static")
@@ -127,13 +130,13 @@ def build(out: Path, rows: list[dict] | None = None, params: dict | None = None)
                 "next": pages[i + 1] if i + 1 < len(pages) else None}
         body, _ = exporter.from_notebook_node(nb, resources={"book": book, "metadata": {"name": page["name"]}})
         (html_dir / page["href"]).write_text(body)
-    write_results(out, notebooks, rows, params or {})
+    write_results(out, notebooks, rows, params or {}, machine)
     (out / "index.html").write_text(index_page(pages, rows, params or {}, api=(html_dir / "api.html").exists(),
-                                               results=True))
+                                               results=True, machine=machine))
     return pages
 
 
-def write_results(out: Path, notebooks: list[Path], rows: list[dict], params: dict) -> None:
+def write_results(out: Path, notebooks: list[Path], rows: list[dict], params: dict, machine: dict | None) -> None:
     """``out/results.json`` and ``out/results.html``: each lesson's headline, collected from its executed notebook
     (``toolkit.report.headline`` outputs), with the notebook's run status."""
     from toolkit import report
@@ -141,7 +144,7 @@ def write_results(out: Path, notebooks: list[Path], rows: list[dict], params: di
     status = {r["name"]: r.get("status") for r in rows}
     lessons = [{"name": p.stem, "status": status.get(p.stem, "not run"), "headline": report.collect(p)}
                for p in notebooks if p.stem[:1].isdigit()]  # lessons only (not the your-experiment template)
-    report.write_results(lessons, out, params)
+    report.write_results(lessons, out, params, machine)
 
 
 def _summary(out: Path) -> list[dict]:
@@ -149,12 +152,21 @@ def _summary(out: Path) -> list[dict]:
     return json.loads(path.read_text()) if path.exists() else []
 
 
+def _machine(out: Path) -> dict | None:
+    path = out / "machine.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
 def _seconds(s: float) -> str:
     return f"{s:.1f} s" if s < 120 else f"{int(s // 60)} min {s % 60:04.1f} s"
 
 
-def index_page(pages: list[dict], rows: list[dict], params: dict, api: bool = False, results: bool = False) -> str:
-    """The book's front page: each lesson with its status and time, the total, links to pages and notebooks."""
+def index_page(pages: list[dict], rows: list[dict], params: dict, api: bool = False, results: bool = False,
+               machine: dict | None = None) -> str:
+    """The book's front page: each lesson with its status and time, the total, the machine they were measured
+    on, links to pages and notebooks."""
+    from toolkit.runtime.machine import describe
+
     by_name = {r["name"]: r for r in rows}
     names = [p["name"] for p in pages] + [r["name"] for r in rows if r["name"] not in {p["name"] for p in pages}]
     titles = {p["name"]: p["title"] for p in pages}
@@ -172,6 +184,7 @@ def index_page(pages: list[dict], rows: list[dict], params: dict, api: bool = Fa
     total = sum(r.get("seconds", 0.0) for r in rows)
     timed = f"<p>Course run time: <b>{_seconds(total)}</b> for {len(rows)} notebooks" if rows else "<p>"
     timed += f" (parameters {html.escape(json.dumps(params))})</p>" if params else "</p>"
+    timed += f"<p>Machine: {html.escape(describe(machine))}</p>" if machine else ""
     api_link = "<p><a href='html/api.html'>API reference</a> — the toolkit's public functions.</p>" if api else ""
     if results:
         api_link += ("<p><a href='results.html'>Course results</a> — each lesson's headline measurement beside its "

@@ -6,7 +6,9 @@
 Writes out/notebooks/NN-name.ipynb (executed), out/summary.json (status and seconds per notebook),
 out/html/NN-name.html (one offline page per lesson), out/index.html (with each notebook's time) and
 out/results.html + out/results.json (the course results page: each lesson's headline measurement beside its
-source's claim, collected from the executed notebooks' ``toolkit.report.headline`` outputs).
+source's claim, collected from the executed notebooks' ``toolkit.report.headline`` outputs) and out/machine.json
+(``toolkit.runtime.machine.fingerprint()``: the CPU, its bf16 and AVX-512 instructions, torch's kernels, which the
+summary, the index and the results page show beside the times).
 Exits non-zero if any notebook failed; the others still run. A ``-p`` name one of the notebooks does not declare
 stops it before any notebook runs (exit status 2), naming the notebook's parameters.
 """
@@ -42,6 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     import book
     import nb as nb_tool
 
+    from toolkit.runtime.machine import describe, fingerprint
+
     params = {"preset": args.preset, "backend": args.backend}
     for p in args.param:
         name, eq, value = p.partition("=")
@@ -64,6 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     out = (ROOT / args.out).resolve() if not Path(args.out).is_absolute() else Path(args.out)
     (out / "notebooks").mkdir(parents=True, exist_ok=True)
     (out / "html").mkdir(parents=True, exist_ok=True)
+    machine = fingerprint()
+    (out / "machine.json").write_text(json.dumps(machine, indent=1))
+    print(f"machine: {describe(machine)}", flush=True)
     rows = []
     for i, nb in enumerate(notebooks, 1):
         print(f"[{i}/{len(notebooks)}] {nb.stem} (preset={args.preset})", flush=True)
@@ -85,8 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     if (Path(__file__).resolve().parent / "api_page.py").exists():  # the API page the index links to
         import api_page
         api_page.main(["--out", str(out)])
-    pages = book.build(out, rows, params)
-    print(f"HTML book: {len(pages)} pages; course time {sum(r['seconds'] for r in rows):.1f} s", flush=True)
+    pages = book.build(out, rows, params, machine)
+    print(f"HTML book: {len(pages)} pages; course time {sum(r['seconds'] for r in rows):.1f} s on "
+          f"{describe(machine)}", flush=True)
     failed = [r["name"] for r in ran if r["status"] != "ok"]
     print(f"{len(ran) - len(failed)}/{len(ran)} notebooks ok; index: {out / 'index.html'}")
     return 1 if failed else 0

@@ -117,18 +117,25 @@ print("ties / split differs from torch's cast:", param_reuse.count_ties(bits))
 # | `reuse` | `ReuseAdamW` | bf16 shard + int16 residual | ties away (split) |
 # | `same` | `MasterAdamW(rounding="away")` | separate fp32 | ties away: the bit-exact reference |
 # | `amp` | `MasterAdamW(rounding="nearest_even")` | separate fp32 | round-half-even (torch's AMP) |
+#
+# The lesson is about what bf16 *storage* saves, so on a CPU whose bf16 GEMMs are slow (most laptops: no bf16
+# instructions) the GEMMs compute in fp32 from the bf16 tensors and round their result to bf16 once, as a
+# GPU's GEMM does (`toolkit.runtime.bf16`); everything stored stays bf16. The three copies take the same path,
+# so comparing them bit for bit compares like with like. The line under the run says which path ran here.
 
 # %%
 from IPython.display import Markdown, display
 
 from toolkit import launch, viz
 from toolkit.report import headline
+from toolkit.runtime import bf16
 
 cfg = {"preset": preset, "steps": steps}  # None: the preset's value
 results = launch("l07_param_reuse", world_size, cfg, backend=backend, timeout_s=timeout_s, cluster=cluster)
 r0 = results[0]
 print(f"preset {preset}: GPT d_model={r0['model']['d_model']}, {r0['model']['n_layer']} layers, "
       f"{r0['n_params']:,} parameters, {r0['steps']} steps on DP={r0['dp']}; wall {results.wall_s:.1f} s")
+display(Markdown(bf16.explain(r0["bf16_compute"])))
 
 # %% [markdown]
 # ## 1 · Is the master rebuilt bit for bit, and is training bit-identical?
@@ -229,10 +236,14 @@ for name in ("amp", "reuse"):
 # NBVAL_CHECK_OUTPUT
 t = r0["tracked"]
 for name in ("amp", "reuse"):
-    print(f"{name:>5}: after the step optim {t[name]['end']['optim']:,} B; peak total {t[name]['peak']['total']:,} B "
-          f"(during '{t[name]['peak_label']}'), largest optim {t[name]['max']['optim']:,} B")
+    print(f"{name:>5}: after the step optim {t[name]['end']['optim']:,} B; largest optim {t[name]['max']['optim']:,} B")
 print(f"resident optimizer state saved: {t['amp']['end']['optim'] - t['reuse']['end']['optim']:,} B "
       f"= 2 B x {r0['shard_numel']:,} shard elements")
+
+# %%
+# (the peak includes the GEMMs' transient operands, fp32 copies where they compute in fp32: not a checked output)
+for name in ("amp", "reuse"):
+    print(f"{name:>5}: peak total {t[name]['peak']['total']:,} B (during '{t[name]['peak_label']}')")
 
 # %% [markdown]
 # The resident saving is exact. *Inside* the optimizer step `reuse` materializes the fp32 master of one chunk

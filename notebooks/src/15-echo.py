@@ -33,7 +33,8 @@
 #     capacity = how far an under-loaded rank is below the average (if it has a free slot)
 #     spills and capacities, both sorted descending, laid end to end: each overlap is one clone
 #  forward:   home weights ─► all_to_all ─► spare slots
-#             tokens of e: the first ones to home, the rest to its clones
+#             tokens of e: every source rank sends its share to home and to each clone
+#             (clone j takes a_j of e's pairs: a source sends it ≈ its pairs · a_j / Σ)
 #  backward:  the clones' gradients ─► all_to_all ─► home, added to the expert's gradient
 #             (the clones are dropped; the next step plans again)
 # ```
@@ -45,7 +46,7 @@ from typing import Optional
 world_size: int = 4  # expert-parallel ranks
 preset: str = os.environ.get("TOOLKIT_PRESET", "default")  # smoke | default | full
 backend: str = "auto"  # auto | gloo | nccl
-cluster: str = "none"  # emulated cluster under the run: none | h100-ib400 | a100-ib200 | pcie-100gbe
+cluster: str = "h100-ib400"  # emulated cluster under the run (timed in section c'): h100-ib400 | a100-ib200 | pcie-100gbe | none
 zipf_s: float = 1.2  # Zipf exponent of the synthetic routing
 spare_slots: int = 1  # empty expert slots per rank
 min_tokens: Optional[int] = None  # clones taking fewer pairs are reclaimed (None: the preset's, 1)
@@ -160,6 +161,45 @@ display(viz.lines({"max / mean rank load": [s["ratio_after"] for s in sweep]}, x
                   title="Fewer clones allowed: how much imbalance remains (planner only)"))
 
 # %% [markdown]
+# **Which tokens go to a clone.** The plan fixes how many pairs each place computes: home keeps `keep_e` of
+# expert e's pairs, clone j takes `a_j`. Which ones is the runtime's choice, and it does not change any rank's
+# load. Megatron's ECHO offloads proportionally: every source rank splits its own pairs of e in the plan's
+# proportions, so each source sends each clone its share (`proportional_split`: place by place, cumulative
+# rounding over the sources, exact totals). Cut from one global numbering in source order instead, the home
+# expert would keep the first sources' pairs and a clone take whole sources' — one rank sending all its pairs of
+# e to one clone, another none. Per cloned expert, the pairs each source rank sends to each place:
+
+# %%
+replan = echo.plan_clones(z["counts"], mc["n_expert"] // R, c["spare_slots"], None, c["min_tokens"])
+assert replan.to_dict() == plan, "the plan, rebuilt from the counts"
+split_rows = []
+worst = 0.0
+for e in sorted({cl["expert"] for cl in plan["clones"]}):
+    n = replan.split(e)
+    places = ["home"] + [f"clone on rank {cl['rank']}" for cl in plan["clones"] if cl["expert"] == e]
+    shares = [sum(row[j] for row in n) for j in range(len(places))]
+    total = sum(shares)
+    assert [sum(row) for row in n] == [row[e] for row in z["counts"]]  # every source's pairs, all placed
+    assert shares == [plan["keep"][e]] + [cl["tokens"] for cl in plan["clones"] if cl["expert"] == e]
+    for src, row in enumerate(n):
+        split_rows.append({"expert": e, "source rank": src, **{p: v for p, v in zip(places, row)},
+                           "pairs of e": sum(row)})
+        worst = max(worst, max(abs(v - sum(row) * sh / total) for v, sh in zip(row, shares)))
+assert worst < 3
+display(viz.table(split_rows, title="Pairs each source rank sends to the home expert and to each clone (the plan's "
+                                    "proportions)"))
+
+# %%
+# NBVAL_CHECK_OUTPUT
+print(f"every source's pairs placed, every place's total as planned: True; largest distance from the exact "
+      f"proportion below 3 pairs: {worst < 3}")
+
+# %%
+display(Markdown(
+    f"Each source rank sends each place its share: at most {worst:.2f} pairs from the exact proportion "
+    "(pairs are whole, and the places' totals are exact)."))
+
+# %% [markdown]
 # ## (b) One MoE layer, with and without cloning
 #
 # The tiny GPT's MoE layer, expert parallel over the 4 ranks, on the same Zipf routing (the ids are given; the gate
@@ -209,63 +249,116 @@ display(Markdown(
     f"gradients, per layer and step."))
 
 # %% [markdown]
-# ## (c) Step time and the cost model
+# ## (c) Step time, measured here
 #
 # The layer's training step (forward, backward, clone gradients home) for each clone budget, timed side by side.
 # Two clocks. *Wall time*: the 4 ranks share this machine's 2 cores, so the wall clock sees the **total** work of all
 # ranks, which cloning does not reduce (it adds the copies). *CPU time of each rank's main thread* (compute and copies,
 # not waiting): its maximum over the ranks is what a step would take if every rank had its own processor, as on a GPU
-# cluster (communication aside). The cost model step ≈ A·max_rank_tokens + B·clones + C is fitted (least squares) to
-# the busiest rank's CPU time — **a model**, shown next to what it is fitted to. A is the cost of a pair, C the fixed
-# cost of a step, and B what a clone adds *on this clock*: gloo sends the weights and gradients on its own threads,
-# so B is the CPU-side overhead per clone, transfers excluded.
+# cluster — communication aside: gloo sends the clones' weights and gradients on its own threads, so no clone's
+# transfer is on this clock. A cost model fitted to such a clock cannot price a clone; section c' prices it on an
+# emulated cluster instead.
 
 # %%
 rows = r0["timing"]["rows"]
-fit = r0["timing"]["cost_model"]
 display(viz.table([{"budget": row["budget"], "clones": row["clones"], "max rank pairs": row["max_rank_tokens"],
                     "wall step (ms)": statistics.median(r["timing"]["rows"][i]["wall_s"] for r in results) * 1e3,
-                    "busiest rank CPU (ms)": row["busiest_cpu_s"] * 1e3, "cost model (ms)": fit["predicted"][i] * 1e3}
+                    "busiest rank CPU (ms)": row["busiest_cpu_s"] * 1e3}
                    for i, row in enumerate(rows)],
-                  title="The layer's step per clone budget (measured, and the cost model fitted to it)",
-                  formats={"wall step (ms)": ".1f", "busiest rank CPU (ms)": ".2f", "cost model (ms)": ".2f"}))
-model_name = "A·max_rank_tokens + B·clones + C (cost model)"
-display(viz.lines({"busiest rank CPU (measured)": [row["busiest_cpu_s"] * 1e3 for row in rows],
-                   model_name: [p * 1e3 for p in fit["predicted"]]},
-                  x=[row["clones"] for row in rows], xaxis_title="clones", yaxis_title="ms",
-                  title="Busiest rank's CPU time per step vs clones (measured, and the cost model fitted to it)",
-                  dash={model_name: "dot"}))
+                  title="The layer's step per clone budget (measured on this machine)",
+                  formats={"wall step (ms)": ".1f", "busiest rank CPU (ms)": ".2f"}))
 first, last = rows[0], rows[-1]
-ci = lambda v, scale: f" ± {fit['t95'] * v * scale:.2f}" if v is not None else ""
-if fit["rank"] < 3:
-    pays = ("The budgets gave too few distinct (pairs, clones) points to tell A, B and C apart, so the fit names no "
-            "break-even clone size.")
-elif fit["B"] <= 0:
-    pays = ("The fit finds no positive cost per clone on this clock (B ≤ 0), so it names no break-even clone size: "
-            "what a clone really costs, its transfers, is not in this clock.")
-elif fit["B_se"] is None:
-    pays = "With as many budgets as terms the fit has no residual to judge B by, so it names no break-even clone size."
-elif fit["B"] <= fit["t95"] * fit["B_se"]:
-    pays = "B's 95 % interval reaches zero, so the break-even clone size B/A is not pinned down by this run."
-elif fit["A"] > 0:
-    pays = (f"On this clock a clone pays when it moves more than B/A = {fit['B'] / fit['A']:,.0f} pairs off the "
-            "busiest rank — which is what `min_tokens` (reclaim small clones) is for; the transfers would add to B.")
-else:
-    pays = "The fit gives A ≤ 0, so it names no break-even clone size."
 display(Markdown(
-    f"Fitted (± the 95 % interval, {fit['dof']} residual degree(s) of freedom from {len(rows)} budgets and 3 terms): "
-    f"A = {fit['A'] * 1e6:.2f}{ci(fit['A_se'], 1e6)} µs per pair on the busiest rank, B = {fit['B'] * 1e3:+.2f}"
-    f"{ci(fit['B_se'], 1e3)} ms per clone (CPU side only), C = {fit['C'] * 1e3:.2f}{ci(fit['C_se'], 1e3)} ms per "
-    f"step. The busiest rank's pairs and "
-    f"the clone count move together across the budgets (correlation {fit['corr']:.2f}), so the fit separates A from B "
-    f"only as well as those few points allow. Each clone's {viz.human_bytes(P * 4)} of weights out and of gradient "
-    f"back (counted in section b) cross gloo's threads, not this clock. {pays} With "
-    f"{clones(last['clones'])} the busiest rank's CPU time went from {first['busiest_cpu_s'] * 1e3:.1f} to "
+    f"With {clones(last['clones'])} the busiest rank's CPU time went from {first['busiest_cpu_s'] * 1e3:.1f} to "
     f"{last['busiest_cpu_s'] * 1e3:.1f} ms ({last['busiest_cpu_s'] / first['busiest_cpu_s']:.2f}×) while its pairs went "
     f"from {first['max_rank_tokens']:,} to {last['max_rank_tokens']:,} ({last['max_rank_tokens'] / first['max_rank_tokens']:.2f}×); "
     f"the wall step of the shared machine went from {rows[0]['wall_s'] * 1e3:.0f} to {last['wall_s'] * 1e3:.0f} ms "
     f"(rank 0), which is the total work, not the busiest rank. CPU timings from a shared machine: read them as this "
     "run's."))
+
+# %% [markdown]
+# ## (c') What a clone costs and buys, on an emulated cluster
+#
+# The launch also ran on an **emulated cluster** (the `cluster` parameter, `toolkit.runtime.emulator`: every op timed
+# by the target GPU's roofline, every transfer by α + bytes/β on its link; the four ranks on one node). The layer's
+# step ran there once per clone budget, at the run's tokens per rank and at half as many — so the busiest rank's
+# pairs and the clone count do not move together — in virtual time, which is deterministic: one step each.
+# **Matched to DeepSeek-V3's experts**, phase by phase: each pair's expert work timed as one of its SwiGLU experts'
+# (h = 7168, h_ff = 2048), each token row as its hidden size, each clone's weights out and gradient back as that
+# expert's parameters in bf16, the count exchanges as they are. The cost model step ≈ A·max_rank_tokens +
+# B·clones + C is fitted to the slowest rank's times — a model of a model, labelled: A is what a pair costs the
+# busiest rank, B what a clone adds, C the rest.
+
+# %%
+EM = r0["emulated"]
+if EM is None:
+    display(Markdown("This run had no emulated cluster (`cluster = none`): no clone is priced."))
+else:
+    pts, efit = EM["points"], EM["cost_model"]
+    display(viz.table([{"tokens per rank": p["tokens"], "budget": p["budget"], "clones": p["clones"],
+                        "max rank pairs": p["max_rank_tokens"], "step (ms, emulated)": p["step_s"] * 1e3,
+                        "cost model (ms)": q * 1e3} for p, q in zip(pts, efit["predicted"])],
+                      title=f"The layer's step matched to {EM['stands_for']}'s experts on the emulated {EM['gpu']} "
+                            f"({EM['link']}; virtual time), and the cost model fitted to it",
+                      formats={"step (ms, emulated)": ".3f", "cost model (ms)": ".3f"}))
+    series = {}
+    for t in sorted({p["tokens"] for p in pts}, reverse=True):
+        mine = [(p, q) for p, q in zip(pts, efit["predicted"]) if p["tokens"] == t]
+        series[f"{t} tokens per rank (emulated)"] = [p["step_s"] * 1e3 for p, _ in mine]
+        series[f"{t} tokens per rank (cost model)"] = [q * 1e3 for _, q in mine]
+    display(viz.lines(series, x=[p["clones"] for p in pts if p["tokens"] == pts[0]["tokens"]], xaxis_title="clones",
+                      yaxis_title="ms", title=f"Step vs clones, emulated {EM['gpu']} matched to {EM['stands_for']} "
+                                              "(virtual time) and the cost model",
+                      dash={k: "dot" for k in series if "cost model" in k}))
+    be = EM["break_even"]
+    link_be = be[EM["link"]]
+    if efit["rank"] < 3:
+        fitted = ("the budgets gave too few distinct (pairs, clones) points to tell A, B and C apart (no clone, or "
+                  "the same plan at every budget), so the emulated run names no break-even")
+    else:
+        half = lambda v: f" ± {efit['t95'] * v:.3g}" if v is not None else ""  # noqa: E731
+        fitted = (f"A = {efit['A'] * 1e6:.3f}{half(efit['A_se'] and efit['A_se'] * 1e6)} µs per pair, "
+                  f"B = {efit['B'] * 1e6:.0f}{half(efit['B_se'] and efit['B_se'] * 1e6)} µs per clone, "
+                  f"C = {efit['C'] * 1e6:.0f}{half(efit['C_se'] and efit['C_se'] * 1e6)} µs (± 95 % intervals over "
+                  f"{efit['dof']} residual degrees of freedom: here they measure how far the emulated times are "
+                  f"from a straight line, not noise); break-even B/A = {efit['B'] / efit['A']:,.0f} pairs")
+    display(Markdown(
+        f"Fitted to the emulated steps: {fitted}. The formula (`clone_break_even`, a cost model: a clone's "
+        f"{viz.human_bytes(link_be['bytes'])} out and back on {EM['link']}, neither hidden behind compute, "
+        f"{link_be['clone_s'] * 1e6:.0f} µs; a pair's expert work forward and backward at the {EM['gpu']}'s peak, "
+        f"{link_be['pair_s'] * 1e6:.3f} µs) gives {link_be['break_even_pairs']:,.0f} pairs."
+        + (" The fit's B comes out below the formula's clone cost: clones of experts from different home ranks leave "
+           "on different links at once, which the formula, one clone at a time on one link, does not count."
+           if efit["rank"] == 3 and efit["B"] < link_be["clone_s"] else "")))
+
+# %% [markdown]
+# **The break-even at DeepSeek-V3's size** (cost model, `clone_break_even`). Assumed: the weights and the gradient
+# travel in bf16, each way once per step, on the critical path (not overlapped); the expert runs at the GPU's
+# dense bf16 peak; the link figures are the cluster preset's (nccl-tests bus bandwidth, per direction). What a clone
+# buys is expert work taken off the busiest rank; what it costs is its bytes on a link.
+
+# %%
+if EM is not None:
+    x = EM["expert"]
+    assert (x["hidden"], x["ffn"], x["seq_len"]) == (7168, 2048, 4096)  # the sizes the text names
+    pairs_per_rank = x["seq_len"] * x["top_k"]  # one sequence per rank, top-k
+    display(viz.table([{"link": name, "clone: weights out + gradient back": viz.human_bytes(2 * b["bytes"]),
+                        "as token rows (each way)": f"{b['rows']:,.0f}", "clone (µs)": b["clone_s"] * 1e6,
+                        "a pair's expert work (µs)": b["pair_s"] * 1e6, "break-even (pairs)": b["break_even_pairs"],
+                        f"share of a rank's {pairs_per_rank:,} pairs": b["break_even_pairs"] / pairs_per_rank}
+                       for name, b in EM["break_even"].items()],
+                      title=f"When a {EM['stands_for']} expert clone pays, on {EM['gpu']} links (cost model)",
+                      formats={"clone (µs)": ".0f", "a pair's expert work (µs)": ".3f", "break-even (pairs)": ",.0f",
+                               f"share of a rank's {pairs_per_rank:,} pairs": ".1%"}))
+    intra, inter = (EM["break_even"][k] for k in EM["break_even"])
+    display(Markdown(
+        f"A DeepSeek-V3 expert ({x['hidden']} × {x['ffn']}, SwiGLU) is {viz.human_bytes(intra['bytes'])} in bf16, "
+        f"the bytes of {intra['rows']:,.0f} token rows, each way. Inside a node a clone pays once it takes more than "
+        f"{intra['break_even_pairs']:,.0f} pairs off the busiest rank ({intra['break_even_pairs'] / pairs_per_rank:.1%} "
+        f"of the {pairs_per_rank:,} pairs of a rank with one 4096-token sequence, top-{x['top_k']}); across nodes, "
+        f"{inter['break_even_pairs']:,.0f} ({inter['break_even_pairs'] / pairs_per_rank:.1%}). That is what "
+        "`min_tokens` (reclaim small clones) is for, and why ECHO limits the number of clones: on the inter-node link "
+        "only the hottest experts' spill is worth a copy."))
 
 # %% [markdown]
 # ## (d) The routing the tiny MoE actually learns
@@ -313,9 +406,9 @@ display(Markdown(
 # - *"The clones' parameters and gradients must be kept consistent"*: the clone's weights are the home expert's bit
 #   for bit (copied fresh every step, never updated on their own), and the outputs equal the layer without cloning.
 # - *"Limit the number of clones to balance the communication cost"*: each clone costs a weight copy out and a
-#   gradient copy back (measured bytes above) — the budget sweep shows how much balance each clone buys. What a
-#   clone costs in time is not measured here: the cost model's B sees only the CPU side on a shared machine
-#   (section c), not the transfers, so the article's trade-off is shown in bytes, not in seconds.
+#   gradient copy back (measured bytes above) — the budget sweep shows how much balance each clone buys, and
+#   section c' prices a clone in time on an emulated cluster matched to DeepSeek-V3's experts, with the pairs a
+#   clone must take off the busiest rank to pay for itself at that size (a cost model).
 # - *"The gradients of all clones are merged back into the main expert"*: home gradient + Σ clone gradients equals the
 #   gradient without cloning (checked above).
 # - What this machine cannot show: the wall-clock gain. Four ranks on two shared cores finish when the total work is
@@ -326,6 +419,21 @@ display(Markdown(
 # (b); "balanced" is the project's target (max/mean at most `target`).
 
 # %%
+emulated_headline = {}
+if EM is not None:
+    top = max(p["tokens"] for p in EM["points"])
+    steps = {p["clones"]: p["step_s"] for p in EM["points"] if p["tokens"] == top}
+    best = min((k for k in steps if k), key=steps.get, default=None)
+    busiest = max(p["max_rank_tokens"] for p in EM["points"] if p["tokens"] == top)
+    if best is not None:
+        emulated_headline = {
+            "emulated": f"{EM['gpu']} (`{EM['cluster']}`), the layer matched to {EM['stands_for']}'s experts, "
+                        f"{top} tokens per rank: the step {steps[0] * 1e3:.3f} ms without clones, "
+                        f"{steps[best] * 1e3:.3f} ms with the best budget ({best} clones); the busiest rank carries "
+                        f"{busiest:,} pairs against a break-even of {link_be['break_even_pairs']:,.0f} pairs per clone "
+                        f"on {EM['link']} (cost model)" + (", so at this toy's token count a clone costs more than "
+                                                           "it buys" if steps[best] >= steps[0] else ""),
+            "emulated_reproduced": bool(steps[best] < steps[0])}
 consistent = all(r["layer"]["outputs_close"] and r["layer"]["home_plus_clone_grads_equal_plain"]
                  and r["layer"]["clones_bitwise_home"] for r in results)
 headline("15", "ECHO (cloning hot experts)",
@@ -338,14 +446,15 @@ headline("15", "ECHO (cloning hot experts)",
          reproduced=None if evens_out is None else bool(evens_out and consistent),
          note=f"balanced = max/mean ≤ {target} (the project's target; the source gives no number)"
               + ("; this routing was balanced before cloning, so it cannot test the claim" if evens_out is None else "")
-              + "; the wall-clock gain needs a rank per processor")
+              + "; the wall-clock gain needs a rank per processor",
+         **emulated_headline)
 
 # %% [markdown]
 # ## Try this
 #
 # - `zipf_s = 0` (uniform routing): does the planner still clone? `zipf_s = 2`: one expert takes most pairs.
 # - `spare_slots = 2`: more slots per rank — does the balance improve when several experts are hot?
-# - `min_tokens = 64`, or the cost model's B / A when section c finds `B > 0`: which clones are reclaimed?
+# - `min_tokens = 64`, or the cost model's B / A when section c' finds `B > 0`: which clones are reclaimed?
 #
 # ## Sources
 #

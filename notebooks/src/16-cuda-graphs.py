@@ -25,18 +25,22 @@
 # dispatch (data-dependent shapes) eager, silences DDP's gradient-ready hooks during capture, and issues
 # the data-parallel reduce itself after the replays — the "separation". In a pipeline the stage's
 # gradients are final after its *last* backward of the step, so the reduce of one stage can run while the
-# schedule still computes the others:
+# schedule still computes the others; and inside that last backward the gradients come out layer by layer,
+# last layer first, so the reduce can leave bucket by bucket while the rest of the backward runs:
 #
 # ```
 #  DualPipeV rank r holds stages r and 2p−1−r:
 #  compute  ... B(2p−1−r, last) ... B(r, last)  W ...            (graphs: one per chunk and pass)
 #  DP comm                     └─ all-reduce(stage 2p−1−r) ──┘└─ all-reduce(stage r) ─┘
 #                                                                      (eager, async)
+#  bucketed, inside the last W of stage r:   dW(fc2) dW(fc1) dW(proj) dW(qkv) ─┐
+#                                               └─ bucket 1 ─┘└─ bucket 2 ─┘ ... └─ last bucket ─┘
 # ```
 #
 # This machine has no GPU, so nothing is captured here. We measure what a graph would remove (ATen ops
 # per chunk and the host's real cost per op), find what would break a capture, and run DualPipeV on
-# dp × pp processes with the DP all-reduce separated, against the plain one after the step.
+# dp × pp processes with the DP all-reduce separated per stage and bucket by bucket, against the plain one
+# after the step.
 # `benchmarks/gpu/cuda_graphs.py` does the capture on a GPU, but on a sequential chain of stages with one
 # micro-batch in flight, not inside DualPipeV: see "What runs where" at the end.
 
@@ -64,6 +68,7 @@ from toolkit.graphs import cuda_graphs, replay_model
 from toolkit.lessons import l16_cuda_graphs as lesson
 from toolkit.pipeline import dp_separate
 from toolkit.report import headline
+from toolkit.runtime.bench import verdict
 
 # %% [markdown]
 # ## 1 · The code that matters
@@ -78,10 +83,14 @@ print(inspect.getsource(cuda_graphs.OpCounter))
 # Separating the DP all-reduce: the `DataParallelSeparation` hook's `after_op` fires after every single op; when it
 # is the last B, I or W of a stage on this rank, that stage's gradients are final and their all-reduce leaves
 # (`async_op=True`). The step waits for all of them at its end. "Plain" issues the same all-reduces, on the
-# same buffers, after the step.
+# same buffers, after the step. "Bucketed" cuts the stage's parameters, in reverse order, into buckets of
+# `bucket_bytes`; around the stage's last gradient op (`op_context`) every parameter that op writes reports its
+# final gradient — a post-accumulate-grad hook for what autograd accumulates, the `WeightGradStore`'s
+# `grad_ready` for the weight gradients a W runs — and each bucket leaves as soon as it is complete.
 
 # %%
 print(inspect.getsource(dp_separate.DataParallelSeparation.after_op))
+print(inspect.getsource(dp_separate.DataParallelSeparation._bucketing))
 print(inspect.getsource(dp_separate.last_grad_ops))
 
 # %% [markdown]
@@ -109,39 +118,45 @@ print(f"dp = {r0['dp']} × pp = {r0['pp']}, m = {r0['m']} micro-batches per repl
 # %% [markdown]
 # **Checks.**
 # - Separated and plain DP communication give *bitwise* the same gradients and loss (the same all-reduces
-#   of the same buffers; only their timing differs).
-# - Both equal one process that runs all dp·m micro-batches (max |gradient difference| ≤ 1e-5), and the
+#   of the same buffers; only their timing differs). Bucketed cuts the buffers differently: bitwise the same
+#   at dp = 2 (each element's sum has two terms, one order), within float rounding beyond.
+# - All three equal one process that runs all dp·m micro-batches (max |gradient difference| ≤ 1e-5), and the
 #   mean of the replicas' losses equals its loss (≤ 1e-5).
-# - Both send the same bytes: per rank, the DP all-reduce of its two stages' gradients and the same p2p.
+# - All three send the same bytes: per rank, the DP all-reduce of its two stages' gradients and the same p2p;
+#   bucketed in more calls.
 
 # %%
 last = [r for r in results if r["runs"]["plain"]["loss"] is not None]  # the ranks computing the loss
 for r in results:
     assert r["grads_bitwise_plain_vs_separated"] and r["losses_equal"], r["rank"]
+    assert r["grads_bitwise_plain_vs_bucketed"] or r["dp"] > 2, r["rank"]
     for name in lesson.VARIANTS:
         assert r["runs"][name]["grad_max_diff"] <= 1e-5, (r["rank"], name)
-    assert r["runs"]["plain"]["dp_bytes"] == r["runs"]["separated"]["dp_bytes"] > (0 if r["dp"] > 1 else -1)
-    assert r["runs"]["plain"]["p2p_bytes"] == r["runs"]["separated"]["p2p_bytes"]
+        assert r["runs"][name]["dp_bytes"] == r["runs"]["plain"]["dp_bytes"] > (0 if r["dp"] > 1 else -1)
+        assert r["runs"][name]["p2p_bytes"] == r["runs"]["plain"]["p2p_bytes"]
+    assert len(r["runs"]["bucketed"]["reduces"]) > len(r["runs"]["separated"]["reduces"]) == len(r["stages"])
 mean_loss = sum(r["runs"]["separated"]["loss"] for r in last) / len(last)
 assert len(last) == r0["dp"] and abs(mean_loss - r0["ref_loss"]) <= 1e-5
 
 # %%
 # NBVAL_CHECK_OUTPUT
 print("gradients bitwise equal, separated vs plain:", [r["grads_bitwise_plain_vs_separated"] for r in results])
+print("gradients bitwise equal, bucketed vs plain:", [r["grads_bitwise_plain_vs_bucketed"] for r in results])
 for r in results:
     print(f"rank {r['rank']} (pp {r['pp_rank']}, dp {r['dp_rank']}) stages {r['stages']}: DP all-reduce "
           f"{r['runs']['separated']['dp_bytes']:,} B sent, p2p {r['runs']['separated']['p2p_bytes']:,} B, "
-          f"reduces per stage {[(x['stage'], x['bytes']) for x in r['runs']['separated']['reduces']]}")
+          f"reduces per stage {[(x['stage'], x['bytes']) for x in r['runs']['separated']['reduces']]}, "
+          f"buckets (stage, bytes) {[(x['stage'], x['bytes']) for x in r['runs']['bucketed']['reduces']]}")
 
 # %% [markdown]
 # ## 3 · Where the all-reduce runs: one traced step
 #
 # Per rank, the pipeline's ops (F, B, I, W; F&B pairs are drawn as their two halves) and, on the `dp` row,
-# each stage's all-reduce from its issue to the first action boundary at which it was seen complete (an
-# upper bound of its end).
+# each stage's (or bucket's) all-reduce from its issue to the first action boundary at which it was seen
+# complete (an upper bound of its end).
 
 # %%
-for name in ("plain", "separated"):
+for name in lesson.VARIANTS:
     spans = [s for r in results for s in r["traced"][name]["spans"]]
     display(viz.gantt(spans, title=f"DualPipeV, DP all-reduce {name}", lane="lane", label="mb"))
 
@@ -275,8 +290,9 @@ assert "aten._local_scalar_dense" in r0["audit"]["the loss read on the host (.it
 # issues — and the host pays one kernel launch per op. With kernels as small as this model's, the host is
 # the bottleneck: the stream waits for the next launch. Each variant ran one more DualPipeV step there,
 # eager and with every op (each F, B, I, W chunk) replayed as one CUDA graph (the `GraphReplay` executor hook:
-# one launch per chunk), and the DP all-reduce plain or separated. The step, the host's launch time inside it,
-# and the time the step's end waited for the DP all-reduces are all virtual time (a model, labelled). The
+# one launch per chunk), and the DP all-reduce plain, separated or bucketed (bucketed eager only: inside one
+# chunk's graph no bucket could leave before the chunk's replay ends). The step, the host's launch time inside
+# it, and the time the step's end waited for the DP all-reduces are all virtual time (a model, labelled). The
 # data-parallel groups sit on one node and the pipeline spans two (`ranks_per_node = dp`).
 
 # %%
@@ -300,37 +316,99 @@ else:
     graph_gain = em["eager · plain"]["step (µs, slowest rank)"] / em["graphed · plain"]["step (µs, slowest rank)"]
     dp_plain, dp_sep = em["graphed · plain"]["DP wait at the end (µs, worst rank)"], \
         em["graphed · separated"]["DP wait at the end (µs, worst rank)"]
+    toy_wait = {v: em[f"eager · {v}"]["DP wait at the end (µs, worst rank)"] for v in lesson.VARIANTS}
     display(Markdown(
         f"Eager, the host's launches are {em['eager · plain']['launch share of the step (rank 0)']:.0%} of rank 0's "
         f"step: the stream idles between kernels that take less than a launch. Replaying each chunk as one graph "
         f"shortens the step {graph_gain:.1f}× on this model (the host then pays "
         f"{em['graphed · plain']['host launches (µs, rank 0)']:.0f} µs of launches). The DP all-reduce left for "
         f"the end of the step keeps the step waiting up to {dp_plain:.1f} µs; separated, issued as each stage's "
-        f"gradients are final, {dp_sep:.1f} µs. These kernels are tiny: a real model's chunks are long against a "
-        "launch, and there the graph's gain shrinks to what the host cost per op was."))
+        f"gradients are final, {dp_sep:.1f} µs. Eager, bucketed waits up to {toy_wait['bucketed']:.1f} µs against "
+        f"{toy_wait['separated']:.1f} µs separated and {toy_wait['plain']:.1f} µs plain: this toy's gradients are "
+        "a few kilobytes, so every all-reduce costs its latency α and more buckets only add calls. These kernels "
+        "are tiny: a real model's chunks are long against a launch, and there the graph's gain shrinks to what "
+        "the host cost per op was."))
+
+# %% [markdown]
+# ## 5c · The DP reduce at a real layer's size (emulated)
+#
+# Whether a reduce hides depends on how long the gradients take on the link against the compute left after
+# them, which the toy's sizes do not show. So the three variants ran once more on the emulated cluster, eager,
+# **matched** to a real model: every toy layer timed as one layer of the model named below (its GEMM FLOPs
+# and the activations between stages, `planner.matched_scales`; the gradients as that layer's weights) — a
+# model of the real run, labelled, not a measurement. Per rank, the time the step's end waited for the DP
+# all-reduces, per stage.
+
+# %%
+if E is not None:
+    M = E["matched"]
+    mrows = []
+    for r in results:
+        if r["dp_rank"]:
+            continue  # replicas wait alike
+        done_first, done_last = str(max(r["stages"])), str(min(r["stages"]))  # the phase-1 chunk, the phase-0 chunk
+        for v in lesson.VARIANTS:
+            x = r["emulated"]["matched"]["runs"][v]
+            mrows.append({"pipeline rank": r["pp_rank"], "stages": f"{done_first}, {done_last}", "variant": v,
+                          "step (ms)": x["step_s"] * 1e3, "DP wait (ms)": x["dp_wait_s"] * 1e3,
+                          "of it: the stage done first (ms)": x["dp_wait_by_stage"][done_first] * 1e3,
+                          "of it: the stage done last (ms)": x["dp_wait_by_stage"][done_last] * 1e3,
+                          "all-reduces": x["reduces"]})
+    display(viz.table(mrows, title=f"DualPipeV step matched to {M['stands_for']}'s layers on the emulated {E['gpu']} "
+                                   f"(virtual time, a model)",
+                      formats={k: ".3f" for k in mrows[0] if k.endswith("(ms)")}))
+    w0 = {v: r0["emulated"]["matched"]["runs"][v] for v in lesson.VARIANTS}
+    first = str(min(r0["stages"]))
+    last_op = r0["last_grad_op"][first] + 1
+    wall = {v: verdict([r["bench"]["plain"] for r in results], [r["bench"][v] for r in results])
+                              for v in lesson.VARIANTS[1:]}
+    sep_wait = w0["separated"]["dp_wait_by_stage"][first]
+    hidden = (f" ({1 - w0['bucketed']['dp_wait_by_stage'][first] / sep_wait:.0%} of the separated wait hidden)"
+              if sep_wait > 0 else "")
+    display(Markdown(
+        f"**Stage {first} at pp = {r0['pp']}.** Its last gradient op is op {last_op} of {r0['n_ops']} on pipeline "
+        f"rank 0, the rank's last: separated per stage, its all-reduce leaves when nothing is left to run, and the "
+        f"step waits {w0['separated']['dp_wait_by_stage'][first] * 1e3:.3f} ms for it — as plain waits "
+        f"{w0['plain']['dp_wait_by_stage'][first] * 1e3:.3f} ms for its part (emulated, matched to "
+        f"{M['stands_for']}). Separation only hides stage {max(r0['stages'])}'s reduce, whose chunk finishes first "
+        f"(plain: {w0['plain']['dp_wait_by_stage'][str(max(r0['stages']))] * 1e3:.3f} ms of wait, separated "
+        f"{w0['separated']['dp_wait_by_stage'][str(max(r0['stages']))] * 1e3:.3f} ms). Bucketed, stage {first}'s "
+        f"buckets leave inside its last W as its weight gradients come out, and its wait is "
+        f"{w0['bucketed']['dp_wait_by_stage'][first] * 1e3:.3f} ms{hidden}; "
+        f"rank 0's whole DP wait: plain {w0['plain']['dp_wait_s'] * 1e3:.3f}, separated "
+        f"{w0['separated']['dp_wait_s'] * 1e3:.3f}, bucketed {w0['bucketed']['dp_wait_s'] * 1e3:.3f} ms. What is "
+        f"left at the end is the last bucket's reduce, less whatever the averaging of the earlier buckets covers "
+        f"(here each bucket is flattened and copied back, HBM work that Megatron's contiguous gradient buffer "
+        f"does not have). On {where} the step itself (wall, trimmed mean, slowest rank): "
+        + "; ".join(f"{v}: {wall[v].text('plain', v)}" for v in wall)
+        + f" — four ranks on {os.cpu_count()} cores, where the reduce's threads compete with the compute they "
+          "are meant to hide behind."))
 
 # %% [markdown]
 # ## 6 · What we found, and where it disagrees with the source
 
 # %%
-sep = [r["traced"]["separated"]["waits_s"] * 1e3 for r in results]
-plain = [r["traced"]["plain"]["waits_s"] * 1e3 for r in results]
+waits = {v: ", ".join(f"{r['traced'][v]['waits_s'] * 1e3:.1f}" for r in results) for v in lesson.VARIANTS}
 bench = {n: max(r["bench"][n]["mean_s"] for r in results) * 1e3 for n in lesson.VARIANTS}
+bucket_bits = ("bitwise the same" if all(r["grads_bitwise_plain_vs_bucketed"] for r in results)
+               else "the same within float rounding (dp > 2: the buckets' sums add in another order)")
 display(Markdown(f"""
-- **Exactness.** Separating the DP all-reduce changes no bit: same loss, same gradients, same bytes.
-- **Overlap.** In the traced step the ranks waited at the end for the DP all-reduce
-  {', '.join(f'{x:.1f}' for x in sep)} ms when it was separated, {', '.join(f'{x:.1f}' for x in plain)} ms when
-  it was issued after the step. Trimmed-mean step (slowest rank): plain {bench['plain']:.1f} ms, separated
-  {bench['separated']:.1f} ms. On rank 0 the stages' last gradient ops are ops
+- **Exactness.** Separating the DP all-reduce changes no bit: same loss, same gradients, same bytes; bucket by
+  bucket the gradients are {bucket_bits}, with the same bytes in more calls.
+- **Overlap.** In the traced step the ranks waited at the end for the DP all-reduce {waits['separated']} ms
+  when it was separated per stage, {waits['bucketed']} ms bucket by bucket, {waits['plain']} ms when it was
+  issued after the step. Trimmed-mean step (slowest rank): plain {bench['plain']:.1f} ms, separated
+  {bench['separated']:.1f} ms, bucketed {bench['bucketed']:.1f} ms. On rank 0 the stages' last gradient ops are ops
   {', '.join(str(i + 1) for i in sorted(r0['last_grad_op'].values()))} of {r0['n_ops']}: at pp = {r0['pp']} little of
-  the schedule is left to hide the reduces behind (the schedule table above shows how that grows with p).
+  the schedule is left to hide the reduces behind (the schedule table above shows how that grows with p), and
+  nothing after stage {min(r0['stages'])}'s last op: bucket by bucket its reduce starts inside that op (section 5c).
   These timings come from {where}, so they are noisy.
 - **Graphs.** The host cost measured above is what a replay removes; the cost model turns it into a gain
   that is large only when chunks are launch-bound. The audit shows what a capture cannot hold — the MoE
   dispatch (`nonzero`) and any host read of a value — and what Megatron keeps out by choice: the DP
   collective, capturable on NCCL but eager so that it overlaps the backward. No graph is captured inside
   this lesson's DualPipeV executor, here or in the GPU check (which graphs a sequential chain); the emulated
-  cluster below times per-op graph replays.
+  cluster above times per-op graph replays.
 - **Against the source.** The article reports 1F1B + CUDA graphs + DP separation working, and DualPipeV's
   version as work in progress; it gives no numbers, so we have none to compare with. One reason DualPipeV is
   harder, visible in this schedule: its zero-bubble W ops run a chunk's weight gradients *later* than its
@@ -350,7 +428,11 @@ emulated = "" if E is None else (
     f"{E['gpu']} (`{E['cluster']}`), this toy model (no workload matched: the claim is about launch-bound chunks): "
     f"eager, the host's launches are {em['eager · plain']['launch share of the step (rank 0)']:.0%} of the step and "
     f"a graph replay per chunk shortens it {graph_gain:.1f}×; the DP wait at the step's end {dp_plain:.1f} µs "
-    f"plain, {dp_sep:.1f} µs separated")
+    f"plain, {dp_sep:.1f} µs separated. Matched to {M['stands_for']}'s layers, pipeline rank 0 "
+    f"waits for the DP reduce {w0['plain']['dp_wait_s'] * 1e3:.3f} ms plain, "
+    f"{w0['separated']['dp_wait_s'] * 1e3:.3f} ms separated per stage (stage {first}'s reduce has nothing left "
+    f"to hide behind), {w0['bucketed']['dp_wait_s'] * 1e3:.3f} ms bucket by bucket")
+dp_ordered = E is not None and (w0["bucketed"]["dp_wait_s"] <= w0["separated"]["dp_wait_s"] <= w0["plain"]["dp_wait_s"])
 headline("16", "CUDA graphs with DualPipeV, DP all-reduce separated",
          f"{launches:,} ATen ops per step (dp {r0['dp']} × pp {r0['pp']}, {r0['m']} micro-batches) whose host "
          f"dispatch a graph replay would skip, {per_mb_compute * r0['m'] * r0['dp']:,} of them compute ops (not "
@@ -360,7 +442,8 @@ headline("16", "CUDA graphs with DualPipeV, DP all-reduce separated",
          value=launches, unit="ATen ops per step",
          claim="1F1B + CUDA graphs + DP separation works; the DualPipeV version is in progress (no numbers given)",
          source="seed article §16; Megatron-LM --cuda-graph-impl", reproduced=None,
-         emulated=emulated, emulated_reproduced=None if E is None else bool(graph_gain > 1 and dp_sep <= dp_plain),
+         emulated=emulated,
+         emulated_reproduced=None if E is None else bool(graph_gain > 1 and dp_sep <= dp_plain and dp_ordered),
          note="capture and replay need a GPU; benchmarks/gpu/cuda_graphs.py graphs a sequential chain of 4 stages "
               "with one micro-batch in flight, not DualPipeV's per-micro-batch F, I and W graphs (not built), and "
               "checks DP separation on NCCL without graphs; here the DP separation is checked bitwise and the "

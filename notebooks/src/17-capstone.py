@@ -66,6 +66,11 @@ base = configs[0][1]
 #  5 optimizer  AdamW (fp32) | MasterAdamW (bf16 + fp32 master) | ReuseAdamW (+ int16 residual)
 #  6 memory     ActivationOffloader hooks in the executor (pipeline-aware: by lifetime)
 # ```
+#
+# What runs where: with `precision` bf16 on a CPU without bf16 instructions (torch's own bf16 GEMMs are slow
+# there), the step's GEMMs compute in fp32 from the bf16 tensors and round their result to bf16 once, as a GPU's
+# bf16 GEMM does (`toolkit.runtime.bf16`, lesson 07); weights, gradients and the activations kept for backward stay
+# bf16, and every bf16 configuration of the chain takes the same path. `make run` prints which CPU it ran on.
 
 # %%
 print(inspect.getsource(Composed.build))

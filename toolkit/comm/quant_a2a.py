@@ -83,8 +83,9 @@ def check_agreement(x: torch.Tensor, mode: str, block: int, group=None) -> None:
             raise ValueError(f"ranks disagree on the all-to-all {name} ({per_rank}); every rank must use the same")
 
 
-def encode(x: torch.Tensor, mode: str, block: int = 128) -> torch.Tensor:
-    """Tokens [T,H] -> wire rows [T, row_bytes] (uint8 for int8/int4, bf16 or the input itself otherwise)."""
+def encode(x: torch.Tensor, mode: str, block: int = 128, check_finite: bool = True) -> torch.Tensor:
+    """Tokens [T,H] -> wire rows [T, row_bytes] (uint8 for int8/int4, bf16 or the input itself otherwise);
+    ``check_finite``: quantized modes refuse NaN/Inf (a host sync)."""
     if mode == "none":
         return x
     if mode == "bf16":
@@ -92,8 +93,8 @@ def encode(x: torch.Tensor, mode: str, block: int = 128) -> torch.Tensor:
     t, h = x.shape
     if t == 0:  # nothing to quantize (a rank may send no token to anyone)
         return x.new_empty((0, wire_bytes_per_token(mode, h, block)), dtype=torch.uint8)
-    q = (Q.quantize_fp8_blockwise(x, block=block) if mode == "fp8"  # per token, per block of channels
-         else Q.quantize_blockwise(x, bits=_BITS[mode], block=block))
+    q = (Q.quantize_fp8_blockwise(x, block=block, check_finite=check_finite) if mode == "fp8"  # per token and block
+         else Q.quantize_blockwise(x, bits=_BITS[mode], block=block, check_finite=check_finite))
     payload = q.payload.view(torch.uint8).view(t, -1)  # [T, H] or [T, H/2]
     scales = q.scales.view(t, h // block).view(torch.uint8)  # [T, 4H/block]
     return torch.cat([payload, scales], dim=1)

@@ -16,17 +16,25 @@ sequences; every rank of a group does the same work)::
     exposed     (c-1) · max(0, hop - attention/c)                     each hop hides behind 1/c of the attention
 
     forward  F = layers/stage · (linear + attention + exposed)
-    backward B = layers/stage · (2·(linear + attention) + exposed with 2x bytes per hop and one more hop
+    backward B = layers/stage · (2·linear + 2.5·attention + exposed with 2x bytes per hop and one more hop
                                  (dK/dV going home))  +  F again with full recompute
+                 (flash attention's backward: 5 matmuls against the forward's 2, scores recomputed)
 
 A stage's time for a micro-batch is its slowest group's (groups of the same micro-batch finish together before
 the next starts: with dynamic CP the groups change every micro-batch). The pipeline is then 1F1B over PP
 stages with these unequal micro-batches, timed by ``toolkit.pipeline.simulate``. Static CP with DP > 1 runs
-its replicas as independent pipelines (the step waits for the slowest); with DP = 1 there is one.
+its replicas as independent pipelines (the step waits for the slowest); with DP = 1 there is one. Without a
+pipeline (pp = 1, a run like lesson 12's) nothing makes the groups of a micro-batch wait for each other: each
+rank keeps its own clock, and a group starts once its last rank is free (``_rank_clocks``).
 
-Not modelled: embedding and output layer (the same for both), DP gradient all-reduce (the same), kernel
-efficiency falling on small chunks (which would favour dynamic CP further), the scheduler's own time
-(Megatron runs it asynchronously), memory.
+The same per-group time is what the toolkit's scheduler judges its refill and merge steps by (``CostModel``, a
+``dynamic_cp.GroupCost``). ``compare`` times four plans: static CP packed in data order, static CP packed
+longest first (the ablation: the gain of packing alone), dynamic CP with Megatron's rules, and the toolkit's.
+
+Not modelled: the embedding, and the output layer but where asked (``output_layer``, pp = 1); the DP gradient
+all-reduce (the same for every plan); per-element ops (LayerNorms, activations); kernel efficiency falling on
+small chunks (which would favour dynamic CP further); the scheduler's own time (Megatron runs it
+asynchronously); memory.
 """
 from __future__ import annotations
 
@@ -39,7 +47,7 @@ from toolkit.pipeline.schedule import one_f_one_b
 from toolkit.pipeline.simulate import simulate
 from toolkit.runtime.cluster import Cluster, Link, cluster
 
-from .dynamic_cp import Plan, cp_size_for, pad_length, schedule_dynamic, schedule_static
+from .dynamic_cp import Group, Plan, advance, cp_size_for, pad_length, schedule_dynamic, schedule_static
 
 
 @dataclass(frozen=True)
@@ -80,6 +88,9 @@ class Efficiency:
                 raise ValueError(f"Efficiency {name}={v!r} is not allowed; allowed: a fraction in (0, 1]")
 
 
+ROOFLINE = Efficiency(gemm=1.0, attention=1.0)
+"""Every kernel at the GPU's peak: what the emulated cluster's roofline assumes (to predict an emulated run)."""
+
 RING_HOP = Link("CP ring hop over NVLink (assumed)", 200e9, 20e-6,
                 "assumed: one K/V send/recv between neighbours per attention step, issued inside the attention "
                 "loop, reaches less than the 450 GB/s per direction a large NVLink 4 transfer does; 20 µs covers "
@@ -104,6 +115,17 @@ class Setup:
     recompute: bool = True
 
 
+def matched_scales(d_model: int, shape: ModelShape = LLAMA_13B) -> dict[str, float]:
+    """The emulator's ``scaled(flops=, bytes=)`` factors that time a toy GPT of width ``d_model`` as ``shape``'s
+    layers: every width and every length times r = shape.d_model / d_model. Attention's FLOPs (∝ d·L²) and the
+    linear layers' (∝ d²·L) then both grow as r³, activations, K/V blocks and weights as r², so the toy keeps
+    the real model's ratios of attention to linear work and of compute to ring traffic. Approximate where the
+    shapes differ: the toy's 12·d² linear FLOPs per token and layer (a 4·d GELU MLP) stand for Llama-13B's
+    12.1·d² (SwiGLU of 2.7·d), its 256-token vocabulary for 256·r."""
+    r = shape.d_model / d_model
+    return {"scale": r, "flops": r ** 3, "bytes": r ** 2}
+
+
 def corpus_lengths(n: int, max_len: int, seed: int = 0, scale: int = 1) -> list[int]:
     """``n`` lengths drawn (seeded) from the corpus's real document lengths (``toolkit.data.doc_lengths``,
     Python's stdlib: code, i.e. GitHub-like), divided by ``scale`` and truncated to ``max_len``."""
@@ -121,9 +143,11 @@ def lognormal_lengths(n: int, max_len: int, median: float = 800.0, sigma: float 
     return [min(max(1, round(median * math.exp(sigma * rng.gauss(0.0, 1.0)))), max_len) for _ in range(n)]
 
 
-def group_times(tokens: int, attn_work: float, cp: int, layers: int, shape: ModelShape, hw: Cluster,
-                recompute: bool = True, eff: Efficiency = Efficiency()) -> dict[str, float]:
-    """Forward and backward seconds of one CP group on one stage (see the module docstring), and their parts."""
+def group_times(tokens: float, attn_work: float, cp: int, layers: int, shape: ModelShape, hw: Cluster,
+                recompute: bool = True, eff: Efficiency = Efficiency(), output_layer: bool = False) -> dict[str, float]:
+    """Forward and backward seconds of one CP group on one stage (see the module docstring), and their parts:
+    ``tokens`` per rank, ``attn_work`` = Σ L²/cp per rank. ``output_layer``: the stage also runs the output
+    layer's GEMM, 2·T·d·vocab FLOPs forward and twice that backward (the last stage; a run without a pipeline)."""
     d, dkv, peak = shape.d_model, shape.d_kv, hw.gpu.bf16_flops
     link = hw.intra if cp <= hw.gpus_per_node else hw.inter
     linear = 2 * tokens * (2 * d * d + 2 * d * dkv + 3 * d * shape.d_ff) / (peak * eff.gemm)
@@ -131,14 +155,43 @@ def group_times(tokens: int, attn_work: float, cp: int, layers: int, shape: Mode
     hop = link.seconds(2 * tokens * dkv * shape.elem_bytes)
     exposed_f = (cp - 1) * max(0.0, hop - attention / cp) if cp > 1 else 0.0
     hop_b = link.latency_s + 2 * (hop - link.latency_s)  # K/V and dK/dV in flight together
-    exposed_b = ((cp - 1) * max(0.0, hop_b - 2 * attention / cp) + hop) if cp > 1 else 0.0
+    exposed_b = ((cp - 1) * max(0.0, hop_b - 2.5 * attention / cp) + hop) if cp > 1 else 0.0
+    head = 2 * tokens * d * shape.vocab / (peak * eff.gemm) if output_layer else 0.0
     fwd = layers * (linear + attention + exposed_f)
-    bwd = layers * (2 * (linear + attention) + exposed_b) + (fwd if recompute else 0.0)
-    compute = layers * (linear + attention) * (4 if recompute else 3)
+    bwd = layers * (2 * linear + 2.5 * attention + exposed_b) + (fwd if recompute else 0.0) + 2 * head
+    fwd += head
+    compute = layers * (linear * (4 if recompute else 3) + attention * (4.5 if recompute else 3.5)) + 3 * head
     return {"F": fwd, "B": bwd, "compute": compute, "exposed_comm": fwd + bwd - compute}
 
 
-def _stage_costs(plan: Plan, groups_of, shape: ModelShape, hw: Cluster, pp: int, recompute: bool, eff: Efficiency):
+@dataclass(frozen=True)
+class CostModel:
+    """A CP group's modelled forward + backward seconds on one stage (``group_times``, ring hops included), as a
+    ``dynamic_cp.GroupCost``: what the toolkit's scheduler minimises. ``scale``: the plan's lengths stand for
+    ``scale`` times as many tokens (a workload-matched run: the toy's lengths and widths both times ``scale``)."""
+
+    shape: ModelShape = LLAMA_13B
+    hw: Cluster = CLUSTER
+    layers: int = LLAMA_13B.n_layer // 8
+    recompute: bool = True
+    eff: Efficiency = Efficiency()
+    scale: float = 1.0
+    output_layer: bool = False
+
+    def __call__(self, tokens: float, attn_work: float, cp: int) -> float:
+        t = group_times(tokens * self.scale, attn_work * self.scale ** 2, cp, self.layers, self.shape,
+                        self.hw, self.recompute, self.eff, self.output_layer)
+        return t["F"] + t["B"]
+
+
+def group_inputs(group: Group, lengths: list[int], scale: float = 1.0) -> tuple[float, float]:
+    """``group_times``' tokens per rank and work per rank Σ L²/cp of ``group``, its lengths times ``scale``."""
+    return (scale * sum(lengths[s] for s in group.samples) / group.size,
+            scale ** 2 * sum(lengths[s] ** 2 for s in group.samples) / group.size)
+
+
+def _stage_costs(plan: Plan, groups_of, shape: ModelShape, hw: Cluster, pp: int, recompute: bool, eff: Efficiency,
+                 scale: float, output_layer: bool):
     layers = shape.n_layer // pp
     out = []
     for mb in plan.micro_batches:
@@ -146,9 +199,8 @@ def _stage_costs(plan: Plan, groups_of, shape: ModelShape, hw: Cluster, pp: int,
         for g in groups_of(mb):
             if not g.samples:
                 continue
-            tokens = sum(plan.lengths[s] for s in g.samples) // g.size
-            attn = sum(plan.lengths[s] ** 2 for s in g.samples) / g.size
-            times.append(group_times(tokens, attn, g.size, layers, shape, hw, recompute, eff))
+            times.append(group_times(*group_inputs(g, plan.lengths, scale), g.size, layers, shape, hw, recompute, eff,
+                                     output_layer))
         if times:
             out.append(max(times, key=lambda t: t["F"] + t["B"]))
     return out
@@ -160,17 +212,25 @@ def _one_f_one_b(pp: int, m: int):
 
 
 def step_time(plan: Plan, shape: ModelShape, hw: Cluster, pp: int, recompute: bool = True,
-              eff: Efficiency = Efficiency()) -> dict:
+              eff: Efficiency = Efficiency(), scale: float = 1.0, output_layer: bool = False) -> dict:
     """Simulated seconds of one training step of ``plan`` on ``pp`` pipeline stages: 1F1B with each micro-batch's
-    slowest group as its stage time; static plans with several replicas run them as independent pipelines."""
-    if plan.kind == "static":
+    slowest group as its stage time; static plans with several replicas run them as independent pipelines. With
+    pp = 1, rank clocks (``_rank_clocks``): no micro-batch waits for groups it does not share ranks with.
+    ``scale``: the plan's lengths stand for ``scale`` times as many tokens (see ``CostModel``); ``output_layer``
+    (pp = 1 only: here every stage costs the same): the stage runs the output layer too."""
+    if output_layer and pp != 1:
+        raise ValueError(f"output_layer=True needs pp=1 (got pp={pp}): the model gives every stage the same costs, "
+                         f"and only the last stage holds the output layer")
+    if pp == 1:
+        return _rank_clocks(plan, shape, hw, recompute, eff, scale, output_layer)
+    if plan.kind.startswith("static"):
         starts = sorted({g.start for g in plan.micro_batches[0].groups})
         pipelines = [(lambda mb, a=a: [g for g in mb.groups if g.start == a]) for a in starts]
     else:
         pipelines = [lambda mb: mb.groups]
     results = []
     for groups_of in pipelines:
-        costs = _stage_costs(plan, groups_of, shape, hw, pp, recompute, eff)
+        costs = _stage_costs(plan, groups_of, shape, hw, pp, recompute, eff, scale, output_layer)
         if not costs:
             continue
         if len(costs) < pp:
@@ -186,6 +246,25 @@ def step_time(plan: Plan, shape: ModelShape, hw: Cluster, pp: int, recompute: bo
     return {**worst, "bubble_s": worst["step_s"] - worst["busy_s"], "pipelines": len(results)}
 
 
+def _rank_clocks(plan: Plan, shape: ModelShape, hw: Cluster, recompute: bool, eff: Efficiency, scale: float,
+                 output_layer: bool) -> dict:
+    """Without a pipeline each rank runs its micro-batches in turn, and a group starts once its last rank is
+    free (its ring needs them all): rank clocks (``dynamic_cp.advance``), the step ends with the last. Static
+    replicas never wait for each other, nor do CP-1 groups; the time the last rank waited for the other ranks of
+    its groups is its ``bubble_s``."""
+    cost = CostModel(shape, hw, shape.n_layer, recompute, eff, scale, output_layer)
+    clock = [0.0] * plan.n_ranks
+    for mb in plan.micro_batches:
+        advance(clock, mb, plan.lengths, cost)
+    last = clock.index(max(clock))
+    parts = [group_times(*group_inputs(g, plan.lengths, scale), g.size, shape.n_layer, shape, hw, recompute, eff,
+                         output_layer) for mb in plan.micro_batches for g in mb.groups if last in g.ranks and g.samples]
+    busy = sum(t["F"] + t["B"] for t in parts)
+    return {"step_s": clock[last], "m": len(plan.micro_batches), "busy_s": busy,
+            "compute_s": sum(t["compute"] for t in parts), "exposed_comm_s": sum(t["exposed_comm"] for t in parts),
+            "bubble_s": clock[last] - busy, "pipelines": 1}
+
+
 def model_flops(lengths: list[int], shape: ModelShape) -> float:
     """Model FLOPs of one step over sequences of ``lengths`` (forward + backward = 3x forward; no recompute,
     the usual MFU convention): per layer 2·L·(linear params) + 2·d·L² (causal attention), plus the output layer."""
@@ -194,22 +273,28 @@ def model_flops(lengths: list[int], shape: ModelShape) -> float:
     return 3 * sum(per_token * n + shape.n_layer * 2 * d * n * n for n in lengths)
 
 
-def plans_for(lengths: list[int], setup: Setup = Setup(), min_cp: int = 1) -> dict[str, Plan]:
-    """The three plans ``compare`` times: static CP (the size the longest sequence needs, dp = dcp / cp), the
-    toolkit's dynamic scheduler, and Megatron's rules as they are (``refill=False, max_imbalance=None``)."""
+def plans_for(lengths: list[int], setup: Setup = Setup(), min_cp: int = 1, shape: ModelShape = LLAMA_13B,
+              hw: Cluster = CLUSTER, eff: Efficiency = Efficiency()) -> dict[str, Plan]:
+    """The four plans ``compare`` times: static CP (the size the longest sequence needs, dp = dcp / cp) packed in
+    data order and packed longest first, Megatron's rules as they are, and the toolkit's dynamic scheduler with
+    this simulation's ``CostModel`` on ``hw``."""
     padded = [pad_length(n, 2 * setup.dcp) for n in lengths]
     static_cp = cp_size_for(max(padded), setup.cap, min_cp, setup.dcp)
+    cost = CostModel(shape, hw, shape.n_layer // setup.pp, setup.recompute, eff)
     return {"static": schedule_static(padded, setup.dcp, static_cp, setup.cap),
-            "dynamic-megatron": schedule_dynamic(padded, setup.dcp, setup.cap, min_cp, refill=False,
-                                                 max_imbalance=None),
-            "dynamic": schedule_dynamic(padded, setup.dcp, setup.cap, min_cp)}
+            "static-sorted": schedule_static(padded, setup.dcp, static_cp, setup.cap, order="length"),
+            "dynamic-megatron": schedule_dynamic(padded, setup.dcp, setup.cap, min_cp),
+            "dynamic": schedule_dynamic(padded, setup.dcp, setup.cap, min_cp, cost=cost)}
 
 
 def compare(lengths: list[int], setup: Setup = Setup(), shape: ModelShape = LLAMA_13B, hw: Cluster = CLUSTER,
             min_cp: int = 1, plans: dict[str, Plan] | None = None, eff: Efficiency = Efficiency()) -> dict:
     """Static CP against dynamic CP (``plans_for``) on one global batch of ``lengths``: simulated step times, their
-    parts, speed-ups over static and model TFLOPS/GPU. Pass ``plans`` to reuse them (e.g. across ``hw``)."""
-    plans = plans or plans_for(lengths, setup, min_cp)
+    parts, speed-ups over static and model TFLOPS/GPU, and ``ablation``: the speed-up of dynamic CP over static
+    split into the packing gain (static packed longest first over static in data order) and the gain of a CP
+    size per sequence (dynamic over static packed longest first); the two multiply to the whole. Pass ``plans``
+    to reuse them."""
+    plans = plans or plans_for(lengths, setup, min_cp, shape, hw, eff)
     flops = model_flops(lengths, shape)
     gpus = setup.pp * setup.dcp
     out = {"static_cp": plans["static"].micro_batches[0].groups[0].size, "gpus": gpus, "setup": asdict(setup),
@@ -225,20 +310,30 @@ def compare(lengths: list[int], setup: Setup = Setup(), shape: ModelShape = LLAM
     base = out["runs"]["static"]["step_s"]
     for run in out["runs"].values():
         run["speedup_vs_static"] = base / run["step_s"]
+    if "static-sorted" in out["runs"]:
+        step = {k: r["step_s"] for k, r in out["runs"].items()}
+        out["ablation"] = {"packing": step["static"] / step["static-sorted"],
+                           "cp_size_per_sequence": step["static-sorted"] / step["dynamic"],
+                           "whole": step["static"] / step["dynamic"]}
     return out
 
 
 def bandwidth_sweep(plans: dict[str, Plan], gbytes_per_s: list[float], setup: Setup = Setup(),
-                    shape: ModelShape = LLAMA_13B, hw: Cluster = CLUSTER,
-                    eff: Efficiency = Efficiency()) -> dict[str, list[float]]:
-    """Simulated speed-up of each dynamic plan over the static one for each ring link bandwidth (GB/s: the
-    intra link's ``bytes_per_s`` replaced)."""
+                    shape: ModelShape = LLAMA_13B, hw: Cluster = CLUSTER, eff: Efficiency = Efficiency(),
+                    min_cp: int = 1) -> dict[str, list[float]]:
+    """Simulated speed-up of each plan over the static one for each ring link bandwidth (GB/s: the intra link's
+    ``bytes_per_s`` replaced). The toolkit's dynamic plan is scheduled again for each link, as its cost model
+    sees the link; the others do not depend on it."""
     out: dict[str, list[float]] = {name: [] for name in plans if name != "static"}
     for bw in gbytes_per_s:
         h = replace(hw, intra=replace(hw.intra, bytes_per_s=bw * 1e9))
         base = step_time(plans["static"], shape, h, setup.pp, setup.recompute, eff)["step_s"]
         for name in out:
-            out[name].append(base / step_time(plans[name], shape, h, setup.pp, setup.recompute, eff)["step_s"])
+            plan = plans[name]
+            if name == "dynamic":
+                cost = CostModel(shape, h, shape.n_layer // setup.pp, setup.recompute, eff)
+                plan = schedule_dynamic(plan.lengths, plan.n_ranks, plan.cap, min_cp, cost=cost)
+            out[name].append(base / step_time(plan, shape, h, setup.pp, setup.recompute, eff)["step_s"])
     return out
 
 

@@ -15,8 +15,8 @@ cp(L) = max(min_cp, 2^ceil(log2(L / cap))), and packs CP groups of equal work L�
     dynamic, the same ranks and cap                 one micro-batch
       ranks 0-1   [ 620 ]                           cp 2 (620 > 512)                     192 k
       rank 2      [ 440 ]                           cp 1: no ring at all                 194 k
-      rank 3      [ 420 | 80 ]                      cp 1                                 183 k
-      (300, 100 and 60 wait for the next micro-batch)
+      rank 3      [ 420 ]                           cp 1                                 176 k
+      (300, 100, 80 and 60 wait for the next micro-batch)
 
 One micro-batch (``_next_micro_batch``):
   1. sort what is left by length, longest first, and cut it into k buckets of about equal work (10 % slack),
@@ -31,6 +31,29 @@ One micro-batch (``_next_micro_batch``):
 Groups are aligned blocks of ranks, [k·s, (k+1)·s) for size s, so the process groups are built once, for every
 power of two, before training (``prebuilt_groups``). ``reroute`` then sends every rank the shards of the
 sequences its groups hold, for all micro-batches of the step, with one ``all_to_all_single``.
+
+**The toolkit's two steps** (``schedule_dynamic(..., cost=)``; without a cost model, Megatron's rules as they
+are). Work L²/cp is not time: a sequence spread over more ranks also sends its K/V round a longer ring. Given a
+``GroupCost`` -- a group's modelled seconds from its tokens per rank, its work per rank and its CP size, ring
+hops included (``dcp_sim.CostModel``) -- the scheduler keeps a clock per rank: a group starts once all its
+ranks are free and ends its modelled time later, and the step so far ends with the latest clock. Then:
+
+  5. refill: where Megatron closes the micro-batch because the next sequence fits nowhere, keep placing the
+     longest one that fits, into a group of its CP size or larger that still ends no later than the
+     micro-batch's last group (work that would otherwise wait, at no cost to the step so far);
+  6. merge: while joining the group that ends last with its buddy block (the aligned block twice its size;
+     its sequences then run at twice the CP size) makes the micro-batch end earlier, join them::
+
+        ranks 0-3, cap 64    [ 64 ] [ 8 ] [ 8 ] [ 8 ]      rank 0 holds 64x the work of the others
+        merge 0-1            [ 64 8 : cp 2 ] [ 8 ] [ 8 ]   half the work, plus a ring hop per step:
+                                                           kept only if the modelled time goes down
+
+  7. both are greedy, each micro-batch judged as it is built: a merge that ends one micro-batch sooner can
+     still delay a later one. So the plan they build is kept only if its modelled step, rank clocks through
+     every micro-batch (``modelled_step``), is shorter than Megatron's plan's; otherwise Megatron's plan it is.
+
+Neither step looks at the balance of work: a merge that the ring would make slower is not made, however
+unequal the work stays.
 """
 from __future__ import annotations
 
@@ -39,14 +62,20 @@ from bisect import bisect_left, bisect_right
 from collections import deque
 from itertools import accumulate
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 from .ring_attention import CPLayout, is_power_of_two, ring_bytes, sample_parts
 
-__all__ = ["cp_size_for", "work", "Group", "MicroBatch", "Plan", "schedule_static", "schedule_dynamic",
+__all__ = ["cp_size_for", "work", "Group", "MicroBatch", "Plan", "GroupCost", "schedule_static", "schedule_dynamic",
+           "greedy_micro_batches", "group_time", "micro_batch_time", "advance", "modelled_step", "merge_buddies",
            "prebuilt_groups", "reroute", "pad_length"]
+
+GroupCost = Callable[[float, float, int], float]
+"""A CP group's modelled seconds: ``cost(tokens per rank, work per rank Σ L²/cp, cp)``, ring hops included.
+It must grow with the tokens and the work (the refill step searches on that)."""
 
 
 def _need_power_of_two(name: str, value) -> None:
@@ -187,22 +216,27 @@ def _check_lengths(lengths, limit: int, why: str) -> list[int]:
     return lengths
 
 
-def schedule_static(lengths, n_ranks: int, cp: int, cap: int) -> Plan:
-    """Static CP: one CP size ``cp`` for every sequence, dp = n_ranks / cp replicas; sequences are packed in data
-    order into packs of at most cp·cap tokens, pack i·dp + d going to replica d (Megatron's
-    ``DpBalancedScheduler``; when the pack count is not a multiple of dp, single sequences are split off the
-    last packs, and a replica with nothing left idles)."""
+def schedule_static(lengths, n_ranks: int, cp: int, cap: int, order: str = "data") -> Plan:
+    """Static CP: one CP size ``cp`` for every sequence, dp = n_ranks / cp replicas; sequences are packed into
+    packs of at most cp·cap tokens, pack i·dp + d going to replica d (Megatron's ``DpBalancedScheduler``; when
+    the pack count is not a multiple of dp, single sequences are split off the last packs, and a replica with
+    nothing left idles). ``order``: "data" packs them as they come; "length" sorts them longest first, so that
+    a micro-batch's replicas get packs of alike work and the micro-batches change gradually (the packing half of
+    what dynamic CP does, without its per-sequence CP size: the ablation of ``dcp_sim.compare``)."""
     _need_power_of_two("cp", cp)
     if n_ranks % cp:
         raise ValueError(f"cp={cp} must divide the number of ranks {n_ranks}")
+    if order not in ("data", "length"):
+        raise ValueError(f"order={order!r} is not allowed; allowed: 'data', 'length'")
     lengths = _check_lengths(lengths, cp * cap, f"cp*cap = {cp}*{cap}")
+    ids = sorted(range(len(lengths)), key=lambda s: (-lengths[s], s)) if order == "length" else range(len(lengths))
     dp, packs, cur, total = n_ranks // cp, [], [], 0
-    for s, length in enumerate(lengths):
-        if cur and total + length > cp * cap:
+    for s in ids:
+        if cur and total + lengths[s] > cp * cap:
             packs.append(cur)
             cur, total = [], 0
         cur.append(s)
-        total += length
+        total += lengths[s]
     packs.append(cur)
     i = len(packs) - 1
     while len(packs) % dp and i >= 0:  # move single sequences off the end of the last packs
@@ -213,7 +247,7 @@ def schedule_static(lengths, n_ranks: int, cp: int, cap: int) -> Plan:
     while len(packs) % dp:
         packs.append([])
     mbs = [MicroBatch([Group(cp, d * cp, packs[i * dp + d]) for d in range(dp)]) for i in range(len(packs) // dp)]
-    return Plan("static", lengths, n_ranks, cap, mbs)
+    return Plan("static" if order == "data" else "static-sorted", lengths, n_ranks, cap, mbs)
 
 
 def _buckets(ids: list[int], need: dict[int, int], wk: dict[int, float], slack: float) -> list[deque]:
@@ -241,45 +275,92 @@ def _free_block(taken: list[bool], size: int) -> int | None:
     return None
 
 
-def _refill(buckets: list[deque], groups: list[Group], tokens: dict, load: list[float], lengths: list[int],
-            cap: int):
-    """The longest remaining sequence that fits, within the cap, into a group of its CP size or larger without
-    raising the busiest rank's work, and the least loaded such group; None if there is none."""
-    top = max(load)
-    room = {id(g): min((cap - tokens[id(g)]) * g.size, math.sqrt(max(top - load[g.start], 0.0) * g.size))
-            for g in groups}  # the longest sequence each group can still take: L/size tokens, L²/size work
-    best = max(room.values(), default=0)
+def group_time(group: Group, lengths: list[int], cost: GroupCost) -> float:
+    """The modelled seconds of ``group`` (its sequences at its CP size); 0 for an empty group."""
+    if not group.samples:
+        return 0.0
+    tokens = sum(lengths[s] for s in group.samples) / group.size
+    return cost(tokens, sum(lengths[s] ** 2 for s in group.samples) / group.size, group.size)
+
+
+def micro_batch_time(mb: MicroBatch, lengths: list[int], cost: GroupCost, clock: list[float] | None = None) -> float:
+    """When a micro-batch's last group ends, in modelled seconds: each group starts once its ranks are free
+    (``clock``: when each rank finished the micro-batches before; None: all at 0) and takes ``group_time``."""
+    return max(_start(g, clock) + group_time(g, lengths, cost) for g in mb.groups)
+
+
+def _start(group: Group, clock: list[float] | None) -> float:
+    return max(clock[r] for r in group.ranks) if clock is not None else 0.0
+
+
+def advance(clock: list[float], mb: MicroBatch, lengths: list[int], cost: GroupCost) -> None:
+    """Move the rank clocks past ``mb``: every rank of a group ends when the group does."""
+    for g in mb.groups:
+        end = _start(g, clock) + group_time(g, lengths, cost)
+        for r in g.ranks:
+            clock[r] = end
+
+
+def modelled_step(plan: "Plan", cost: GroupCost) -> float:
+    """A plan's modelled step time: rank clocks (``advance``) through its micro-batches, the latest at the end."""
+    clock = [0.0] * plan.n_ranks
+    for mb in plan.micro_batches:
+        advance(clock, mb, plan.lengths, cost)
+    return max(clock)
+
+
+def _refill(buckets: list[deque], groups: list[Group], tokens: dict, lengths: list[int], need: dict[int, int],
+            cap: int, cost: GroupCost, clock: list[float]):
+    """The longest remaining sequence that some group of its CP size or larger can take within the cap and
+    without ending after the micro-batch's last group, and the earliest-ending such group; None if none."""
+    top = micro_batch_time(MicroBatch(groups), lengths, cost, clock)
     flat = [s for b in buckets for s in b]  # longest first: the buckets are consecutive runs of one sorted list
-    i = bisect_left(flat, -best, key=lambda s: -lengths[s])
+    start = {id(g): _start(g, clock) for g in groups}
+    square = {id(g): sum(lengths[s] ** 2 for s in g.samples) for g in groups}
+
+    def fits(s: int, g: Group) -> bool:
+        size, n = g.size, lengths[s]
+        return (need[s] <= size and tokens[id(g)] + n // size <= cap
+                and start[id(g)] + cost(tokens[id(g)] + n / size, (square[id(g)] + n * n) / size, size) <= top)
+
+    # per group, the first (longest) sequence it takes: a shorter one fits wherever a longer one does
+    first = {id(g): bisect_left(range(len(flat)), True, key=lambda i, g=g: fits(flat[i], g)) for g in groups}
+    i = min(first.values())
     if i == len(flat):
         return None
     s = flat[i]
+    group = min((g for g in groups if first[id(g)] == i), key=lambda g: _start(g, clock) + group_time(g, lengths, cost))
     for bucket in buckets:
         if i < len(bucket):
-            return bucket, s, min((g for g in groups if lengths[s] <= room[id(g)]), key=lambda g: load[g.start])
+            return bucket, s, group
         i -= len(bucket)
 
 
-def _merge_buddies(groups: list[Group], lengths: list[int], n_ranks: int, max_imbalance: float) -> list[Group]:
-    """While the busiest group's work per rank exceeds ``max_imbalance`` x the mean, merge it with its buddy
-    block (the aligned block twice its size): its sequences then use twice the CP size, and the two halves'
-    work is averaged."""
+def merge_buddies(mb: MicroBatch, lengths: list[int], n_ranks: int, cost: GroupCost,
+                  clock: list[float] | None = None) -> MicroBatch:
+    """While joining the group that ends last with its buddy block (the aligned block twice its size: every group
+    inside it; their sequences then use twice the CP size, with a longer ring) makes the micro-batch end sooner
+    (``micro_batch_time`` from the rank ``clock``), join them. A merge that would not pay -- the ring's extra hops
+    cost more than the halved work saves -- is not made, however unequal the work stays."""
+    groups = list(mb.groups)
     while True:
-        per_rank = {id(g): sum(lengths[s] ** 2 for s in g.samples) / g.size for g in groups}
-        mean = sum(per_rank[id(g)] * g.size for g in groups) / n_ranks
-        busiest = max(groups, key=lambda g: per_rank[id(g)])
-        if per_rank[id(busiest)] <= max_imbalance * mean or busiest.size >= n_ranks:
-            return groups
-        size = 2 * busiest.size
-        start = busiest.start // size * size
+        times = [_start(g, clock) + group_time(g, lengths, cost) for g in groups]
+        slowest = groups[times.index(max(times))]
+        if slowest.size >= n_ranks:
+            return MicroBatch(groups)
+        size = 2 * slowest.size
+        start = slowest.start // size * size
         inside = [g for g in groups if start <= g.start < start + size]
         merged = Group(size, start, [s for g in inside for s in g.samples])
-        groups = sorted([g for g in groups if g not in inside] + [merged], key=lambda g: g.start)
+        candidate = sorted([g for g in groups if g not in inside] + [merged], key=lambda g: g.start)
+        if micro_batch_time(MicroBatch(candidate), lengths, cost, clock) >= max(times):
+            return MicroBatch(groups)
+        groups = candidate
 
 
 def _next_micro_batch(ids: list[int], lengths: list[int], need: dict[int, int], wk: dict[int, float], n_ranks: int,
-                      cap: int, delta: float, slack: float, refill: bool,
-                      max_imbalance: float | None) -> tuple[MicroBatch, list[int]]:
+                      cap: int, delta: float, slack: float, cost: GroupCost | None,
+                      clock: list[float]) -> tuple[MicroBatch, list[int]]:
     buckets = _buckets(ids, need, wk, slack)
     groups: list[Group] = []
     tokens: dict[int, int] = {}  # per group: tokens on each of its ranks
@@ -304,8 +385,8 @@ def _next_micro_batch(ids: list[int], lengths: list[int], need: dict[int, int], 
             else:  # the least loaded group of its size with room for it
                 fits = [g for g in groups if g.size == need[s] and tokens[id(g)] + lengths[s] // g.size <= cap]
                 group = min(fits, key=lambda g: load[g.start]) if fits else None
-        if group is None:  # Megatron ends the micro-batch here; refill tops up the groups below the busiest
-            found = _refill(buckets, groups, tokens, load, lengths, cap) if refill else None
+        if group is None:  # Megatron ends the micro-batch here; refill tops up groups that end before the last
+            found = _refill(buckets, groups, tokens, lengths, need, cap, cost, clock) if cost is not None else None
             if found is None:
                 break
             bucket, s, group = found
@@ -328,24 +409,27 @@ def _next_micro_batch(ids: list[int], lengths: list[int], need: dict[int, int], 
         start = 0
         for g in groups:  # re-lay the blocks: sizes are non-increasing, so every block stays aligned
             g.start, start = start, start + g.size
-    if max_imbalance is not None:
-        groups = _merge_buddies(groups, lengths, n_ranks, max_imbalance)
-    return MicroBatch(groups), leftovers
+    mb = MicroBatch(groups)
+    return (merge_buddies(mb, lengths, n_ranks, cost, clock) if cost is not None else mb), leftovers
 
 
 def schedule_dynamic(lengths, n_ranks: int, cap: int, min_cp: int = 1, delta: float = 0.05, slack: float = 0.10,
-                     refill: bool = True, max_imbalance: float | None = 1.1) -> Plan:
+                     cost: GroupCost | None = None) -> Plan:
     """Dynamic CP over ``n_ranks`` DP×CP ranks (a power of two): micro-batches of CP groups of about equal work.
 
     Each sequence gets CP size ``cp_size_for(L, cap, min_cp)``, or more where its group is doubled (empty ranks)
     or merged (see below). ``delta``: a micro-batch closes once its ranks' work is within this fraction of the
-    busiest; ``slack``: bucket overshoot. With ``refill=False, max_imbalance=None`` this is Megatron's algorithm;
-    the toolkit adds two steps, both off by those values:
+    busiest; ``slack``: bucket overshoot. Without ``cost`` this is Megatron's algorithm. With a ``GroupCost``
+    (a group's modelled seconds, ring included) the toolkit adds two steps, each taken only where the model says
+    it pays (the module docstring, steps 5 and 6):
 
-    - ``refill``: where Megatron closes a micro-batch because the next sequence fits nowhere, keep placing the
-      longest sequence that fits (into a group of its CP size or larger) without raising the busiest rank's work;
-    - ``max_imbalance``: a micro-batch still less balanced than max/mean = this merges its busiest group with the
-      neighbouring block (twice the CP size for those sequences: more ring traffic, less work per rank).
+    - refill: where Megatron closes a micro-batch because the next sequence fits nowhere, keep placing the
+      longest sequence that fits (into a group of its CP size or larger) where its group still ends no later
+      than the micro-batch's last (rank clocks: a group starts once its ranks are free);
+    - merge: join the group that ends last with its buddy block (twice the CP size for those sequences: more
+      ring traffic, less work per rank) while that makes the micro-batch end sooner (``merge_buddies``);
+    - and the plan these steps build is kept only if its modelled step (``modelled_step``) is shorter than
+      Megatron's plan's; otherwise Megatron's micro-batches are returned (as kind "dynamic").
 
     Sequences must be padded so that any CP size up to n_ranks cuts them into 2·cp chunks
     (``pad_length(L, 2 * n_ranks)``) for the plan to run with ring attention.
@@ -354,19 +438,36 @@ def schedule_dynamic(lengths, n_ranks: int, cap: int, min_cp: int = 1, delta: fl
     _need_power_of_two("min_cp", min_cp)
     if min_cp > n_ranks:
         raise ValueError(f"min_cp={min_cp} must be <= the number of ranks {n_ranks}")
-    if max_imbalance is not None and not max_imbalance >= 1:
-        raise ValueError(f"max_imbalance={max_imbalance} must be >= 1 (or None)")
+    if cost is not None and not callable(cost):
+        raise ValueError(f"cost={cost!r} must be a GroupCost: a callable (tokens per rank, work per rank, cp) -> "
+                         f"seconds, or None for Megatron's rules")
     lengths = _check_lengths(lengths, n_ranks * cap, f"n_ranks*cap = {n_ranks}*{cap}")
+    megatron = Plan("dynamic-megatron", lengths, n_ranks, cap,
+                    greedy_micro_batches(lengths, n_ranks, cap, min_cp, delta, slack))
+    if cost is None:
+        return megatron
+    greedy = Plan("dynamic", lengths, n_ranks, cap,
+                  greedy_micro_batches(lengths, n_ranks, cap, min_cp, delta, slack, cost))
+    if modelled_step(greedy, cost) < modelled_step(megatron, cost):
+        return greedy
+    return Plan("dynamic", lengths, n_ranks, cap, megatron.micro_batches)  # step 7: the greedy steps did not pay
+
+
+def greedy_micro_batches(lengths: list[int], n_ranks: int, cap: int, min_cp: int = 1, delta: float = 0.05,
+                         slack: float = 0.10, cost: GroupCost | None = None) -> list[MicroBatch]:
+    """Micro-batches until every sequence is placed, longest first: Megatron's rules, and with ``cost`` the
+    refill and merge steps, each micro-batch judged as it is built on rank clocks that it then moves on
+    (steps 1-6 of the module docstring; ``schedule_dynamic`` adds step 7). Lengths as checked by it."""
     need = {s: cp_size_for(length, cap, min_cp, n_ranks) for s, length in enumerate(lengths)}
     wk = {s: work(length, need[s]) for s, length in enumerate(lengths)}
     remaining = sorted(range(len(lengths)), key=lambda s: (-lengths[s], s))
-    mbs = []
+    mbs, clock = [], [0.0] * n_ranks
     while remaining:
-        mb, remaining = _next_micro_batch(remaining, lengths, need, wk, n_ranks, cap, delta, slack, refill,
-                                          max_imbalance)
+        mb, remaining = _next_micro_batch(remaining, lengths, need, wk, n_ranks, cap, delta, slack, cost, clock)
         mbs.append(mb)
-    kind = "dynamic" if refill or max_imbalance is not None else "dynamic-megatron"
-    return Plan(kind, lengths, n_ranks, cap, mbs)
+        if cost is not None:
+            advance(clock, mb, lengths, cost)
+    return mbs
 
 
 # ---- on the ranks ---------------------------------------------------------------------------------------------

@@ -36,15 +36,26 @@ after cp hops it is home.
 
     forward    (cp-1) · 2·T·d_kv·b                                K and V, cp-1 hops
     backward   (cp-1) · 2·T·d_kv·b  +  cp · 2·T·d_kv·b            K/V again, dK/dV back home
+
+**On the emulated cluster** (``toolkit.runtime.emulator``) each ring step's block is timed as the one fused
+kernel a GPU runs for it (flash attention on packed sequences, THD): the FLOPs of the (query, key) pairs the
+mask lets through -- forward 2 matmuls, backward 5 (the scores recomputed), 2·head_dim FLOPs per pair and head
+each -- and its inputs and outputs once through HBM. The ops here compute the block dense and unfused: scores
+between different documents (masked), the score matrix written out between ops. Timed as they are, a rank's
+attention would cost (tokens it holds)² however short its documents -- not the Σ L² that dynamic CP balances.
+The ring's sends and receives are timed as themselves, on the link.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from functools import lru_cache
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+
+from toolkit.runtime import emulator as emulation
 
 IGNORE = -100
 """Target of a padding token (ignored by the loss)."""
@@ -137,6 +148,33 @@ def _exchange(send: torch.Tensor, group, to: int, frm: int):
     return recv, dist.batch_isend_irecv(ops)
 
 
+class _FusedBlock:
+    """On the emulated cluster, the ops inside are one fused attention kernel (module docstring): they run
+    untimed; on leaving, the stream runs ``matmuls`` x 2·head_dim FLOPs per pair and head that ``mask`` (set
+    inside) lets through, and ``tensors`` once through HBM. Without an emulator, nothing."""
+
+    def __init__(self, name: str, matmuls: int, heads: int, head_dim: int, tensors: list[torch.Tensor]):
+        self.name, self.matmuls, self.heads, self.head_dim, self.tensors = name, matmuls, heads, head_dim, tensors
+        self.emu, self.untimed = emulation.current(), contextlib.nullcontext()
+        self.mask: torch.Tensor | None = None
+
+    def __enter__(self) -> "_FusedBlock":
+        if self.emu is not None:
+            self.untimed = self.emu.untimed()
+        self.untimed.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.emu is None or exc[0] is not None:
+            self.untimed.__exit__(*exc)
+            return
+        pairs = int(self.mask.sum())
+        self.untimed.__exit__(*exc)
+        fb = self.emu.cluster.float_bytes
+        nbytes = sum(t.numel() * emulation.element_bytes(t.dtype, fb) for t in self.tensors)
+        self.emu.compute(self.name, 2.0 * self.matmuls * self.head_dim * self.heads * pairs, float(nbytes))
+
+
 def _wait(works) -> None:
     for w in works:
         w.wait()
@@ -166,16 +204,20 @@ class _RingAttention(torch.autograd.Function):
                 incoming, works = _exchange(kv, group, nxt, prv)  # the next block travels while we compute
             src = (j - step) % cp
             rows, cols = _block(j, src, t)
-            s = (q[:, rows] @ kv[0][:, cols].transpose(-1, -2)) * scale
-            s = s.masked_fill(~_mask(mine, layout.coords(src, q.device), rows, cols), -math.inf)
-            mv, lv, av = m[:, rows], l[:, rows], acc[:, rows]  # views: updated in place
-            m_new = torch.maximum(mv, s.amax(-1))
-            m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)  # rows with nothing yet
-            alpha = torch.exp(mv - m_safe)
-            p = torch.exp(s - m_safe[..., None])
-            lv.mul_(alpha).add_(p.sum(-1))
-            av.mul_(alpha[..., None]).add_(p @ kv[1][:, cols])
-            mv.copy_(m_new)
+            # read: Q rows and the K/V block; read and written: the running output
+            with _FusedBlock("ring attention block (fused), forward", 2, h, hd,
+                             [q[:, rows], kv[:, :, cols], acc[:, rows], acc[:, rows]]) as kernel:
+                s = (q[:, rows] @ kv[0][:, cols].transpose(-1, -2)) * scale
+                kernel.mask = _mask(mine, layout.coords(src, q.device), rows, cols)
+                s = s.masked_fill(~kernel.mask, -math.inf)
+                mv, lv, av = m[:, rows], l[:, rows], acc[:, rows]  # views: updated in place
+                m_new = torch.maximum(mv, s.amax(-1))
+                m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)  # rows with nothing yet
+                alpha = torch.exp(mv - m_safe)
+                p = torch.exp(s - m_safe[..., None])
+                lv.mul_(alpha).add_(p.sum(-1))
+                av.mul_(alpha[..., None]).add_(p @ kv[1][:, cols])
+                mv.copy_(m_new)
             if step < cp - 1:
                 _wait(works)
                 kv = incoming
@@ -191,7 +233,7 @@ class _RingAttention(torch.autograd.Function):
         cp = layout.cp
         j, ring = _ring(group, cp)
         nxt, prv = ring[(j + 1) % cp], ring[(j - 1) % cp]
-        t, hd = q.shape[1], q.shape[2]
+        h, t, hd = q.shape
         scale = 1.0 / math.sqrt(hd)
         mine = layout.coords(j, q.device)
         dout = dout.contiguous()
@@ -206,16 +248,21 @@ class _RingAttention(torch.autograd.Function):
             src = (j - step) % cp
             rows, cols = _block(j, src, t)
             kb, vb, qr, dor = kv[0][:, cols], kv[1][:, cols], q[:, rows], dout[:, rows]
-            s = (qr @ kb.transpose(-1, -2)) * scale
-            s = s.masked_fill(~_mask(mine, layout.coords(src, q.device), rows, cols), -math.inf)
-            p = torch.exp(s - lse[:, rows, None])
-            ds = p * (dor @ vb.transpose(-1, -2) - d[:, rows, None])
-            dq[:, rows] += (ds @ kb) * scale
-            if pending is not None:
+            # read: Q, dO rows and the K/V block; read and written: dQ rows; written: the block's dK/dV part
+            with _FusedBlock("ring attention block (fused), backward", 5, h, hd,
+                             [qr, dor, kv[:, :, cols], dq[:, rows], dq[:, rows], kv[:, :, cols]]) as kernel:
+                s = (qr @ kb.transpose(-1, -2)) * scale
+                kernel.mask = _mask(mine, layout.coords(src, q.device), rows, cols)
+                s = s.masked_fill(~kernel.mask, -math.inf)
+                p = torch.exp(s - lse[:, rows, None])
+                ds = p * (dor @ vb.transpose(-1, -2) - d[:, rows, None])
+                dq[:, rows] += (ds @ kb) * scale
+                dk, dv = (ds.transpose(-1, -2) @ qr) * scale, p.transpose(-1, -2) @ dor
+            if pending is not None:  # the block's dK/dV so far, passed on by the previous rank
                 _wait(pending[1])
                 dkv = pending[0]
-            dkv[0][:, cols] += (ds.transpose(-1, -2) @ qr) * scale
-            dkv[1][:, cols] += p.transpose(-1, -2) @ dor
+            dkv[0][:, cols] += dk
+            dkv[1][:, cols] += dv
             if cp > 1:
                 pending = _exchange(dkv, group, nxt, prv)  # pass the sum on; receive the next block's
             if step < cp - 1:

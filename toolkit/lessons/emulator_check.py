@@ -12,12 +12,15 @@ in the test (never against the emulator's own formulas). Every case starts from 
                  virtual time at 2 ranks (one node) and at 4 (two nodes), whatever the machine's load
     pipeline     ``pipeline(ctx, cfg)``: schedules run by the executor, per-action virtual durations and step time,
                  for ``toolkit.pipeline.simulate`` to be fed the same op times
+    host         ``host(ctx, cfg)``: a long matmul, then the host reads a value (``host_read``) or not, then a
+                 short matmul: the read makes the host wait for the stream; and ``paused()``: the clock stands still
 
 Without an emulated cluster the same programs run (``virtual`` entries are then absent): their ``checksum`` of
 every tensor the ops produced must be bitwise the emulated run's.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 
 import torch
@@ -163,6 +166,34 @@ def exchange(ctx, cfg):
     seconds = _elapsed(ctx, rounds)
     digest.add(y)
     return {"exchange_s": seconds, "checksum": digest.hexdigest()}
+
+
+def host(ctx, cfg):
+    """A long matmul, then ``host_read`` of 4 int64 (or a plain ``tolist()``, which dispatches nothing), then a short
+    matmul: the virtual seconds of each; then a matmul and an all_reduce inside ``paused()``: the clock's move, the
+    calls the ledger counted and a checksum of the results."""
+    from toolkit.runtime.emulator import host_read
+    (a, c), (b, d), counts = _operands(MATMUL_N[1]), _operands(MATMUL_N[0]), torch.arange(4)
+    out = {}
+    for name, read in (("host_read", host_read), ("tolist", lambda t: t.tolist())):
+        def sequence(read=read):
+            torch.mm(a, a, out=c)
+            read(counts)
+            torch.mm(b, b, out=d)
+        out[f"{name}_s"] = _elapsed(ctx, sequence)
+    y = torch.full((SIZES[0] // 4,), float(ctx.rank))
+    dist.barrier()
+    t0, calls = _now(ctx), len(ctx.ledger.records)
+    with ctx.emulator.paused() if ctx.emulator is not None else contextlib.nullcontext():
+        torch.mm(a, a, out=c)
+        dist.all_reduce(y)
+    out["paused_moved_s"] = None if t0 is None else _now(ctx) - t0
+    out["paused_calls"] = len(ctx.ledger.records) - calls
+    digest = _Digest()
+    for t in (c, d, y):
+        digest.add(t)
+    out["checksum"] = digest.hexdigest()
+    return out
 
 
 def pipeline(ctx, cfg):

@@ -10,7 +10,8 @@ flat bf16 buffer and its optimizer on this rank's shard of it::
        amp   : MasterAdamW("nearest_even")    fp32 master, cast round-half-even         (plain mixed precision)
 
 Checked at every step: reuse == same (bf16 weights and fp32 masters, torch.equal); reuse's bf16
-differs from ``master.bfloat16()`` on exactly the ties. Measured: bytes per parameter by category
+differs from ``master.bfloat16()`` on exactly the ties. The lesson is about bf16 storage, so on a CPU whose bf16
+GEMMs are slow the three replicas' GEMMs compute in fp32 from the bf16 tensors (``toolkit.runtime.bf16``). Measured: bytes per parameter by category
 (storage nbytes and the MemoryTracker), how soon ``amp`` drifts away from ``same``, step times.
 """
 from __future__ import annotations
@@ -26,6 +27,7 @@ from toolkit.memory.param_reuse import MasterAdamW, ReuseAdamW, bytes_by_categor
 from toolkit.models import GPT, count_params, preset
 from toolkit.runtime import compat
 from toolkit.runtime.bench import compare
+from toolkit.runtime.bf16 import bf16_as_storage, compute
 from toolkit.runtime.config import Param, common, require_divisible, resolve
 from toolkit.runtime.memory import MemoryTracker
 
@@ -64,8 +66,9 @@ class Replica:
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> float:
         for p in self.params:
             p.grad = None
-        loss = self.model(x, y)
-        loss.backward()
+        with bf16_as_storage():  # bf16 GEMMs in fp32, rounded once, where this CPU's bf16 GEMMs are slow
+            loss = self.model(x, y)
+            loss.backward()
         return loss.item()
 
     def step(self, x: torch.Tensor, y: torch.Tensor, mem: MemoryTracker | None = None) -> float:
@@ -172,5 +175,5 @@ def run(ctx, cfg: dict) -> dict:
         "steps": cfg["steps"], "bitexact_steps": bitexact_steps, "ties": tie_rows, "amp_drift": drift,
         "amp_first_drift_step": first_drift, "losses": losses,
         "bytes_per_param_unsharded": unsharded, "bytes_per_param_sharded": sharded, "tracked": tracked,
-        "bench": bench,
+        "bench": bench, "bf16_compute": compute(),
     }

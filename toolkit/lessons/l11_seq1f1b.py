@@ -12,7 +12,6 @@ reference come from ``toolkit.pipeline.harness.PipelineSetup``.
 """
 from __future__ import annotations
 
-import time
 
 import torch
 import torch.distributed as dist
@@ -80,10 +79,8 @@ def run(ctx, cfg: dict) -> dict:
         model, schedule, ex, chunks = executor(kk, lengths, timeline=ctx.timeline, meter=True)
         ctx.barrier()
         n_spans = len(ctx.timeline.spans)
-        t0 = time.perf_counter()
         with ctx.ledger.tag(name):
             loss = ex.step(setup.inputs, setup.targets)
-        wall = time.perf_counter() - t0
         loss = torch.tensor([loss or 0.0], device=ctx.device)
         dist.broadcast(loss, src=p - 1)
         for span in ctx.timeline.spans[n_spans:]:
@@ -91,7 +88,7 @@ def run(ctx, cfg: dict) -> dict:
         out["lengths"][name] = lengths
         out["runs"][name] = {"k": kk, "loss": loss.item(), "max_grad_diff": setup.grad_diff(model, schedule, r),
                              "peak_chunks": chunks.peak_chunks, "peak_mb": chunks.peak_chunks / kk,
-                             "act_peak_bytes": ex.meter.peak, "wall_s": wall, "memory": ex.memory,
+                             "act_peak_bytes": ex.meter.peak, "memory": ex.memory,
                              "p2p_bytes": ctx.ledger.total("sent_bytes", tag=name)}
         ctx.progress(done + 1, len(runs), name)
     out["spans"] = ctx.timeline.to_json()

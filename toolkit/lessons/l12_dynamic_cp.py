@@ -3,30 +3,40 @@
     every rank   loads batch sequences (lengths of the corpus's real documents / length_scale, truncated to
                  static_cp·cap, padded to a multiple of 2·world_size), all-gathers the lengths
     plans        static CP (cp = static_cp, dp = world / static_cp, packs in data order), dynamic CP with
-                 Megatron's rules as they are (schedule_dynamic(refill=False, max_imbalance=None)) and the
-                 toolkit's dynamic CP (schedule_dynamic), identical on every rank
+                 Megatron's rules as they are (schedule_dynamic without a cost model) and the toolkit's dynamic
+                 CP (schedule_dynamic with ``cost_model``: refill and merge where the modelled time, ring
+                 included, says they pay; Megatron's plan where they add up to no shorter a step), identical
+                 on every rank
     reroute      each plan's shards to their ranks, one all_to_all_single per plan
     checked step forward/backward of the tiny GPT over each plan's micro-batches (ring attention inside every
                  CP group), ring bytes by direction (ledger), gradients summed over the ranks; the reference is
                  every sequence alone through the same model (each rank its own sequences, summed)
     timed        the three steps side by side (toolkit.runtime.bench.compare)
     selfcheck    ring attention on random packed sequences over the whole world, against one-process attention
+
+On an emulated cluster (``launch(..., cluster=)``) the checked and timed steps run workload-matched
+(``dcp_sim.matched_scales``): every length and width of the toy times r = 5120 / d_model, i.e. the layers of
+Llama-13B on sequences r times as long, so the timed steps' virtual times are that step on the cluster's GPUs,
+ring attention's sends and receives on its links. The toolkit's scheduler plans for that cluster and workload.
 """
 from __future__ import annotations
 
 import contextlib
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
 
+from toolkit.context import dcp_sim
 from toolkit.context import ring_attention as ra
+from toolkit.context.dcp_sim import corpus_lengths
 from toolkit.context.dynamic_cp import (Plan, cp_size_for, pad_length, prebuilt_groups, reroute, schedule_dynamic,
                                         schedule_static)
-from toolkit.context.dcp_sim import corpus_lengths
 from toolkit.data import corpus
-from toolkit.models import GPT, preset
+from toolkit.models import GPT, GPTConfig, preset
 from toolkit.runtime import compat
 from toolkit.runtime.bench import compare
+from toolkit.runtime.cluster import Cluster, cluster
 from toolkit.runtime.config import Param, common, require_ranks, resolve
 
 WORLD_SIZE = 4  # the generated bad-input tests validate at this world size
@@ -77,7 +87,7 @@ def validate(cfg: dict, world_size: int) -> dict:
             if pad_length(n, 2 * world_size) > limit:
                 raise ValueError(f"lengths[{i}]={n}: longer than the CP cap static_cp*cap = {cfg['static_cp']}*"
                                  f"{cfg['cap']} = {limit} tokens (after padding to a multiple of {2 * world_size})")
-    preset(cfg["model"], n_layer=cfg["n_layer"], seq_len=limit)  # a valid model shape
+    model_config(cfg)  # a valid model shape
     return cfg
 
 
@@ -103,13 +113,48 @@ def sample_rows(sid: int, length: int, padded: int, seed: int) -> torch.Tensor:
     return rows
 
 
+SCHEDULER_CLUSTER = "h100-ib400"
+"""The cluster the toolkit's scheduler plans for when the run has no emulated one."""
+
+
+def model_config(cfg: dict) -> GPTConfig:
+    """The tiny GPT of a resolved ``cfg``: its preset with ``n_layer``, positions up to static_cp·cap."""
+    return preset(cfg["model"], n_layer=cfg["n_layer"], seq_len=cfg["static_cp"] * cfg["cap"])
+
+
+def scheduler_cluster(spec: str | Cluster | None) -> Cluster:
+    """The cluster the toolkit's scheduler plans for: the run's emulated cluster (a preset name or a
+    ``Cluster``), else ``SCHEDULER_CLUSTER``."""
+    return cluster(SCHEDULER_CLUSTER if spec in (None, "none") else spec)
+
+
+def cost_model(model_cfg: GPTConfig, hw: Cluster) -> dcp_sim.CostModel:
+    """The toolkit scheduler's cost of a CP group in this run: ``dcp_sim``'s model of the toy's layers and output
+    layer timed as Llama-13B's at r = 5120 / d_model times the lengths (the workload-matched run: the output
+    layer's vocabulary r times the toy's), every kernel at ``hw``'s peak as the emulated cluster's roofline
+    assumes, no recompute (the lesson recomputes nothing)."""
+    r = dcp_sim.matched_scales(model_cfg.d_model)["scale"]
+    shape = replace(dcp_sim.LLAMA_13B, vocab=round(model_cfg.vocab_size * r))
+    return dcp_sim.CostModel(shape, hw, model_cfg.n_layer, recompute=False, eff=dcp_sim.ROOFLINE, scale=r,
+                             output_layer=True)
+
+
+def predicted(result: dict) -> dict[str, dict]:
+    """The cost model's step (``dcp_sim.step_time`` with pp = 1: ``step_s`` and its parts, seconds) of each plan of
+    a run, on the cluster its scheduler planned for: what the emulated run's virtual step is compared with."""
+    hw = Cluster.from_dict(result["scheduler"]["cluster"])
+    model = cost_model(GPTConfig(**result["model"]), hw)
+    shape = replace(model.shape, n_layer=model.layers)
+    return {k: dcp_sim.step_time(p, shape, hw, 1, False, model.eff, model.scale, output_layer=True)
+            for k, p in plans_of(result).items()}
+
+
 def _flat_grads(model: torch.nn.Module) -> torch.Tensor:
     return torch.cat([p.grad.reshape(-1) for p in model.parameters()])
 
 
 def run(ctx, cfg: dict) -> dict:
     world, rank = ctx.world_size, ctx.rank
-    limit = cfg["static_cp"] * cfg["cap"]
     real = global_lengths(cfg, world)
     share = len(real) // world
     owner = [s // share for s in range(len(real))]
@@ -126,10 +171,13 @@ def run(ctx, cfg: dict) -> dict:
     samples = {s: sample_rows(s, real_g[s], padded[s], cfg["seed"]).to(dev) for s in mine}
     n_tokens = sum(real_g)
 
+    model_cfg = model_config(cfg)
+    emu = ctx.emulator
+    hw = scheduler_cluster(emu.cluster if emu is not None else None)
+    cost = cost_model(model_cfg, hw)
     plans = {"static": schedule_static(padded, world, cfg["static_cp"], cfg["cap"]),
-             "dynamic-megatron": schedule_dynamic(padded, world, cfg["cap"], cfg["min_cp"], refill=False,
-                                                  max_imbalance=None),
-             "dynamic": schedule_dynamic(padded, world, cfg["cap"], cfg["min_cp"])}
+             "dynamic-megatron": schedule_dynamic(padded, world, cfg["cap"], cfg["min_cp"]),
+             "dynamic": schedule_dynamic(padded, world, cfg["cap"], cfg["min_cp"], cost=cost)}
     for plan in plans.values():
         plan.check()
     groups = prebuilt_groups(world)
@@ -141,7 +189,12 @@ def run(ctx, cfg: dict) -> dict:
             shards[name] = reroute(plan, owner, samples, rank)
 
     torch.manual_seed(cfg["seed"])
-    model = GPT(preset(cfg["model"], n_layer=cfg["n_layer"], seq_len=limit)).to(dev)
+    model = GPT(model_cfg).to(dev)
+    scales = dcp_sim.matched_scales(model_cfg.d_model)
+
+    def matched():
+        """The measured steps on the emulated cluster: the toy's ops timed as Llama-13B's (lengths, widths x r)."""
+        return emu.scaled(flops=scales["flops"], bytes=scales["bytes"]) if emu is not None else contextlib.nullcontext()
 
     def step(name: str, record: bool = False) -> float:
         """Forward and backward over every micro-batch of the plan; returns this rank's summed loss."""
@@ -173,10 +226,14 @@ def run(ctx, cfg: dict) -> dict:
         dist.all_reduce(ref)
     checked = {"reference": {"loss_per_token": ref[-1].item() / n_tokens}}
     ctx.phase("checked")
+    attention_flops = {}
     for k, name in enumerate(plans):
         ctx.progress(k, len(plans), name)
         ctx.barrier()
-        total = step(name, record=True)
+        before = _fused_attention_flops(emu)
+        with matched():
+            total = step(name, record=True)
+        attention_flops[name] = _fused_attention_flops(emu) - before
         flat = torch.cat([_flat_grads(model), torch.tensor([total], device=dev)])
         with ctx.ledger.tag("grads"):
             dist.all_reduce(flat)  # the DP x CP gradient sum (every rank holds the whole model)
@@ -184,15 +241,15 @@ def run(ctx, cfg: dict) -> dict:
                          "max_grad_diff": (flat[:-1] - ref[:-1]).abs().max().item(),
                          "max_grad": ref[:-1].abs().max().item()}
 
-    model_cfg = model.cfg
     ring = {}
     for name, plan in plans.items():
         closed = plan.ring_bytes(model_cfg.d_model, 4, model_cfg.n_layer)[rank]
         ring[name] = {d: {"ledger": ctx.ledger.total("sent_bytes", tag=f"ring-{d}:{name}"), "closed_form": closed[d]}
                       for d in ("forward", "backward")}
     ctx.phase("timing")
-    bench = compare({name: (lambda name=name: step(name)) for name in plans}, warmup=cfg["warmup"],
-                    steps=cfg["bench_steps"], rounds=cfg["rounds"], sync=ctx.barrier, on_round=ctx.progress)
+    with matched():  # wall times as they are; the virtual ones beside them are the matched workload's
+        bench = compare({name: (lambda name=name: step(name)) for name in plans}, warmup=cfg["warmup"],
+                        steps=cfg["bench_steps"], rounds=cfg["rounds"], sync=ctx.barrier, on_round=ctx.progress)
     ctx.phase("selfcheck")
     selfcheck = ring_selfcheck(ctx, [8 * world, 2 * world, 12 * world], cfg["seed"])
     return {"rank": rank, "world": world, "cfg": cfg, "model": vars(model_cfg), "n_tokens": n_tokens,
@@ -203,7 +260,20 @@ def run(ctx, cfg: dict) -> dict:
             "gather_bytes": ctx.ledger.total("sent_bytes", tag="gather-lengths"),
             "tokens_per_mb": {k: [len(mb["rows"]) for mb in shards[k]] for k in plans},
             "bench": {k: v.to_dict() for k, v in bench.items()},
-            "spans": [s for s in ctx.timeline.to_json() if s["kind"] in plans], "selfcheck": selfcheck}
+            "spans": [s for s in ctx.timeline.to_json() if s["kind"] in plans], "selfcheck": selfcheck,
+            "scheduler": {"cluster": hw.to_dict(), "scale": scales["scale"], "stands_for": dcp_sim.LLAMA_13B.name},
+            "emulated": None if emu is None else {
+                "cluster": emu.cluster.name, "gpu": emu.cluster.gpu.name, "link": emu.cluster.intra.name,
+                "scales": scales, "attention_flops": attention_flops,
+                "ring_link_s": {k: {d: emu.link_busy(f"ring-{d}:{k}") for d in ("forward", "backward")}
+                                for k in plans}}}
+
+
+def _fused_attention_flops(emu) -> float:
+    """FLOPs the emulated cluster charged so far to ring attention's fused blocks (0 without one)."""
+    if emu is None:
+        return 0.0
+    return sum(row["flops"] for name, row in emu.ops.items() if name.startswith("ring attention block (fused)"))
 
 
 def ring_selfcheck(ctx, lengths: list[int], seed: int, heads: int = 2, head_dim: int = 8) -> dict:

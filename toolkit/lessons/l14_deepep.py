@@ -6,7 +6,12 @@
     (c) two hops TwoHop on emulated nodes: hop-1 (inter-node) bytes == Σ_t |nodes(t) \\ own| · H · b
     (d) LL       LowLatency fixed buffers: padding waste vs tokens, round trip, receive hook vs blocking
     (e) codecs   fp8 / int8 dispatch (per-128-channel scales), bf16 combine: bytes per row and SNR
+    (f) capture  normal and low-latency round trips under toolkit.graphs.audit: the host read of the exchanged
+                 counts (a host sync) in normal mode, none in low-latency mode
     timing       bench.compare of the round trips; rank 0 also computes the layout at DeepEP's scale
+    emulated     on an emulated cluster (launch(..., cluster=)): both modes after the layer's compute, in virtual
+                 time: the count exchange, the host syncs, low latency as one CUDA graph replay; at the toy's
+                 shapes and with token rows as STANDS_FOR's. Every other section runs with the emulator paused
 
 Tokens are the MoE-layer input of an untrained model (byte embeddings of ``toolkit.data``'s corpus); rounded to
 bf16 values, with gate weights rounded to multiples of 1/256, every sum along the way is exact in fp32, so
@@ -21,7 +26,10 @@ from contextlib import contextmanager, nullcontext
 import torch
 import torch.distributed as dist
 
+from toolkit import planner
 from toolkit.data import corpus
+from toolkit.graphs import audit
+from toolkit.graphs.cuda_graphs import COLLECTIVE_NAMESPACES, HOST_SYNC
 from toolkit.moe import CODECS, Codec, TokenDispatcher, dispatch_layout, route, run_experts
 from toolkit.moe.deepep import LowLatency, TwoHop, dyadic, layout_brute_force, node_limited_route
 from toolkit.quant import qsnr_db
@@ -54,6 +62,7 @@ PRESETS = {
                  warmup=2, bench_steps=5, rounds=5, seed=0),
 }
 # DeepEP V1 on H800 (docs/legacy.md of deepseek-ai/DeepEP): published, not measured here
+STANDS_FOR = "deepseek-v3"  # the emulated section's matched run: token rows of this model's hidden size
 DEEPEP_PUBLISHED = {
     "normal": {"setup": "4096 tokens, H=7168, top-8, FP8 dispatch, BF16 combine",
                "rows": [("intranode EP8", "NVLink", 153, 158), ("internode EP16", "RDMA", 43, 43),
@@ -309,6 +318,33 @@ def codec_sweep(ctx, cfg: dict, x, ids, w) -> dict:
     return {"rows": rows, "bf16_row_bytes": Codec("bf16").row_bytes(H)}
 
 
+# ---- (f) capture: which mode a CUDA graph can hold ---------------------------------------------------------------
+def ll_round_trip(ll: LowLatency, x, ids, w) -> torch.Tensor:
+    """Low-latency dispatch (issued, then completed by its hook), identity experts, combine."""
+    recv, _, handle, hook = ll.dispatch(x, ids, w, return_recv_hook=True)
+    recv, _ = hook()
+    return ll.combine(recv, handle)
+
+
+def capture_audit(ctx, cfg: dict, x, ids, w) -> dict:
+    """Each mode's round trip (fp8 dispatch, bf16 combine, identity experts) under ``toolkit.graphs.audit``: what
+    would break a CUDA-graph capture (a host sync, a data-dependent shape), and the collectives apart (NCCL can
+    capture those; DeepEP's own kernels replace them)."""
+    E, K, M = cfg["n_expert"], cfg["top_k"], cfg["max_tokens"]
+    fp8 = Codec("fp8", cfg["block"])
+    normal = TokenDispatcher(E, K, codec=fp8, combine_codec="bf16", dedup=True)
+    ll = LowLatency(E, M, codec=fp8, combine_codec="bf16")
+    out = {}
+    with ctx.ledger.tag("capture"):
+        for mode, fn in (("normal", lambda: _identity_round_trip(normal, x, ids, w)),
+                         ("low_latency", lambda: ll_round_trip(ll, x[:M], ids[:M], w[:M]))):
+            found = audit(fn)
+            out[mode] = {"breaks_capture": {op: why for op, why in found.items()
+                                            if not op.startswith(COLLECTIVE_NAMESPACES)},
+                         "collectives": sorted(op for op in found if op.startswith(COLLECTIVE_NAMESPACES))}
+    return out
+
+
 # ---- timing ----------------------------------------------------------------------------------------------------
 def timing(ctx, cfg: dict, x, ids, w, hop: TwoHop) -> dict:
     E, K, local = cfg["n_expert"], cfg["top_k"], cfg["n_expert"] // ctx.world_size
@@ -359,24 +395,102 @@ def deepep_scale(seed: int = 0, T: int = 4096, E: int = 256, K: int = 8, R: int 
             "ll_used_rows_ep8": 128 * K, "ll_buffer_rows_ep8": (E // 8) * 128 * 8}
 
 
+# ---- on the emulated cluster: the count exchange in virtual time ----------------------------------------------------
+def emulated(ctx, cfg: dict, x, ids, w) -> dict | None:
+    """Both modes' round trips (fp8 dispatch, bf16 combine, identity experts) on the emulated cluster's clock
+    (virtual time, deterministic: one each), each after the same compute, the layer's GEMMs before its dispatch
+    (``[max_tokens, H] @ [H, H]`` four times: the host has launched them and runs ahead of the stream). Per run:
+    the round trip after that compute; in normal mode the plan within it (counts gathered, then read by the host:
+    from the compute's end to the plan's end), the host syncs (ops after which the host waits for its stream), and
+    the host's launches. Low latency runs once more as one CUDA graph replay (one launch for all its kernels);
+    normal mode cannot (``capture_audit``). Both modes route the same ``max_tokens`` tokens per rank; the padded
+    low-latency buffers are timed at the rows DeepEP's puts would write (this rank's pairs, ``ll_written`` of the
+    buffer), not at the whole buffer this emulation sends. At the toy's shapes, and with every token row timed as
+    ``STANDS_FOR``'s hidden size (the counts as they are)."""
+    emu = ctx.emulator
+    if emu is None:
+        return None
+    E, K, M, H = cfg["n_expert"], cfg["top_k"], cfg["max_tokens"], cfg["hidden"]
+    x, ids, w = x[:M], ids[:M], w[:M]
+    fp8 = Codec("fp8", cfg["block"])
+    normal = TokenDispatcher(E, K, codec=fp8, combine_codec="bf16", dedup=True)
+    ll = LowLatency(E, M, codec=fp8, combine_codec="bf16")
+    a, b = torch.randn(M, H, device=x.device), torch.randn(H, H, device=x.device) / H ** 0.5
+    marks: dict[str, float] = {}
+
+    def before_dispatch():
+        y = a
+        for _ in range(4):
+            y = y @ b
+
+    ctx.barrier()
+    t0 = emu.now()
+    before_dispatch()
+    emu.synchronize()
+    compute_s = emu.now() - t0  # the compute alone
+
+    def plain_round_trip():
+        marks["plan_start"] = emu.now()
+        plan = normal.plan(ids, w, x)
+        marks["plan_end"] = emu.now()
+        normal.combine(run_experts([torch.nn.Identity()] * normal.local, normal.dispatch(x, plan), plan.recv_counts),
+                       plan)
+
+    def host_syncs() -> int:
+        return sum(row["calls"] for name, row in emu.ops.items() if name in HOST_SYNC)
+
+    def timed(fn, rows: float, graph: bool = False) -> dict:
+        normal.phase = lambda name: emu.scaled(bytes=1.0 if name == "routing" else rows)
+        ll.phase = lambda name: emu.scaled(bytes={"counts": 1.0, "dispatch": rows * written,
+                                                  "combine": rows * written}.get(name, rows))
+        ctx.barrier()  # clocks aligned, hosts synchronized
+        t0 = emu.now()
+        before_dispatch()  # launched: the host runs ahead of the stream
+        syncs, launches = host_syncs(), emu.totals()["launch_s"]
+        marks.clear()
+        with emu.scaled(bytes=rows), emu.graph_replay() if graph else nullcontext():
+            fn()
+        emu.synchronize()
+        return {"round_trip_s": emu.now() - t0 - compute_s, "host_syncs": host_syncs() - syncs,
+                "launch_s": emu.totals()["launch_s"] - launches,
+                "plan_s": marks["plan_end"] - marks["plan_start"] if marks else None}
+
+    written = ids.numel() / ll.buffer_rows()  # DeepEP's puts write this rank's pairs, not the padded buffer
+    real = planner.MODELS[STANDS_FOR]
+    out = {"cluster": emu.cluster.name, "ll_written": written, "gpu": emu.cluster.gpu.name, "compute_s": compute_s, "stands_for": STANDS_FOR,
+           "link": emu.cluster.link_between(list(range(ctx.world_size)), ctx.world_size).name, "runs": {}}
+    for shapes, rows in (("toy", 1.0), (STANDS_FOR, real.hidden / H)):
+        out["runs"][shapes] = {"rows_scale": rows,
+                               "normal": timed(plain_round_trip, rows),
+                               "low latency": timed(lambda: ll_round_trip(ll, x, ids, w), rows),
+                               "low latency, one graph replay": timed(lambda: ll_round_trip(ll, x, ids, w), rows,
+                                                                      graph=True)}
+    return out
+
+
 def run(ctx, cfg: dict) -> dict:
     R = ctx.world_size
     x, ids, w = (t.to(ctx.device) for t in routed_tokens(cfg, ctx.rank, R))
     hop = TwoHop(cfg["n_expert"], cfg["ranks_per_node"])  # collective: creates the rdma and nvl groups
     ctx.ledger.name_group(hop.rdma, "rdma")
     ctx.ledger.name_group(hop.nvl, "nvl")
-    out = {"world_size": R, "rank": ctx.rank, "config": cfg, "layout": layout_check(ids, cfg, R)}
-    ctx.progress(1, 6, "layout")
-    out["dedup"] = dedup_bytes(ctx, cfg, x, ids, w)
-    ctx.progress(2, 6, "dedup")
-    out["two_hop"] = two_hop(ctx, cfg, x, ids, w, hop)
-    ctx.progress(3, 6, "two-hop")
-    out["codecs"] = codec_sweep(ctx, cfg, x, ids, w)
-    ctx.progress(4, 6, "codecs")
-    out["low_latency"] = low_latency(ctx, cfg, x, ids, w)
-    ctx.progress(5, 6, "low latency")
-    with ctx.part(5, 6, "timing"):
-        out["timing"] = timing(ctx, cfg, x, ids, w, hop)
+    out = {"world_size": R, "rank": ctx.rank, "config": cfg}
+    with ctx.emulator.paused() if ctx.emulator is not None else nullcontext():  # the real run, no bookkeeping
+        out["layout"] = layout_check(ids, cfg, R)
+        ctx.progress(1, 7, "layout")
+        out["dedup"] = dedup_bytes(ctx, cfg, x, ids, w)
+        ctx.progress(2, 7, "dedup")
+        out["two_hop"] = two_hop(ctx, cfg, x, ids, w, hop)
+        ctx.progress(3, 7, "two-hop")
+        out["codecs"] = codec_sweep(ctx, cfg, x, ids, w)
+        ctx.progress(4, 7, "codecs")
+        out["low_latency"] = low_latency(ctx, cfg, x, ids, w)
+        out["capture"] = capture_audit(ctx, cfg, x, ids, w)
+        ctx.progress(5, 7, "low latency")
+        with ctx.part(5, 7, "timing"):
+            out["timing"] = timing(ctx, cfg, x, ids, w, hop)
+    out["emulated"] = emulated(ctx, cfg, x, ids, w)
+    ctx.progress(7, 7, "emulated")
     out["deepep_scale"] = deepep_scale() if ctx.rank == 0 else None
     out["spans"] = ctx.timeline.to_json()
     out["published"] = DEEPEP_PUBLISHED

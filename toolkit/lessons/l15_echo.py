@@ -7,24 +7,28 @@
                   Σ clone grads vs the grad without cloning), tokens per expert and per rank, clone weights bitwise
                   equal to the home expert's, weight and gradient bytes (ledger) against the closed form
     (c) timing    the layer's training step (forward, backward, clone gradients home) for each clone budget,
-                  side by side (bench.compare); the cost model A·max_rank_tokens + B·clones + C fitted to the
-                  busiest rank's main-thread CPU time (B: CPU-side cost per clone; gloo's transfers excluded)
+                  side by side (bench.compare): wall time and the busiest rank's main-thread CPU time
+    (c') emulated on an emulated cluster (``launch(..., cluster=)``), matched to STANDS_FOR's experts: the step
+                  per clone budget at two token counts (virtual time, deterministic); the cost model
+                  A·max_rank_tokens + B·clones + C fitted there, and ``clone_break_even`` at the real size
     (d) learned   the tiny MoE GPT trained (plain SGD) with ECHO on real text: the loads its own router produces,
                   before and after cloning, step by step
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import torch
 import torch.distributed as dist
 
+from toolkit import planner
 from toolkit.data import batches
 from toolkit.lessons.l04_int8_a2a import average_gradients
 from toolkit.models import GPT, preset
 from toolkit.moe import ExpertParallelMoE, expert_parallel
-from toolkit.moe.echo import (Echo, check_plan, enable_echo, expert_counts, expert_param_count, fit_cost_model,
-                              flat_params, plan_clones, zipf_routing)
+from toolkit.moe.echo import (Echo, check_plan, clone_break_even, enable_echo, expert_counts, expert_flops_per_pair,
+                              expert_param_count, fit_cost_model, flat_params, plan_clones, zipf_routing)
 from toolkit.runtime import compat
 from toolkit.runtime.bench import compare
 from toolkit.runtime.config import Param, common, require_divisible, require_ranks, resolve
@@ -51,7 +55,8 @@ PRESETS = {
                  n_expert=16, top_k=2, d_ff=0, spare_slots=2, zipf_s=1.2, tokens=4096, budgets=[0, 1, 2, 4, 8],
                  min_tokens=1),
 }
-PHASES = [("plan", 1), ("layer", 2), ("timing", 5), ("learned", 4)]
+PHASES = [("plan", 1), ("layer", 2), ("timing", 5), ("emulated", 2), ("learned", 4)]
+STANDS_FOR = "deepseek-v3"  # (c'): each toy expert timed as one of this model's experts (toolkit.planner.MODELS)
 
 
 def validate(cfg: dict, world_size: int) -> dict:
@@ -60,9 +65,10 @@ def validate(cfg: dict, world_size: int) -> dict:
     require_divisible("n_expert", cfg["n_expert"], world_size, "world_size", "each rank owns n_expert/world_size experts")
     if cfg["top_k"] > cfg["n_expert"]:
         raise ValueError(f"top_k={cfg['top_k']} must be in 1..n_expert={cfg['n_expert']}")
-    if len(set(cfg["budgets"])) < 3:
-        raise ValueError(f"budgets={cfg['budgets']} needs at least 3 different clone budgets: the cost model "
-                         "fits A, B and C")
+    if len(set(cfg["budgets"])) < 2:
+        raise ValueError(f"budgets={cfg['budgets']} needs at least 2 different clone budgets to compare")
+    if cfg["tokens"] < 2:
+        raise ValueError(f"tokens={cfg['tokens']} must be >= 2: the emulated timing also runs half as many")
     return cfg
 
 
@@ -85,8 +91,9 @@ class ZipfRouter(torch.nn.Module):
         return w / w.sum(-1, keepdim=True), self.ids
 
 
-def zipf_ids(cfg: dict, rank: int) -> torch.Tensor:
-    return zipf_routing(cfg["tokens"], cfg["n_expert"], cfg["top_k"], cfg["zipf_s"], seed=cfg["seed"] * 1000 + rank)
+def zipf_ids(cfg: dict, rank: int, tokens: int | None = None) -> torch.Tensor:
+    return zipf_routing(tokens or cfg["tokens"], cfg["n_expert"], cfg["top_k"], cfg["zipf_s"],
+                        seed=cfg["seed"] * 1000 + rank)
 
 
 # ---- (a) the plan ----------------------------------------------------------------------------------------------------
@@ -106,12 +113,14 @@ def plan_section(ctx, cfg: dict) -> dict:
 
 
 # ---- (b) one layer with and without cloning ----------------------------------------------------------------------------
-def make_layers(cfg: dict, ctx) -> tuple[torch.nn.Module, ExpertParallelMoE, ExpertParallelMoE, Echo]:
+def make_layers(cfg: dict, ctx, tokens: int | None = None
+                ) -> tuple[torch.nn.Module, ExpertParallelMoE, ExpertParallelMoE, Echo]:
     """The tiny GPT's first MoE layer (the same weights on every rank): a reference copy holding every expert,
-    the expert-parallel layer without spare slots, and one with ECHO."""
+    the expert-parallel layer without spare slots, and one with ECHO (routing ``tokens`` per rank, default the
+    config's)."""
     torch.manual_seed(cfg["seed"])
     moe = GPT(model_config(cfg)).blocks[0].mlp
-    ids = zipf_ids(cfg, ctx.rank).to(ctx.device)
+    ids = zipf_ids(cfg, ctx.rank, tokens).to(ctx.device)
     plain = ExpertParallelMoE(copy.deepcopy(moe))
     cloned = ExpertParallelMoE(copy.deepcopy(moe), spare_slots=cfg["spare_slots"])
     for layer in (plain, cloned):
@@ -121,10 +130,10 @@ def make_layers(cfg: dict, ctx) -> tuple[torch.nn.Module, ExpertParallelMoE, Exp
     return moe, plain, cloned, echo
 
 
-def layer_tokens(cfg: dict, ctx, d_model: int) -> tuple[torch.Tensor, torch.Tensor]:
+def layer_tokens(cfg: dict, ctx, d_model: int, tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(cfg["seed"] * 1000 + 100 + ctx.rank)
-    x = torch.randn(cfg["tokens"], d_model, generator=g)
-    return x.to(ctx.device), torch.randn(cfg["tokens"], d_model, generator=g).to(ctx.device)
+    x = torch.randn(tokens or cfg["tokens"], d_model, generator=g)
+    return x.to(ctx.device), torch.randn(tokens or cfg["tokens"], d_model, generator=g).to(ctx.device)
 
 
 def layer_section(ctx, cfg: dict) -> dict:
@@ -191,7 +200,7 @@ def layer_section(ctx, cfg: dict) -> dict:
                              "closed_form": mine_out * P * 4}}
 
 
-# ---- (c) step time per clone budget, and the cost model ------------------------------------------------------------
+# ---- (c) step time per clone budget, measured -------------------------------------------------------------------
 def timing_section(ctx, cfg: dict) -> dict:
     """The layer's step per clone budget, side by side. Two clocks: wall time (the four ranks share this machine's
     cores, so it shows the total work more than the busiest rank) and each rank's own CPU time (``thread_time``
@@ -226,9 +235,63 @@ def timing_section(ctx, cfg: dict) -> dict:
     for j, r in enumerate(rows):
         r["cpu_per_rank_s"] = every[:, j].tolist()
         r["busiest_cpu_s"] = max(r["cpu_per_rank_s"])
-    fit = (fit_cost_model([r["max_rank_tokens"] for r in rows], [r["clones"] for r in rows],
-                          [r["busiest_cpu_s"] for r in rows]) if len(rows) >= 3 else None)
-    return {"rows": rows, "cost_model": fit}
+    return {"rows": rows}
+
+
+# ---- (c') the clone budgets on the emulated cluster, and the cost model fitted there ------------------------------
+def emulated_section(ctx, cfg: dict) -> dict | None:
+    """The layer's training step per clone budget (every budget the slots allow), at ``tokens`` and half as many
+    per rank (the busiest rank's pairs then move apart from the clone count), one step each on the emulated
+    cluster's clock (deterministic). Matched to ``STANDS_FOR``'s experts, phase by phase: every op's FLOPs as a
+    pair of its SwiGLU expert's (the router's GEMM too: a fixed cost, in C), token rows and the dispatch as its
+    hidden size, each clone's weights out and gradient back as its expert's parameters, the count exchanges as
+    they are. The cost model is fitted to the slowest rank's times; ``clone_break_even`` at the real size on both
+    links of the cluster beside it (a formula, not a run)."""
+    emu = ctx.emulator
+    if emu is None:
+        return None
+    real, mc = planner.MODELS[STANDS_FOR], model_config(cfg)
+    flops = expert_flops_per_pair(real.hidden, real.ffn_hidden, gated=True) / expert_flops_per_pair(mc.d_model, mc.d_ff)
+    rows = real.hidden / mc.d_model
+    weights = (expert_param_count(real.hidden, real.ffn_hidden, gated=True, bias=False)
+               / expert_param_count(mc.d_model, mc.d_ff))
+    byte_scale = {"echo_weights": weights, "echo_grads": weights, "echo_counts": 1.0, "routing": 1.0}
+    phase = lambda name: emu.scaled(flops=flops, bytes=byte_scale.get(name, rows))  # noqa: E731
+    budgets = list(range(ctx.world_size * cfg["spare_slots"] + 1))
+    points = []
+    for i, tokens in enumerate((cfg["tokens"], cfg["tokens"] // 2)):
+        moe, plain, cloned, echo = make_layers(cfg, ctx, tokens)
+        echo.phase = cloned.dispatcher.phase = phase
+        x, upstream = layer_tokens(cfg, ctx, mc.d_model, tokens)
+        for budget in budgets:
+            echo.max_clones = budget
+            cloned.zero_grad(set_to_none=True)
+            ctx.barrier()  # clocks aligned, hosts synchronized
+            t0 = emu.now()
+            with emu.scaled(flops=flops, bytes=rows):
+                (cloned(x[None])[0] * upstream).sum().backward()
+                echo.reduce_grads()
+            emu.synchronize()
+            plan = echo.last_plan
+            points.append({"tokens": tokens, "budget": budget, "clones": len(plan.clones),
+                           "max_rank_tokens": max(plan.load_after), "my_step_s": emu.now() - t0})
+        ctx.progress(i + 1, 2, "emulated")
+    every = torch.empty(ctx.world_size * len(points), dtype=torch.float64)
+    compat.all_gather_single(every, torch.tensor([p["my_step_s"] for p in points], dtype=torch.float64))
+    for p, slowest in zip(points, every.view(ctx.world_size, -1).max(0).values.tolist()):
+        p["step_s"] = slowest
+    fit = fit_cost_model([p["max_rank_tokens"] for p in points], [p["clones"] for p in points],
+                         [p["step_s"] for p in points])
+    c = emu.cluster
+    return {"cluster": c.name, "gpu": c.gpu.name, "link": c.link_between(list(range(ctx.world_size)),
+                                                                          ctx.world_size).name,
+            "stands_for": STANDS_FOR, "expert": {"hidden": real.hidden, "ffn": real.ffn_hidden, "top_k": real.top_k,
+                                                 "seq_len": real.seq_len},
+            "scales": {"flops": flops, "rows": rows, "weights": weights}, "points": points, "cost_model": fit,
+            "break_even": {link.name: clone_break_even(real.hidden, real.ffn_hidden, link, c.gpu)
+                           for link in (c.intra, c.inter)}}
+
+
 
 
 # ---- (d) the routing the tiny MoE learns -------------------------------------------------------------------------------
@@ -267,9 +330,10 @@ def run(ctx, cfg: dict) -> dict:
     import time
     out = {"rank": ctx.rank, "world_size": ctx.world_size, "config": cfg, "phase_s": {}}
     for name, section in (("plan", plan_section), ("layer", layer_section), ("timing", timing_section),
-                          ("learned", learned_section)):
+                          ("emulated", emulated_section), ("learned", learned_section)):
         t0 = time.perf_counter()
-        with ctx.phase(name):
+        real_run_only = name != "emulated" and ctx.emulator is not None  # no bookkeeping on every op there
+        with ctx.phase(name), ctx.emulator.paused() if real_run_only else contextlib.nullcontext():
             out["zipf" if name == "plan" else name] = section(ctx, cfg)
         out["phase_s"][name] = time.perf_counter() - t0
     mc = model_config(cfg)

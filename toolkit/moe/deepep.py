@@ -25,6 +25,13 @@ with torch.distributed collectives so they run (and can be counted) on any backe
                       (``LowLatency``; emulated with an async all_to_all_single of the padded buffer: DeepEP's
                       RDMA puts write only the real tokens into their slots)
 
+                      why only this mode can be captured in a CUDA graph: normal mode (``TokenDispatcher``)
+                        counts ─► all_gather ─► host reads them ─► allocate recv [Σ counts, H] ─► all_to_all
+                                                └ a host sync: the host waits for the device, and the buffer's
+                                                  size changes from step to step: a graph replays fixed shapes
+                      low latency: recv [local, R·max_tokens, H] fixed; counts travel beside the data, read on
+                      the device only: no host sync, the same shapes every step (``toolkit.graphs.audit`` checks)
+
     (e) fp8 / int8 dispatch with one fp32 scale per token per 128 channels, bf16 combine: the codecs of
         ``TokenDispatcher`` (``Codec("fp8")``, ``combine_codec="bf16"``), also on both hops and the fixed buffers.
 
@@ -34,7 +41,7 @@ tokens and weights with few mantissa bits, see ``dyadic``); Σ received counts =
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -192,6 +199,11 @@ class TwoHop:
 
 
 # ---- (d) low-latency mode: fixed receive buffers and a receive hook -------------------------------------------
+def _unchecked(codec):
+    """``codec`` without its NaN/Inf check (a ``Codec``; another object as it is)."""
+    return replace(codec, check_finite=False) if isinstance(codec, Codec) else codec
+
+
 @dataclass
 class LowLatencyHandle:
     T: int
@@ -220,7 +232,9 @@ class LowLatency:
         if not isinstance(max_tokens, int) or max_tokens < 1:
             raise ValueError(f"max_tokens={max_tokens!r} must be an int >= 1 (tokens per rank the buffers hold)")
         self.n_slots, self.local, self.M = n_slots, n_slots // self.R, max_tokens
-        self.codec, self.combine_codec = as_codec(codec, block), as_codec(combine_codec, block)
+        # nothing here makes the host wait for the device (DeepEP's kernels check nothing either): NaN tokens
+        # travel as NaN rows, and the whole round trip can be captured in a CUDA graph
+        self.codec, self.combine_codec = (_unchecked(as_codec(c, block)) for c in (codec, combine_codec))
         self.phase: Callable[[str], contextlib.AbstractContextManager] = lambda name: contextlib.nullcontext()
 
     def buffer_rows(self) -> int:
@@ -233,9 +247,10 @@ class LowLatency:
             raise ValueError(f"{T} tokens on rank {self.rank} exceed max_tokens={self.M}: the fixed buffers hold "
                              f"max_tokens rows per source rank per expert; raise max_tokens")
         with self.phase("encode"):  # lay the pairs out in the padded send buffer and encode it (no transfer)
-            flat = ids.reshape(-1)
+            flat = ids.reshape(-1).long()
             order = flat.argsort(stable=True)  # position of each pair among this rank's pairs for its slot
-            counts = torch.bincount(flat, minlength=self.n_slots)
+            counts = torch.zeros(self.n_slots, dtype=torch.long, device=flat.device).scatter_add_(
+                0, flat, torch.ones_like(flat))  # not bincount: its output size depends on the data (a host sync)
             pos = torch.empty_like(flat)
             start = torch.cumsum(counts, 0) - counts
             pos[order] = torch.arange(flat.numel(), device=flat.device) - start[flat[order]]

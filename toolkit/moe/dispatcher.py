@@ -47,6 +47,7 @@ import torch.distributed as dist
 
 from toolkit.comm import quant_a2a
 from toolkit.runtime import compat
+from toolkit.runtime.emulator import host_read
 
 CODECS = quant_a2a.MODES  # "none" (the tensor as it is), "bf16", "int8", "int4", "fp8" (e4m3 bits as uint8)
 OVERFLOW = ("error", "drop")
@@ -61,6 +62,8 @@ class Codec:
 
     mode: str = "none"
     block: int = 128
+    check_finite: bool = True
+    """Quantized modes refuse NaN/Inf tokens (the host reads a flag: a sync). ``LowLatency`` turns it off."""
 
     def __post_init__(self):
         if self.mode not in CODECS:
@@ -78,7 +81,7 @@ class Codec:
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         """Tokens [T,H] -> wire rows [T, cols] (uint8 for quantized modes)."""
-        return quant_a2a.encode(x, self.mode, self.block)
+        return quant_a2a.encode(x, self.mode, self.block, self.check_finite)
 
     def decode(self, wire: torch.Tensor, hidden: int, dtype: torch.dtype) -> torch.Tensor:
         """Wire rows [R, cols] -> tokens [R, hidden] of ``dtype``."""
@@ -334,8 +337,11 @@ class TokenDispatcher:
         self._raise_if_bad(every[:, 2 * E + R:], every[:, :E])
         demand_all, counts = every[:, :E], every[:, E:2 * E]
         rows = every[:, 2 * E:2 * E + R]  # [src, dst]
-        plan = Plan(ids, weights, keep, layout, counts, demand_all, rows[self.rank].tolist(),
-                    rows[:, self.rank].tolist(), counts[:, self._my_slots()].sum(0).tolist(), ids.new_empty(0))
+        # the host reads the exchanged counts: the receive buffer's size and the splits come from them (a host sync,
+        # before any token moves: what DeepEP's normal mode does, and why it cannot be captured in a CUDA graph)
+        sizes = host_read(torch.cat([rows[self.rank], rows[:, self.rank], counts[:, self._my_slots()].sum(0)]))
+        plan = Plan(ids, weights, keep, layout, counts, demand_all, sizes[:R], sizes[R:2 * R], sizes[2 * R:],
+                    ids.new_empty(0))
         if self.dedup:  # rows: (token, destination rank), sorted by rank then token
             plan.send_rank, plan.send_token = layout.token_in_rank.t().nonzero(as_tuple=True)
         else:  # rows: (token, slot) pairs sorted by slot (hence by rank), then token

@@ -19,14 +19,21 @@ part of their tokens there. Per MoE layer, per step, on every rank of the ep gro
     copy the weights      home rank ─► all_to_all of flat expert parameters ─► clone slot (a leaf: the clone's
                           gradient collects there; ``Echo.reduce_grads`` after the backward sends it home with one
                           more all_to_all and adds it to the expert's ``.grad``)
-    place the tokens      the tokens of expert e, numbered globally in (source rank, token, k) order:
-                          [0, keep_e) go home, the next a_1 to clone 1, the next a_2 to clone 2, ...
+    place the tokens      each source rank splits its pairs of expert e in proportion to the plan: home keeps
+                          keep_e, clone j takes a_j of the expert's pairs, so source s sends about
+                          c_s·a_j / Σc of its c_s pairs to clone j (``proportional_split``: exact totals)
     dispatch / experts / combine      the ordinary ``TokenDispatcher`` with the clone slots filled
+
+Why proportionally: the plan fixes how many pairs each place computes, so the ranks' loads are the same however
+the pairs are picked; the split decides who sends them. Cut from the expert's pairs numbered globally in source
+order, the home expert would keep the first sources' pairs and a clone take whole sources' (one rank sending all
+of its pairs of e to one clone, another none); split per source, every source sends each place its share.
 
 Cost model (labelled as such wherever shown): step ≈ A · max_rank_tokens + B · clones + C — the busiest
 rank's expert work, what each clone adds, and a fixed per-step cost. Each clone moves its weights out and its
 gradient back (3·h·h_ff·b per clone for a SwiGLU expert; 2·h·h_ff + h_ff + h parameters for the tiny GPT's GELU
-MLP); fitted to main-thread CPU time, B sees only the CPU side of that, not gloo's transfers.
+MLP). ``clone_break_even`` is the same trade at a real expert's size: the clone's bytes on a link against the
+expert work of the pairs it takes off the busiest rank.
 """
 from __future__ import annotations
 
@@ -133,6 +140,12 @@ class ClonePlan:
         total = sum(loads)
         return max(loads) * len(loads) / total if total else 1.0
 
+    def split(self, expert: int) -> list[list[int]]:
+        """[R][1 + clones of ``expert``]: pairs each source rank sends to the home expert, then to each of its
+        clones in (rank, slot) order, in proportion to the plan (``proportional_split``)."""
+        shares = [self.keep[expert]] + [c.tokens for c in self.clones if c.expert == expert]
+        return proportional_split([row[expert] for row in self.counts], shares)
+
     def to_dict(self) -> dict:
         return {"avg": self.avg, "load_before": self.load_before, "load_after": self.load_after,
                 "ratio_before": self.ratio(self.load_before), "ratio_after": self.ratio(self.load_after),
@@ -225,31 +238,48 @@ def check_plan(plan: ClonePlan) -> dict[str, bool]:
 
 
 # ---- from expert ids to slot ids ---------------------------------------------------------------------------------
+def proportional_split(per_source: list[int], shares: list[int]) -> list[list[int]]:
+    """[S][J]: how many of each source's ``per_source[s]`` pairs go to each place j, which takes ``shares[j]`` pairs
+    (Σ shares = Σ per_source), every source split in proportion to the shares. Place by place, each takes its
+    share of every source's remaining pairs, rounded cumulatively over the sources so that it gets exactly
+    ``shares[j]``; the last takes what remains. Row and column sums are exact, every entry within a few pairs of
+    ``per_source[s] · shares[j] / Σ per_source`` (the test measures the bound); integers only, the same everywhere."""
+    if sum(shares) != sum(per_source) or min(shares + per_source, default=0) < 0:
+        raise ValueError(f"shares {shares} must be >= 0 and sum to the pairs {sum(per_source)} of per_source")
+    remaining, left = list(per_source), sum(per_source)
+    out = [[0] * len(shares) for _ in per_source]
+    for j, share in enumerate(shares):
+        before = cumulative = 0
+        for src, r in enumerate(remaining):
+            cumulative += r
+            cut = (2 * cumulative * share + left) // (2 * left) if left else 0  # round(cumulative · share / left)
+            out[src][j], before = cut - before, cut
+        remaining = [r - row[j] for r, row in zip(remaining, out)]
+        left -= share
+    return out
+
+
 def assign_slots(ids: torch.Tensor, plan: ClonePlan, rank: int) -> torch.Tensor:
     """This rank's expert ids [T,K] -> slot ids [T,K] (rank-major slots, ``local + spare_slots`` per rank).
 
-    The pairs of expert e over all ranks are numbered in (source rank, token, k) order; this rank's pairs
-    start at Σ_{src < rank} counts[src][e]. Positions below keep_e go to the home slot, the next ones to the
-    clones of e in (rank, slot) order, each taking its ``tokens``."""
+    For an expert with clones, this rank's share of each place is its row of ``plan.split(e)``: its pairs of e,
+    in (token, k) order, go first to the home slot, then to the clones in (rank, slot) order, that many each."""
     per_rank = plan.local + plan.spare_slots
-    E = plan.n_expert
     flat = ids.reshape(-1).long()
     home = (flat // plan.local) * per_rank + flat % plan.local
     if not plan.clones:
         return home.view_as(ids)
-    offset = torch.tensor([sum(plan.counts[src][e] for src in range(rank)) for e in range(E)], device=ids.device)
+    counts = torch.bincount(flat, minlength=plan.n_expert)
     order = flat.argsort(stable=True)  # by expert, then (token, k)
-    sorted_ids = flat[order]
-    starts = torch.cumsum(torch.bincount(flat, minlength=E), 0) - torch.bincount(flat, minlength=E)
-    position = torch.empty_like(flat)
-    position[order] = torch.arange(flat.numel(), device=ids.device) - starts[sorted_ids] + offset[sorted_ids]
+    position = torch.empty_like(flat)  # index of each pair among this rank's pairs of its expert
+    position[order] = torch.arange(flat.numel(), device=ids.device) - (torch.cumsum(counts, 0) - counts)[flat[order]]
     slot = home.clone()
-    bounds = torch.tensor(plan.keep, device=ids.device)  # end of the current interval of each expert
-    for c in plan.clones:  # (rank, slot) order
-        lo = bounds[c.expert].clone()
-        hit = (flat == c.expert) & (position >= lo) & (position < lo + c.tokens)
-        slot[hit] = c.rank * per_rank + c.slot
-        bounds[c.expert] += c.tokens
+    for e in sorted({c.expert for c in plan.clones}):
+        mine = plan.split(e)[rank]
+        lo = mine[0]  # the first ones stay home
+        for c, n in zip((c for c in plan.clones if c.expert == e), mine[1:]):
+            slot[(flat == e) & (position >= lo) & (position < lo + n)] = c.rank * per_rank + c.slot
+            lo += n
     return slot.view_as(ids)
 
 
@@ -287,6 +317,25 @@ def fit_cost_model(max_rank_tokens: list[float], clones: list[float], seconds: l
 def expert_param_count(hidden: int, ffn: int, gated: bool = False, bias: bool = True) -> int:
     """Parameters of one expert: gated (SwiGLU, 3·h·h_ff) or the tiny GPT's GELU MLP (2·h·h_ff + h_ff + h)."""
     return 3 * hidden * ffn if gated else 2 * hidden * ffn + (ffn + hidden if bias else 0)
+
+
+def expert_flops_per_pair(hidden: int, ffn: int, gated: bool = False) -> int:
+    """Forward FLOPs one (token, expert) pair costs its expert: 2·h·h_ff per GEMM, 3 GEMMs gated, 2 otherwise
+    (the backward costs twice that)."""
+    return 2 * (3 if gated else 2) * hidden * ffn
+
+
+def clone_break_even(hidden: int, ffn: int, link, gpu, gated: bool = True, elem: int = 2) -> dict[str, float]:
+    """A cost model of one clone at a real expert's size (``link``, ``gpu``: a ``toolkit.runtime.cluster`` Link and
+    GPU). It costs its weights out and its gradient back, ``2 · (α + P·elem / β)``, neither hidden behind compute;
+    each pair it takes off the busiest rank saves that rank the pair's expert work, forward and backward
+    (``3 · expert_flops_per_pair`` at the GPU's peak). Break-even: ``clone_s / pair_s`` pairs; ``rows``: the clone's
+    bytes counted in token rows of ``hidden`` (what the same bytes would carry in a dispatch)."""
+    params = expert_param_count(hidden, ffn, gated, bias=False)
+    clone_s = 2 * link.seconds(params * elem)
+    pair_s = 3 * expert_flops_per_pair(hidden, ffn, gated) / gpu.bf16_flops
+    return {"params": params, "bytes": params * elem, "clone_s": clone_s, "pair_s": pair_s,
+            "break_even_pairs": clone_s / pair_s, "rows": params / hidden}
 
 
 # ---- the runtime: clones in the spare slots of an ExpertParallelMoE ---------------------------------------------------

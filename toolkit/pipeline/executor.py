@@ -121,6 +121,9 @@ class WeightGradStore:
         self.enabled = False  # backwards queue their dW (inside ``deferring()``)
         self._cache: list[tuple[Callable[[], None], tuple[torch.Tensor, ...]]] = []
         self._queue: dict[Key, list[tuple[Callable[[], None], tuple[torch.Tensor, ...]]]] = {}
+        self.grad_ready: Callable[[torch.Tensor], None] | None = None
+        """Called with each parameter right after a dW closure wrote its gradient (autograd's own accumulations
+        fire ``register_post_accumulate_grad_hook`` instead); ``DataParallelSeparation`` issues buckets from it."""
 
     @contextlib.contextmanager
     def splitting(self):
@@ -185,6 +188,8 @@ class _SplitLinearFn(torch.autograd.Function):
             for param, g in ((weight, g2.t() @ x2), (bias, g2.sum(0) if bias is not None else None)):
                 if g is not None:
                     param.grad = g if param.grad is None else param.grad.add_(g)
+                    if ctx.store.grad_ready is not None:
+                        ctx.store.grad_ready(param)
 
         if ctx.store.enabled:
             ctx.store.put(weight_grad, (grad, x))

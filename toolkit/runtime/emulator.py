@@ -10,7 +10,7 @@ target cluster (``toolkit.runtime.cluster``), one virtual clock per rank. This i
     ──────────────────────                       issues and a stream that runs, now = max(host, stream)
     y = x @ w     (any ATen op)  ─ ComputeTimer ─► host += launch; stream = max(host, stream) + max(FLOPs / peak,
                                                    bytes / HBM)   (views and empty allocations: no kernel, no time;
-                                                   .item() and the like: the host waits for the stream)
+                                                   .item(), host_read and the like: the host waits)
     dist.all_gather(...)         ─ the ledger ──► end_r = max(now, link free) + α + S/β   on the link the group spans
        the real op runs as usual                  link free = end_r            (this rank's transfers queue on it)
        + a side all_reduce(MAX) of end_r  ──────► done = max over the group's ranks of end_r; now = max(now, done)
@@ -61,10 +61,24 @@ COLLECTIVE_NAMESPACES = ("c10d.", "_c10d_functional.", "c10d_functional.")
 # not views by their schema, but they launch no kernel either (a new header, or memory from the allocator)
 NO_KERNEL = {"aten._unsafe_view", "aten._reshape_alias", "aten.lift_fresh", "aten.empty", "aten.empty_like",
              "aten.empty_strided", "aten.new_empty", "aten.new_empty_strided", "aten.set_"}
-# ops that make the host wait for the device (the value goes to Python)
-HOST_SYNC = {"aten._local_scalar_dense", "aten.is_nonzero", "aten.item", "aten.equal"}
+# ops that make the host wait for the device (the value goes to Python); toolkit.to_host: ``host_read``
+HOST_SYNC = {"aten._local_scalar_dense", "aten.is_nonzero", "aten.item", "aten.equal", "toolkit.to_host"}
 # ops that read a few rows of a large input: bytes = indices + 2 x output, not the whole table
 GATHER_LIKE = {"aten.embedding", "aten.index_select", "aten.gather", "aten.index"}
+
+
+@torch.library.custom_op("toolkit::to_host", mutates_args=())
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    return t.to("cpu", copy=True)
+
+
+def host_read(t: torch.Tensor) -> list:
+    """``t.tolist()`` through one op, ``toolkit.to_host``: the copy to the host's memory that ``.tolist()`` of a
+    device tensor makes, after which the host holds the values (it waited for the device). The emulated cluster's
+    clock and ``toolkit.graphs.audit`` see it as a host sync; a plain ``.tolist()`` of a CPU tensor dispatches no op,
+    so on this machine neither would see that the host needs the value (DeepEP's normal mode sizing its receive
+    buffers from the exchanged counts, for one)."""
+    return _to_host(t.detach()).tolist()
 
 
 def launches_kernel(func) -> bool:
@@ -291,17 +305,20 @@ class Emulator:
 
     @contextlib.contextmanager
     def paused(self):
-        """Inside, the emulator is off, so the run costs what it costs without one: no op is timed, no transfer is
-        clocked or exchanges its stamp, and ``current()`` is None; the clocks stand where they were (objects that
-        hold the emulator, such as the activation offloader, still clock their copies). For a phase whose virtual
-        times nobody reads, e.g. training a configuration before it is timed: every rank of a group must pause
-        around the same calls, as a collective's clocks meet only when all its ranks time it."""
-        ledger = self.ledger
-        self.uninstall()
+        """Inside, this rank runs as without an emulated cluster: its ops pass untimed and unrecorded, collectives
+        carry no clock message, the clocks stand still (the sections of a lesson that measure the real run only,
+        without the emulator's bookkeeping on every op). Collective: the ranks of a group pause around the same
+        collectives."""
+        ledger, previous = self.ledger, getattr(self._local, "internal", False)
+        if ledger is not None:
+            ledger.emulator = None
+        self._local.internal = True
         try:
             yield self
         finally:
-            self.install(ledger)
+            self._local.internal = previous
+            if ledger is not None:
+                ledger.emulator = self
 
     @contextlib.contextmanager
     def internal(self):
