@@ -42,7 +42,10 @@ def remove_post_floor_names() -> dict[str, object]:
             removed[f"{module}.{name}"] = getattr(namespace, name)
             delattr(namespace, name)
     for module in POST_FLOOR_MODULES:
-        removed[module] = importlib.import_module(module)
+        try:
+            removed[module] = importlib.import_module(module)
+        except ImportError:  # this torch predates it: nothing to remove
+            continue
         parent, _, name = module.rpartition(".")
         if hasattr(sys.modules[parent], name):
             delattr(sys.modules[parent], name)
@@ -119,15 +122,18 @@ def floor():
 
 
 def test_the_toolkit_runs_without_the_names_torch_added_after_the_floor(floor):
-    for rank in floor:
-        assert rank["removed"] == sorted([f"{m}.{n}" for m, n in POST_FLOOR] + list(POST_FLOOR_MODULES))
+    post_floor = sorted([f"{m}.{n}" for m, n in POST_FLOOR] + list(POST_FLOOR_MODULES))
+    for rank in floor:  # an older torch lacks some of them already: what it has was removed
+        assert set(rank["removed"]) <= set(post_floor)
+        assert rank["removed"] == post_floor or compat.missing("single_collectives") is not None
         assert rank["stale_bindings"] == []
         assert rank["dispatcher"]["round_trip_equal"]
         assert rank["zero"]["bitwise_equal"] and all(all(ok.values()) for ok in
                                                       rank["zero"]["bytes_equal_closed_forms"].values())
         missing = rank["missing"]
         assert "torch >= 2.13" in missing["single_collectives"] and "torch >= 2.8" in missing["schedule_ops"]
-        assert "torch >= 2.9" in missing["dualpipev"] and missing["pipeline_grad_mean"] is None
+        assert "torch >= 2.9" in missing["dualpipev"]
+        assert missing["pipeline_grad_mean"] == compat.missing("pipeline_grad_mean")  # not removed: a behaviour
         l03 = rank["l03"]  # torch's DualPipeV left out, saying why; ours checked against the single process
         assert "ScheduleDualPipeV: it needs torch >= 2.9" in l03["torch_missing"]["runtime"]
         assert "schedule orders" in l03["torch_missing"]["order"] and l03["torch_order_identical"] is None

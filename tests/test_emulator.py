@@ -172,3 +172,66 @@ def test_virtual_clock_without_a_cluster_is_refused():
     from toolkit.runtime.bench import measure
     with pytest.raises(ValueError, match="clock='virtual' needs an emulated cluster"):
         measure(lambda: None, clock="virtual")
+
+
+def _dispatched(fn) -> list[tuple]:
+    """(func, args, kwargs, out) of every ATen op ``fn`` runs (no process group: the op costs only)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            seen.append((func, args, kwargs or {}, out))
+            return out
+
+    with Record():
+        fn()
+    return seen
+
+
+def test_factorisations_have_golub_van_loan_flops_and_out_buffers_are_only_written():
+    import torch
+    from toolkit.runtime.emulator import _flop_formulas, op_cost
+    formulas = _flop_formulas()
+    a = torch.randn(3, 64, 8)  # a batch of thin matrices, as PowerSGD orthogonalises: l = 64, k = 8
+    q, r = a.clone(), torch.empty(3, 8, 8)
+    ops = [(f, args, kw, out) for f, args, kw, out in _dispatched(lambda: (
+        torch.linalg.qr(a), torch.linalg.qr(a, mode="r"), torch.linalg.qr(a, out=(q, r)),
+        torch.ops.aten._linalg_svd(a[0], compute_uv=False),  # svdvals under a dispatch mode computes U and V too
+        torch.linalg.svd(a[0], full_matrices=False), torch.linalg.svd(a[0], full_matrices=True)))
+        if "qr" in str(f) or "svd" in str(f)]
+    geqrf = 2 * 64 * 8 ** 2 - 2 * 8 ** 3 / 3  # Householder QR; forming Q costs as much again
+    assert [op_cost(*op, 4, formulas)[0] for op in ops] == [
+        int(3 * 2 * geqrf), int(3 * geqrf), int(3 * 2 * geqrf),
+        int(4 * 64 * 8 ** 2 - 4 * 8 ** 3 / 3), int(14 * 64 * 8 ** 2 + 8 * 8 ** 3),
+        int(4 * 64 ** 2 * 8 + 8 * 64 * 8 ** 2 + 9 * 8 ** 3)]
+    assert str(ops[2][0]) == "aten.linalg_qr.out"  # A read; Q and R only written
+    assert op_cost(*ops[2], 4, formulas)[1] == 4 * (3 * 64 * 8 + 3 * 64 * 8 + 3 * 8 * 8)
+
+
+def test_a_quantize_call_is_timed_as_the_one_triton_kernel_a_gpu_runs():
+    import types
+
+    import torch
+    from toolkit.quant import dequantize_blockwise, quantize_blockwise
+    from toolkit.runtime.emulator import Emulator
+    emu = Emulator(cluster("h100-ib400"), 0, 1).install(types.SimpleNamespace(emulator=None, inside_op=False))
+    try:
+        x = torch.randn(4096)
+        q = quantize_blockwise(x, bits=4, block=128, stochastic=True, seed=1)
+        dequantize_blockwise(q)
+        ops = {name: dict(row) for name, row in emu.ops.items()}
+        before = emu.now()
+        with emu.paused():  # a paused emulator charges no kernel either
+            dequantize_blockwise(quantize_blockwise(x, bits=4, block=128))
+        assert emu.now() == before and emu.ops["quantize_int (Triton kernel)"]["calls"] == 1
+    finally:
+        emu.uninstall()
+    # the reference's passes (its integer hash for stochastic rounding, the packing) are not charged, the kernel is:
+    # x read (floats at bf16: 2 bytes), 4-bit codes and a scale per 128 written; then read back, floats written
+    assert not any(name in ops for name in ("aten.bitwise_xor", "aten.__rshift__", "aten.bitwise_and"))
+    quantize, dequantize = ops["quantize_int (Triton kernel)"], ops["dequantize (Triton kernel)"]
+    assert quantize["calls"] == dequantize["calls"] == 1 and quantize["launch_s"] == PRESETS["h100-ib400"].gpu.launch_s
+    assert quantize["bytes"] == dequantize["bytes"] == 4096 * 2 + 4096 / 2 + 4096 / 128 * 2

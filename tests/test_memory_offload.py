@@ -1,5 +1,7 @@
-"""Lesson 00b: optimizer-state offload (host, stream, disk) bitwise equal to the in-memory AdamW; disk offload
-files pre-allocated, unlinked and sized as the planner says; the article's MappedCheckpoint measured and the
+"""Lesson 00b: optimizer-state offload (host, stream, disk) bitwise equal to the in-memory AdamW; ZeRO-Offload's
+gradient shards on the host, sent down during backward; the offload's copies on the emulated host link and its
+I/O on the emulated disk, beside the planner's closed form; disk offload files pre-allocated, unlinked and sized as
+the planner says; the article's MappedCheckpoint measured and the
 working spill; the side channel; the bucket cost model and DDP's buckets on the emulated cluster against it; bad
 inputs before any process starts; a disk that fills after validation ends the launch with that error and leaves
 no file behind."""
@@ -23,7 +25,8 @@ from toolkit.memory.checkpointing import apply_checkpointing, saved_activation_b
 from toolkit.memory.optim_offload import OffloadAdamW
 from toolkit.memory.spill import ALIGN, DiskSpill, inspect_article_snippet
 from toolkit.models import GPT, preset
-from toolkit.planner import MODELS, Workload, dp_grad_op, memory_per_gpu, offload_memory, offload_per_gpu
+from toolkit.planner import (MODELS, Workload, dp_grad_op, memory_per_gpu, offload_memory, offload_per_gpu,
+                             offload_time)
 from toolkit.runtime.cluster import cluster
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -62,6 +65,55 @@ def test_host_offload_is_bitwise_torch_adamw(mode):
     n = sum(p.numel() for p in ref.param_groups[0]["params"])
     per_step = opt.moved_per_step[-1]
     assert per_step == ({"h2d": 4 * n, "d2h": 4 * n} if mode == "cpu" else {"h2d": 8 * n, "d2h": 8 * n})
+
+
+def test_zero_offload_takes_a_gradient_set_at_the_step():
+    """ZeRO-1's units give their shard no gradient in backward (the hook fires with ``p.grad`` None) and set it in
+    ``step``: cpu mode sends it down then, and the update is torch's AdamW."""
+    class KeepGradElsewhere(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, w):
+            return x + w.sum()
+
+        @staticmethod
+        def backward(ctx, g):
+            return g, None
+
+    w, ref = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(3))
+    opt, want = OffloadAdamW([w], mode="cpu"), torch.optim.AdamW([ref], lr=1e-3, foreach=False)
+    KeepGradElsewhere.apply(torch.ones(2, requires_grad=True), w).sum().backward()
+    assert w.grad is None
+    w.grad, ref.grad = torch.full((3,), 0.5), torch.full((3,), 0.5)
+    opt.step()
+    want.step()
+    assert torch.equal(w, ref) and opt.moved_per_step[-1] == {"d2h": 12, "h2d": 12}
+
+
+def test_zero_offload_takes_the_gradients_off_the_device_during_backward():
+    """cpu mode (ZeRO-Offload): each gradient leaves the device as backward produces it (``p.grad`` is None after
+    backward, the host holds it), later micro-batches accumulate on the host, and the result is bitwise torch's
+    AdamW on gradients accumulated on the device."""
+    def train(make_opt, micro_batches: int = 2):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+        opt = make_opt(list(model.parameters()))
+        g = torch.Generator().manual_seed(1)
+        left_on_device = []
+        for _ in range(3):
+            for _ in range(micro_batches):
+                model(torch.randn(4, 7, generator=g)).pow(2).sum().backward()
+            left_on_device.append([p.grad is not None for p in model.parameters()])
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return [p.detach().clone() for p in model.parameters()], opt, left_on_device
+
+    want, _, on_device = train(lambda ps: torch.optim.AdamW(ps, lr=1e-3, foreach=False))
+    got, opt, left = train(lambda ps: OffloadAdamW(ps, mode="cpu"))
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert all(all(step) for step in on_device) and not any(any(step) for step in left)
+    n = sum(p.numel() for p in opt.params)
+    assert opt.moved_per_step[-1] == {"d2h": 2 * 4 * n, "h2d": 4 * n}  # two micro-batches down, parameters up
+    assert opt.host_bytes()["grads"] == 4 * n
 
 
 @pytest.mark.parametrize("count, size", [(1, 1024), (3, 2048), (2, 8192)])
@@ -256,6 +308,54 @@ def test_offload_variants_bitwise_and_bytes_where_the_planner_says(lesson):
         s = off["memory"]["zero"]["device"]["params"] // 4  # elements of this rank's shards
         assert off["moved"]["cpu"] == {"h2d": 4 * s, "d2h": 4 * s}
         assert off["moved"]["nvme"]["disk_read"] == off["moved"]["nvme"]["disk_written"] == 8 * s
+        # ZeRO-Offload at stage 3: the gradient shards are on the host after backward, none on the device
+        assert off["memory"]["cpu"]["device"]["grads"] == 0 and off["memory"]["cpu"]["host"]["grads"] == 4 * s
+        assert off["memory"]["zero"]["device"]["grads"] == 4 * s
+
+
+def test_offload_on_the_emulated_host_link_and_disk(lesson):
+    """The ZeRO variants' copies are transfers on the preset's PCIe link (bf16 gradients and parameters, fp32
+    moments), the disk offload's I/O on its NVMe drive (fp32 m and v), each of α + bytes/β; the matched step
+    moves the same transfers at the gradient's byte scale; ZeRO-Offload's gradient copies start under backward;
+    the closed form is planner.offload_time's; both ranks read the same virtual times."""
+    host, disk = TWO_NODES.host, TWO_NODES.disk
+    units = len(memory_offload.unit_numels("smoke"))
+    for r in lesson:
+        off = r["offload"]
+        E = off["emulated"]
+        s = off["memory"]["zero"]["device"]["params"] // 4  # elements of this rank's shards (fp32)
+        real = MODELS["llama2-7b"]
+        tokens = 2 * preset("smoke").seq_len
+        want = dp_grad_op(real.params, real.seq_len), dp_grad_op(off["numel"], tokens)
+        assert E["matched"]["scales"] == pytest.approx({"flops": want[0]["gemm_flops"] / want[1]["gemm_flops"],
+                                                        "bytes": want[0]["wire_bytes"] / want[1]["wire_bytes"]})
+        for view, scale, workload in (("toy", 1.0, Workload(params=off["numel"])),
+                                      ("matched", E["matched"]["scales"]["bytes"], real)):
+            rows = E[view]["rows"]
+            assert rows["zero"]["traffic"] == {}
+            cpu, stream, nv = rows["cpu"]["traffic"], rows["stream"]["traffic"], rows["nvme"]["traffic"]
+            for kind in ("d2h", "h2d"):
+                assert cpu[kind]["calls"] == units
+                assert cpu[kind]["bytes"] == pytest.approx(2 * s * scale)  # bf16 on the target
+                assert cpu[kind]["busy_s"] == pytest.approx(units * host.latency_s + 2 * s * scale / host.bytes_per_s)
+                assert stream[kind]["bytes"] == pytest.approx(8 * s * scale)  # m and v, fp32
+            pieces = nv["read"]["calls"]
+            assert nv["write"]["calls"] == pieces == r["offload"]["disk"]["nvme"]["pieces"]
+            for kind, bw in (("read", disk.read_bytes_per_s), ("write", disk.write_bytes_per_s)):
+                assert nv[kind]["bytes"] == pytest.approx(8 * s * scale)
+                assert nv[kind]["busy_s"] == pytest.approx(pieces * disk.latency_s + 8 * s * scale / bw)
+            assert 0 < cpu["d2h"]["before_step_s"] <= cpu["d2h"]["busy_s"]  # gradients go down under backward
+            assert cpu["h2d"]["before_step_s"] == 0  # parameters go up after the host's update
+            assert rows["cpu"]["optimizer"]["host_update_s"] > 0 and rows["stream"]["optimizer"]["host_update_s"] == 0
+            for name in ("cpu", "nvme"):
+                assert rows[name]["closed_form_s"] == pytest.approx(
+                    offload_time(workload, 2, 1, 1, 3, name, TWO_NODES))
+                assert rows[name]["extra_s"] == pytest.approx(rows[name]["step_s"] - rows["zero"]["step_s"])
+        matched = E["matched"]["rows"]
+        assert matched["cpu"]["verdict"]["word"] == "slower" and matched["nvme"]["step_s"] > matched["cpu"]["step_s"]
+    for view in ("toy", "matched"):  # deterministic: both ranks' virtual steps agree
+        a, b = (r["offload"]["emulated"][view]["rows"] for r in lesson)
+        assert {v: a[v]["step_s"] for v in a} == pytest.approx({v: b[v]["step_s"] for v in b}, rel=1e-9)
 
 
 def test_spill_side_channel_and_buckets(lesson):

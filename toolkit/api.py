@@ -298,12 +298,13 @@ ENTRIES: list[Entry] = [
           'order = schedule_order(s, ctx.rank)\noff = ActivationOffloader(mine, order, groups=long_lived(order, 1))\n'
           'PipelineExecutor(s, ctx.rank, mine, loss_fn, act_shape, hooks=[Offload(off)]).step(inputs, targets)'),
     Entry("OffloadAdamW", "toolkit.memory.optim_offload:OffloadAdamW", AREAS[4],
-          "AdamW with its state in (pinned) host memory: 'cpu' = master+m+v on the host, host update "
-          "(ZeRO-Offload); 'stream' = m, v streamed to the device per shard on a side stream.",
+          "AdamW with its state in (pinned) host memory: 'cpu' = master+m+v and the gradients on the host (each "
+          "sent down as backward produces it), host update (ZeRO-Offload); 'stream' = m, v streamed to the device "
+          "per shard on a side stream.",
           "any parameters (e.g. ZeroDataParallel's shards); host_bytes(), moved_per_step [{'h2d', 'd2h'}]",
           "local to each rank (use it as ZeroDataParallel's optimizer)",
           'zdp = ZeroDataParallel(model, lambda ps: OffloadAdamW(ps, mode="cpu"), stage=3)\n'
-          'zdp(x, y).backward()\nzdp.step()                              # no optimizer bytes on the device'),
+          'zdp(x, y).backward()\nzdp.step()                       # no optimizer or gradient bytes on the device'),
     Entry("DiskAdamW", "toolkit.memory.nvme:DiskAdamW", AREAS[4],
           "AdamW with m, v (and ZeRO-3 shards, with DiskParams) in one pre-allocated, unlinked file per rank, "
           "streamed through buffer_count buffers of buffer_size elements (NVMe offload).",

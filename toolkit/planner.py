@@ -35,7 +35,7 @@ device; ``offload_per_gpu`` says where they go (the optimizer's fp32 master, if 
     offload_optimizer   device optimizer         host                                disk
     none                bytes_optim·Ψ'           -                                   -
     cpu                 0                        (bytes_optim - 8 or 4)·Ψ' master    -
-                                                 + 8Ψ' m,v + 4Ψ' fp32 grad buffer
+                                                 + 8Ψ' m,v + 4Ψ' fp32 grad shard
     stream              (bytes_optim - 8)·Ψ'     8Ψ' m,v (2 units' m,v on the        -
                         (+ 2 units x 8 bytes                 device during the step)
                          during the step)
@@ -46,7 +46,9 @@ device; ``offload_per_gpu`` says where they go (the optimizer's fp32 master, if 
 
 ``offload_memory`` is the same model unit by unit, exact for this toolkit's ``ZeroDataParallel`` with
 ``toolkit.memory.optim_offload.OffloadAdamW`` / ``toolkit.memory.nvme.DiskAdamW`` (fp32: 4-byte weights
-and grads, each unit padded to a multiple of the ranks, each disk region to 4 KiB blocks);
+and grads, each unit padded to a multiple of the ranks, each disk region to 4 KiB blocks); with ``cpu`` at
+ZeRO 2 or 3 it also puts the gradient shards on the host, as ZeRO-Offload does (they leave the device as
+backward produces them; ``memory_per_gpu`` counts them on the host at ZeRO 3 only, on the device at ZeRO 2);
 ``validate_offload_model`` compares it with the bytes lesson 00b measures, device and host.
 
 The hardware is a ``toolkit.runtime.cluster.Cluster`` (a preset, or one with parts replaced): its GPU's dense
@@ -200,8 +202,11 @@ def offload_memory(unit_numels: list[int], dp: int, stage: int, offload_optimize
     shards = [u if stage == 0 else -(-u // dp) for u in unit_numels]
     padded = [u if stage == 0 else s * dp for u, s in zip(unit_numels, shards)]
     s, full = 4 * sum(shards), 4 * sum(padded)
+    # cpu (ZeRO-Offload): each gradient shard goes to the host as backward produces it; ZeRO-1 keeps its full
+    # local gradient on the device until the step reduces it
+    grads = s if stage >= 2 else full
     device = {"params": 0 if offload_params == "nvme" else (s if stage == 3 else full),
-              "grads": s if stage >= 2 else full,
+              "grads": 0 if offload_optimizer == "cpu" and stage != 1 else grads,
               "optim": 2 * s if offload_optimizer == "none" else 0}
     host, disk, step = {}, {}, 0
     if offload_optimizer == "cpu":
@@ -488,6 +493,21 @@ def matched_scales(toy: dict[str, float], real: dict[str, float]) -> dict[str, f
     bytes scale as theirs). GEMMs grow as M·K·N, activations as M·K: their quotient is what moves the compute-to-
     communication balance from the toy's to the real workload's."""
     return {"flops": real["gemm_flops"] / toy["gemm_flops"], "bytes": real["wire_bytes"] / toy["wire_bytes"]}
+
+
+def dp_phase_scales(toy_params: float, toy_step_flops: float, toy_tokens: int, toy_hidden: int,
+                    real: Workload) -> dict[str, dict[str, float]]:
+    """``scaled(...)`` factors that time a data-parallel toy step as ``real``'s on one micro-batch per rank
+    (T = seq_len · micro_batch tokens), for its two kinds of ops. ``"compute"``, the forward and backward: FLOPs so
+    that the toy's (``toy_step_flops``, as the emulator counted them) count 6·Ψ·T, bytes as its activations
+    (T·hidden against the toy's ``toy_tokens · toy_hidden``: elementwise ops read and write activations; the GEMMs
+    are FLOP-bound at the real size). ``"gradient"``, every op that walks the gradient once or a few times (its
+    sync, a compressor's codec, the optimizer): FLOPs and bytes both x Ψ / toy parameters."""
+    tokens = real.seq_len * real.micro_batch
+    grad = real.params / toy_params
+    return {"compute": {"flops": 6 * real.params * tokens / toy_step_flops,
+                        "bytes": tokens * real.hidden / (toy_tokens * toy_hidden)},
+            "gradient": {"flops": grad, "bytes": grad}}
 
 
 def op_times(op: dict[str, float], hw, link: str = "intra") -> dict[str, float]:

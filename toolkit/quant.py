@@ -15,9 +15,13 @@ payload is an integer dtype, so gloo and nccl can both send it.
 Two implementations compute the same bits: the torch reference (``kernels/reference.py``)
 and the Triton kernels (``kernels/quant_triton.py``). ``impl="auto"`` picks Triton for
 CUDA tensors and the reference on CPU; ``set_impl`` changes the default for every call.
+On an emulated cluster (``toolkit.runtime.emulator``) a call the reference computes is timed as the
+Triton kernel a GPU runs instead: one launch, its inputs read and its outputs written once (the
+reference's op-by-op passes, its integer hash included, would each cost a round trip to HBM).
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from dataclasses import dataclass
@@ -95,6 +99,22 @@ def _triton_available() -> bool:
     return True
 
 
+@contextlib.contextmanager
+def _one_kernel(name: str):
+    """The reference's ops inside stand for one Triton kernel (see the module docstring): on an emulated cluster
+    they go untimed and ``kernel(reads, writes, flops=0)`` charges the kernel; without one (or where it does not
+    time, e.g. ``paused``), nothing happens."""
+    from toolkit.runtime.emulator import current
+    emu = current()
+    if emu is None or not emu.timing:
+        yield lambda reads, writes, flops=0.0: None
+        return
+    cost = {}
+    with emu.untimed():
+        yield lambda reads, writes, flops=0.0: cost.update(flops=flops, nbytes=emu.tensor_bytes([reads, writes]))
+    emu.compute(f"{name} (Triton kernel)", cost["flops"], cost["nbytes"])
+
+
 def _check_input(x: torch.Tensor, name: str = "x", finite: bool = True) -> None:
     """Type, dtype and emptiness; ``finite``: no NaN/Inf either (the host reads a flag: it waits for the device)."""
     if not isinstance(x, torch.Tensor):
@@ -144,9 +164,11 @@ def quantize_blockwise(x: torch.Tensor, bits: int = 8, block: int = 128, stochas
         from kernels import quant_triton as qt
         payload, scales = qt.quantize_int(x, bits, block, stochastic, seed)
     else:
-        codes, scales = ref.quantize_int(x.cpu() if x.is_cuda else x, bits, block, stochastic, seed)
-        payload = ref.pack_int4(codes) if bits == 4 else codes
-        payload, scales = payload.to(x.device), scales.to(x.device)
+        with _one_kernel("quantize_int") as kernel:
+            codes, scales = ref.quantize_int(x.cpu() if x.is_cuda else x, bits, block, stochastic, seed)
+            payload = ref.pack_int4(codes) if bits == 4 else codes
+            payload, scales = payload.to(x.device), scales.to(x.device)
+            kernel([x], [payload, scales])
     return Quantized(payload, scales, bits, block, torch.Size(x.shape), FORMATS[bits])
 
 
@@ -164,8 +186,10 @@ def quantize_fp8_blockwise(x: torch.Tensor, block: int = 128, impl: str = "auto"
         from kernels import quant_triton as qt
         payload, scales = qt.quantize_fp8(x, block)
     else:
-        payload, scales = ref.quantize_fp8(x.cpu() if x.is_cuda else x, block)
-        payload, scales = payload.to(x.device), scales.to(x.device)
+        with _one_kernel("quantize_fp8") as kernel:
+            payload, scales = ref.quantize_fp8(x.cpu() if x.is_cuda else x, block)
+            payload, scales = payload.to(x.device), scales.to(x.device)
+            kernel([x], [payload, scales])
     return Quantized(payload, scales, 8, block, torch.Size(x.shape), "fp8_e4m3")
 
 
@@ -182,13 +206,15 @@ def dequantize_blockwise(q: Quantized, dtype: torch.dtype = torch.float32, impl:
         from kernels import quant_triton as qt
         flat = qt.dequantize(q.payload, q.scales, q.block, q.fmt)
     else:
-        if q.fmt == "int4":
-            codes = ref.unpack_int4(q.payload)
-        elif q.fmt == "fp8_e4m3":
-            codes = q.payload.view(torch.float8_e4m3fn)
-        else:
-            codes = q.payload
-        flat = ref.dequantize(codes, q.scales, q.block)
+        with _one_kernel("dequantize") as kernel:
+            if q.fmt == "int4":
+                codes = ref.unpack_int4(q.payload)
+            elif q.fmt == "fp8_e4m3":
+                codes = q.payload.view(torch.float8_e4m3fn)
+            else:
+                codes = q.payload
+            flat = ref.dequantize(codes, q.scales, q.block)
+            kernel([q.payload, q.scales], [flat])
     return flat[:q.numel].view(q.shape).to(dtype)
 
 
@@ -204,7 +230,10 @@ def hadamard32(x: torch.Tensor, inverse: bool = False, impl: str = "auto") -> to
     if _use_triton(x, impl):
         from kernels import quant_triton as qt
         return qt.hadamard32(x, inverse)
-    return ref.hadamard32(x, inverse)
+    with _one_kernel("hadamard32") as kernel:
+        out = ref.hadamard32(x, inverse)
+        kernel([x], [out], flops=5 * x.numel())  # five butterfly stages, an add or a subtract per element each
+    return out
 
 
 def fake_quantize(x: torch.Tensor, fmt: str, block: int = 128, impl: str = "auto") -> torch.Tensor:

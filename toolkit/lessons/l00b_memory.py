@@ -3,9 +3,12 @@
 Sections (each returns plain numbers under its own key; ``memory_offload`` holds the first three, ``memory_comm``
 the last two):
     offload       the toolkit's ZeRO stage ``stage`` with AdamW state in memory, in host memory (``cpu``: master +
-                  moments, update on the host; ``stream``: moments streamed to the device per shard), on disk
-                  (``nvme``; ``nvme_params`` also the parameter shards), FSDP2 with and without
-                  ``CPUOffloadPolicy``: bitwise equality, bytes by category and place, bytes moved, step time
+                  moments + gradient shards, update on the host; ``stream``: moments streamed to the device per
+                  shard), on disk (``nvme``; ``nvme_params`` also the parameter shards), FSDP2 with and without
+                  ``CPUOffloadPolicy``: bitwise equality, bytes by category and place, bytes moved, step time; with
+                  ``launch(..., cluster=)`` the ZeRO variants' steps with their copies on the host link and their
+                  I/O on the disk (virtual time), at the toy's shapes and matched to ``stands_for``, beside the
+                  planner's closed form
     nvme_buffers  the disk offload's optimizer step for a grid of buffer_count x buffer_size: exposed I/O,
                   AdamW time, I/O calls, resident host bytes
     spill         the article's MappedCheckpoint measured, and DiskSpill: checkpointed segments' saved
@@ -44,7 +47,7 @@ PARAMS = {**common("model", "batch", "steps", "m", "warmup", "bench_steps", "rou
           "bucket_layers": Param(int, "transformer blocks of the model in the bucket sweep (more blocks: gradients "
                                       "spread over more of backward)", ge=1),
           "stands_for": Param(str, "the real model whose gradient and backward the emulated cluster times the bucket "
-                                   "sweep's as (the workload-matched mode)", choices=tuple(MODELS))}
+                                   "sweep's and the offload's as (the workload-matched mode)", choices=tuple(MODELS))}
 PRESETS = {
     "smoke": {"model": "smoke", "batch": 2, "steps": 2, "m": 3, "warmup": 1, "bench_steps": 2, "rounds": 3,
               "sections": list(SECTIONS), "stage": 3, "nvme_path": None, "buffer_count": 2, "buffer_size": 2048,

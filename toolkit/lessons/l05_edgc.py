@@ -16,6 +16,7 @@ runs the checks of the technique on random gradients (used by the tests).
 from __future__ import annotations
 
 import copy
+import statistics
 
 import torch
 import torch.distributed as dist
@@ -27,6 +28,7 @@ from toolkit.comm.edgc import (EDGC, CommTimeModel, EDGCConfig, PowerSGDReducer,
 from toolkit.data import batches, held_out_loss
 from toolkit.models.gpt import GPT, count_params, preset, split_stages
 from toolkit.runtime.config import Param, common, require_ranks, resolve
+from toolkit.runtime.emulator import metered
 from toolkit.runtime.spread import compare
 
 PARAMS = {
@@ -43,19 +45,23 @@ PARAMS = {
     "torch_rank": Param(int, "fixed rank of the torch powerSGD_hook comparison", ge=1),
     "torch_start": Param(int, "step from which torch's PowerSGD compresses (it needs 2 plain steps first)", ge=2),
     "torch_steps": Param(int, "steps of the torch powerSGD_hook comparison", ge=3),
+    "stands_for": Param(str, "the real model the emulated cluster times the toy as (the workload-matched mode)",
+                        choices=("llama2-7b", "llama2-13b", "llama2-70b")),
 }
 # default: the default model's width (d=128) with 2 blocks and 64-token sequences, so that 3 seeds x 2 runs
 # fit the course's time budget on a 2-core CPU; full: the full model, long runs (GPUs)
 PRESETS = {
     "smoke": dict(model="smoke", n_layer=2, seq_len=32, batch=8, steps=40, lr=3e-3, edgc_warmup=8, window=8,
                   isr_every=2, gsr=0.25, ref_bits=6.0, r_init=4, r_min=1, r_max=8, stages=2, torch_rank=4,
-                  torch_start=2, torch_steps=8, eval_batches=4, seeds=3),
+                  torch_start=2, torch_steps=8, eval_batches=4, seeds=3, stands_for="llama2-13b"),
     "default": dict(model="default", n_layer=2, seq_len=64, batch=8, steps=48, lr=2e-3, edgc_warmup=12, window=12,
                     isr_every=2, gsr=0.05, ref_bits=6.0, r_init=8, r_min=4, r_max=32, stages=2, torch_rank=4,
-                    torch_start=4, torch_steps=8, eval_batches=8, seeds=3),
+                    torch_start=4, torch_steps=8, eval_batches=8, seeds=3,
+                    stands_for="llama2-13b"),
     "full": dict(model="full", n_layer=12, seq_len=1024, batch=8, steps=2000, lr=6e-4, edgc_warmup=200, window=100,
                  isr_every=10, gsr=0.01, ref_bits=6.0, r_init=16, r_min=4, r_max=64, stages=2, torch_rank=8,
-                 torch_start=10, torch_steps=40, eval_batches=16, seeds=3),
+                 torch_start=10, torch_steps=40, eval_batches=16, seeds=3,
+                 stands_for="llama2-13b"),
 }
 PROBE_ELEMENTS = (1 << 8, 1 << 12, 1 << 16, 1 << 20)  # all-reduce sizes (fp32 elements) the time model is fitted to
 PROBE_REPS = 5
@@ -84,31 +90,58 @@ def _edgc_cfg(cfg: dict, seed: int = 0) -> EDGCConfig:
                       ref_bits=cfg["ref_bits"], r_init=cfg["r_init"], r_min=cfg["r_min"], r_max=cfg["r_max"])
 
 
-def _train(ctx, model: GPT, cfg: dict, tag: str, sync, seed: int, progress) -> dict:
+def _train(ctx, model: GPT, cfg: dict, tag: str, sync, seed: int, progress) -> tuple[dict, torch.optim.Optimizer]:
     """AdamW on this rank's slice of each global batch (data order from ``seed``); ``sync(step)`` averages
-    the gradients; ``progress()`` is called after every step."""
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], weight_decay=0.0)
+    the gradients; ``progress()`` is called after every step. Returns the record and the optimizer."""
+    opt = _adamw(model, cfg)
     seq = model.cfg.seq_len
-    out = {"loss": [], "sent_bytes": [], "allreduce_bytes": [], "comm_s": [], "info": []}
+    out = {"loss": [], "sent_bytes": [], "allreduce_bytes": [], "comm_s": [], "info": [], "virtual": []}
     led = ctx.ledger
     data = batches(cfg["batch"], seq, cfg["steps"], seed=1 + seed, rank=ctx.rank, world=ctx.world_size,
                    device=ctx.device)
     for step, (x, y) in enumerate(data):
-        loss = model(x, y)
-        opt.zero_grad(set_to_none=False)
-        loss.backward()
-        with led.tag("metrics"):
-            dist.barrier()  # line the ranks up, so comm seconds measure the transfer, not the wait for a peer
         before = (led.total("sent_bytes", tag), led.total("sent_bytes", tag, "all_reduce"), led.total("seconds", tag))
-        with led.tag(tag):
-            out["info"].append(sync(step))
+        loss, info, virtual = _step(ctx, model, opt, x, y, tag, sync, step)
+        out["info"].append(info)
+        out["virtual"].append(virtual)
         out["sent_bytes"].append(led.total("sent_bytes", tag) - before[0])
         out["allreduce_bytes"].append(led.total("sent_bytes", tag, "all_reduce") - before[1])
         out["comm_s"].append(led.total("seconds", tag) - before[2])
-        opt.step()
         out["loss"].append(ctx.mean_over_ranks(loss))
         progress()
-    return out
+    return out, opt
+
+
+def _adamw(model: GPT, cfg: dict) -> torch.optim.Optimizer:
+    """AdamW as a GPU runs it: ``foreach`` (torch's default for CUDA tensors: one kernel per op for all the
+    parameters; the CPU default, one per parameter, would charge the emulated cluster a launch per tensor)."""
+    return torch.optim.AdamW(model.parameters(), lr=cfg["lr"], weight_decay=0.0, foreach=True)
+
+
+def _step(ctx, model: GPT, opt, x, y, tag: str, sync, step: int, scales: dict | None = None):
+    """One training step: forward and backward, ``sync(step)`` under ledger ``tag``, the optimizer. Returns the
+    loss, what ``sync`` returned and, on an emulated cluster, the step's virtual seconds by phase (``compute``,
+    ``sync`` and its ``wire`` part, ``optimizer``; the barrier that lines the ranks up before the sync left out)
+    and the FLOPs of its forward and backward, its ops timed under ``scales`` (``planner.dp_phase_scales``)."""
+    emu = ctx.emulator
+    scale = scales or {"compute": None, "gradient": None}
+    with metered(emu, scale["gradient"]) as zero:
+        opt.zero_grad(set_to_none=False)
+    with metered(emu, scale["compute"]) as compute:
+        loss = model(x, y)
+        loss.backward()
+    with ctx.ledger.tag("metrics"):
+        dist.barrier()  # line the ranks up, so comm seconds measure the transfer, not the wait for a peer
+    with ctx.ledger.tag(tag), metered(emu, scale["gradient"]) as synced:
+        info = sync(step)
+    with metered(emu, scale["gradient"]) as optimizer:
+        opt.step()
+    if emu is None:
+        return loss, info, None
+    phases = {"compute_s": zero["s"] + compute["s"], "sync_s": synced["s"], "wire_s": synced["wire_s"],
+              "optimizer_s": optimizer["s"]}
+    return loss, info, {**phases, "step_s": phases["compute_s"] + phases["sync_s"] + phases["optimizer_s"],
+                        "compute_flops": compute["flops"], "sync_ops": synced["ops"]}
 
 
 def _gradient_tails(model: GPT, cfg: dict) -> dict[tuple[int, int], torch.Tensor]:
@@ -212,7 +245,7 @@ def run(ctx, cfg: dict) -> dict:
     cfg = cfg if "edgc" in cfg else validate(cfg, ctx.world_size)
     model_cfg = _model_cfg(cfg)
     time_model, probe = _fit_time_model(ctx)
-    done, total = 0, 2 * cfg["seeds"] * cfg["steps"]
+    done, total = 0, 2 * cfg["seeds"] * cfg["steps"] + (1 + cfg["window"] if ctx.emulator is not None else 0)
 
     def progress(tag):
         def step():
@@ -226,18 +259,20 @@ def run(ctx, cfg: dict) -> dict:
         torch.manual_seed(seed)
         model0 = GPT(model_cfg).to(ctx.device)
         base = copy.deepcopy(model0)
-        baseline = _train(ctx, base, cfg, "baseline", _plain_sync(list(base.parameters())), seed,
-                          progress(f"seed {seed}: baseline"))
+        plain_sync = _plain_sync(list(base.parameters()))
+        baseline, base_opt = _train(ctx, base, cfg, "baseline", plain_sync, seed, progress(f"seed {seed}: baseline"))
         model = copy.deepcopy(model0)
         stages = [list(s.parameters()) for s in split_stages(model, cfg["stages"])]
         edgc = EDGC(stages, _edgc_cfg(cfg, seed))
-        compressed = _train(ctx, model, cfg, "edgc", edgc.sync, seed, progress(f"seed {seed}: EDGC"))
+        compressed, edgc_opt = _train(ctx, model, cfg, "edgc", edgc.sync, seed, progress(f"seed {seed}: EDGC"))
         per_seed.append({"seed": seed, "eval_loss": {"baseline": held_out_loss(base, cfg["batch"], cfg["eval_batches"]),
                                                      "edgc": held_out_loss(model, cfg["batch"], cfg["eval_batches"])},
                          "final_loss": {"baseline": baseline["loss"][-1], "edgc": compressed["loss"][-1]},
                          "ranks_after_warmup": compressed["info"][-1]["ranks"]})
-        if seed == 0:  # reported in full
+        if seed == 0:  # reported in full; on an emulated cluster its runs go on, timed as the real workload
             first = (model0, base, baseline, model, compressed, edgc)
+            going_on = {"baseline": (base, base_opt, plain_sync, 1),
+                        "edgc": (model, edgc_opt, edgc.sync, cfg["window"])}
 
     model0, base, baseline, model, compressed, edgc = first
     world = ctx.world_size
@@ -277,8 +312,98 @@ def run(ctx, cfg: dict) -> dict:
                        "measured_step_s": {"baseline": baseline["comm_s"], "edgc": compressed["comm_s"]}},
         "rank_curve": rank_curve,
         "torch_vs_ours": _torch_vs_ours(ctx, model0, cfg),
+        "emulated": emulated(ctx, cfg, n_params, {"baseline": baseline["virtual"], "edgc": compressed["virtual"]},
+                             going_on, ranks, progress("workload-matched steps")),
         "ledger": ctx.ledger.summary(),
     }
+
+
+# ---- on the emulated cluster: the toy's own steps, the real workload's, and the paper's scale ------------------
+MATCHED_DATA_SEED = 1000
+"""Data order of the steps timed as the real workload (their losses are not used)."""
+PAPER_GPUS = (32, 64)
+"""The paper's two clusters (32 V100, 64 H100): its GPU counts, here on the emulated cluster's GPUs."""
+PAPER_TP, PAPER_PP = 4, 2
+"""How the extrapolation splits each job (an assumption: the paper's abstract does not say; EDGC sets a rank per
+pipeline stage, so pp > 1)."""
+PAPER_GLOBAL_BATCH = (16, 64, 256)
+"""Sequences (of the stand-in's length) per optimizer step in the extrapolation: the compute a step hides behind."""
+PHASES_KEYS = ("compute_s", "sync_s", "wire_s", "optimizer_s", "step_s", "compute_flops")
+
+
+def _mean_phases(steps: list[dict]) -> dict[str, float]:
+    return {k: statistics.fmean(s[k] for s in steps) for k in PHASES_KEYS}
+
+
+def emulated(ctx, cfg: dict, n_params: int, toy_steps: dict[str, list], going_on: dict, ranks: list,
+             progress) -> dict | None:
+    """On the emulated cluster (``launch(..., cluster=)``; None without one), per scheme (plain all-reduce, EDGC):
+
+    - ``toy``: seed 0's training steps after the warm-up as they ran, by phase (virtual seconds, the toy's shapes);
+    - ``matched``: seed 0's two runs go on, timed as ``cfg["stands_for"]`` on one sequence per rank
+      (``planner.dp_phase_scales``: forward and backward as its 6·Ψ·T FLOPs and its activations; the sync, the
+      codec and the optimizer as its gradient) for one window of steps (plain: one step, its ops are the same
+      every step). What this cannot scale: the rank-r factors grow with the gradient here, so the compressed bytes
+      keep the toy's ratio to the plain ones (at the real shapes, r·(n+m) against n·m, it is far smaller);
+    - ``codec_s_per_element`` / ``optimizer_s_per_element``: the matched sync's compute (its time less its wire
+      time) and the optimizer's, per gradient element of the real model; ``codec_ops``: the sync's ops, longest
+      first;
+    - ``check``: the cost model's traffic for the plain all-reduce at this run's own size against the wire time the
+      emulated run measured;
+    - ``extrapolation``: ``toolkit.comm.compressed_dp`` at the paper's GPU counts, the stand-in's real matrix
+      shapes and the rank EDGC settled on here (a cost model: labelled so wherever shown)."""
+    emu = ctx.emulator
+    if emu is None:
+        return None
+    from toolkit import planner
+    from toolkit.comm import compressed_dp as cost
+    from toolkit.runtime.bench import summarize
+    from toolkit.runtime.cluster import cluster as make_cluster
+    hw, world, warm = emu.cluster, ctx.world_size, cfg["edgc_warmup"]
+    real = planner.MODELS[cfg["stands_for"]]
+    toy_flops = toy_steps["baseline"][0]["compute_flops"]  # the same every step
+    scales = planner.dp_phase_scales(n_params, toy_flops, cfg["batch"] * cfg["seq_len"], _model_cfg(cfg).d_model,
+                                     real)
+    data = list(batches(cfg["batch"], cfg["seq_len"], cfg["window"], seed=MATCHED_DATA_SEED, rank=ctx.rank,
+                        world=world, device=ctx.device))
+    matched, matched_ops = {}, {}
+    for name, (model, opt, sync, steps) in going_on.items():
+        phases = []
+        for i, (x, y) in enumerate(data[:steps]):
+            phases.append(_step(ctx, model, opt, x, y, f"{name}/matched", sync, cfg["steps"] + i, scales)[2])
+            progress()
+        matched[name] = _mean_phases(phases)
+        matched_ops[name] = {op: statistics.fmean(p["sync_ops"].get(op, 0.0) for p in phases)
+                             for op in {op for p in phases for op in p["sync_ops"]}}
+    toy = {name: _mean_phases(steps[warm:]) for name, steps in toy_steps.items()}
+    real_elements = n_params * scales["gradient"]["bytes"]
+    codec = {name: (m["sync_s"] - m["wire_s"]) / real_elements for name, m in matched.items()}
+    codec_ops = {name: sorted(ops.items(), key=lambda kv: -kv[1]) for name, ops in matched_ops.items()}
+    optimizer = statistics.fmean(m["optimizer_s"] for m in matched.values()) / real_elements
+    here = cost.Layout(world, 1, 1, cfg["batch"] * cfg["seq_len"])  # the cost model at this run's own size
+    check = {"cost_model_s": cost.traffic_s(cost.dp_calls("allreduce", planner.Workload(params=real_elements), here,
+                                                          hw)),
+             "emulated_s": matched["baseline"]["wire_s"]}
+    rank = round(statistics.fmean(r for rk in ranks[warm:] for r in rk))
+    paper_hw, mfu = make_cluster(hw.name), planner.Assumptions().mfu
+    rows = []
+    for gpus in PAPER_GPUS:
+        for batch in PAPER_GLOBAL_BATCH:
+            lay = cost.Layout(gpus, PAPER_TP, PAPER_PP, batch * real.seq_len * PAPER_TP * PAPER_PP // gpus)
+            plain = cost.step("allreduce", real, lay, paper_hw, codec["baseline"], mfu, optimizer=optimizer)
+            low = cost.step("powersgd", real, lay, paper_hw, codec["edgc"], mfu, rank=rank, optimizer=optimizer)
+            rows.append({"gpus": gpus, "dp": lay.dp, "global_batch": batch, "tokens_per_replica": lay.tokens,
+                         "link": lay.dp_link(paper_hw).name, "plain": plain, "edgc": low,
+                         "sync_cut": 1 - low["sync_s"] / plain["sync_s"],
+                         "step_cut": 1 - low["step_s"] / plain["step_s"]})
+    bench = {scale: {name: {k: summarize([m[k]], 1, 0, "virtual").to_dict() for k in ("sync_s", "step_s")}
+                     for name, m in got.items()} for scale, got in (("toy", toy), ("matched", matched))}
+    return {"cluster": hw.name, "gpu": hw.gpu.name, "link": hw.link_between(list(range(world)), world).name,
+            "nodes": world // hw.per_node(world), "stands_for": cfg["stands_for"], "real_params": real.params,
+            "scales": scales, "toy": toy, "matched": matched, "bench": bench, "matched_steps": cfg["window"],
+            "codec_s_per_element": codec, "codec_ops": codec_ops, "optimizer_s_per_element": optimizer, "rank": rank,
+            "check": check,
+            "paper": {"tp": PAPER_TP, "pp": PAPER_PP, "mfu": mfu, "cluster": paper_hw.name}, "extrapolation": rows}
 
 
 # ---- invariants on random gradients (the tests launch this) ----------------------------------------

@@ -16,6 +16,7 @@ the technique on random tensors (used by the tests).
 from __future__ import annotations
 
 import copy
+import statistics
 
 import torch
 
@@ -25,7 +26,9 @@ from toolkit.data import batches, held_out_loss
 from toolkit.models.gpt import GPT, count_params, preset
 from toolkit.quant import dequantize_blockwise, hadamard32, qsnr_db, quantize_blockwise
 from toolkit.runtime import compat
+from toolkit.runtime.cluster import Cluster
 from toolkit.runtime.config import Param, common, require_ranks, resolve
+from toolkit.runtime.emulator import metered
 from toolkit.runtime.spread import compare
 
 MODES = {
@@ -40,16 +43,18 @@ PARAMS = {
     "snr_every": Param(int, "the SNR against an exact fp32 reduce-scatter is measured every snr_every steps", ge=1),
     "modes": Param(list, "the runs to train side by side (baseline first: the others are compared with it)",
                    of=str, choices=tuple(MODES)),
+    "stands_for": Param(str, "the real model the emulated cluster times the toy as (the workload-matched mode)",
+                        choices=("llama2-7b", "llama2-13b", "llama2-70b")),
 }
 # default: the smoke model's width (d=32) with 2 blocks and 64-token sequences, so that 4 modes x 3 seeds on
 # 4 ranks fit the course's time budget on a 2-core CPU; full: the full model, long runs (GPUs)
 PRESETS = {
     "smoke": dict(model="smoke", n_layer=2, seq_len=32, batch=8, steps=20, lr=3e-3, nodes=2, snr_every=5,
-                  eval_batches=4, seeds=3, modes=list(MODES)),
+                  eval_batches=4, seeds=3, modes=list(MODES), stands_for="llama2-7b"),
     "default": dict(model="smoke", n_layer=2, seq_len=64, batch=8, steps=32, lr=3e-3, nodes=2, snr_every=4,
-                    eval_batches=8, seeds=3, modes=list(MODES)),
+                    eval_batches=8, seeds=3, modes=list(MODES), stands_for="llama2-7b"),
     "full": dict(model="full", n_layer=12, seq_len=1024, batch=8, steps=2000, lr=6e-4, nodes=2, snr_every=50,
-                 eval_batches=16, seeds=3, modes=list(MODES)),
+                 eval_batches=16, seeds=3, modes=list(MODES), stands_for="llama2-7b"),
 }
 
 
@@ -79,47 +84,77 @@ def _replicas_identical(ctx, replica: torch.Tensor) -> bool:
     return bool((rows == rows[0]).all())
 
 
-def _train(ctx, model0: GPT, cfg: dict, mode: str, topo, seed: int, progress) -> dict:
+def _train(ctx, model0: GPT, cfg: dict, mode: str, topo, seed: int, progress) -> tuple[dict, GPT, ShardedDP]:
     """One run of ``mode`` from ``model0`` on the data order of ``seed``. Seed 0 records everything (loss
-    curve, SNR, bytes by link); other seeds only what the spread needs (losses) and the replica check."""
+    curve, SNR, bytes by link, on an emulated cluster each step's virtual time by phase); other seeds only what the
+    spread needs (losses) and the replica check. Returns the record, the model and its optimizer."""
     detail = seed == 0
     model = copy.deepcopy(model0)
     sdp = ShardedDP(model, SDPConfig(**MODES[mode], nodes=cfg["nodes"], seed=seed), topo, lr=cfg["lr"])
     led, seq = ctx.ledger, model.cfg.seq_len
     run_tag = mode if detail else f"{mode}@{seed}"
-    out = {"loss": [], "grad_snr_db": [], "weight_snr_db": [], "snr_steps": []}
+    out = {"loss": [], "grad_snr_db": [], "weight_snr_db": [], "snr_steps": [], "virtual": []}
     for step, (x, y) in enumerate(batches(cfg["batch"], seq, cfg["steps"], seed=1 + seed, rank=ctx.rank,
                                           world=ctx.world_size, device=ctx.device)):
-        sdp.zero_grad()
-        loss = model(x, y)
-        loss.backward()
-        with led.tag(f"{run_tag}:grads"):
-            shard_grad = sdp.reduce_scatter(step)
         snr_now = detail and step % cfg["snr_every"] == 0
-        if snr_now:  # against the exact fp32 mean, sent apart under its own tag
-            with led.tag("check"):
-                exact = reduce_scatter_fp32(sdp.grad)
-            out["snr_steps"].append(step)
-            out["grad_snr_db"].append(qsnr_db(exact, shard_grad))
-        sdp.apply(shard_grad)
-        with led.tag(f"{run_tag}:weights"):
-            sdp.gather_weights()
-        if snr_now:
-            out["weight_snr_db"].append(qsnr_db(sdp.master, sdp.replica[sdp.shard]))
+        loss, shard_grad, virtual = _step(ctx, model, sdp, x, y, run_tag, step, snr=out if snr_now else None)
+        out["virtual"].append(virtual)
         out["loss"].append(ctx.mean_over_ranks(loss))
         progress(mode, seed)
     out["replicas_identical"] = _replicas_identical(ctx, sdp.replica)
     out["eval_loss"] = held_out_loss(model, cfg["batch"], cfg["eval_batches"])
     out["padded_numel"] = sdp.padded
     if not detail:
-        return {k: out[k] for k in ("replicas_identical", "eval_loss")} | {"final_loss": out["loss"][-1]}
+        return {k: out[k] for k in ("replicas_identical", "eval_loss")} | {"final_loss": out["loss"][-1]}, model, sdp
     for phase in ("grads", "weights"):
         tag = f"{mode}:{phase}"
         out[f"{phase}_bytes_per_step"] = led.total("sent_bytes", tag=tag) // cfg["steps"]
         out[f"{phase}_bytes_by_link"] = {row["group"]: row["sent_bytes"] // cfg["steps"]
                                          for row in led.summary(("tag", "group")) if row["tag"] == tag}
     out["final_loss"] = out["loss"][-1]
-    return out
+    return out, model, sdp
+
+
+PHASES_KEYS = ("compute_s", "grads_s", "optimizer_s", "weights_s", "wire_s", "step_s", "compute_flops")
+"""A step's virtual seconds by phase (``wire_s``: the grads' and weights' transfers alone), and the FLOPs the
+emulator counted in its forward and backward (the toy's own)."""
+
+
+def _step(ctx, model: GPT, sdp: ShardedDP, x, y, tag: str, step: int, snr: dict | None = None,
+          scales: dict | None = None):
+    """One step: forward and backward, the gradients' reduce-scatter (ledger ``tag:grads``), AdamW on the master
+    shard, the weights' all-gather (``tag:weights``); with ``snr`` (the record to append to), the SNR against an
+    exact fp32 reduce-scatter, sent apart under the tag "check" and left out of the timing. Returns the loss, the
+    gradient shard and, on an emulated cluster, the step's virtual seconds by phase, its ops timed under
+    ``scales`` (``planner.dp_phase_scales``) when given."""
+    emu, led = ctx.emulator, ctx.ledger
+    scale = scales or {"compute": None, "gradient": None}
+    with metered(emu, scale["gradient"]) as zero:
+        sdp.zero_grad()
+    with metered(emu, scale["compute"]) as compute:
+        loss = model(x, y)
+        loss.backward()
+    with led.tag(f"{tag}:grads"), metered(emu, scale["gradient"]) as grads:
+        shard_grad = sdp.reduce_scatter(step)
+    if snr is not None:  # against the exact fp32 mean, sent apart under its own tag
+        with led.tag("check"):
+            exact = reduce_scatter_fp32(sdp.grad)
+        snr["snr_steps"].append(step)
+        snr["grad_snr_db"].append(qsnr_db(exact, shard_grad))
+    with metered(emu, scale["gradient"]) as optimizer:
+        sdp.apply(shard_grad)
+    with led.tag(f"{tag}:weights"), metered(emu, scale["gradient"]) as weights:
+        sdp.gather_weights()
+    if snr is not None:
+        snr["weight_snr_db"].append(qsnr_db(sdp.master, sdp.replica[sdp.shard]))
+    if emu is None:
+        return loss, shard_grad, None
+    phases = {"compute_s": zero["s"] + compute["s"], "grads_s": grads["s"], "optimizer_s": optimizer["s"],
+              "weights_s": weights["s"], "wire_s": grads["wire_s"] + weights["wire_s"]}
+    codec_ops = {op: grads["ops"].get(op, 0.0) + weights["ops"].get(op, 0.0)
+                 for op in {**grads["ops"], **weights["ops"]}}
+    return loss, shard_grad, {**phases, "step_s": phases["compute_s"] + phases["grads_s"] + phases["optimizer_s"]
+                              + phases["weights_s"], "compute_flops": compute["flops"], "codec_ops": codec_ops}
 
 
 def _static_snr(ctx, model0: GPT, cfg: dict, topo) -> dict:
@@ -155,18 +190,23 @@ def run(ctx, cfg: dict) -> dict:
     in full under ``runs``, every seed's held-out loss under ``seeds`` and the spread against the baseline."""
     cfg = validate(cfg, ctx.world_size)  # idempotent: launch validated it already
     topo = make_topology(cfg["nodes"], ctx.ledger)
-    done, total = 0, cfg["seeds"] * len(cfg["modes"]) * cfg["steps"]
+    matched_steps = len(MATCHED_MODES) if ctx.emulator is not None and set(MATCHED_MODES) <= set(cfg["modes"]) else 0
+    done, total = 0, cfg["seeds"] * len(cfg["modes"]) * cfg["steps"] + matched_steps
 
     def progress(mode, seed):
         nonlocal done
         done += 1
         ctx.progress(done, total, f"seed {seed}: {mode}")
 
-    runs, per_seed = {}, []
+    runs, per_seed, going_on = {}, [], {}
     for seed in range(cfg["seeds"]):
         torch.manual_seed(seed)
         model0 = GPT(_model_cfg(cfg)).to(ctx.device)
-        got = {mode: _train(ctx, model0, cfg, mode, topo, seed, progress) for mode in cfg["modes"]}
+        got = {}
+        for mode in cfg["modes"]:
+            got[mode], model, sdp = _train(ctx, model0, cfg, mode, topo, seed, progress)
+            if seed == 0 and mode in MATCHED_MODES:  # on an emulated cluster it goes on, timed as the real model
+                going_on[mode] = (model, sdp)
         if seed == 0:
             runs, first = got, model0
         per_seed.append({"seed": seed, "eval_loss": {m: r["eval_loss"] for m, r in got.items()},
@@ -174,9 +214,111 @@ def run(ctx, cfg: dict) -> dict:
                          "replicas_identical": {m: r["replicas_identical"] for m, r in got.items()}})
     spread = {m: compare([s["eval_loss"]["baseline"] for s in per_seed], [s["eval_loss"][m] for s in per_seed])
               for m in cfg["modes"] if m != "baseline"}
+    toy_steps = {mode: run.pop("virtual") for mode, run in runs.items()}
     return {"cfg": cfg, "world_size": ctx.world_size, "nodes": topo.nodes, "local": topo.local,
             "model": vars(first.cfg), "n_params": count_params(first), "runs": runs, "seeds": per_seed,
-            "spread": spread, "snr": _static_snr(ctx, first, cfg, topo), "ledger": ctx.ledger.summary()}
+            "spread": spread, "snr": _static_snr(ctx, first, cfg, topo),
+            "emulated": emulated(ctx, cfg, toy_steps, going_on, lambda: progress("timed as the real model", 0)),
+            "ledger": ctx.ledger.summary()}
+
+
+# ---- on the emulated cluster: the toy's own steps, the real workload's, and the paper's scale ------------------
+MATCHED_MODES = ("baseline", "sdp4bit")
+"""The runs timed as the real workload too (one step each: their ops are the same every step)."""
+MATCHED_DATA_SEED = 1000
+PAPER = dict(gpus=128, tp=8, pp=1, params=18e9, seq_len=2048, speedup=4.08)
+"""The paper's largest speed run: an 18B GPT on 128 H800 (16 nodes), tp 8, pp 1, one micro-batch per step
+(github.com/jindajia/SDP4Bit, README), and the end-to-end speed-up it claims; only the model's size matters to
+the cost model."""
+PAPER_INTER_SWEEP = (5e9, 10e9, 25e9, 46e9, 100e9, 200e9)
+"""Inter-node bandwidths per GPU (bytes/s) the extrapolation sweeps: the paper's cluster's is not given."""
+PAPER_MICRO_BATCH = (1, 2, 4)
+"""Sequences per micro-batch in the extrapolation (the README does not give it): the compute a step holds."""
+PAPER_GRAD_BYTES = (2, 4)
+"""The baseline's gradient bytes: bf16 (this lesson's baseline) and fp32 (Megatron-LM reduces a bf16 model's
+gradients in fp32: ``accumulate_allreduce_grads_in_fp32``, which the paper's Megatron fork sets for --bf16)."""
+
+
+def _mean_phases(steps: list[dict]) -> dict[str, float]:
+    return {k: statistics.fmean(s[k] for s in steps) for k in PHASES_KEYS}
+
+
+def emulated(ctx, cfg: dict, toy_steps: dict[str, list], going_on: dict, progress) -> dict | None:
+    """On the emulated cluster (``launch(..., cluster=)``; None without one), for the baseline and SDP4Bit:
+
+    - ``toy``: seed 0's training steps as they ran, by phase (virtual seconds, the toy's shapes);
+    - ``matched``: one more step of seed 0's runs timed as ``cfg["stands_for"]`` on one sequence per rank
+      (``planner.dp_phase_scales``: forward and backward as its 6·Ψ·T FLOPs and its activations, the codecs, the
+      transfers and the optimizer as its gradient; the quantized payloads scale with it, as they do for real);
+    - ``codec_s_per_element``: the matched grads' and weights' phases less their wire time, per gradient element;
+      ``codec_ops``: their ops, longest first;
+      ``optimizer_s_per_shard_element``: AdamW on the master shard, per element of the shard;
+    - ``check``: the cost model's traffic (``toolkit.comm.compressed_dp``) at this run's own size against the
+      wire time the emulated run measured, per scheme;
+    - ``extrapolation``: the cost model at the paper's scale (``PAPER``), labelled so wherever shown."""
+    emu = ctx.emulator
+    if emu is None or set(MATCHED_MODES) - set(going_on):  # no cluster, or modes without SDP4Bit
+        return None
+    from toolkit import planner
+    from toolkit.comm import compressed_dp as cost
+    from toolkit.runtime.bench import summarize
+    from toolkit.runtime.cluster import cluster as make_cluster
+    hw, world = emu.cluster, ctx.world_size
+    real = planner.MODELS[cfg["stands_for"]]
+    padded = going_on["baseline"][1].padded
+    tokens = cfg["batch"] * cfg["seq_len"]
+    scales = planner.dp_phase_scales(padded, toy_steps["baseline"][0]["compute_flops"], tokens,
+                                     _model_cfg(cfg).d_model, real)
+    x, y = next(batches(cfg["batch"], cfg["seq_len"], 1, seed=MATCHED_DATA_SEED, rank=ctx.rank, world=world,
+                        device=ctx.device))
+    matched = {}
+    for mode, (model, sdp) in going_on.items():
+        matched[mode] = _step(ctx, model, sdp, x, y, f"{mode}/matched", cfg["steps"], scales=scales)[2]
+        progress()
+    toy = {mode: _mean_phases(toy_steps[mode]) for mode in going_on}
+    elements = padded * scales["gradient"]["bytes"]  # the real gradient the matched step stands for
+    codec = {mode: (m["grads_s"] + m["weights_s"] - m["wire_s"]) / elements for mode, m in matched.items()}
+    codec_ops = {mode: sorted(m.pop("codec_ops").items(), key=lambda kv: -kv[1]) for mode, m in matched.items()}
+    optimizer = statistics.fmean(m["optimizer_s"] for m in matched.values()) / (elements / world)
+    schemes = {"baseline": "sharded", "sdp4bit": "sdp4bit"}
+    here = cost.Layout(world, 1, 1, tokens)
+    check = {mode: {"cost_model_s": cost.traffic_s(cost.dp_calls(schemes[mode], planner.Workload(params=elements),
+                                                                  here, hw)),
+                    "emulated_s": matched[mode]["wire_s"]} for mode in going_on}
+    paper_hw, mfu = make_cluster(hw.name), planner.Assumptions().mfu
+    w = planner.Workload(params=PAPER["params"], seq_len=PAPER["seq_len"])
+
+    def speedup(on: Cluster, micro_batch: int, g: int, codec_sdp: float) -> tuple[float, dict, dict]:
+        """The baseline's step time over SDP4Bit's on ``on``, and both steps (the cost model)."""
+        lay = cost.Layout(PAPER["gpus"], PAPER["tp"], PAPER["pp"], micro_batch * PAPER["seq_len"])
+        base = cost.step("sharded", w, lay, on, codec["baseline"], mfu, g=g, optimizer=optimizer / lay.dp)
+        fast = cost.step("sdp4bit", w, lay, on, codec_sdp, mfu, optimizer=optimizer / lay.dp)
+        return base["step_s"] / fast["step_s"], base, fast
+
+    rows = []
+    for micro_batch in PAPER_MICRO_BATCH:
+        for g in PAPER_GRAD_BYTES:
+            ratio, base, fast = speedup(paper_hw, micro_batch, g, codec["sdp4bit"])
+            rows.append({"micro_batch": micro_batch, "grad_bytes": g, "baseline": base, "sdp4bit": fast,
+                         "speedup": ratio, "speedup_free_codec": speedup(paper_hw, micro_batch, g, 0.0)[0]})
+    lay = cost.Layout(PAPER["gpus"], PAPER["tp"], PAPER["pp"], PAPER_MICRO_BATCH[0] * PAPER["seq_len"])
+    sweep = [{"inter_bytes_per_s": bw, **{f"g{g}": speedup(cost.with_inter(paper_hw, bw), 1, g, codec["sdp4bit"])[0]
+                                          for g in PAPER_GRAD_BYTES}}
+             for bw in PAPER_INTER_SWEEP]
+    needed = {f"g{g}": {kind: cost.inter_bandwidth_for(PAPER["speedup"], lambda on: speedup(on, 1, g, c)[0], paper_hw)
+                        for kind, c in (("measured", codec["sdp4bit"]), ("free", 0.0))} for g in PAPER_GRAD_BYTES}
+    extrapolation = {"rows": rows, "dp": lay.dp, "link": lay.dp_link(paper_hw).name, "sweep": sweep,
+                     "inter_needed": needed}
+    bench = {scale: {mode: summarize([m["step_s"]], 1, 0, "virtual").to_dict() for mode, m in got.items()}
+             for scale, got in (("toy", toy), ("matched", matched))}
+    return {"cluster": hw.name, "gpu": hw.gpu.name, "intra": hw.intra.name, "inter": hw.inter.name,
+            "nodes": world // hw.per_node(world), "per_node": hw.per_node(world), "stands_for": cfg["stands_for"],
+            "scales": scales, "toy": toy, "matched": matched, "bench": bench, "codec_s_per_element": codec,
+            "codec_ops": codec_ops,
+            "optimizer_s_per_shard_element": optimizer, "check": check,
+            "paper": {**PAPER, "mfu": mfu, "cluster": paper_hw.name, "inter": paper_hw.inter.name,
+                      "inter_bytes_per_s": paper_hw.inter.bytes_per_s},
+            "extrapolation": extrapolation}
 
 
 # ---- invariants on random tensors (the tests launch this) -------------------------------------------

@@ -12,6 +12,11 @@
                   (Algorithm 1: C1; Algorithm 2: fused dX)
     one checked step of each: loss, gradients against the reference, activation bytes, waits, collectives;
     then all three timed side by side (``toolkit.runtime.bench.compare``).
+    emulated      with ``launch(..., cluster=)``, twice: at the toy's shapes and matched to the paper's layer
+                  (``PAPER_LAYER``: every op at its FLOPs, every tensor at its activation's bytes; the toy's
+                  vocabulary-to-layer balance kept). Each rank times its passes on the virtual clock, every rank
+                  builds the vocabulary schedules from those gathered times (not from this machine's, which
+                  change from run to run), and one step of each run is read on the virtual clock, its spans too.
 """
 from __future__ import annotations
 
@@ -46,6 +51,9 @@ PRESETS = {
 }
 TOL = 1e-5  # fp32: the sharded softmax and the all-reduces only reorder sums
 RUNS = ("1f1b", "vocab-1", "vocab-2")
+PAPER_LAYER = {"tokens": 4096, "hidden": 3072, "ffn": 4 * 3072}
+"""The layer of the paper's setting (Yeung et al., section 6: hidden 3072, sequence 4096, micro-batch 1) that the
+emulated cluster's matched step times the toy's ops as (``planner.dense_layer_op``)."""
 
 
 def validate(cfg: dict, world_size: int) -> dict:
@@ -118,6 +126,7 @@ def run(ctx, cfg: dict) -> dict:
     def timeline() -> Timeline:
         t = Timeline(r)
         t.origin = ctx.timeline.origin  # aligned across ranks by the launch barrier
+        t.virtual = ctx.timeline.virtual  # the emulated cluster's clock, when there is one
         return t
 
     timed = {"1f1b": (*setup.executor(schedules["1f1b"], r, timeline=timeline()), None, None)}
@@ -145,8 +154,45 @@ def run(ctx, cfg: dict) -> dict:
         out["runs"][name]["timed_waits"] = ex.waits
         if passes is not None:
             out["runs"][name]["timed_comm_spans"] = passes.comm_spans
+    out["emulated"] = None if ctx.emulator is None else _emulated(ctx, cfg, setup, groups, timed, stepper, timeline)
     out["param_bytes"] = {"baseline": _param_bytes_baseline(setup, r, p),
                           "vocab": sum(q.numel() * q.element_size() for q in timed["vocab-2"][2].parameters())}
+    return out
+
+
+def _emulated(ctx, cfg: dict, setup: PipelineSetup, groups, timed: dict, stepper, timeline) -> dict:
+    """The three runs on the emulated cluster's clock, at the toy's shapes and matched to ``PAPER_LAYER``: in each
+    view every rank times its passes on the virtual clock, the vocabulary schedules are built from the gathered
+    times, and one step of each run is read on the virtual clock (deterministic: one is enough)."""
+    from toolkit import planner
+    emu, r, p, m = ctx.emulator, ctx.rank, ctx.world_size, setup.m
+    hw = emu.cluster
+    scales = planner.matched_scales(
+        planner.dense_layer_op(cfg["micro_batch"] * cfg["seq_len"], cfg["d_model"], 4 * cfg["d_model"], hw.float_bytes),
+        planner.dense_layer_op(PAPER_LAYER["tokens"], PAPER_LAYER["hidden"], PAPER_LAYER["ffn"], hw.float_bytes))
+    link = hw.link_between(list(range(p)), p)
+    out = {"cluster": hw.name, "gpu": hw.gpu.name, "link": link.name, "launch_s": hw.gpu.launch_s,
+           "scales": scales, "paper_layer": PAPER_LAYER}
+    for view, factors in (("toy", {}), ("matched", scales)):
+        with emu.scaled(**factors), ctx.ledger.tag(f"emulated/{view}"):
+            mine = _virtual_passes(emu, setup.fresh(), setup.inputs[0], setup.targets[0], r, p)
+            everyone = [None] * p
+            dist.all_gather_object(everyone, mine)
+            runs = {"1f1b": timed["1f1b"][:3]}
+            schedules = {}
+            for alg in vp.ALGORITHMS:
+                _, rows = measured_rows([{"times": t} for t in everyone], alg)
+                schedules[f"vocab-{alg}"] = vp.vocab_1f1b(p, m, alg, vp.StageCosts(rows))
+                model, stage, ex, passes = _vocab_executor(ctx, setup, schedules[f"vocab-{alg}"], groups,
+                                                           timeline=timeline())
+                runs[f"vocab-{alg}"] = (model, ex, stage, passes)
+            bench = compare({name: stepper(*run[:3]) for name, run in runs.items()}, warmup=0, steps=1, rounds=1,
+                            sync=ctx.barrier, clock="virtual")
+        out[view] = {"times": mine, "schedules": {name: s.to_strings() for name, s in schedules.items()}, "runs": {}}
+        for name, run in runs.items():
+            ex, passes = run[1], (run[3] if len(run) > 3 else None)
+            out[view]["runs"][name] = {"bench": bench[name].to_dict(), "spans": ex.timeline.to_json(),
+                                       "waits": ex.waits, "comm_spans": passes.comm_spans if passes else []}
     return out
 
 
@@ -173,8 +219,9 @@ def _param_bytes_baseline(setup: PipelineSetup, r: int, p: int) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
-def _time_passes(model, idx: torch.Tensor, tgt: torch.Tensor, r: int, p: int, steps: int) -> dict:
-    """Median seconds of each pass of this rank for one micro-batch, in both layouts."""
+def _passes(model, idx: torch.Tensor, tgt: torch.Tensor, r: int, p: int) -> dict:
+    """This rank's passes for one micro-batch, in both layouts, as functions to time (keys as ``measured_rows``
+    reads them)."""
     B, T = idx.shape
     V, D = model.cfg.vocab_size, model.cfg.d_model
     N = B * T
@@ -187,8 +234,6 @@ def _time_passes(model, idx: torch.Tensor, tgt: torch.Tensor, r: int, p: int, st
     W = model.head.out.weight[lo:hi].detach().clone()
     tok = model.embed.tok.weight[lo:hi].detach().clone().requires_grad_()
     X = torch.randn(N, D, device=dev)
-
-    med = lambda fn: _seconds(fn, steps)
 
     def base_f():
         y = stage(x_in)
@@ -210,13 +255,33 @@ def _time_passes(model, idx: torch.Tensor, tgt: torch.Tensor, r: int, p: int, st
     def input_fb():
         vp.partial_embedding(tok, idx, lo).backward(torch.ones(B, T, D, device=dev))
 
-    out = {"base_F": med(base_f), "base_FB": med(base_fb), "blocks_F": med(blocks_f), "blocks_FB": med(blocks_fb),
-           "input_F": med(lambda: vp.partial_embedding(tok.detach(), idx, lo)), "input_FB": med(input_fb)}
+    fns = {"base_F": base_f, "base_FB": base_fb, "blocks_F": blocks_f, "blocks_FB": blocks_fb,
+           "input_F": lambda: vp.partial_embedding(tok.detach(), idx, lo), "input_FB": input_fb}
     for alg in vp.ALGORITHMS:
         st = vp.s_pass(X, W, tgt.reshape(-1), lo, alg)
         st.alpha = torch.full((N,), 1.0 / p, device=dev)  # what C0 would set; the T pass cost does not depend on it
-        out[f"S{alg}"] = med(lambda: vp.s_pass(X, W, tgt.reshape(-1), lo, alg))
-        out[f"T{alg}"] = med(lambda: vp.t_pass(st, W, 1.0, alg))
+        fns[f"S{alg}"] = lambda alg=alg: vp.s_pass(X, W, tgt.reshape(-1), lo, alg)
+        fns[f"T{alg}"] = lambda alg=alg, st=st: vp.t_pass(st, W, 1.0, alg)
+    return fns
+
+
+def _time_passes(model, idx: torch.Tensor, tgt: torch.Tensor, r: int, p: int, steps: int) -> dict:
+    """Median seconds of each pass of this rank for one micro-batch, in both layouts."""
+    out = {name: _seconds(fn, steps) for name, fn in _passes(model, idx, tgt, r, p).items()}
+    model.zero_grad()
+    return out
+
+
+def _virtual_passes(emu, model, idx: torch.Tensor, tgt: torch.Tensor, r: int, p: int) -> dict:
+    """Each pass of this rank for one micro-batch on the emulated cluster's clock (deterministic: one call), from
+    an idle device to its end, as ``_time_passes`` times them on this machine."""
+    out = {}
+    for name, fn in _passes(model, idx, tgt, r, p).items():
+        emu.synchronize()
+        t0 = emu.now()
+        fn()
+        emu.synchronize()
+        out[name] = emu.now() - t0
     model.zero_grad()
     return out
 

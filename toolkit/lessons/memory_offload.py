@@ -2,7 +2,10 @@
 
     offload       one training run per place of the optimizer state: ZeRO with AdamW on the device, in host
                   memory (cpu, stream) or on disk (nvme, nvme_params), FSDP2 with and without CPU offload;
-                  each variant is a ``DataParallelTrainer`` (``toolkit.parallel.trainer``) with its optimizer
+                  each variant is a ``DataParallelTrainer`` (``toolkit.parallel.trainer``) with its optimizer;
+                  on an emulated cluster also the step of each ZeRO variant with its copies on the host link
+                  and its reads and writes on the disk, at the toy's shapes and matched to ``stands_for``,
+                  beside ``planner.offload_time`` (the closed form)
     nvme_buffers  the disk offload's optimizer step alone, over a grid of staging buffer counts and sizes
     spill         the saved tensors of checkpointed segments in a file-backed mapping (``DiskSpill``)
 
@@ -25,11 +28,18 @@ from toolkit.memory.spill import ALIGN, DiskSpill, article_custom_checkpoint_sav
 from toolkit.models import GPT, preset
 from toolkit.parallel.trainer import DataParallelTrainer
 from toolkit.parallel.zero import ZeroDataParallel, adamw, default_units
+from toolkit import planner
 from toolkit.planner import offload_memory, validate_offload_model
-from toolkit.runtime.bench import compare
+from toolkit.runtime.bench import compare, verdict
 from toolkit.runtime.memory import MemoryTracker
 
 OFFLOAD_VARIANTS = ("zero", "cpu", "stream", "nvme", "nvme_params", "fsdp2", "fsdp2_offload")
+EMULATED_VARIANTS = ("zero", "cpu", "stream", "nvme", "nvme_params")
+"""The variants whose copies and disk I/O the emulated cluster times (FSDP2's CPUOffloadPolicy copies nothing on
+a CPU-only machine, so its emulated step would leave them out)."""
+CLOSED_FORM = {"cpu": "cpu", "nvme": "nvme"}
+"""Variant -> ``planner.offload_time``'s option for it (stream and parameters on disk have no closed form there)."""
+LOCAL_LINKS = ("d2h", "h2d", "disk")
 
 
 def unit_numels(model_name: str) -> list[int]:
@@ -161,20 +171,28 @@ def offload(ctx, cfg: dict) -> dict:
         trainers[name] = tr
     # step time, all variants side by side (they keep training: the checks above are done)
     it = {name: iter(data * 1000) for name in names}
+    emu = ctx.emulator
+    last: dict[str, dict] = {}  # emulated: each variant's last step on the virtual clock
 
     def stepper(name):
         tr = trainers[name]
 
         def fn():
             x, y = next(it[name])
+            first, t0 = (len(emu.comms), emu.now()) if emu is not None else (0, 0.0)
             tr.fwd_bwd(x, y)
+            t1 = emu.now() if emu is not None else 0.0
             tr.step()
+            if emu is not None:
+                last[name] = {"fwd_bwd_s": t1 - t0, "step_s": emu.now() - t1, "start": t0, "optimizer_start": t1,
+                              "transfers": [c for c in emu.comms[first:] if c["link"] in LOCAL_LINKS]}
         return fn
 
     with ctx.ledger.tag("offload/timing"), ctx.part(len(names), len(names) + 2, "offload timing"):
         res = compare({name: stepper(name) for name in names}, warmup=cfg["warmup"], steps=cfg["bench_steps"],
                       rounds=cfg["rounds"], sync=ctx.barrier, on_round=ctx.progress)
     out["step_time_s"] = {name: r.mean_s for name, r in res.items()}
+    out["emulated"] = None if emu is None else _emulated(ctx, cfg, out, trainers, stepper, res, last)
     for name in ("nvme", "nvme_params"):
         if name in trainers:
             s = trainers[name].optimizer.stats[-cfg["bench_steps"]:]
@@ -195,6 +213,71 @@ def offload(ctx, cfg: dict) -> dict:
     out["planner_check"] = validate_offload_model(out["unit_numels"], ctx.world_size, cfg["stage"], out["memory"],
                                                   cfg["buffer_count"], cfg["buffer_size"])
     return out
+
+
+def _traffic(transfers: list[dict], optimizer_start: float) -> dict[str, dict]:
+    """One step's copies and disk I/O by kind (``d2h``, ``h2d``, ``read``, ``write``): calls, bytes on the target,
+    seconds on the link or drive, and the seconds of it before the optimizer step began (under forward and
+    backward)."""
+    out: dict[str, dict] = {}
+    for t in transfers:
+        row = out.setdefault(t["op"], {"calls": 0, "bytes": 0.0, "busy_s": 0.0, "before_step_s": 0.0})
+        row["calls"] += 1
+        row["bytes"] += t["bytes"]
+        row["busy_s"] += t["local_end"] - t["start"]
+        row["before_step_s"] += max(0.0, min(t["local_end"], optimizer_start) - t["start"])
+    return out
+
+
+def _optimizer_vstats(opt) -> dict | None:
+    """The optimizer's last step on the virtual clock (``OffloadAdamW.vstats``, ``DiskAdamW``'s ``v*`` stats)."""
+    if isinstance(opt, OffloadAdamW):
+        return dict(opt.vstats[-1])
+    if isinstance(opt, nvme.DiskAdamW):
+        return {k[1:]: v for k, v in opt.stats[-1].items() if k.startswith("v")}
+    return None
+
+
+def _emulated(ctx, cfg: dict, out: dict, trainers: dict, stepper, res: dict, last: dict) -> dict:
+    """The ZeRO variants on the emulated cluster's clock: their steps (forward + backward, optimizer), the copies
+    and disk I/O of one step, at the toy's shapes (from the timed steps) and matched to ``cfg["stands_for"]``'s
+    gradient and backward (one step each: the virtual clock is deterministic), each beside
+    ``planner.offload_time`` for the same workload, cluster, data parallelism and ZeRO stage."""
+    emu, n, hw = ctx.emulator, ctx.world_size, ctx.emulator.cluster
+    names = [v for v in EMULATED_VARIANTS if v in trainers]
+    real = planner.MODELS[cfg["stands_for"]]
+    tokens = cfg["batch"] * preset(cfg["model"]).seq_len
+    toy = planner.Workload(params=out["numel"])
+    scales = planner.matched_scales(planner.dp_grad_op(out["numel"], tokens, hw.float_bytes),
+                                    planner.dp_grad_op(real.params, real.seq_len * real.micro_batch, hw.float_bytes))
+
+    def view(bench: dict, workload: planner.Workload) -> dict:
+        base = bench["zero"]
+        rows = {}
+        for name in names:
+            step = last[name]
+            rows[name] = {"step_s": bench[name].mean_s, "fwd_bwd_s": step["fwd_bwd_s"], "optimizer_s": step["step_s"],
+                          "extra_s": bench[name].mean_s - base.mean_s,
+                          "verdict": verdict(base, bench[name]).to_dict() if name != "zero" else None,
+                          "optimizer": _optimizer_vstats(trainers[name].optimizer),
+                          "traffic": _traffic(step["transfers"], step["optimizer_start"]),
+                          "closed_form_s": (planner.offload_time(workload, n, 1, 1, cfg["stage"], CLOSED_FORM[name], hw)
+                                            if name in CLOSED_FORM else None)}
+        return rows
+
+    E = {"cluster": hw.name, "gpu": hw.gpu.name, "cpu": hw.cpu.name, "float_bytes": hw.float_bytes,
+         "host_link": {"name": hw.host.name, "bytes_per_s": hw.host.bytes_per_s, "latency_s": hw.host.latency_s},
+         "disk": {"name": hw.disk.name, "read_bytes_per_s": hw.disk.read_bytes_per_s,
+                  "write_bytes_per_s": hw.disk.write_bytes_per_s, "latency_s": hw.disk.latency_s},
+         "cpu_adam_bytes_per_s": planner.Assumptions().cpu_adam_bytes_per_s,
+         "toy": {"params": out["numel"], "tokens": tokens,
+                 "rows": view({name: res[name].virtual for name in names}, toy)}}
+    with emu.scaled(**scales), ctx.ledger.tag("offload/matched"):
+        bench = compare({name: stepper(name) for name in names}, warmup=0, steps=1, rounds=1, sync=ctx.barrier,
+                        clock="virtual")
+    E["matched"] = {"stands_for": cfg["stands_for"], "scales": scales, "params": real.params,
+                    "tokens": real.seq_len * real.micro_batch, "rows": view(bench, real)}
+    return E
 
 
 def _update_temporaries(n: int, device: torch.device) -> int:
@@ -252,9 +335,12 @@ def nvme_buffers(ctx, cfg: dict) -> dict:
     for (c, s), opt in opts.items():
         st = opt.stats[-cfg["bench_steps"]:]
         mean = {k: sum(x[k] for x in st) / len(st) for k in ("wait_read_s", "wait_write_s", "compute_s", "io_seconds")}
+        virtual = res[f"{c}x{s}"].virtual  # the emulated cluster's drive, when there is one
         rows.append({"buffer_count": c, "buffer_size": s, "host_bytes": opt.host_bytes(), "pieces": st[-1]["pieces"],
                      "io_calls": st[-1]["io_calls"], "bytes_read": st[-1]["bytes_read"],
-                     "bytes_written": st[-1]["bytes_written"], "step_s": res[f"{c}x{s}"].mean_s, **mean})
+                     "bytes_written": st[-1]["bytes_written"], "step_s": res[f"{c}x{s}"].mean_s, **mean,
+                     "vstep_s": virtual.mean_s if virtual is not None else None,
+                     **{k: st[-1][k] for k in ("vread_wait_s", "vwrite_wait_s") if k in st[-1]}})
     store.close()
     return {"rows": rows, "state_bytes": rows[0]["bytes_read"]}
 

@@ -27,6 +27,11 @@ The update is ``toolkit.memory.optim_offload.adamw_`` (torch's AdamW arithmetic,
 so states and parameters after a step are bitwise those of the in-memory run on a CPU. I/O is plain
 ``pread``/``pwrite`` on a worker thread (they release the GIL): on a machine with free RAM the page cache
 absorbs it, so the times measured here are page-cache times unless the file system bypasses it.
+
+On an emulated cluster (``toolkit.runtime.emulator``) every read and write is also a transfer on the cluster's
+NVMe drive (``disk_io``, one queue, the file's fp32 bytes), issued when the training thread submits it, and
+every copy one on the host link (``CopyEngine``); each ``result()`` the training thread waits on becomes the
+host waiting for that transfer, so ``stats`` also has the step's virtual times (``v*`` keys).
 """
 from __future__ import annotations
 
@@ -40,9 +45,10 @@ from pathlib import Path
 
 import torch
 
+from toolkit.runtime.emulator import element_bytes
 from toolkit.runtime.memory import MemoryTracker
 
-from .optim_offload import HYPER, CopyEngine, adamw_, on_host
+from .optim_offload import HYPER, CopyEngine, _VirtualStep, adamw_, host_update
 
 BLOCK_BYTES = 4096
 ELEM = 4  # fp32
@@ -270,6 +276,16 @@ class DiskAdamW(torch.optim.Optimizer):
             if kind in self.kinds:
                 io(buf[row, :hi - lo], self._offset(i, kind, lo))
 
+    def _piece_bytes(self, j: int) -> int:
+        """Bytes of piece ``j``'s rows in the file (m, v and, with ``offload_params``, p): what one I/O moves."""
+        i, lo, hi = self.pieces[j]
+        return (hi - lo) * ELEM * len(self.kinds)
+
+    def _disk(self, j: int, write: bool):
+        """Emulated: piece ``j``'s read or write on the cluster's disk, issued now (None without an emulator)."""
+        emu = self.copies.emu
+        return emu.disk_io(self._piece_bytes(j), write) if emu is not None else None
+
     def read_state(self, i: int) -> dict[str, torch.Tensor]:
         """Shard ``i``'s m and v (and p) read back from the file (for checks)."""
         n = self.params[i].numel()
@@ -291,10 +307,11 @@ class DiskAdamW(torch.optim.Optimizer):
         hyper = {k: self.param_groups[0][k] for k in ("lr", "betas", "eps", "weight_decay")}
         c, store = self.copies, self.store
         before, moved = store.counters(), dict(c.moved)
+        clock = _VirtualStep(c.emu, ("read_wait_s", "write_wait_s", "copy_wait_s"))
         wait_read = wait_write = compute = 0.0
         free = list(range(self.buffer_count))  # buffers not holding a piece
-        pending_write: dict[int, Future] = {}  # buffer -> its write-behind
-        reading: dict[int, tuple[int, Future]] = {}  # piece -> (buffer, read)
+        pending_write: dict[int, tuple[Future, object]] = {}  # buffer -> its write-behind (and its disk transfer)
+        reading: dict[int, tuple[int, Future, object]] = {}  # piece -> (buffer, read, its disk transfer)
         pieces = [j for j, (i, _, _) in enumerate(self.pieces) if self.params[i].grad is not None]
         issued = 0
 
@@ -303,39 +320,46 @@ class DiskAdamW(torch.optim.Optimizer):
             b = free.pop(0)
             if b in pending_write:  # the buffer's last piece must be on disk before it is refilled
                 t0 = time.perf_counter()
-                pending_write.pop(b).result()
+                fut, written = pending_write.pop(b)
+                fut.result()
+                clock.wait(written, "write_wait_s", host=True)
                 wait_write += time.perf_counter() - t0
-            reading[pieces[issued]] = (b, store.submit(self._piece_io, pieces[issued], b, store.read))
+            j = pieces[issued]
+            reading[j] = (b, store.submit(self._piece_io, j, b, store.read), self._disk(j, write=False))
             issued += 1
 
         for k, j in enumerate(pieces):
             while issued < len(pieces) and free and issued < k + self.buffer_count:
                 issue()
-            b, fut = reading.pop(j)
+            b, fut, read = reading.pop(j)
             t0 = time.perf_counter()
             fut.result()
+            clock.wait(read, "read_wait_s", host=True)  # the host update reads the state
             wait_read += time.perf_counter() - t0
             i, lo, hi = self.pieces[j]
             p, buf, n = self.params[i], self.buffers[b], hi - lo
             t0 = time.perf_counter()
             m, v, pp, g = buf[0, :n], buf[1, :n], buf[2, :n], buf[3, :n]
-            c.copy(g, p.grad.reshape(-1)[lo:hi], "d2h")
+            down = c.copy(g, p.grad.reshape(-1)[lo:hi], "d2h")
             if not self.offload_params:
-                c.copy(pp, p.detach().view(-1)[lo:hi], "d2h")
+                down = c.copy(pp, p.detach().view(-1)[lo:hi], "d2h")
             if c.cuda:
                 torch.cuda.current_stream(c.device).synchronize()  # the rows must have landed for the host update
-            with on_host():
+            clock.wait(down, "copy_wait_s", host=True)
+            with host_update():
                 adamw_(pp, g, m, v, self.steps, **hyper)
             if not self.offload_params:
-                c.copy(p.detach().view(-1)[lo:hi], pp, "h2d")
+                up = c.copy(p.detach().view(-1)[lo:hi], pp, "h2d")
                 if c.cuda:
                     torch.cuda.current_stream(c.device).synchronize()  # before the buffer is written and refilled
+                clock.wait(up, "copy_wait_s", host=True)
             compute += time.perf_counter() - t0
-            pending_write[b] = store.submit(self._piece_io, j, b, store.write)
+            pending_write[b] = (store.submit(self._piece_io, j, b, store.write), self._disk(j, write=True))
             free.append(b)
         t0 = time.perf_counter()
-        for f in pending_write.values():
-            f.result()
+        for fut, written in pending_write.values():
+            fut.result()
+            clock.wait(written, "write_wait_s", host=True)
         wait_write += time.perf_counter() - t0
         c.join()
         self.steps += 1
@@ -345,7 +369,8 @@ class DiskAdamW(torch.optim.Optimizer):
                            "io_seconds": after["io_seconds"] - before["io_seconds"], "wait_read_s": wait_read,
                            "wait_write_s": wait_write, "compute_s": compute, "pieces": len(pieces),
                            "io_calls": after["reads"] + after["writes"] - before["reads"] - before["writes"],
-                           **{k: c.moved[k] - moved[k] for k in moved}})
+                           **{k: c.moved[k] - moved[k] for k in moved},
+                           **{f"v{k}": t for k, t in (clock.done() or {}).items()}})
         if self.params_on_disk is not None:
             self.params_on_disk.new_step()
 
@@ -374,7 +399,7 @@ class DiskParams:
         self.index = [index[id(u.shard)] for u in self.units]
         width = max(u.shard_numel for u in self.units)
         self.slots = [self.copies.host_empty(width) for _ in range(optimizer.buffer_count)]
-        self.slot_of: dict[int, tuple[int, Future]] = {}  # unit -> (slot, read)
+        self.slot_of: dict[int, tuple[int, Future, object]] = {}  # unit -> (slot, read, its emulated transfer)
         self.order: list[int] = []  # the order units were asked for in the previous step
         self.asked: list[int] = []  # ... and in this one
         self.served_slot: int | None = None
@@ -396,7 +421,7 @@ class DiskParams:
 
     def new_step(self) -> None:
         """The optimizer wrote new values: forget read-aheads, keep this step's order for the next."""
-        for _, fut in self.slot_of.values():
+        for _, fut, _ in self.slot_of.values():
             fut.result()
         self.slot_of.clear()
         self.last_step_bytes, self._mark = self.bytes_read - self._mark, self.bytes_read
@@ -408,10 +433,12 @@ class DiskParams:
         self.bytes_read += u.shard_numel * ELEM
 
     def _start(self, k: int) -> None:
-        busy = {s for s, _ in self.slot_of.values()} | ({self.served_slot} if self.served_slot is not None else set())
+        busy = {s for s, _, _ in self.slot_of.values()} | ({self.served_slot} if self.served_slot is not None else set())
         free = [s for s in range(len(self.slots)) if s not in busy]
         if free and k not in self.slot_of:
-            self.slot_of[k] = (free[0], self.opt.store.submit(self._read, k, free[0]))
+            emu = self.copies.emu
+            read = emu.disk_io(self.units[k].shard_numel * ELEM, write=False) if emu is not None else None
+            self.slot_of[k] = (free[0], self.opt.store.submit(self._read, k, free[0]), read)
 
     def fetch(self, k: int) -> torch.Tensor:
         """Unit ``k``'s shard values, for its all-gather (read now, or taken from a read-ahead)."""
@@ -422,7 +449,7 @@ class DiskParams:
             stale = next(iter(self.slot_of))
             self.slot_of.pop(stale)[1].result()
             self._start(k)
-        slot, fut = self.slot_of.pop(k)
+        slot, fut, read = self.slot_of.pop(k)
         fut.result()
         pos = len(self.asked)
         self.asked.append(k)
@@ -436,4 +463,8 @@ class DiskParams:
             self.copies.copy(dev, values, "h2d")  # synchronous enough: the all-gather runs on the same stream after it
             torch.cuda.current_stream(self.copies.device).synchronize()  # the slot is refilled by the I/O thread
             return dev
+        emu = self.copies.emu
+        if emu is not None:  # emulated: the shard goes up once read; the all-gather after it waits for both
+            read.wait_host()
+            emu.host_copy(values.numel() * element_bytes(values.dtype, emu.cluster.float_bytes), to_host=False).wait()
         return values

@@ -208,7 +208,8 @@ def vocab_1f1b(p: int, m: int, algorithm: int, costs) -> VocabSchedule:
     instead of waiting, which is where the paper's p+1 and p+2 micro-batches of activations come from).
     Then for i = 0..m-1 simulate (``costs``: anything ``simulate`` takes) and insert S(q, i) on every
     rank q before its first action that starts after F(last, i) ends, and T(q, i) before the first that
-    starts after the last S(., i) ends::
+    starts after the last S(., i) ends; a pass that B(last, i) waits for (S, and Algorithm 1's T) goes before
+    B(q, i) at the latest, which waits for B(last, i) (at skewed costs the rule alone could put it after)::
 
         rank q:  .. F B F [S(i)] B F [T(i)] B ..        S(i) ready: X of micro-batch i broadcast
                                                         T(i) ready: C0 done on every rank
@@ -237,6 +238,8 @@ def vocab_1f1b(p: int, m: int, algorithm: int, costs) -> VocabSchedule:
                 after_vocab = max((n + 1 for n, a in enumerate(sched.ranks[q]) if a.op in "ST"), default=0)
                 pos = next((n for n in range(after_vocab, len(starts))
                             if starts[n] >= ready + (comm if q != p - 1 else 0.0)), len(starts))
+                if op == "S" or algorithm == 1:  # B(last, i) needs it, and B(q, i) needs B(last, i)
+                    pos = min(pos, sched.ranks[q].index(Action("B", q, i)))
                 sched.ranks[q].insert(pos, Action(op, q, i))
             sched.placed = i + 1 if op == "T" else i + 0.5
     return sched.check()

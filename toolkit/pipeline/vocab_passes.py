@@ -26,6 +26,7 @@ from toolkit.pipeline.executor import ActivationMeter, ExecutorHook, completed, 
 from toolkit.pipeline.schedule import Action
 from toolkit.pipeline.vocab_parallel import (SState, VocabSchedule, c0, dx_fused, partial_embedding, s_pass,
                                              shard_rows, t_pass)
+from toolkit.runtime.emulator import current as current_emulator
 
 GROUPS = ("input", "x", "c0", "dx", "c1")
 """One process group per stream of collectives. Inside a group every rank issues in micro-batch order, whatever
@@ -84,6 +85,23 @@ class _ToShards(torch.autograd.Function):
         return ctx.passes.output_grad(ctx.mb).view(ctx.shape), None, None
 
 
+class _CommJob:
+    """A job on the comm thread. ``wait()`` blocks until it has run and, on an emulated cluster, moves this
+    thread's clock to the job's virtual end (the CUDA code blocks the same way: the job synchronizes its side
+    stream before it returns); ``result()`` is its value."""
+
+    def __init__(self, future, emu):
+        self.future, self.emu = future, emu
+
+    def wait(self) -> None:
+        _, vend = self.future.result()
+        if vend is not None:
+            self.emu.join(vend)
+
+    def result(self):
+        return self.future.result()[0]
+
+
 class VocabPasses(ExecutorHook):
     """The pipeline executor's hook for a ``VocabSchedule``: its S and T actions on every rank, the input layer
     around the step, the collectives asynchronously::
@@ -109,7 +127,8 @@ class VocabPasses(ExecutorHook):
         step end     all ranks  wait the dE broadcasts, push dE into the token rows; finish the comm thread
 
     The comm thread is the CPU counterpart of the paper's side stream for C0 (on CUDA it runs its kernels on a
-    side stream). Each group's collectives are issued in micro-batch order on every rank (``collectives``
+    side stream). On an emulated cluster it carries the virtual time it was handed (``Emulator.worker``: its
+    ops and collectives on its own clock), and a wait for its result moves the waiting thread to the job's end. Each group's collectives are issued in micro-batch order on every rank (``collectives``
     records (group, "what micro-batch") in issue order), so they match whatever a rank's action order is.
 
     The input layer runs ahead: the tokens are known before the step, so rank 0's summed embeddings of all m
@@ -146,37 +165,44 @@ class VocabPasses(ExecutorHook):
         return fn(*args, group=self.groups[group], **kwargs)
 
     def _wait(self, what: str, mb: int, work) -> None:
-        timeline = self.executor.timeline
-        start = time.perf_counter()
-        work.wait() if hasattr(work, "wait") else work.result()
+        timeline, emu = self.executor.timeline, current_emulator()
+        start, vstart = time.perf_counter(), emu.now() if emu is not None else None
+        work.wait()
         end = time.perf_counter()
         self.executor.waits.append({"msg": what, "stage": self.executor.rank, "mb": mb, "chunk": 0,
                                     "seconds": end - start, "pair": False,
-                                    **({"start": start - timeline.origin} if timeline is not None else {})})
+                                    **({"start": start - timeline.origin} if timeline is not None else {}),
+                                    **({"vseconds": emu.now() - vstart} if emu is not None else {})})
 
-    def _on_comm_thread(self, what: str, mb: int, fn):
+    def _on_comm_thread(self, what: str, mb: int, fn) -> "_CommJob":
         """Run ``fn`` on the comm thread after everything queued before it (FIFO, one worker)."""
-        device, event = self.executor.device, None
+        device, event, emu = self.executor.device, None, current_emulator()
         if device.type == "cuda":
             event = torch.cuda.Event()
             event.record()
+        stamp = emu.fork() if emu is not None else 0.0  # emulated: the job starts no earlier than now
 
         @torch.no_grad()  # grad mode is per thread: the passes compute their gradients by hand
         def job():
             start = time.perf_counter()
-            if event is None:
-                out = fn()
-            else:  # its kernels on a side stream, after the main stream's work so far; done when it returns
-                torch.cuda.set_device(device)
-                with torch.cuda.stream(self._side):
-                    self._side.wait_event(event)
+            with emu.worker(stamp) if emu is not None else contextlib.nullcontext():
+                vstart = emu.now() if emu is not None else None  # after the thread's earlier jobs
+                if event is None:
                     out = fn()
-                    self._side.synchronize()
+                else:  # its kernels on a side stream, after the main stream's work so far; done when it returns
+                    torch.cuda.set_device(device)
+                    with torch.cuda.stream(self._side):
+                        self._side.wait_event(event)
+                        out = fn()
+                        self._side.synchronize()
+                vend = emu.now() if emu is not None else None
             self.comm_spans.append({"kind": what, "mb": mb, "start": start - self._origin,
-                                    "end": time.perf_counter() - self._origin})
-            return out
+                                    "end": time.perf_counter() - self._origin,
+                                    **({"vstart": vstart, "vend": vend} if emu is not None else {})})
+            return out, vend
 
-        return self._pool.submit(job)
+        self._last_job = _CommJob(self._pool.submit(job), emu)
+        return self._last_job
 
     # -- the input layer ----------------------------------------------------------------------------
     def _input_forward(self, inputs: list[torch.Tensor]) -> None:
@@ -324,6 +350,7 @@ class VocabPasses(ExecutorHook):
         self.vocab_meter = ActivationMeter(self.stage.parameters())
         self._input_forward(inputs)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vocab-comm")
+        self._last_job: _CommJob | None = None
 
     def step_failed(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -332,6 +359,8 @@ class VocabPasses(ExecutorHook):
         """Finish the input layer and the comm thread; the mean loss of the step (on every rank)."""
         ex = self.executor
         self._pool.shutdown(wait=True)
+        if self._last_job is not None:  # the step ends when the comm thread's last job has (FIFO: all of them)
+            self._last_job.wait()
         for mb, (work, dE) in sorted(self._dE.items()):
             work.wait()
             if ex.rank != 0:

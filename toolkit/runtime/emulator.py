@@ -22,29 +22,36 @@ target cluster (``toolkit.runtime.cluster``), one virtual clock per rank. This i
                                                    stream to max(stream, done), as NCCL's wait orders the compute
                                                    stream after the transfer: the exposed part is what now moved
 
-    step time on the target = difference of the clock around the step (``bench`` with ``clock="virtual"``)
+    step time on the target = difference of the clock around the step (``bench`` with ``clock="virtual"``;
+    ``metered()``: a block's virtual seconds, the seconds its transfers held their links, its FLOPs and ops)
 
 What the models take, what they leave out:
-- Compute: FLOPs as ``torch.utils.flop_counter`` counts them (matmuls and attention; other ops 0) and bytes as the
-  op's tensor inputs plus outputs. Float tensors are timed at ``Cluster.float_bytes`` per element (bf16 on the GPU,
-  whatever the CPU run holds, usually fp32). Every op that launches a kernel costs the host ``GPU.launch_s``; the
+- Compute: FLOPs as ``torch.utils.flop_counter`` counts them (matmuls and attention), and QR and SVD by Golub & Van
+  Loan's counts (``qr_flops``, ``svd_flops``: flop_counter has none); other ops 0 (their bytes time them). Bytes: the
+  op's tensor inputs plus outputs. A factorisation is timed at the bf16 peak like a GEMM and charged one launch:
+  optimistic for cuSOLVER, whose fp32 kernels at a compressor's thin shapes are latency-bound and several. Float
+  tensors are timed at ``Cluster.float_bytes`` per element (bf16 on the GPU, whatever the CPU run holds, usually
+  fp32). Every op that launches a kernel costs the host ``GPU.launch_s``; the
   host runs ahead of the stream, so launches hide behind long kernels and dominate short ones (inside
   ``graph_replay()`` the host pays one launch for all). ``scaled(flops=, bytes=)`` multiplies every op's FLOPs
   and every tensor's bytes, transfers included (the workload-matched mode: a toy's ops timed as the real model's).
 - Communication: Hockney α–β per call on the link the group spans (``Cluster.link_between``), bytes as the ledger
   counts them (nccl-tests' bus-bandwidth convention). A rank's transfers queue on its own link (one at a time,
-  in issue order); contention *between* ranks (two ranks sharing a switch port, a NIC shared by two flows of
-  different ranks) is not modelled. A late peer delays a collective's completion but not this rank's link.
+  in issue order; a side thread's in a queue of its own); contention *between* ranks (two ranks sharing a switch
+  port, a NIC shared by two flows of different ranks) is not modelled. A late peer delays a collective's
+  completion but not this rank's link.
 - Host: the CPU time of Python and of the dispatcher is not charged; the launch term stands for it. One stream per
   host thread (compute and communication kernels do not contend for the GPU's SMs).
 
 The measured CPU time of every op is kept beside its modelled time (``report()["ops"]``), never driving the clock.
-Clocks are per thread; a thread that takes work from another carries its time with ``fork()`` / ``join(stamp)``.
+Clocks are per thread; a thread that takes work from another carries its time with ``fork()`` / ``join(stamp)``
+(``worker(stamp)`` also times the ATen ops it runs).
 Everything here is deterministic: the same job gives the same virtual times on any machine, at any load.
 """
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 import time
 from collections import defaultdict
@@ -98,13 +105,43 @@ def _sdpa_cpu_backward_flops(grad_out, q, k, v, *args, out_val=None, **kwargs) -
     return sdpa_backward_flop_count(grad_out.shape, q.shape, k.shape, v.shape)
 
 
+def _batch_l_k(a: torch.Tensor) -> tuple[int, int, int]:
+    """(matrices in the batch, longer side l, shorter side k) of a [..., m, n] input."""
+    m, n = a.shape[-2], a.shape[-1]
+    return math.prod(a.shape[:-2]), max(m, n), min(m, n)
+
+
+def qr_flops(a: torch.Tensor, mode: str = "reduced", *args, out_val=None, **kwargs) -> int:
+    """Householder QR of [..., m, n] (LAPACK geqrf): 2lk² − 2k³/3 per matrix, l = max(m, n), k = min(m, n); forming
+    Q (orgqr, modes "reduced" and "complete") as much again (Golub & Van Loan, Matrix Computations, 4th ed., 5.2)."""
+    batch, l, k = _batch_l_k(a)
+    factor = 2 * l * k * k - 2 * k ** 3 / 3
+    return int(batch * factor * (1 if mode == "r" else 2))
+
+
+def svd_flops(a: torch.Tensor, full_matrices: bool = False, compute_uv: bool = True, *args, out_val=None,
+              **kwargs) -> int:
+    """SVD of [..., m, n] by Golub–Kahan–Reinsch, per matrix (Golub & Van Loan, 4th ed., Fig. 8.6.1): the values only
+    4lk² − 4k³/3; with thin U and V 14lk² + 8k³; with full U and V 4l²k + 8lk² + 9k³."""
+    batch, l, k = _batch_l_k(a)
+    if not compute_uv:
+        per = 4 * l * k * k - 4 * k ** 3 / 3
+    elif full_matrices:
+        per = 4 * l * l * k + 8 * l * k * k + 9 * k ** 3
+    else:
+        per = 14 * l * k * k + 8 * k ** 3
+    return int(batch * per)
+
+
 def _flop_formulas() -> dict:
-    """flop_counter's registry, plus the CPU flash-attention kernels it does not list (same formulas)."""
+    """flop_counter's registry (matmuls, convolutions, attention), plus the CPU flash-attention kernels it does not
+    list (same formulas) and the factorisations a compressor runs (QR, SVD: flop_counter counts them as 0)."""
     from torch.utils.flop_counter import flop_registry
     table = dict(flop_registry)
     aten = torch.ops.aten
     for name, formula in (("_scaled_dot_product_flash_attention_for_cpu", _sdpa_cpu_flops),
-                          ("_scaled_dot_product_flash_attention_for_cpu_backward", _sdpa_cpu_backward_flops)):
+                          ("_scaled_dot_product_flash_attention_for_cpu_backward", _sdpa_cpu_backward_flops),
+                          ("linalg_qr", qr_flops), ("_linalg_svd", svd_flops)):
         if hasattr(aten, name):
             table[getattr(aten, name)] = formula
     return table
@@ -136,11 +173,12 @@ def _bytes(tensors, float_bytes: int) -> int:
 
 
 def op_cost(func, args, kwargs, out, float_bytes: int, formulas: dict) -> tuple[float, float]:
-    """(FLOPs, bytes moved) of one ATen op: FLOPs by flop_counter's formulas; bytes = tensors read (the inputs,
-    not an ``out=`` buffer, which is only written) + tensors written (the outputs)."""
+    """(FLOPs, bytes moved) of one ATen op: FLOPs by ``formulas`` (``_flop_formulas``); bytes = tensors read (the
+    inputs, not the ``out=`` buffers, which are only written) + tensors written (the outputs)."""
     packet = func.overloadpacket
     flops = float(formulas[packet](*args, **kwargs, out_val=out)) if packet in formulas else 0.0
-    read = _tensors((args, {k: v for k, v in kwargs.items() if k != "out"}))
+    written = {a.name for a in func._schema.arguments if a.is_out}  # out=, or Q=/R= of linalg_qr.out
+    read = _tensors((args, {k: v for k, v in kwargs.items() if k not in written}))
     if str(packet) in GATHER_LIKE:
         index = [t for t in read if not t.dtype.is_floating_point]
         nbytes = _bytes(index, float_bytes) + 2 * _bytes(_tensors(out), float_bytes)
@@ -267,9 +305,21 @@ class Emulator:
         return self.now()
 
     def join(self, stamp: float) -> None:
-        """This thread continues work handed over at ``stamp`` (its host and stream move there if behind)."""
+        """This thread continues work handed over at ``stamp`` (its host and stream move there if behind; a thread
+        without a clock yet starts at ``stamp``, not where the main thread happens to be now)."""
+        if getattr(self._local, "clock", None) is None and threading.get_ident() != self._main:
+            self._local.clock = _Clock(stamp, stamp)
         clock = self._clock()
         clock.host, clock.stream = max(clock.host, stamp), max(clock.stream, stamp)
+
+    @contextlib.contextmanager
+    def worker(self, stamp: float):
+        """On a thread of its own (a comm thread, a pool's worker): the work inside was handed over at ``stamp``
+        (``fork()`` on the thread that handed it). The clock joins the stamp, and the block's ATen ops are timed
+        on this thread's clock, as the main thread's are (a dispatch mode is per thread)."""
+        self.join(stamp)
+        with ComputeTimer(self):
+            yield self
 
     @contextlib.contextmanager
     def scaled(self, flops: float = 1.0, bytes: float = 1.0):  # noqa: A002 - the name of what is scaled
@@ -286,6 +336,32 @@ class Emulator:
             yield self
         finally:
             self.flop_scale, self.byte_scale = previous
+
+    @contextlib.contextmanager
+    def metered(self, flops: float = 1.0, bytes: float = 1.0):  # noqa: A002 - as scaled()
+        """The block on this thread's clock, under ``scaled(flops, bytes)``: yields a dict that holds, once the
+        block ends, ``s`` (the virtual seconds it took), ``wire_s`` (the seconds its transfers and copies held
+        their links), ``flops`` (the FLOPs its ops counted, unscaled: the program's own) and ``ops`` (each op's
+        modelled kernel seconds in the block, by name)."""
+        got: dict = {}
+        with self._lock:
+            before = {name: row["model_s"] for name, row in self.ops.items()}
+        first, t0, f0 = len(self.comms), self.now(), self.flops()
+        with self.scaled(flops, bytes):
+            yield got
+        with self._lock:
+            ops = {name: row["model_s"] - before.get(name, 0.0) for name, row in self.ops.items()}
+        got.update(s=self.now() - t0, flops=self.flops() - f0, ops={k: v for k, v in ops.items() if v > 0},
+                   wire_s=sum(c["local_end"] - c["start"] for c in self.comms[first:] if c["local_end"] is not None))
+
+    def tensor_bytes(self, tensors) -> float:
+        """Bytes of ``tensors`` on the target (floats at ``Cluster.float_bytes`` per element), unscaled."""
+        return float(_bytes(_tensors(tensors), self.cluster.float_bytes))
+
+    def flops(self) -> float:
+        """FLOPs counted so far on this rank (unscaled)."""
+        with self._lock:
+            return sum(row["flops"] for row in self.ops.values())
 
     @contextlib.contextmanager
     def graph_replay(self):
@@ -319,6 +395,11 @@ class Emulator:
             self._local.internal = previous
             if ledger is not None:
                 ledger.emulator = self
+
+    @property
+    def timing(self) -> bool:
+        """Whether this thread's ops are timed now (False inside ``paused``, ``untimed`` and ``internal``)."""
+        return not getattr(self._local, "internal", False)
 
     @contextlib.contextmanager
     def internal(self):
@@ -406,14 +487,24 @@ class Emulator:
                                       else dist.get_process_group_ranks(group))
         return self._group_ranks[key]
 
+    def _queue(self, link_name: str) -> str:
+        """The queue a transfer of this thread waits in: the link's, or, from a side thread, one of its own on
+        that link (NCCL: a communicator on the thread's own stream). Ordering a side thread's transfers behind
+        the main thread's would follow the threads' real interleaving, not the virtual clock; contention between
+        the two queues is not modelled, as between ranks."""
+        if threading.get_ident() == self._main:
+            return link_name
+        return f"{link_name} [{threading.current_thread().name}]"
+
     def _transfer(self, op: str, peers: list[int], sent_bytes: float, tag: str) -> tuple[float, dict]:
         """Queue one transfer on this rank's link to ``peers``: returns (its local end, its record)."""
         link = self.cluster.link_between([self.rank] + peers, self.world_size)
         issue = self.now()
+        queue = self._queue(link.name)
         with self._lock:
-            start = max(issue, self._link_free[link.name])
+            start = max(issue, self._link_free[queue])
             end = start + link.seconds(sent_bytes)
-            self._link_free[link.name] = end
+            self._link_free[queue] = end
             rec = {"op": op, "tag": tag, "link": link.name, "bytes": sent_bytes, "issue": issue, "start": start,
                    "local_end": end, "done": None, "exposed": None}
             self.comms.append(rec)
@@ -659,6 +750,12 @@ class EmulatedWork:
 
     def __getattr__(self, name):
         return getattr(self._work, name)
+
+
+def metered(emu: Emulator | None, scale: dict[str, float] | None = None):
+    """``emu.metered(**scale)`` (the program's own sizes when ``scale`` is None), or, without an emulator, a block
+    that measures nothing (it yields an empty dict)."""
+    return contextlib.nullcontext({}) if emu is None else emu.metered(**(scale or {}))
 
 
 def build(spec, rank: int, world_size: int) -> Emulator:
