@@ -11,11 +11,12 @@ before it made::
     2 experts     expert_parallel(model, ep group, codec)                                   toolkit.moe
                   every MoE layer now dispatches its tokens to the expert's rank (all-to-all)
                   a2a_codec="int8": tokens travel as int8 + scales (bf16 combine)
-                  (moe_overlap is refused: toolkit.moe.overlap runs a whole model, not a stage)
     3 pipeline    make_schedule(1f1b | dualpipev) + split_stages + PipelineExecutor       toolkit.pipeline
                   this rank keeps only its stages; p2p inside the pp group
                   vocab_parallel: vocab_1f1b + VocabStage + the VocabPasses hook (the output layer and
                   the embedding split over every pipeline rank)
+                  moe_overlap (DualPipeV): the EPOverlap hook runs every F&B pair with one half's expert
+                  all-to-alls under the other half's compute (toolkit.pipeline.ep_overlap)
     4 DP comm     the replicated gradients of each stage averaged over dp                 toolkit.comm
                   dp_comm="allreduce": PowerSGDReducer at rank None (one flat all-reduce per stage)
                   dp_comm="edgc": EDGC, low rank per stage from the gradient's entropy
@@ -24,7 +25,7 @@ before it made::
                   "bf16_residual": ReuseAdamW (bf16 weights + int16 residual = the fp32 master)  toolkit.memory
     6 memory      offload != "none": the Offload hook, ActivationOffloader around every      toolkit.memory
                   forward/backward of the executor (the rank's action order comes from the schedule)
-                  The executor's hooks are a list in this order: [VocabPasses, Offload].
+                  The executor's hooks are a list in this order: [VocabPasses, Offload], or [EPOverlap] alone.
 
     Composed.step(inputs, targets):
         zero grads ─► pipeline step (F, B, W; p2p; EP all-to-alls) ─► experts / dp ─► DP comm ─► optimizer
@@ -83,8 +84,8 @@ class ComposeConfig:
     a2a_block: int = 32
     """Channels per fp32 scale of a quantized all-to-all (must divide the model's d_model)."""
     moe_overlap: bool = False
-    """Split each micro-batch in two and overlap one half's all-to-alls with the other's compute: not composed,
-    ``validate`` refuses True (``toolkit.moe.overlap`` runs a whole model, not a pipeline stage; lesson 02)."""
+    """Overlap the expert all-to-alls of each DualPipeV F&B pair with the other half's compute (forward under
+    backward, ``toolkit.pipeline.ep_overlap.EPOverlap``); needs schedule="dualpipev" and ep > 1."""
     # ---- 3 pipeline ----------------------------------------------------------------------------------------
     schedule: str = "1f1b"
     """Pipeline schedule: ``1f1b`` (pp stages) or ``dualpipev`` (2·pp stages in a V, F&B pairs)."""
@@ -156,12 +157,8 @@ class ComposeConfig:
         if not (isinstance(self.lr, (int, float)) and self.lr > 0):
             raise ValueError(f"lr must be a number > 0, got {self.lr!r}")
         resolve_policy(self.offload)
-        if self.moe_overlap:
-            raise ValueError("moe_overlap=True is not composed: toolkit.moe.overlap interleaves two half "
-                             "micro-batches through a whole model (embedding to loss, toolkit.moe.overlap.step), and "
-                             "the pipeline executor runs one stage's forward per micro-batch, so there is no "
-                             "overlapped stage forward to plug in. Measure it alone (lesson 02); keep "
-                             "moe_overlap=False here.")
+        if not isinstance(self.moe_overlap, bool):
+            raise ValueError(f"moe_overlap must be True or False, got {self.moe_overlap!r}")
         if world_size is not None and world_size != self.pp * self.dp:
             raise ValueError(f"world_size={world_size} is not pp × dp = {self.pp} × {self.dp} = {self.pp * self.dp}; "
                              f"pick pp and dp whose product is the world size")
@@ -225,7 +222,23 @@ def _sdp4bit(c: ComposeConfig) -> None:
                          "(it averages the gradients in place and leaves the optimizer to step 5).")
 
 
-CONFLICTS = [_vocab_needs_1f1b, _sdp4bit]
+def _moe_overlap(c: ComposeConfig) -> None:
+    if not c.moe_overlap:
+        return
+    if c.schedule != "dualpipev":
+        raise ValueError(f"conflict: moe_overlap=True with schedule={c.schedule!r}. The expert all-to-alls are "
+                         "overlapped inside DualPipeV's F&B pairs (the forward of one micro-batch under the backward "
+                         "of another); 1F1B has no pairs. Use schedule='dualpipev'.")
+    if not c.n_expert or c.ep < 2:
+        raise ValueError(f"conflict: moe_overlap=True with n_expert={c.n_expert}, ep={c.ep}: there is no expert "
+                         "all-to-all to overlap; it needs experts spread over ep > 1 ranks")
+    if c.offload != "none":
+        raise ValueError(f"conflict: moe_overlap=True with offload={c.offload!r}. EPOverlap runs each F&B pair "
+                         "itself, interleaving its halves, so the offload hook, which copies around each single op, "
+                         "cannot place its copies inside a pair. Use offload='none'.")
+
+
+CONFLICTS = [_vocab_needs_1f1b, _sdp4bit, _moe_overlap]
 
 
 # ---- techniques turned on one at a time ------------------------------------------------------------------------
@@ -237,6 +250,7 @@ TECHNIQUES: dict[str, dict] = {
     "vocab_parallel": {"vocab_parallel": True},
     "int8_a2a": {"a2a_codec": "int8"},
     "edgc": {"dp_comm": "edgc"},
+    "ep_overlap": {"schedule": "dualpipev", "moe_overlap": True},
 }
 """technique name -> the config fields it changes."""
 
@@ -248,6 +262,7 @@ LOSS_RTOL: dict[str, float] = {
     "vocab_parallel": 1e-5,   # the sharded softmax sums in another order (in the activation dtype)
     "int8_a2a": 5e-3,         # tokens quantized to int8 per 32 channels on their way to the experts
     "edgc": 1e-2,             # low-rank gradients (with error feedback) change every update a little
+    "ep_overlap": 1e-5,       # DualPipeV's reordering (against DualPipeV without the overlap: bit-exact)
 }
 """How far each step's losses may move from the step before (relative), and why; the precision techniques'
 depend on the step before: ``loss_rtol``."""
@@ -412,6 +427,9 @@ def _pipeline(cfg: ComposeConfig, model: nn.Module, grid, pp_rank: int, device, 
     mcfg = model.cfg
     act_shape = (cfg.micro_batch, mcfg.seq_len, mcfg.d_model)
     hooks = []
+    if cfg.moe_overlap:
+        from toolkit.pipeline.ep_overlap import EPOverlap
+        hooks.append(EPOverlap())
     if cfg.vocab_parallel:
         from toolkit.pipeline import vocab_passes as vx
         schedule = vocab_schedule(cfg)

@@ -9,6 +9,13 @@ micro-batch b, m micro-batches per step, on N = dp·tp·pp GPUs (bytes, bf16 com
     activations  s·b·h·(34 + 5·a·s/h)/tp per layer (Korthikanti et al. 2022, TP with sequence parallel),
                  x L/pp layers x pp in-flight micro-batches on the first stage of 1F1B
                  (2·s·b·h per layer with full recompute)
+    buffers      ZeRO-3's working set (``Zero3Buffers``, DeepSpeed's names and defaults), 0 otherwise:
+                 gathered  min(U + prefetch_bucket_size, max_live_parameters) x 2 bytes, U = one layer's
+                           parameters / tp (the unit being computed, and the ones fetched ahead of use)
+                 gradients reduce_bucket_size x 2 bytes (the contiguous bucket the unit's full gradients are
+                           copied into before their reduce-scatter)
+                 With the optimizer offloaded (cpu, nvme) ZeRO-3 keeps its gradient partitions on the host
+                 (DeepSpeed's ``grad_partitions_flat_buffer`` lives on the offload device): device grads 0.
 
     time = compute / (1 - bubble) + exposed communication
       compute   = 6Ψ·tokens / (N · peak_flops · mfu)        (x 4/3 with full recompute)
@@ -41,7 +48,7 @@ device; ``offload_per_gpu`` says where they go (the optimizer's fp32 master, if 
 ``toolkit.memory.optim_offload.OffloadAdamW`` / ``toolkit.memory.nvme.DiskAdamW`` (fp32: 4-byte weights
 and grads, each unit padded to a multiple of the ranks, each disk region to 4 KiB blocks); with ``cpu`` at
 ZeRO 2 or 3 it also puts the gradient shards on the host, as ZeRO-Offload does (they leave the device as
-backward produces them; ``memory_per_gpu`` still counts them on the device);
+backward produces them; ``memory_per_gpu`` counts them on the host at ZeRO 3 only, on the device at ZeRO 2);
 ``validate_offload_model`` compares it with the bytes lesson 00b measures, device and host.
 
 The hardware is a ``toolkit.runtime.cluster.Cluster`` (a preset, or one with parts replaced): its GPU's dense
@@ -53,6 +60,8 @@ CPU's Adam throughput) is ``Assumptions``.
 """
 from __future__ import annotations
 
+import functools
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -79,6 +88,31 @@ class Workload:
     """Routed experts per MoE layer (0: a dense model)."""
     top_k: int = 0
     """Experts each token is routed to."""
+
+
+@dataclass(frozen=True)
+class Zero3Buffers:
+    """ZeRO-3's device working set beyond the shards, in elements: DeepSpeed's names and defaults
+    (``deepspeed.runtime.zero.config.DeepSpeedZeroConfig``); the seed article's config sets none of them."""
+    prefetch_bucket_size: float = 5e7
+    """``stage3_prefetch_bucket_size``: parameters gathered ahead of their use."""
+    max_live_parameters: float = 1e9
+    """``stage3_max_live_parameters``: gathered parameters resident at once, at most."""
+    reduce_bucket_size: float = 5e8
+    """``reduce_bucket_size``: the contiguous gradient bucket (``contiguous_gradients``, allocated whole)."""
+
+
+def layer_params(w: "Workload", tp: int = 1) -> float:
+    """One dense transformer layer's parameters on a rank of a TP group: 4h² (attention) + 2·h·F (MLP)."""
+    return (4 * w.hidden ** 2 + 2 * w.hidden * (w.ffn_hidden or 4 * w.hidden)) / tp
+
+
+def zero3_buffers(w: "Workload", tp: int, bytes_weight: int = 2, bytes_grad: int = 2,
+                  buffers: Zero3Buffers = Zero3Buffers()) -> dict[str, float]:
+    """Device bytes of ZeRO-3's working set (module docstring, "buffers"): ``gathered`` parameters (the layer
+    being computed and the ones prefetched) and the ``reduce_bucket`` of full gradients."""
+    gathered = min(layer_params(w, tp) + buffers.prefetch_bucket_size, buffers.max_live_parameters)
+    return {"gathered": gathered * bytes_weight, "reduce_bucket": buffers.reduce_bucket_size * bytes_grad}
 
 
 @dataclass(frozen=True)
@@ -116,17 +150,21 @@ def _check_offload(zero: int, offload_optimizer: str, offload_params: str) -> No
 
 
 def memory_per_gpu(w: Workload, dp: int, tp: int, pp: int, zero: int, bytes_weight: int = 2, bytes_grad: int = 2,
-                   bytes_optim: int = 12, offload_optimizer: str = "none",
-                   offload_params: str = "none") -> dict[str, float]:
-    """Device bytes per GPU by category (see the module docstring); offloaded bytes are in ``offload_per_gpu``."""
+                   bytes_optim: int = 12, offload_optimizer: str = "none", offload_params: str = "none",
+                   buffers: Zero3Buffers = Zero3Buffers()) -> dict[str, float]:
+    """Device bytes per GPU by category (see the module docstring); offloaded bytes are in ``offload_per_gpu``.
+    ``buffers``: ZeRO-3's working set (counted when ``zero == 3``)."""
     _check_offload(zero, offload_optimizer, offload_params)
     shard = w.params / (tp * pp)
     act_layer = (2 * w.seq_len * w.micro_batch * w.hidden if w.recompute else
                  w.seq_len * w.micro_batch * w.hidden * (34 + 5 * w.heads * w.seq_len / w.hidden) / tp)
     optim = {"none": bytes_optim, "cpu": 0, "stream": bytes_optim - 8, "nvme": 0}[offload_optimizer]
+    grads_on_host = zero == 3 and offload_optimizer in ("cpu", "nvme")
+    work = sum(zero3_buffers(w, tp, bytes_weight, bytes_grad, buffers).values()) if zero == 3 else 0.0
     return {"weights": 0.0 if offload_params == "nvme" else bytes_weight * shard / (dp if zero >= 3 else 1),
-            "grads": bytes_grad * shard / (dp if zero >= 2 else 1),
+            "grads": 0.0 if grads_on_host else bytes_grad * shard / (dp if zero >= 2 else 1),
             "optimizer": optim * shard / (dp if zero >= 1 else 1),
+            "buffers": work,
             "activations": act_layer * (w.layers / pp) * pp}
 
 
@@ -140,7 +178,7 @@ def offload_per_gpu(w: Workload, dp: int, tp: int, pp: int, zero: int, bytes_wei
     """
     _check_offload(zero, offload_optimizer, offload_params)
     opt_shard = w.params / (tp * pp) / (dp if zero >= 1 else 1)
-    unit = 12 * w.hidden ** 2 / tp / (dp if zero >= 1 else 1)  # one transformer layer's parameters, sharded
+    unit = layer_params(w, tp) / (dp if zero >= 1 else 1)  # one transformer layer's parameters, sharded
     master = max(bytes_optim - 8, 4 if offload_optimizer == "cpu" else 0)
     host = {"none": 0.0, "cpu": (master + 8 + 4) * opt_shard, "stream": 8 * opt_shard,
             "nvme": buffer_count * buffer_size * 16.0}[offload_optimizer]
@@ -294,37 +332,49 @@ def offload_time(w: Workload, dp: int, tp: int, pp: int, zero: int, offload: str
     return t
 
 
+@functools.lru_cache(maxsize=None)
+def schedule_bubble(name: str, pp: int, m: int) -> tuple[float, float]:
+    """(bubble fraction, micro-batches of activations rank 0 holds at its peak) of pipeline schedule ``name`` on
+    ``pp`` ranks with ``m`` micro-batches, from the pipeline simulator (``toolkit.pipeline.simulate``; unit costs
+    F = 1, B = 2, W = 1 per rank, split over its stage chunks). ``pp == 1``: no bubble, one micro-batch held."""
+    if pp == 1:
+        return 0.0, 1.0
+    from toolkit.pipeline.schedule import make_schedule
+    from toolkit.pipeline.simulate import Costs, simulate
+    sched = make_schedule(name, pp, m)
+    spr = sched.stages_per_rank
+    sim = simulate(sched, Costs(F=1 / spr, B=2 / spr, W=1 / spr))
+    return sim.bubble_fraction, max(sim.peak_mb)
+
+
+def configuration_time(w: Workload, hw: Cluster | str, dp: int, tp: int, pp: int, zero: int, schedule: str = "1f1b",
+                       offload: str = "none", assume: Assumptions = Assumptions()) -> dict[str, float]:
+    """The step-time model of one configuration, as ``choose`` prices it: ``step_time``'s compute and TP time
+    stretched by ``schedule``'s simulated bubble (``schedule_bubble``), plus its exposed DP communication and the
+    optimizer offload's time (``offload_time``). Seconds by term, ``total``, and the bubble fraction."""
+    hw = make_cluster(hw)
+    t = step_time(w, hw, dp, tp, pp, zero, assume)
+    bubble = schedule_bubble(schedule, pp, int(t["micro_batches"]))[0]
+    busy = t["compute"] + t["tp_comm"]
+    extra = offload_time(w, dp, tp, pp, zero, offload, hw, assume)
+    return {"compute": t["compute"], "bubble": busy / (1 - bubble) - busy, "tp_comm": t["tp_comm"],
+            "dp_comm": t["dp_comm"], "offload": extra, "total": busy / (1 - bubble) + t["dp_comm"] + extra,
+            "bubble_fraction": bubble}
+
+
 def choose(w: Workload, hw: Cluster | str, gpus: int, micro_batches=(1, 2, 4), schedules=("1f1b", "dualpipev"),
            recompute=(False, True), offload=("none", "cpu", "nvme"), zero_stages=(0, 1, 2, 3),
            headroom: float = 0.9, assume: Assumptions = Assumptions()) -> list[dict]:
     """Every (dp, tp, pp, ZeRO stage, micro-batch size, pipeline schedule, full recompute, optimizer offload) that
     ``gpus`` GPUs of ``hw`` (a ``Cluster`` or a preset name) can run, with the model's memory per GPU and step
-    time; the ones that fit first, fastest first.
+    time (``configuration_time``); the ones that fit first, fastest first.
 
-    The pipeline simulator (``toolkit.pipeline.simulate``) supplies what the closed forms assume: the bubble
-    of the schedule at this pp and number of micro-batches (unit costs F = 1, B = 2, W = 1 per rank, split
-    over its stage chunks) and the micro-batches of activations rank 0 holds at its peak (1F1B: pp;
-    DualPipeV: more). A model, not a measurement: label what it prints as such.
+    The pipeline simulator supplies what the closed forms assume (``schedule_bubble``): the bubble of the
+    schedule at this pp and number of micro-batches and the micro-batches of activations rank 0 holds at its
+    peak (1F1B: pp; DualPipeV: more). A model, not a measurement: label what it prints as such.
     """
     from dataclasses import replace
-
-    from toolkit.pipeline.schedule import make_schedule
-    from toolkit.pipeline.simulate import Costs, simulate
     hw = _hardware(hw, gpus)
-    sims: dict[tuple, tuple[float, float]] = {}
-
-    def pipeline(name: str, pp: int, m: int) -> tuple[float, float] | None:
-        if pp == 1:
-            return 0.0, 1.0
-        if (name == "dualpipev" and (m < 2 * pp or w.layers % (2 * pp))) or m < pp:
-            return None
-        if (name, pp, m) not in sims:
-            sched = make_schedule(name, pp, m)
-            spr = sched.stages_per_rank
-            sim = simulate(sched, Costs(F=1 / spr, B=2 / spr, W=1 / spr))
-            sims[(name, pp, m)] = (sim.bubble_fraction, max(sim.peak_mb))
-        return sims[(name, pp, m)]
-
     rows = []
     for tp in (t for t in (1, 2, 4, 8) if t <= hw.gpus_per_node and w.heads % t == 0):
         for pp in (p for p in (1, 2, 4, 8, 16) if w.layers % p == 0):
@@ -336,30 +386,23 @@ def choose(w: Workload, hw: Cluster | str, gpus: int, micro_batches=(1, 2, 4), s
                     continue
                 m = w.global_batch // (dp * mb)
                 for name in (schedules if pp > 1 else ("none",)):
-                    sim = pipeline(name, pp, m)
-                    if sim is None:
+                    if pp > 1 and ((name == "dualpipev" and (m < 2 * pp or w.layers % (2 * pp))) or m < pp):
                         continue
-                    bubble, peak_mb = sim
-                    for rc in recompute:
+                    bubble, peak_mb = schedule_bubble(name, pp, m)
+                    for rc, zero, off in itertools.product(recompute, zero_stages, offload):
                         wl = replace(w, micro_batch=mb, recompute=rc)
-                        t = step_time(wl, hw, dp, tp, pp, 0, assume)
-                        busy = t["compute"] + t["tp_comm"]
-                        for zero in zero_stages:
-                            dp_comm = step_time(wl, hw, dp, tp, pp, zero, assume)["dp_comm"]
-                            for off in offload:
-                                mem = memory_per_gpu(wl, dp, tp, pp, zero, offload_optimizer=off)
-                                mem["activations"] *= peak_mb / pp  # the formula assumes pp micro-batches held
-                                extra = offload_time(wl, dp, tp, pp, zero, off, hw, assume)
-                                total = busy / (1 - bubble) + dp_comm + extra
-                                gb = sum(mem.values()) / 1e9
-                                rows.append({
-                                    "dp": dp, "tp": tp, "pp": pp, "zero": zero, "micro_batch": mb, "m": m,
-                                    "schedule": name, "recompute": rc, "offload": off, "memory_gb": gb,
-                                    "fits": gb <= hw.gpu.memory_bytes / 1e9 * headroom, "step_s": total,
-                                    "tokens_per_s": w.global_batch * w.seq_len / total, "bubble": bubble,
-                                    "peak_mb": peak_mb, "t_compute_s": t["compute"], "t_bubble_s": busy / (1 - bubble) - busy,
-                                    "t_tp_comm_s": t["tp_comm"], "t_dp_comm_s": dp_comm, "t_offload_s": extra,
-                                    **{f"mem_{k}_gb": v / 1e9 for k, v in mem.items()}})
+                        t = configuration_time(wl, hw, dp, tp, pp, zero, name, off, assume)
+                        mem = memory_per_gpu(wl, dp, tp, pp, zero, offload_optimizer=off)
+                        mem["activations"] *= peak_mb / pp  # the formula assumes pp micro-batches held
+                        gb = sum(mem.values()) / 1e9
+                        rows.append({
+                            "dp": dp, "tp": tp, "pp": pp, "zero": zero, "micro_batch": mb, "m": m,
+                            "schedule": name, "recompute": rc, "offload": off, "memory_gb": gb,
+                            "fits": gb <= hw.gpu.memory_bytes / 1e9 * headroom, "step_s": t["total"],
+                            "tokens_per_s": w.global_batch * w.seq_len / t["total"], "bubble": bubble,
+                            "peak_mb": peak_mb, "t_compute_s": t["compute"], "t_bubble_s": t["bubble"],
+                            "t_tp_comm_s": t["tp_comm"], "t_dp_comm_s": t["dp_comm"], "t_offload_s": t["offload"],
+                            **{f"mem_{k}_gb": v / 1e9 for k, v in mem.items()}})
     return sorted(rows, key=lambda r: (not r["fits"], r["step_s"], r["memory_gb"]))
 
 

@@ -40,7 +40,6 @@ timeout_s: int = 600
 
 # %%
 import inspect
-from dataclasses import replace
 
 from IPython.display import Markdown, display
 
@@ -664,10 +663,14 @@ print(f"{len(check)} predictions, largest relative error {worst:.4f}")
 
 # %% [markdown]
 # **The article's 13B case study through the planner** (a cost model, not a measurement): 8 GPUs, bf16 weights
-# and gradients, fp32 Adam (12 bytes per parameter), activations left out of the table (the planner's activation
-# model is added below, with and without full recompute).
+# and gradients, fp32 Adam (12 bytes per parameter), ZeRO-3's working buffers (gathered and prefetched parameters,
+# the gradient bucket; DeepSpeed's defaults, `planner.Zero3Buffers`), activations left out of the table. The
+# verdict on the end point it claims (article) is the one lesson 17 gives: both call
+# `l17_capstone.zero3_nvme_claim`.
 
 # %%
+from toolkit.lessons.l17_capstone import zero3_nvme_claim
+
 w = Workload(params=13e9, layers=40, hidden=5120, heads=40, seq_len=2048)
 case = []
 for name, zero, oo, op in (("ZeRO-2", 2, "none", "none"), ("ZeRO-3", 3, "none", "none"),
@@ -675,32 +678,22 @@ for name, zero, oo, op in (("ZeRO-2", 2, "none", "none"), ("ZeRO-3", 3, "none", 
                                                                         "nvme")):
     dev = memory_per_gpu(w, 8, 1, 1, zero, offload_optimizer=oo, offload_params=op)
     extra = offload_per_gpu(w, 8, 1, 1, zero, offload_optimizer=oo, offload_params=op)
-    case.append({"setup": name, "device GB (no activations)": (dev["weights"] + dev["grads"] + dev["optimizer"]) / 1e9,
-                 "host GB": extra["host"] / 1e9, "disk GB": extra["disk"] / 1e9})
-display(viz.table(case, formats={"device GB (no activations)": ".2f", "host GB": ".2f", "disk GB": ".2f"},
-                  title="13B on 8 GPUs (planner, a cost model)"))
-# the article's end point is NVMe for both optimizer and parameters (its config, section 3.2): the last row;
-# activations from the planner's model at 2048 tokens, micro-batch 1, without and with full recompute
-end = case[3]["device GB (no activations)"]
-act = {rc: memory_per_gpu(replace(w, recompute=rc), 8, 1, 1, 3, offload_optimizer="nvme",
-                          offload_params="nvme")["activations"] / 1e9 for rc in (False, True)}
-claimed, claimed_act = 9.2, 3.5  # GB per GPU: the article's end point (3.2) and its activations (3.3)
-lo, hi = end + act[True], end + act[False]
-where = ("below the planner's least (full recompute)" if claimed < lo else
-         "above the planner's most (no recompute)" if claimed > hi else
-         "between the planner's full-recompute and no-recompute totals, so the planner cannot decide it")
+    case.append({"setup": name, "device GB (no activations)": sum(v for k, v in dev.items() if k != "activations") / 1e9,
+                 "of it ZeRO-3 buffers GB": dev["buffers"] / 1e9, "host GB": extra["host"] / 1e9,
+                 "disk GB": extra["disk"] / 1e9})
+display(viz.table(case, formats={"device GB (no activations)": ".2f", "of it ZeRO-3 buffers GB": ".2f",
+                                 "host GB": ".2f", "disk GB": ".2f"}, title="13B on 8 GPUs (planner, a cost model)"))
+claim_92 = zero3_nvme_claim(w)  # the article's end point: NVMe for both optimizer and parameters (its config, 3.2)
 display(Markdown(
     f"The article's starting point, ZeRO-2 at 18 GB per GPU, is below what ZeRO-2 needs before any activation: "
     f"{case[0]['device GB (no activations)']:.1f} GB (every GPU keeps all "
     f"{w.params / 1e9:.0f}B bf16 weights, {2 * w.params / 1e9:.0f} GB). Its end point (article), 9.2 GB with "
-    f"NVMe for both optimizer and parameters, is the last row: {end:.2f} GB of gradient shards before "
-    f"activations. The planner's activations at {w.seq_len} tokens per micro-batch of 1 are {act[False]:.1f} GB "
-    f"without recompute and {act[True]:.2f} GB with full recompute, so {hi:.1f} and {lo:.2f} GB in all: "
-    f"9.2 GB is {where}. It leaves {claimed - end:.2f} GB for activations and buffers; the article's own "
-    f"activation figure (section 3.3, another project) is 3.5 GB, which with the gradient shards makes "
-    f"{end + claimed_act:.2f} GB, {abs(claimed - end - claimed_act):.2f} GB "
-    f"{'short of' if end + claimed_act < claimed else 'above'} 9.2 (cost model; the article states neither "
-    "micro-batch nor recompute for this run)."))
+    f"NVMe for both optimizer and parameters, against the planner: {claim_92['model']}. Verdict (the same in "
+    f"lesson 17): **{claim_92['verdict']}**."))
+
+# %%
+# NBVAL_CHECK_OUTPUT
+print(f"{claim_92['where']} {claim_92['claim']}: {claim_92['verdict']}")
 
 # %%
 # the offload's time on the emulated cluster (section 1), for the summary and the headline
@@ -766,7 +759,8 @@ display(Markdown(f"""
 {bucket_text}
 - The article's 13B numbers: 18 GB per GPU with ZeRO-2 is below the {case[0]['device GB (no activations)']:.0f} GB
   of weights, gradients and optimizer shards ZeRO-2 needs (planner, a cost model); the 9.2 GB end point
-  (NVMe optimizer and parameters) is {where} ({lo:.1f} to {hi:.1f} GB).
+  (NVMe optimizer and parameters): {claim_92['verdict']} ({claim_92['low_gb']:.1f} to {claim_92['high_gb']:.1f} GB
+  with the article's own activation figures; ZeRO-3's buffers counted, as in lesson 17).
 """))
 
 # %%

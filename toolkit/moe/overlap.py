@@ -171,27 +171,34 @@ class _LayerCut:
 class Cut:
     """One micro-batch's forward cut at every all-to-all, for a backward that yields at each of them."""
 
-    embed_out: torch.Tensor | None = None
+    embed_out: torch.Tensor | None = None  # None: a pipeline stage without the embedding
     layers: list = field(default_factory=list)
-    head_in: torch.Tensor | None = None  # a leaf
-    loss: torch.Tensor | None = None
+    head_in: torch.Tensor | None = None  # a leaf: the last block's output (a stage without the head returns it)
+    loss: torch.Tensor | None = None  # None: a pipeline stage without the head
 
 
-def micro_batch_forward(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor, mb: int, tracer: Tracer,
-                        scale: float = 1.0, cut: Cut | None = None) -> Generator[Pending, torch.Tensor, torch.Tensor]:
+def micro_batch_forward(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor | None, mb: int, tracer: Tracer,
+                        scale: float = 1.0, cut: Cut | None = None,
+                        finish: Callable[[torch.Tensor], torch.Tensor] | None = None
+                        ) -> Generator[Pending, torch.Tensor, torch.Tensor]:
     """The loss of one micro-batch (times ``scale``), yielding each all-to-all it issues (its dispatchers'
     ``trace`` hook is set to ``tracer`` for each transfer; :func:`step` puts the previous hooks back)::
 
         embed ─► per block: attention (+ ln2, router) ─► plan ─► yield dispatch ─► experts ─► yield combine ─► residual
               ─► head, loss
 
-    ``cut`` (a :class:`Cut`): the graph is cut into segments at every all-to-all and what
-    :func:`micro_batch_backward` needs is recorded there (the same ops, the same values)."""
+    ``model`` is a whole GPT or a pipeline stage (``toolkit.models.split_stages``: ``embed`` and ``head`` may be
+    None; then ``idx`` is the stage's input hidden states, and without a head the forward returns the last
+    block's output). ``finish`` turns the head's output into the loss (default ``lm_loss(logits, targets) *
+    scale``; a pipeline executor passes its own). ``cut`` (a :class:`Cut`): the graph is cut into segments at every
+    all-to-all and what :func:`micro_batch_backward` needs is recorded there (the same ops, the same values)."""
     marks = cut is None  # a cut forward's backward times its segments itself
-    with tracer.compute("embed", mb):
-        x = model.embed(idx)
-    if cut is not None:
-        cut.embed_out, x = x, x.detach().requires_grad_()
+    x = idx
+    if model.embed is not None:
+        with tracer.compute("embed", mb):
+            x = model.embed(idx)
+        if cut is not None:
+            cut.embed_out, x = x, x.detach().requires_grad_()
     for layer, (block, moe) in enumerate(moe_layers(model)):
         d = moe.dispatcher
         if cut is not None and d.dedup:
@@ -223,9 +230,12 @@ def micro_batch_forward(model: nn.Module, idx: torch.Tensor, targets: torch.Tens
             x = x.detach().requires_grad_()
     if cut is not None:
         cut.head_in = x
+    if model.head is None:
+        return x
+    finish = finish or (lambda logits: lm_loss(logits, targets) * scale)
     with tracer.compute("head", mb, marks=marks) as seg:
         (x,) = seg.enter(x)
-        (loss,) = seg.leave(lm_loss(model.head(x), targets) * scale)
+        (loss,) = seg.leave(finish(model.head(x)))
     if cut is not None:
         cut.loss = loss
     return loss
@@ -239,7 +249,8 @@ class _Later:
         self.wait = finish
 
 
-def micro_batch_backward(cut: Cut, mb: int, tracer: Tracer) -> Generator[_Later, torch.Tensor, None]:
+def micro_batch_backward(cut: Cut, mb: int, tracer: Tracer,
+                         out_grad: torch.Tensor | None = None) -> Generator[_Later, torch.Tensor, None]:
     """The backward of a :class:`Cut` forward, segment by segment from the loss down, yielding at each all-to-all
     after issuing it (as the forward does), so another micro-batch's forward can compute while it flies::
 
@@ -247,11 +258,16 @@ def micro_batch_backward(cut: Cut, mb: int, tracer: Tracer) -> Generator[_Later,
               ─► dispatch⁻¹ (issue) ─► yield ─► (wait) attention backward ─► embed
 
     The ops are those autograd runs for ``loss.backward()`` (the dispatcher's own backward nodes, reached with
-    ``torch.autograd.grad`` at the cuts), so gradients are the same; parameter gradients accumulate in ``.grad``."""
+    ``torch.autograd.grad`` at the cuts), so gradients are the same; parameter gradients accumulate in ``.grad``.
+    A pipeline stage without the head starts from ``out_grad``, the gradient of its output; one without the
+    embedding ends with the gradient of its input in that input's ``.grad``."""
     grad = torch.autograd.grad
-    with tracer.compute("head", mb, direction="B"):
-        torch.autograd.backward(cut.loss)  # -> cut.head_in.grad and the head's parameters
-    dx = cut.head_in.grad
+    if cut.loss is not None:
+        with tracer.compute("head", mb, direction="B"):
+            torch.autograd.backward(cut.loss)  # -> cut.head_in.grad and the head's parameters
+        dx = cut.head_in.grad
+    else:
+        dx = out_grad
     for layer in reversed(range(len(cut.layers))):
         c = cut.layers[layer]
         # combine's backward: the unpermute's (grad of the rows and of the gate weights), then its all-to-all leaves
@@ -265,8 +281,9 @@ def micro_batch_backward(cut: Cut, mb: int, tracer: Tracer) -> Generator[_Later,
         with tracer.compute("attn", mb, layer, direction="B"):
             torch.autograd.backward((c.h, c.flat, c.weights), (dx.reshape(c.h.shape), d_flat, d_weights))
         dx = c.x.grad
-    with tracer.compute("embed", mb, direction="B"):
-        torch.autograd.backward(cut.embed_out, dx)
+    if cut.embed_out is not None:
+        with tracer.compute("embed", mb, direction="B"):
+            torch.autograd.backward(cut.embed_out, dx)
 
 
 def run_serial(forwards: list[Generator]) -> list[torch.Tensor]:

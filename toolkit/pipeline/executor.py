@@ -31,8 +31,9 @@ Extending it: a list of hooks
 An extension is an ``ExecutorHook``: an object with the methods below, each a no-op on the base class, so
 a hook overrides only the points it needs. The executor takes a list of them and composing extensions is
 writing that list, ``PipelineExecutor(..., hooks=[VocabPasses(stage, groups), Offload(offloader)])``.
-``ops()`` adds ops by name (``Recompute``: R; ``VocabPasses``: S and T); an op that neither the executor
-(F, B, I, W) nor a hook runs raises when the executor is built, instead of being skipped. The points, in
+``ops()`` adds ops by name (``Recompute``: R; ``VocabPasses``: S and T; "FB": a hook that runs every F&B
+pair itself, ``EPOverlap`` in ``toolkit.pipeline.ep_overlap``); an op that neither the executor (F, B, I, W)
+nor a hook runs raises when the executor is built, instead of being skipped. The points, in
 the order a step meets them::
 
     step(inputs, targets)
@@ -62,7 +63,8 @@ calls its helpers (``hold``, ``recording``, ``forward_context``).
 
 The toolkit's extensions are hooks: ``Recompute`` (recompute.py: checkpointed forwards and the R op),
 ``SequenceChunks`` (seq1f1b.py), ``VocabPasses`` (vocab_passes.py), ``DataParallelSeparation``
-(dp_separate.py), ``Offload`` (toolkit.memory.offload) and ``GraphReplay`` (toolkit.graphs.cuda_graphs).
+(dp_separate.py), ``EPOverlap`` (ep_overlap.py: an F&B pair's expert all-to-alls under each other's
+compute), ``Offload`` (toolkit.memory.offload) and ``GraphReplay`` (toolkit.graphs.cuda_graphs).
 
 Deferred weight gradients (``WeightGradStore``, as in DeepSeek's DualPipe): ``split_weight_grads``
 swaps each ``nn.Linear`` for a ``SplitLinear``. A forward whose backward will be an I runs inside
@@ -270,7 +272,9 @@ class ExecutorHook:
         self.executor = executor
 
     def ops(self) -> dict[str, Callable[[Action], None]]:
-        """The ops this hook runs, ``{op: function(action)}`` (e.g. ``{"R": self.recompute}``)."""
+        """The ops this hook runs, ``{op: function(action)}`` (e.g. ``{"R": self.recompute}``; "FB": every F&B
+        pair, both halves, through the executor's ``wait_inputs``, ``forward_input`` / ``forward_output``,
+        ``backward_input`` / ``backward_output``)."""
         return {}
 
     def recv_shape(self, msg: Action, shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -429,7 +433,7 @@ class PipelineExecutor:
                 self._inbox[msg] = (work, buf)
                 self._log("post", msg)
 
-    def _wait_recvs(self, a: Action) -> None:
+    def wait_inputs(self, a: Action) -> None:
         """Block until the remote inputs of single op ``a`` have arrived (so its span is compute only)."""
         for msg in self.schedule.recvs(a):
             work, buf = self._inbox[msg]
@@ -487,12 +491,19 @@ class PipelineExecutor:
 
     def forward(self, a: Action) -> None:
         """F: the stage's forward on its input; the output goes to the next stage (or the loss is kept)."""
-        key = key_of(a)
-        x = self.inputs[a.mb] if a.stage == 0 else self._take(Action("RECV_F", *key)).requires_grad_()
+        x = self.forward_input(a)
         fn = self.stage_fn(a)
-        with self.forward_context(a), self.recording(key):
+        with self.forward_context(a), self.recording(key_of(a)):
             out = fn(x)
-        self.saved[key] = (x, out)
+        self.forward_output(a, x, out)
+
+    def forward_input(self, a: Action) -> torch.Tensor:
+        """The input of forward ``a``: its tokens on stage 0, else the activation received (or handed off)."""
+        return self.inputs[a.mb] if a.stage == 0 else self._take(Action("RECV_F", *key_of(a))).requires_grad_()
+
+    def forward_output(self, a: Action, x: torch.Tensor, out: torch.Tensor) -> None:
+        """Keep (input, output) of forward ``a`` for its backward; send the output on (or keep the loss)."""
+        self.saved[key_of(a)] = (x, out)
         if a.stage == self.last:
             self._losses.append(out.detach())
         else:
@@ -500,15 +511,24 @@ class PipelineExecutor:
 
     def backward(self, a: Action) -> None:
         """B (dX and dW) or I (dX now, dW queued for its W); the input gradient goes to the previous stage."""
-        key = key_of(a)
-        x, out = self.saved.pop(key)
-        grad = None if a.stage == self.last else self._take(Action("RECV_B", *key))
+        x, out, grad = self.backward_input(a)
         for hook in self.hooks:
             hook.before_backward(a)
         with self.weight_grads.deferring() if a.op == "I" else contextlib.nullcontext():
             torch.autograd.backward(out, grad)
         for hook in reversed(self.hooks):
             hook.after_backward(a)
+        self.backward_output(a, x)
+
+    def backward_input(self, a: Action) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(input, output) its forward kept and the gradient of that output (None on the last stage: the loss)."""
+        key = key_of(a)
+        x, out = self.saved.pop(key)
+        return x, out, None if a.stage == self.last else self._take(Action("RECV_B", *key))
+
+    def backward_output(self, a: Action, x: torch.Tensor) -> None:
+        """After backward ``a``: release its activations, file an I's deferred dW, send dX on (``x.grad``)."""
+        key = key_of(a)
         if self.meter:
             self.meter.release(key)
         if a.op == "I":
@@ -525,14 +545,18 @@ class PipelineExecutor:
             self.meter.release(key)
 
     # -- running actions --------------------------------------------------------------------------
+    def splitting(self, a: Action) -> ContextManager:
+        """What single op ``a`` runs inside: ``weight_grads.splitting()`` when it is the forward (or the I) of a
+        micro-batch whose backward is split into I and W, nothing otherwise."""
+        return self.weight_grads.splitting() if key_of(a) in self._split else contextlib.nullcontext()
+
     def run_op(self, a: Action) -> None:
         """Run single op ``a`` (its inputs have arrived) and record its span."""
         start, vstart = time.perf_counter(), self._vnow()
         with contextlib.ExitStack() as around:
             for hook in self.hooks:
                 around.enter_context(hook.op_context(a))
-            if key_of(a) in self._split:
-                around.enter_context(self.weight_grads.splitting())
+            around.enter_context(self.splitting(a))
             self.ops[a.op](a)
         self._log("op", a)
         if self.timeline is not None:
@@ -546,16 +570,20 @@ class PipelineExecutor:
                               vend=self._vnow(), label=str(a), **meta)
 
     def run_action(self, action: Action) -> None:
-        """Run one scheduled action: a single op, or both halves of an F&B (module docstring)."""
+        """Run one scheduled action: a single op, or both halves of an F&B (module docstring); a hook whose
+        ``ops()`` names "FB" runs every F&B itself."""
         self._pair = action if action.sub else None
-        if not self.fb_overlap:
+        if action.sub and "FB" in self.ops:
+            self.ops["FB"](action)
+        else:
+            if not self.fb_overlap:
+                for a in action.parts:
+                    self.wait_inputs(a)
             for a in action.parts:
-                self._wait_recvs(a)
-        for a in action.parts:
-            self._wait_recvs(a)  # F&B, overlapped: the second half's input arrived while the first computed
-            self.run_op(a)
-            for hook in reversed(self.hooks):
-                hook.after_op(a)
+                self.wait_inputs(a)  # F&B, overlapped: the second half's input arrived while the first computed
+                self.run_op(a)
+                for hook in reversed(self.hooks):
+                    hook.after_op(a)
         self._pair = None
         for hook in reversed(self.hooks):
             hook.after_action(action)
