@@ -281,13 +281,13 @@ def prepare_out_dir(out_dir) -> Path:
 
 def write_spec(tmp: Path, target, cfg: dict, backend: str, seed: int, threads: int, timeout_s: float,
                phases: list, cluster: dict | None = None) -> Path:
-    import psutil
+    from .worker import process_start
     spec = {"target": target.spec, "label": target.label, "cfg": cfg, "backend": backend, "seed": seed,
             "threads": threads, "timeout_s": timeout_s, "deadline": time.time() + timeout_s,
             "collective_timeout_s": max(5.0, timeout_s * 0.8), "out_dir": str(tmp.resolve()),
             "cwd": os.getcwd(), "sys_path": [os.path.abspath(p) if p else os.getcwd() for p in sys.path],
             "phases": phases, "cluster": cluster,
-            "caller": {"host": socket.gethostname(), "pid": os.getpid(), "started": psutil.Process().create_time()}}
+            "caller": {"host": socket.gethostname(), "pid": os.getpid(), "started": process_start(os.getpid())}}
     spec_path = tmp / "spec.json"
     spec_path.write_text(json.dumps(spec))
     return spec_path

@@ -99,21 +99,33 @@ def die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
+def process_start(pid: int) -> float | None:
+    """When process ``pid`` started, as an identity that a reused pid cannot share: on Linux its start in clock
+    ticks since boot, read from ``/proc`` (exact, and unmoved by a wall-clock adjustment, which shifts
+    ``psutil``'s ``create_time`` by the adjustment); elsewhere ``psutil``'s ``create_time``. None if it is gone
+    or a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rpartition(")")[2].split()  # after "pid (comm)": state is field 3, starttime 22
+        return None if fields[0] in "ZX" else float(fields[19])
+    except FileNotFoundError:
+        return None
+    except OSError:  # no /proc: another OS
+        import psutil
+        try:
+            proc = psutil.Process(pid)
+            return None if proc.status() == psutil.STATUS_ZOMBIE else proc.create_time()
+        except psutil.NoSuchProcess:
+            return None
+
+
 def watch_caller(caller: dict, rank: int) -> None:
     """A daemon thread that ends this rank as soon as the process that called ``launch`` is gone (killed, or a
-    restarted kernel): torchrun's agent runs in its own session and survives it, so nothing else would."""
-    import psutil
-    try:
-        proc = psutil.Process(caller["pid"])
-        reused = abs(proc.create_time() - caller["started"]) > 0.01  # another process took the caller's pid
-    except psutil.NoSuchProcess:
-        proc, reused = None, True
-
+    restarted kernel): torchrun's agent runs in its own session and survives it, so nothing else would. The
+    caller is identified by its pid and its start (``process_start``), so a pid reused by another process
+    counts as gone."""
     def gone() -> bool:
-        try:
-            return reused or not proc.is_running() or proc.status() == psutil.STATUS_ZOMBIE
-        except psutil.NoSuchProcess:
-            return True
+        return process_start(caller["pid"]) != caller["started"]
 
     def watch() -> None:
         while not gone():
