@@ -578,7 +578,7 @@ def torch_order(name: str, p: int, m: int) -> Schedule:
     def convert(a) -> Action | None:
         if a is None:
             return None
-        if a.sub_actions:
+        if getattr(a, "sub_actions", None):  # an overlapped F&B pair (torch 2.8.0's actions have no such field)
             return fb(*(convert(s) for s in a.sub_actions))
         op = kinds.get(a.computation_type.value)
         return Action(op, a.stage_index, a.microbatch_index) if op else None

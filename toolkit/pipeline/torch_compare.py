@@ -20,9 +20,8 @@ checked in tests/test_schedules.py for torch 2.13:
 - ZBVZeroBubble: we have no generator of our own; ``from_torch("zbv", p, m)`` imports torch's order (checked)
   so the simulator and our executor can run it.
 
-Older torch (``toolkit.runtime.compat``): the orders need torch >= 2.8 (``torch_order_missing``), torch's
-runtime beside ours torch >= 2.7 (``runtime_missing``: 2.6 sums the micro-batches' gradients), DualPipeV
-torch >= 2.9 for both. Lessons ask these first, and say what they skipped.
+Older torch (``toolkit.runtime.compat``): the orders need torch >= 2.8 (``torch_order_missing``), DualPipeV
+torch >= 2.9 for both (``runtime_missing``). Lessons ask these first, and say what they skipped.
 """
 from __future__ import annotations
 
@@ -38,8 +37,8 @@ from .schedule import TORCH_NAMES, Schedule, torch_order
 
 def runtime_missing(name: str) -> str | None:
     """Why ``TorchPipeline(name, ...)`` cannot run on this torch (a sentence naming the release it needs), or
-    None when it can (torch >= 2.7; DualPipeV >= 2.9)."""
-    return compat.missing("pipeline_grad_mean") or (compat.missing("dualpipev") if name == "dualpipev" else None)
+    None when it can (DualPipeV needs torch >= 2.9; the others run on the floor)."""
+    return compat.missing("dualpipev") if name == "dualpipev" else None
 
 
 def compare_orders(ours: Schedule, name: str | None = None) -> dict:

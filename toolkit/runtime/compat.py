@@ -1,15 +1,16 @@
 """What differs between the torch versions the toolkit supports, in one place.
 
-The floor is torch 2.6 (``pyproject.toml``): the first release with FSDP2 at its public path
-``torch.distributed.fsdp.fully_shard``. Newer releases renamed two collectives and added the pipeline
-schedules and helpers that some lessons compare against::
+The floor is torch 2.7 (``pyproject.toml``): the first release whose FSDP2 (``torch.distributed.fsdp.fully_shard``,
+public since 2.6) runs on CPU: 2.6's all-gather calls ``Stream.record_event``, which its CPU stream lacks
+(tried: 2.6.0 fails in the first forward, 2.7.1 runs). Newer releases renamed two collectives and added the
+pipeline schedules and helpers that some lessons compare against::
 
     torch API                                                first   without it
     ───────────────────────────────────────────────────────  ─────   ─────────────────────────────────────
-    fsdp.fully_shard, CPUOffloadPolicy, OffloadPolicy         2.6    (the floor)
-    pipelining.ScheduleZBVZeroBubble                          2.6    (the floor)
-    pipelining schedules' scale_grads (mean over micro-        2.7    torch's pipeline runtime not run beside ours
-      batches; 2.6 sums them)
+    fsdp.fully_shard on CPU, CPUOffloadPolicy                 2.7    (the floor; on CUDA from 2.6)
+    pipelining.ScheduleZBVZeroBubble                          2.6    (below the floor)
+    pipelining schedules' scale_grads (mean over micro-       2.7    (the floor)
+      batches)
     pipelining._schedule_visualizer.get_schedule_ops          2.8    torch's schedule orders not compared
     pipelining.ScheduleDualPipeV                              2.9    torch's DualPipeV not run
     distributed.all_gather_single / reduce_scatter_single     2.13   all_gather_into_tensor / reduce_scatter_tensor
@@ -24,15 +25,12 @@ import) and a test that removes a name inside the ranks both see the call. Optio
 from __future__ import annotations
 
 import importlib.util
-import inspect
 
 import torch
 import torch.distributed as dist
 
 # feature -> (first torch release with it, what the toolkit loses without it)
 FEATURES = {
-    "pipeline_grad_mean": ("2.7", "torch.distributed.pipelining's runtime beside ours (torch 2.6 sums the "
-                                  "micro-batches' gradients instead of averaging them)"),
     "schedule_ops": ("2.8", "torch.distributed.pipelining's schedule orders (_schedule_visualizer.get_schedule_ops)"),
     "dualpipev": ("2.9", "torch.distributed.pipelining.ScheduleDualPipeV"),
     "single_collectives": ("2.13", "the names all_gather_single / reduce_scatter_single (the shims here fall "
@@ -92,10 +90,7 @@ def _has(feature: str) -> bool:
     if feature == "dualpipev":
         from torch.distributed.pipelining import schedules
         return hasattr(schedules, "ScheduleDualPipeV")
-    if feature == "schedule_ops":
-        return _module_exists("torch.distributed.pipelining._schedule_visualizer")
-    from torch.distributed.pipelining import schedules  # pipeline_grad_mean
-    return "scale_grads" in inspect.signature(schedules.PipelineScheduleSingle.__init__).parameters
+    return _module_exists("torch.distributed.pipelining._schedule_visualizer")  # schedule_ops
 
 
 def _module_exists(name: str) -> bool:
