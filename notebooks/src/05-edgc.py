@@ -185,7 +185,12 @@ display(Markdown(
 # %%
 assert sp["base"]["n"] == cfg["seeds"] >= 2
 assert sp["diff"] / sp["base"]["mean"] <= loss_tolerance, f"EDGC's loss is more than {loss_tolerance:.0%} above"
-assert r0["edgc"]["loss"][:warm] == r0["baseline"]["loss"][:warm]
+# during the warm-up EDGC is the plain all-reduce: bitwise at 2 ranks (a + b = b + a); at more, gloo's ring sums an
+# element in an order set by its offset in the flat buffer, which EDGC builds per stage, so the sums may differ in
+# their last bits
+same = r0["edgc"]["loss"][:warm] == r0["baseline"]["loss"][:warm]
+assert same if world_size == 2 else all(abs(e - b) <= 1e-5 * abs(b) for e, b in
+                                        zip(r0["edgc"]["loss"][:warm], r0["baseline"]["loss"][:warm]))
 
 # %% [markdown]
 # ## 5 · Entropy and PowerSGD rank over time

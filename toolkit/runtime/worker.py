@@ -175,4 +175,10 @@ def main(spec_path: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    code = main(sys.argv[1])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # The result is on disk and the process group is gone: skip the interpreter's teardown, where a native
+    # thread still joinable at static destruction can abort the rank ("terminate called without an active
+    # exception", SIGABRT) after it has finished its work, which would fail a launch that succeeded.
+    os._exit(code)
