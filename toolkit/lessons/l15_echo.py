@@ -151,7 +151,10 @@ def layer_section(ctx, cfg: dict) -> dict:
                                               "experts": [p.grad for p in layer.experts.parameters()], "own": own}
     plan, dplan = echo.last_plan, cloned.last_plan
     close = lambda a, b: bool(torch.allclose(a, b, rtol=1e-5, atol=1e-6))
-    exp_close = all(close(a, b) for a, b in zip(grads["echo"]["experts"], grads["plain"]["experts"]))
+    # an expert's gradient is one sum over its tokens without cloning, home + clone partial sums with it: the float
+    # rounding of that reassociation is relative to the gradient's scale, not to each element
+    sum_close = lambda a, b: bool(torch.allclose(a, b, rtol=1e-5, atol=1e-6 * max(1.0, float(b.abs().max()))))
+    exp_close = all(sum_close(a, b) for a, b in zip(grads["echo"]["experts"], grads["plain"]["experts"]))
     # home grad + Σ clone grads, by hand: this rank's experts' own grads plus the rows that came back
     local = cloned.local
     summed = [g.clone() for g in grads["echo"]["own"]]
@@ -163,7 +166,7 @@ def layer_section(ctx, cfg: dict) -> dict:
             n = params[j].numel()
             summed[j] = summed[j] + g[offset:offset + n].view_as(params[j])
             offset += n
-    decomposition = all(close(a, b) for a, b in zip(summed, grads["plain"]["experts"]))
+    decomposition = all(sum_close(a, b) for a, b in zip(summed, grads["plain"]["experts"]))
     # tokens: per expert over home and clone slots (dispatcher counts) == the routed pairs
     spr = cloned.slots_per_rank
     slot_expert = {r * spr + j: r * local + j for r in range(ctx.world_size) for j in range(local)}
@@ -189,6 +192,9 @@ def layer_section(ctx, cfg: dict) -> dict:
             "grad_x_close": close(grads["echo"]["x"], grads["plain"]["x"]),
             "grad_router_close": close(grads["echo"]["router"], grads["plain"]["router"]),
             "grad_experts_close": exp_close, "home_plus_clone_grads_equal_plain": decomposition,
+            "grad_experts_max_abs_diff": max(float((a - b).abs().max()) for a, b in
+                                             zip(grads["echo"]["experts"], grads["plain"]["experts"])),
+            "grad_experts_max_abs": max(float(b.abs().max()) for b in grads["plain"]["experts"]),
             "clone_grad_norm": float(echo.clone_grads.norm()) if echo.clone_grads is not None and echo.clone_grads.numel() else 0.0,
             "own_grad_norm": float(torch.cat([g.reshape(-1) for g in grads["echo"]["own"]]).norm()),
             "per_expert_pairs": per_expert, "routed_per_expert": plan.load_per_expert,
