@@ -466,6 +466,12 @@ def dense_layer_op(tokens: int, hidden: int, ffn: int, elem: int = 2) -> dict[st
     return {"gemm_flops": 2.0 * tokens * (4 * hidden * hidden + 2 * hidden * ffn), "wire_bytes": float(tokens * hidden * elem)}
 
 
+def workload_layer_op(w: Workload, elem: int = 2) -> dict[str, float]:
+    """``dense_layer_op`` of one of ``w``'s layers on one micro-batch: seq_len · micro_batch tokens, its MLP width
+    ``ffn_hidden`` (4 · hidden when it has none)."""
+    return dense_layer_op(w.seq_len * w.micro_batch, w.hidden, w.ffn_hidden or 4 * w.hidden, elem)
+
+
 def tp_mlp_op(tokens: int, hidden: int, ffn: int, tp: int, elem: int = 2) -> dict[str, float]:
     """fc1's all-gather + GEMM (fc2's GEMM + reduce-scatter is its mirror: the same numbers) on one rank of a
     sequence-parallel TP group: ``gemm_flops`` = 2·M·D·F/tp, ``wire_bytes`` = (tp−1)/tp·M·D·elem (the ledger's

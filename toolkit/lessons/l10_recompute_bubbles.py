@@ -108,7 +108,7 @@ def emulated(ctx, cfg: dict, setup: PipelineSetup, jobs: list[Job]) -> dict:
     emu = ctx.emulator
     mc, real = setup.model_cfg, planner.MODELS[cfg["stands_for"]]
     toy = planner.dense_layer_op(cfg["micro_batch"] * mc.seq_len, mc.d_model, mc.d_ff, emu.cluster.float_bytes)
-    real_op = planner.dense_layer_op(real.seq_len * real.micro_batch, real.hidden, real.ffn_hidden or 4 * real.hidden)
+    real_op = planner.workload_layer_op(real)
     scales = planner.matched_scales(toy, real_op)
     link = emu.cluster.link_between([0, 1], ctx.world_size)  # between neighbouring stages
     with emu.scaled(**scales):
