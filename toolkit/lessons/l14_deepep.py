@@ -475,7 +475,7 @@ def run(ctx, cfg: dict) -> dict:
     ctx.ledger.name_group(hop.rdma, "rdma")
     ctx.ledger.name_group(hop.nvl, "nvl")
     out = {"world_size": R, "rank": ctx.rank, "config": cfg}
-    with ctx.emulator.paused() if ctx.emulator is not None else nullcontext():  # the real run, no bookkeeping
+    with ctx.paused():  # the real run, no bookkeeping
         out["layout"] = layout_check(ids, cfg, R)
         ctx.progress(1, 7, "layout")
         out["dedup"] = dedup_bytes(ctx, cfg, x, ids, w)

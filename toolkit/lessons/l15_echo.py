@@ -339,7 +339,7 @@ def run(ctx, cfg: dict) -> dict:
                           ("emulated", emulated_section), ("learned", learned_section)):
         t0 = time.perf_counter()
         real_run_only = name != "emulated" and ctx.emulator is not None  # no bookkeeping on every op there
-        with ctx.phase(name), ctx.emulator.paused() if real_run_only else contextlib.nullcontext():
+        with ctx.phase(name), (ctx.paused() if real_run_only else contextlib.nullcontext()):
             out["zipf" if name == "plan" else name] = section(ctx, cfg)
         out["phase_s"][name] = time.perf_counter() - t0
     mc = model_config(cfg)

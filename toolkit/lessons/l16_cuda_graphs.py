@@ -87,7 +87,7 @@ def run(ctx, cfg: dict) -> dict:
 
     # the real run: every section but the emulated one runs with the emulator paused (no bookkeeping on every op,
     # which the host cost per op measured below would otherwise include)
-    with ctx.emulator.paused() if ctx.emulator is not None else contextlib.nullcontext():
+    with ctx.paused():
         # -- one checked step per variant ------------------------------------------------------------------
         runs, models = {}, {}
         for name in VARIANTS:

@@ -24,7 +24,6 @@ first loss on every rank, to check that the composed layout computes the model's
 """
 from __future__ import annotations
 
-import contextlib
 import hashlib
 from collections import defaultdict
 
@@ -132,13 +131,12 @@ def run(ctx, cfg: dict) -> dict:
 
     ctx.phase("train")
     # no virtual time is read before the emulated phase: training and wall timing run with the emulator paused
-    paused = ctx.emulator.paused if ctx.emulator is not None else contextlib.nullcontext
     runs, composed = [], {}
     for i, (name, c, against) in enumerate(configs):
         job = Composed.build(c, grid, ctx.device, ledger=ctx.ledger)
-        with paused(), ctx.ledger.tag(f"{name}:train"):
+        with ctx.paused(), ctx.ledger.tag(f"{name}:train"):
             losses = [job.step(*data[k]) for k in range(cfg["steps"])]
-        with paused(), MemoryTracker(list(job.modules.values()), job.optimizer, every_op=False) as mem, \
+        with ctx.paused(), MemoryTracker(list(job.modules.values()), job.optimizer, every_op=False) as mem, \
                 job.record_routing() as rows, ctx.ledger.tag(f"{name}:memory"):
             job.step(*data[cfg["steps"]])
         composed[name] = job
@@ -154,7 +152,7 @@ def run(ctx, cfg: dict) -> dict:
     clock["train"] = time.perf_counter()
     ctx.phase("timing")
     fixed = data[0]
-    with paused():
+    with ctx.paused():
         results = compare({name: (lambda job=job: job.step(*fixed)) for name, job in composed.items()},
                           warmup=cfg["warmup"], steps=cfg["bench_steps"], rounds=cfg["rounds"], sync=ctx.barrier,
                           on_round=lambda done, total: ctx.progress(done, total, "timing every configuration"))

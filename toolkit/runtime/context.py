@@ -6,6 +6,7 @@ timeline clocks with a barrier, then calls the lesson.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -93,6 +94,12 @@ class Context:
     def barrier(self) -> None:
         if dist.is_initialized() and self.world_size > 1:
             dist.barrier()
+
+    def paused(self):
+        """``with ctx.paused():`` the block runs as without an emulated cluster (``Emulator.paused``: no virtual
+        time, no bookkeeping on every op); nothing changes without one. For sections that read the wall clock or
+        the results only. Collective: every rank of the groups used inside pauses around the same block."""
+        return self.emulator.paused() if self.emulator is not None else contextlib.nullcontext()
 
     # -- progress: what the launcher's bar shows (rank 0's) ------------------------------------------------
     #

@@ -169,22 +169,63 @@ def element_bytes(dtype: torch.dtype, float_bytes: int) -> int:
 
 
 def _bytes(tensors, float_bytes: int) -> int:
-    return sum(t.numel() * element_bytes(t.dtype, float_bytes) for t in tensors)
+    total = 0
+    for t in tensors:
+        dtype = t.dtype
+        total += t.numel() * (float_bytes if dtype.is_floating_point and 2 <= dtype.itemsize <= 4 else dtype.itemsize)
+    return total
 
 
 def op_cost(func, args, kwargs, out, float_bytes: int, formulas: dict) -> tuple[float, float]:
     """(FLOPs, bytes moved) of one ATen op: FLOPs by ``formulas`` (``_flop_formulas``); bytes = tensors read (the
     inputs, not the ``out=`` buffers, which are only written) + tensors written (the outputs)."""
-    packet = func.overloadpacket
-    flops = float(formulas[packet](*args, **kwargs, out_val=out)) if packet in formulas else 0.0
-    written = {a.name for a in func._schema.arguments if a.is_out}  # out=, or Q=/R= of linalg_qr.out
-    read = _tensors((args, {k: v for k, v in kwargs.items() if k not in written}))
-    if str(packet) in GATHER_LIKE:
-        index = [t for t in read if not t.dtype.is_floating_point]
-        nbytes = _bytes(index, float_bytes) + 2 * _bytes(_tensors(out), float_bytes)
-    else:
-        nbytes = _bytes(read, float_bytes) + _bytes(_tensors(out), float_bytes)
-    return flops, float(nbytes)
+    return _OpKind(func, formulas).cost(args, kwargs, out, float_bytes)
+
+
+def _signature(x):
+    """A hashable stand-in for a formula's arguments: tensors by shape (a FLOP formula reads nothing else)."""
+    if isinstance(x, torch.Tensor):
+        return tuple(x.shape)
+    if isinstance(x, (list, tuple)):
+        return tuple(_signature(v) for v in x)
+    if isinstance(x, dict):
+        return tuple((k, _signature(v)) for k, v in x.items())
+    return x if isinstance(x, (int, float, bool, str, type(None), torch.dtype)) else repr(x)
+
+
+class _OpKind:
+    """What one ATen overload is, worked out once per overload (the dispatch mode sees thousands of calls a step):
+    its name, whether it is timed, and how its FLOPs and bytes are counted. FLOPs are cached by argument shapes
+    (a formula runs torch's pytree over its arguments: as slow as the op itself at the course's sizes)."""
+
+    __slots__ = ("name", "timed", "host_sync", "formula", "written", "gather_like", "flops_by_shape")
+
+    def __init__(self, func, formulas: dict):
+        self.name = str(func.overloadpacket)
+        self.timed = launches_kernel(func) and not self.name.startswith(COLLECTIVE_NAMESPACES)
+        self.host_sync = self.name in HOST_SYNC
+        self.formula = formulas.get(func.overloadpacket)
+        self.written = frozenset(a.name for a in func._schema.arguments if a.is_out)  # out=, or Q=/R= of qr.out
+        self.gather_like = self.name in GATHER_LIKE
+        self.flops_by_shape: dict = {}
+
+    def flops(self, args, kwargs, out) -> float:
+        if self.formula is None:
+            return 0.0
+        key = (_signature(args), _signature(kwargs))
+        flops = self.flops_by_shape.get(key)
+        if flops is None:
+            flops = self.flops_by_shape[key] = float(self.formula(*args, **kwargs, out_val=out))
+        return flops
+
+    def cost(self, args, kwargs, out, float_bytes: int) -> tuple[float, float]:
+        read = _tensors((args, {k: v for k, v in kwargs.items() if k not in self.written} if self.written else kwargs))
+        if self.gather_like:
+            index = [t for t in read if not t.dtype.is_floating_point]
+            nbytes = _bytes(index, float_bytes) + 2 * _bytes(_tensors(out), float_bytes)
+        else:
+            nbytes = _bytes(read, float_bytes) + _bytes(_tensors(out), float_bytes)
+        return self.flops(args, kwargs, out), float(nbytes)
 
 
 class ComputeTimer(TorchDispatchMode):
@@ -195,20 +236,23 @@ class ComputeTimer(TorchDispatchMode):
         super().__init__()
         self.emulator = emulator
         self.formulas = _flop_formulas()
+        self.kinds: dict = {}  # OpOverload -> _OpKind
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        kind = self.kinds.get(func)
+        if kind is None:
+            kind = self.kinds[func] = _OpKind(func, self.formulas)
         emu = self.emulator
-        name = str(func.overloadpacket)
-        if (getattr(emu._local, "internal", False) or name.startswith(COLLECTIVE_NAMESPACES)
-                or not launches_kernel(func) or (emu.ledger is not None and emu.ledger.inside_op)):
+        if (not kind.timed or getattr(emu._local, "internal", False)
+                or (emu.ledger is not None and emu.ledger.inside_op)):
             return func(*args, **kwargs)  # no kernel, or part of a collective (gloo's own copies): no compute time
         t0 = time.perf_counter()
         out = func(*args, **kwargs)
         cpu_s = time.perf_counter() - t0
-        flops, nbytes = op_cost(func, args, kwargs, out, emu.cluster.float_bytes, self.formulas)
-        emu.compute(name, flops, nbytes, cpu_s)
-        if name in HOST_SYNC:  # the host needs the value: it waits for the stream
+        flops, nbytes = kind.cost(args, kwargs, out, emu.cluster.float_bytes)
+        emu.compute(kind.name, flops, nbytes, cpu_s)
+        if kind.host_sync:  # the host needs the value: it waits for the stream
             emu.synchronize()
         return out
 
@@ -382,17 +426,18 @@ class Emulator:
     @contextlib.contextmanager
     def paused(self):
         """Inside, this rank runs as without an emulated cluster: its ops pass untimed and unrecorded, collectives
-        carry no clock message, the clocks stand still (the sections of a lesson that measure the real run only,
+        carry no clock message, host copies and disk I/O take no time, the clocks stand still (the sections of a lesson that measure the real run only,
         without the emulator's bookkeeping on every op). Collective: the ranks of a group pause around the same
         collectives."""
-        ledger, previous = self.ledger, getattr(self._local, "internal", False)
+        ledger = self.ledger
+        previous = getattr(self._local, "internal", False), getattr(self._local, "paused", False)
         if ledger is not None:
             ledger.emulator = None
-        self._local.internal = True
+        self._local.internal = self._local.paused = True
         try:
             yield self
         finally:
-            self._local.internal = previous
+            self._local.internal, self._local.paused = previous
             if ledger is not None:
                 ledger.emulator = self
 
@@ -429,6 +474,9 @@ class Emulator:
     def _local_transfer(self, queue: str, seconds: float, nbytes: float, tag: str, op: str | None = None,
                         after: float = 0.0):
         issue = self.now()
+        if getattr(self._local, "paused", False):  # paused: the copy takes no time and is not recorded
+            return LocalTransfer(self, {"op": op or queue, "tag": tag, "link": queue, "bytes": nbytes, "issue": issue,
+                                        "start": issue, "local_end": issue, "done": None, "exposed": None})
         with self._lock:
             start = max(issue, self._link_free[queue], after)
             end = self._link_free[queue] = start + seconds
