@@ -234,6 +234,26 @@ Root Cause (first observed failure):
     assert err.rank is None and str(err).startswith("launch exited with code 1; ranks without a result: [0, 1]")
 
 
+def test_an_exception_outranks_a_rank_that_ended_with_nothing_known_unless_it_echoes_a_lost_peer(tmp_path):
+    """Torch 2.8: rank 0 raised; rank 1, stopped in a way that torch's report does not name, left no result, no
+    exception and no exit status. The exception is the root cause. Had rank 0 only lost its peer, rank 1 would be."""
+    from toolkit.runtime.launch import failure
+    for message, root in (("'_Action' object has no attribute 'sub_actions'", 0), ("Connection closed by peer", 1)):
+        for f in tmp_path.iterdir():
+            f.unlink()
+        for r in (0, 1):
+            (tmp_path / f"rank{r}.stack.txt").write_text("")  # both started
+        (tmp_path / "rank0.error.json").write_text(json.dumps(
+            {"rank": 0, "time": 1.0, "type": "AttributeError", "message": message, "cause": None,
+             "traceback": "..."}))
+        (tmp_path / "launch.log").write_text("")
+        err = failure(tmp_path, 2, 1)
+        assert err.rank == root, str(err)
+        if root == 0:
+            assert str(err).startswith(f"rank 0 of 2 failed with AttributeError: {message}"), str(err)
+            assert "rank 1 ended with no result and no exception" in str(err), str(err)
+
+
 def test_torchruns_agent_killed_takes_every_rank_with_it(tmp_path):
     """The ranks' parent dies (the kernel's OOM killer may pick it): the kernel kills them (PR_SET_PDEATHSIG)."""
     out = tmp_path / "out"

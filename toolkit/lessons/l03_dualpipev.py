@@ -33,7 +33,7 @@ PRESETS = {
     "smoke": {"model": "smoke", "n_layer": 4, "m": 4, "micro_batch": 2, "warmup": 1, "bench_steps": 1, "rounds": 3,
               "schedules": list(SCHEDULES), "stands_for": "llama2-7b"},
     "default": {"model": "default", "n_layer": 4, "m": 8, "micro_batch": 4, "warmup": 1, "bench_steps": 2,
-                "rounds": 5, "schedules": list(SCHEDULES), "stands_for": "llama2-7b"},
+                "rounds": 3, "schedules": list(SCHEDULES), "stands_for": "llama2-7b"},
     "full": {"model": "full", "n_layer": 12, "m": 16, "micro_batch": 2, "warmup": 3, "bench_steps": 5, "rounds": 5,
              "schedules": list(SCHEDULES), "stands_for": "llama2-13b"},
 }

@@ -475,24 +475,36 @@ def failure(tmp: Path, world_size: int, returncode: int) -> LaunchError:
 
 
 def root_cause(failed: list[RankEnd], torchrun_first: int | None) -> RankEnd | None:
-    """The failure the others follow from.
+    """The failure the others follow from, by the strength of the evidence each rank left:
 
-    1. A rank that ended silently (a signal, or an exit code with no exception) and that torchrun did not stop:
-       a rank whose peer fails raises (gloo: "Connection closed by peer") or is stopped; it does not die
-       silently. Among several, torchrun's first observed failure (it polls every 0.1 s; its report's times
-       are whole seconds, so it cannot order two deaths closer than that).
-    2. Else the earliest exception: each rank stamps its own, so this order is exact.
-    3. Else torchrun's first observed failure.
+    1. A rank that ended silently with a cause torchrun or faulthandler saw (a signal, a non-zero exit code, a
+       crash stack) and that torchrun did not stop: a rank whose peer fails raises (gloo: "Connection closed by
+       peer") or is stopped; it does not die silently. Among several, torchrun's first observed failure (it polls
+       every 0.1 s; its report's times are whole seconds, so it cannot order two deaths closer than that).
+    2. Else the earliest exception that is not a lost peer's echo (``PEER_GONE``): each rank stamps its own, so
+       this order is exact.
+    3. Else a rank that ended with no result and nothing else known (exit code 0, or no report): a rank
+       stopped in a way this torch's report does not name looks the same (seen on torch 2.8), so it comes after
+       a real exception.
+    4. Else the earliest exception, then torchrun's first observed failure.
     """
     silent = [e for e in failed if e.silent]
+    seen = [e for e in silent if e.exitcode or e.crash.strip()]
+    if seen:
+        return next((e for e in seen if e.rank == torchrun_first), seen[0])
+    raised = sorted((e for e in failed if e.error is not None), key=lambda e: e.error["time"])
+    own = [e for e in raised if not PEER_GONE.search(e.error.get("message") or "")]
+    if own:
+        return own[0]
     if silent:
         return next((e for e in silent if e.rank == torchrun_first), silent[0])
-    raised = [e for e in failed if e.error is not None]
     if raised:
-        return min(raised, key=lambda e: e.error["time"])
+        return raised[0]
     return next((e for e in failed if e.rank == torchrun_first), None)
 
 
+PEER_GONE = re.compile(r"Connection closed by peer|Connection reset by peer|Broken pipe", re.IGNORECASE)
+"""Messages of a collective that failed because a peer went away: a consequence, never the root cause."""
 _FAILURE = re.compile(r"rank\s*: (\d+) \(local_rank: \d+\)\s+exitcode\s*: (-?\d+) \(pid: (\d+)\)")
 _STOPPED = re.compile(r"Sending process (\d+) closing signal")
 _ONE_RANK = re.compile(r"CalledProcessError: Command .* (?:died with <Signals\.\w+: (\d+)>|"
