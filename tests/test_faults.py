@@ -90,6 +90,20 @@ def test_a_rank_that_exits_without_a_result(tmp_path):
     assert err.rank == 1 and str(err).startswith("rank 1 of 2 exited with code 3 with no result and no exception")
 
 
+def test_a_failed_launch_removes_its_temporary_files_unless_asked_to_keep_them(tmp_path, monkeypatch):
+    import tempfile
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where launch's mkdtemp makes its folder
+    for keep in (False, True):
+        with pytest.raises(LaunchError) as info:
+            launch("fault_targets:exits", 2, {}, timeout_s=TIMEOUT_S, progress="none", keep_files=keep)
+        left = sorted(tmp_path.glob("toolkit-*"))
+        if keep:
+            assert len(left) == 1 and f"(the ranks' files: {left[0]})" in str(info.value)
+            assert (left[0] / "launch.log").exists()
+        else:
+            assert not left and "launch(..., keep_files=True) keeps them" in str(info.value)
+
+
 def test_a_result_json_cannot_hold_names_the_rank_the_key_and_the_type(tmp_path):
     err = failing("returns_a_set", tmp_path)
     assert err.rank == 1

@@ -107,7 +107,8 @@ def launch(lesson, world_size: int, cfg: dict | None = None, *, backend: str = "
             ``["--num_machines", "2", "--machine_rank", "0", "--main_process_ip", "node0",
             "--main_process_port", "29500"]`` or ``["--config_file", "cluster.yaml"]``.
         out_dir: where ranks write results (a temporary folder by default, removed after).
-        keep_files: keep ``out_dir`` (logs, per-rank stacks) after a successful launch.
+        keep_files: keep the ranks' files (spec, launcher log, per-rank results, errors and stacks) in a temporary
+            folder after the launch, failed or not (``RankResults.out_dir``; a failure's message names it).
         phases: ``[("name", weight), ...]`` for the progress bar (default: the module's ``PHASES``).
         oversubscribe: allow far more ranks than this machine has cores or memory for (refused otherwise).
         cluster: run on an emulated cluster (``toolkit.runtime.emulator``): a preset name ("h100-ib400",
@@ -131,11 +132,25 @@ def launch(lesson, world_size: int, cfg: dict | None = None, *, backend: str = "
     spec_path = write_spec(tmp, target, cfg, backend, seed, threads, timeout_s, phase_list, emulated)
     title = f"{target.label} x{world_size} ({backend})"
     bar = Progress(title, progress, phase_list) if progress != "none" else None
-    proc, wall = run_ranks(command(spec_path, world_size, accelerate_args), child_env(threads), tmp, world_size,
-                           timeout_s, bar, title)
-    results = collect(tmp, world_size, proc.returncode, bar)
+    keep = bool(keep_files or out_dir)
+    try:
+        proc, wall = run_ranks(command(spec_path, world_size, accelerate_args), child_env(threads), tmp, world_size,
+                               timeout_s, bar, title)
+        results = collect(tmp, world_size, proc.returncode, bar)
+    except LaunchError as err:  # what it needs is in the message; the files stay only where asked for
+        if keep:
+            err.args = (f"{err.args[0]}\n(the ranks' files: {tmp})",)
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
+            err.args = (f"{err.args[0]}\n(the ranks' files are removed; launch(..., keep_files=True) keeps them: "
+                        "spec, launcher log, per-rank results, errors and stacks)",)
+        raise
+    except BaseException:  # interrupted: the processes are gone (run_ranks killed them)
+        if not keep:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
     results.wall_s = wall
-    if keep_files or out_dir:
+    if keep:
         results.out_dir = tmp
     else:
         shutil.rmtree(tmp, ignore_errors=True)
