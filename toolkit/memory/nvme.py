@@ -48,7 +48,7 @@ import torch
 from toolkit.runtime.emulator import element_bytes
 from toolkit.runtime.memory import MemoryTracker
 
-from .optim_offload import HYPER, CopyEngine, _VirtualStep, adamw_, host_update
+from .optim_offload import HYPER, CopyEngine, VirtualStep, adamw_, host_update
 
 BLOCK_BYTES = 4096
 ELEM = 4  # fp32
@@ -307,7 +307,7 @@ class DiskAdamW(torch.optim.Optimizer):
         hyper = {k: self.param_groups[0][k] for k in ("lr", "betas", "eps", "weight_decay")}
         c, store = self.copies, self.store
         before, moved = store.counters(), dict(c.moved)
-        clock = _VirtualStep(c.emu, ("read_wait_s", "write_wait_s", "copy_wait_s"))
+        clock = VirtualStep(c.emu, ("read_wait_s", "write_wait_s", "copy_wait_s"))
         wait_read = wait_write = compute = 0.0
         free = list(range(self.buffer_count))  # buffers not holding a piece
         pending_write: dict[int, tuple[Future, object]] = {}  # buffer -> its write-behind (and its disk transfer)

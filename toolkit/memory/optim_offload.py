@@ -148,7 +148,7 @@ class CopyEngine:
             torch.cuda.current_stream(self.device).wait_stream(self.stream)
 
 
-class _VirtualStep:
+class VirtualStep:
     """The emulated cluster's clock across one optimizer step: the step's virtual seconds, the host's time in
     updates (the CPU's roofline), and the time each kind of wait for a copy moved the clock (``*_wait_s``)."""
 
@@ -180,7 +180,7 @@ class OffloadAdamW(torch.optim.Optimizer):
     ``self.state`` stays empty: nothing a memory tracker would count as device optimizer state. The host
     store is ``self.host`` (one dict per parameter) and is reported by ``host_bytes()``. ``moved_per_step``: the
     bytes copied each way since the previous step (a ``cpu``-mode gradient goes down during backward);
-    ``vstats``: per step on an emulated cluster, its virtual seconds (``_VirtualStep``), else empty.
+    ``vstats``: per step on an emulated cluster, its virtual seconds (``VirtualStep``), else empty.
     """
 
     def __init__(self, params, mode: str = "cpu", lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
@@ -273,7 +273,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             p.grad.record_stream(c.stream)  # its memory is reused only once the side stream has copied it
         p.grad = None
 
-    def _wait_landed(self, i: int, clock: _VirtualStep | None) -> None:
+    def _wait_landed(self, i: int, clock: VirtualStep | None) -> None:
         """The host waits until parameter ``i``'s gradient has arrived in its host shard."""
         landed = self._landed.get(i)
         if isinstance(landed, torch.cuda.Event):
@@ -290,7 +290,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         if closure is not None:
             raise ValueError("OffloadAdamW.step does not take a closure")
         hyper = {k: self.param_groups[0][k] for k in ("lr", "betas", "eps", "weight_decay")}
-        clock = _VirtualStep(self.copies.emu, ("grad_wait_s", "param_wait_s") if self.mode == "cpu" else
+        clock = VirtualStep(self.copies.emu, ("grad_wait_s", "param_wait_s") if self.mode == "cpu" else
                              ("moments_in_wait_s", "moments_out_wait_s"))
         (self._step_cpu if self.mode == "cpu" else self._step_stream)(hyper, clock)
         self.steps += 1
@@ -301,7 +301,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         if v is not None:
             self.vstats.append(v)
 
-    def _step_cpu(self, hyper, clock: _VirtualStep) -> None:
+    def _step_cpu(self, hyper, clock: VirtualStep) -> None:
         c = self.copies
         for i, p in enumerate(self.params):  # gradients set outside backward (ZeRO-1's reduce in step) go now
             if p.grad is not None:
@@ -320,7 +320,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         for up in ups:  # the next forward reads the parameters: the stream waits for them
             clock.wait(up, "param_wait_s", host=False)
 
-    def _step_stream(self, hyper, clock: _VirtualStep) -> None:
+    def _step_stream(self, hyper, clock: VirtualStep) -> None:
         c = self.copies
         live = [(p, st) for p, st in zip(self.params, self.host) if p.grad is not None]
         if not live:
