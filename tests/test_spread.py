@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from toolkit.runtime.spread import compare, pm, summary
+from toolkit.runtime.spread import paired, pm, summary
 
 
 def test_summary_is_mean_and_sample_std():
@@ -18,7 +18,7 @@ def test_summary_is_mean_and_sample_std():
 def test_a_consistent_small_effect_is_beyond_the_noise_even_under_a_large_seed_spread():
     base = [2.0, 2.5, 3.0]  # the seeds differ a lot ...
     other = [2.02, 2.52, 3.03]  # ... the technique adds the same +0.02 to each
-    c = compare(base, other)
+    c = paired(base, other)
     assert c["base"]["std"] > 10 * c["diff"]  # the unpaired intervals overlap
     assert c["beyond_noise"] is True and c["verdict"] == "higher"
     assert c["paired"]["values"] == pytest.approx([0.02, 0.02, 0.03])
@@ -26,16 +26,16 @@ def test_a_consistent_small_effect_is_beyond_the_noise_even_under_a_large_seed_s
 
 
 def test_an_inconsistent_effect_is_within_the_noise():
-    c = compare([2.0, 2.5, 3.0], [2.05, 2.45, 3.01])
+    c = paired([2.0, 2.5, 3.0], [2.05, 2.45, 3.01])
     assert c["beyond_noise"] is False and c["verdict"] == "within noise"
-    assert compare([1.0, 1.0], [0.5, 0.6])["verdict"] == "lower"
+    assert paired([1.0, 1.0], [0.5, 0.6])["verdict"] == "lower"
 
 
 def test_one_seed_is_not_judged_and_bad_input_is_refused():
-    c = compare([1.0], [1.1])
+    c = paired([1.0], [1.1])
     assert c["beyond_noise"] is None and c["verdict"].startswith("one seed")
     with pytest.raises(ValueError, match="one value per seed"):
-        compare([1.0, 2.0], [1.0])
+        paired([1.0, 2.0], [1.0])
     with pytest.raises(ValueError, match="finite"):
         summary([1.0, float("nan")])
     with pytest.raises(ValueError, match="non-empty"):

@@ -30,7 +30,7 @@ from toolkit.data import batches, held_out_loss
 from toolkit.models.gpt import GPT, count_params, preset, split_stages
 from toolkit.runtime.config import Param, common, require_ranks, resolve
 from toolkit.runtime.emulator import metered
-from toolkit.runtime.spread import compare
+from toolkit.runtime.spread import paired
 
 PARAMS = {
     **common("model", "n_layer", "seq_len", "batch", "steps", "lr", "eval_batches", "seeds"),
@@ -297,7 +297,7 @@ def run(ctx, cfg: dict) -> dict:
                    "error_grad_init": error_fraction(all_shapes, r, tails_init),
                    "error_grad_end": error_fraction(all_shapes, r, tails_end)}
                   for r in range(1, cfg["r_max"] + 1)]
-    spread = {key: compare([s[key]["baseline"] for s in per_seed], [s[key]["edgc"] for s in per_seed])
+    spread = {key: paired([s[key]["baseline"] for s in per_seed], [s[key]["edgc"] for s in per_seed])
               for key in ("eval_loss", "final_loss")}
     return {
         "cfg": cfg, "n_params": n_params, "world_size": world, "model": vars(model_cfg),

@@ -30,7 +30,7 @@ from toolkit.runtime import compat
 from toolkit.runtime.cluster import Cluster
 from toolkit.runtime.config import Param, common, require_ranks, resolve
 from toolkit.runtime.emulator import metered
-from toolkit.runtime.spread import compare
+from toolkit.runtime.spread import paired
 
 MODES = {
     "baseline": dict(weights="bf16", grads="bf16"),
@@ -214,7 +214,7 @@ def run(ctx, cfg: dict) -> dict:
         per_seed.append({"seed": seed, "eval_loss": {m: r["eval_loss"] for m, r in got.items()},
                          "final_loss": {m: r["final_loss"] for m, r in got.items()},
                          "replicas_identical": {m: r["replicas_identical"] for m, r in got.items()}})
-    spread = {m: compare([s["eval_loss"]["baseline"] for s in per_seed], [s["eval_loss"][m] for s in per_seed])
+    spread = {m: paired([s["eval_loss"]["baseline"] for s in per_seed], [s["eval_loss"][m] for s in per_seed])
               for m in cfg["modes"] if m != "baseline"}
     toy_steps = {mode: run.pop("virtual") for mode, run in runs.items()}
     return {"cfg": cfg, "world_size": ctx.world_size, "nodes": topo.nodes, "local": topo.local,

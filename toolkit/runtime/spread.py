@@ -11,7 +11,8 @@ and data order for both) and judges the difference against the spread::
 
 Judging on the paired differences is what makes 3 seeds enough to see a consistent 1 % effect that
 the seed-to-seed spread of each loss (often several %) would hide; the rule is rough with so few seeds
-(it is a t statistic of 2, not a significance test), and with k = 1 :func:`compare` refuses to judge.
+(it is a t statistic of 2, not a significance test), and with k = 1 :func:`paired` refuses to judge.
+(``toolkit.runtime.bench.verdict`` is the other judge: of times, from the paired rounds of one ``compare``.)
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ def summary(values: list[float]) -> dict:
             "std": statistics.stdev(values) if len(values) > 1 else 0.0}
 
 
-def compare(base: list[float], other: list[float]) -> dict:
+def paired(base: list[float], other: list[float]) -> dict:
     """Per-seed results of a baseline and a technique (``other[s]`` paired with ``base[s]``).
 
     Returns ``base``/``other`` (summaries), ``paired`` (summary of other − base per seed), ``diff`` (its
