@@ -89,6 +89,18 @@ def test_run_all_refuses_an_unknown_parameter_before_running(tmp_path):
     assert "[1/1]" not in out.stdout and not (tmp_path / "out").exists(), "nothing runs, nothing is written"
 
 
+def test_run_all_reports_where_a_notebooks_time_went(tmp_path):
+    sys.path.insert(0, str(ROOT / "tools"))
+    from run_all import slowest_cells
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell("# t")] + [
+        nbformat.v4.new_code_cell(src, metadata={"papermill": {"duration": d}})
+        for src, d in (("import x", 1.25), ("# why\nresults = launch(...)", 30.0), ("plot()", 2.0))])
+    nbformat.write(nb, tmp_path / "run.ipynb")
+    assert slowest_cells(tmp_path / "run.ipynb", 2) == [{"cell": 2, "seconds": 30.0, "code": "results = launch(...)"},
+                                                        {"cell": 3, "seconds": 2.0, "code": "plot()"}]
+    assert slowest_cells(tmp_path / "missing.ipynb") == []
+
+
 def test_papermill_cli_lists_a_notebook():
     out = subprocess.run([sys.executable, "-m", "papermill", "--help-notebook", str(NOTEBOOKS[0])],
                          capture_output=True, text=True, timeout=300)

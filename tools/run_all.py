@@ -3,7 +3,8 @@
     python tools/run_all.py --preset default --out out        # (what `make run` does)
     python tools/run_all.py --preset full --backend nccl -p world_size=8 --only 03 16
 
-Writes out/notebooks/NN-name.ipynb (executed), out/summary.json (status and seconds per notebook),
+Writes out/notebooks/NN-name.ipynb (executed), out/summary.json (status and seconds per notebook, and its
+longest cells: where its time went),
 out/html/NN-name.html (one offline page per lesson), out/index.html (with each notebook's time) and
 out/results.html + out/results.json (the course results page: each lesson's headline measurement beside its
 source's claim, collected from the executed notebooks' ``toolkit.report.headline`` outputs) and out/machine.json
@@ -29,6 +30,23 @@ def _value(text: str):
         return json.loads(text)
     except json.JSONDecodeError:
         return text
+
+
+def slowest_cells(executed: Path, n: int = 3) -> list[dict]:
+    """The ``n`` longest code cells of an executed notebook, by papermill's per-cell duration: ``{"cell": index,
+    "seconds", "code": its first line}``, longest first (empty when the notebook holds no durations)."""
+    try:
+        cells = json.loads(executed.read_text())["cells"]
+    except (OSError, ValueError, KeyError):
+        return []
+    rows = []
+    for i, cell in enumerate(cells):
+        duration = cell.get("metadata", {}).get("papermill", {}).get("duration")
+        if cell.get("cell_type") == "code" and duration is not None:
+            source = "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]
+            first = next((ln.strip() for ln in source.splitlines() if ln.strip() and not ln.startswith("#")), "")
+            rows.append({"cell": i, "seconds": round(duration, 2), "code": first[:80]})
+    return sorted(rows, key=lambda r: -r["seconds"])[:n]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -81,9 +99,13 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as exc:  # noqa: BLE001 - report and go on with the other lessons
             status, error = "failed", str(exc).strip().splitlines()[-1][:300] if str(exc).strip() else repr(exc)
         seconds = time.monotonic() - start
+        longest = slowest_cells(target)
         print(f"    {status} in {seconds:.1f} s {error}", flush=True)
+        if longest:
+            print("    longest cells: " + "; ".join(f"{c['seconds']:.1f} s cell {c['cell']} ({c['code'][:40]})"
+                                                   for c in longest), flush=True)
         rows.append({"name": nb.stem, "status": status, "seconds": round(seconds, 2), "preset": args.preset,
-                     "error": error})
+                     "error": error, "slowest_cells": longest})
     ran, done = list(rows), {r["name"] for r in rows}  # --only: keep the other notebooks' last results
     old = json.loads((out / "summary.json").read_text()) if (out / "summary.json").exists() else []
     rows = sorted(rows + [r for r in old if r.get("name") not in done and (out / "notebooks" / f"{r['name']}.ipynb")
