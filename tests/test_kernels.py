@@ -186,6 +186,22 @@ def test_non_finite_input_is_rejected(bad, word):
             fn()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_all_finite_agrees_with_isfinite_all(dtype):
+    """One aminmax pass: a NaN anywhere, +Inf or -Inf alone, all Inf, and the largest finite values (which a
+    difference or a sum of the bounds would overflow) are told apart as torch.isfinite(x).all() tells them."""
+    big = torch.finfo(dtype).max
+    cases = [torch.randn(1000), torch.tensor([big, -big, big]), torch.tensor([float("inf")] * 3),
+             torch.tensor([1.0, float("-inf")]), torch.tensor([float("nan"), 2.0, float("inf")]), torch.zeros(0)]
+    for v in (float("nan"), float("inf"), float("-inf")):
+        x = torch.randn(4096)
+        x[1234] = v
+        cases.append(x)
+    for x in cases:
+        x = x.to(dtype)
+        assert Q.all_finite(x) == bool(torch.isfinite(x).all()), x
+
+
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int8, torch.bool, torch.complex64, torch.float8_e4m3fn])
 def test_unsupported_dtype_is_rejected(dtype):
     x = torch.zeros(64, dtype=dtype)

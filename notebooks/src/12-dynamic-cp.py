@@ -493,9 +493,9 @@ def split(runs: dict) -> str:
     saved = runs["static"]["step_s"] - runs["dynamic"]["step_s"]
     if saved <= 0:
         return f"dynamic CP saves no time here ({saved:+.2f} s)"
-    sh = {p: 100 * (runs["static"][k] - runs["dynamic"][k]) / saved
+    sh = {p: round(100 * (runs["static"][k] - runs["dynamic"][k]) / saved)  # whole percent: no "-0 %"
           for p, k in (("bubble", "bubble_s"), ("exposed ring", "exposed_comm_s"), ("compute", "compute_s"))}
-    text = "of the time saved, " + ", ".join(f"{p} {v:.0f} %" for p, v in sh.items())
+    text = "of the time saved, " + ", ".join(f"{p} {v} %" for p, v in sh.items())
     if sh["compute"] < 0:
         text += (f"; compute is negative because dynamic CP's critical path computes more, {runs['static']['compute_s']:.2f} → "
                  f"{runs['dynamic']['compute_s']:.2f} s, so the other two exceed 100 %")

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from toolkit.quant import Quantized, dequantize_blockwise, hadamard32, quantize_blockwise
+from toolkit.quant import Quantized, all_finite, dequantize_blockwise, hadamard32, quantize_blockwise
 from toolkit.runtime import compat
 
 WEIGHT_MODES = ("bf16", "qwd", "direct4", "fp32")
@@ -305,7 +305,7 @@ class ShardedDP:
     def reduce_scatter(self, step: int) -> torch.Tensor:
         """The mean gradient of this rank's shard [N_pad / W], by the configured path."""
         cfg = self.cfg
-        if not bool(torch.isfinite(self.grad).all()):
+        if not all_finite(self.grad):
             raise ValueError("gradient holds NaN/Inf values; refusing to quantize and reduce it")
         if cfg.grads == "fp32":
             return reduce_scatter_fp32(self.grad)

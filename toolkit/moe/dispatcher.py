@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 from toolkit.comm import quant_a2a
+from toolkit.quant import all_finite
 from toolkit.runtime import compat
 from toolkit.runtime.emulator import host_read
 
@@ -325,8 +326,8 @@ class TokenDispatcher:
         kept = torch.bincount(safe[keep], minlength=E)
         layout = dispatch_layout(safe, E, R, keep=keep)
         rows_to = layout.tokens_per_rank if self.dedup else kept.view(R, self.local).sum(1)
-        flags = [int(in_range), lo, hi, int(bool(torch.isfinite(weights).all())),
-                 int(x is None or not self.codec.quantized or bool(torch.isfinite(x).all())),
+        flags = [int(in_range), lo, hi, int(all_finite(weights)),
+                 int(x is None or not self.codec.quantized or all_finite(x)),
                  CODECS.index(self.codec.mode), self.codec.block, -1 if x is None else x.shape[1], int(self.dedup)]
         dev = ids.device
         mine = torch.cat([demand, kept, rows_to, torch.tensor(flags, device=dev)]).to(torch.int64)
