@@ -9,12 +9,25 @@
   defaults (it has no Try item in ``TRIED``), the papermill run is deselected. nbval's run executes every cell (an
   exception or a failed assert fails it) and compares the checked outputs. A lesson's papermill run takes its Try
   item's knobs, a different run, and stays.
+- One launch per distinct lesson job: ``TOOLKIT_LAUNCH_CACHE`` names a folder for this session (every xdist
+  worker and notebook kernel inherits it), so a test module's fixture and a notebook that launch the same lesson
+  with the same resolved configuration share one real launch (``toolkit.runtime.launch.session_cache``).
 """
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("TOOLKIT_PRESET", "smoke")
 os.environ.setdefault("TOOLKIT_PLAIN_PROGRESS", "1")
 os.environ.setdefault("TRITON_INTERPRET", "1")
+_OWN_CACHE = None
+if "TOOLKIT_LAUNCH_CACHE" not in os.environ:  # the session's first process (xdist's controller) makes it
+    _OWN_CACHE = os.environ["TOOLKIT_LAUNCH_CACHE"] = tempfile.mkdtemp(prefix="toolkit-launch-cache-")
+
+
+def pytest_unconfigure(config):
+    if _OWN_CACHE:
+        shutil.rmtree(_OWN_CACHE, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):

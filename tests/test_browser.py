@@ -76,7 +76,8 @@ def lab(workdir):
         {"LabApp": {"news_url": None, "check_for_updates_class": "jupyterlab.NeverCheckForUpdate",
                     "extension_manager": "readonly"}}))
     port, token = _free_port(), secrets.token_hex(16)
-    env = {k: v for k, v in os.environ.items() if k not in ("TOOLKIT_PLAIN_PROGRESS", "CI")}  # the learner's bar
+    env = {k: v for k, v in os.environ.items()  # the learner's bar, from a launch of its own
+           if k not in ("TOOLKIT_PLAIN_PROGRESS", "CI", "TOOLKIT_LAUNCH_CACHE")}
     env.update(TOOLKIT_PRESET="smoke", JUPYTER_CONFIG_DIR=str(config), JUPYTER_RUNTIME_DIR=str(workdir / "runtime"))
     cmd = [sys.executable, "-m", "jupyter", "lab", "--no-browser", "--allow-root", "--ip=127.0.0.1", f"--port={port}",
            f"--IdentityProvider.token={token}", "--LabApp.expose_app_in_browser=True",

@@ -225,3 +225,35 @@ def test_the_widget_bar_has_a_fixed_maximum():
     assert "train (2/2) 2/3 step 2" in bar.label.value
     bar.close("done")
     assert bar.bar.value == Progress.WIDTH and bar.bar.bar_style == "success"
+
+
+def test_the_session_cache_shares_one_launch_of_an_identical_lesson_job(tmp_path, monkeypatch):
+    """TOOLKIT_LAUNCH_CACHE (set by conftest for the suite): a lesson's run with the same resolved cfg, ranks,
+    backend, seed, cluster and environment returns the stored results; anything else, or a launch whose files
+    were asked for, or a target that is not a lesson's run, misses."""
+    from toolkit.runtime.launch import RankResults, session_cache
+    monkeypatch.setenv("TOOLKIT_LAUNCH_CACHE", str(tmp_path))
+    lesson = targets.resolve("l11_seq1f1b")
+    args = dict(cfg={"preset": "smoke", "m": 4}, world_size=4, backend="gloo", seed=0, threads=1, cluster=None,
+                accelerate_args=None, keep=False)
+
+    def cached(target=lesson, **changes):
+        with session_cache(target, **{**args, **changes}) as entry:
+            return entry.results
+
+    assert cached() is None
+    with session_cache(lesson, **args) as entry:
+        done = RankResults([{"rank": 0, "loss": 1.5}, {"rank": 1}])
+        done.wall_s, done.log = 3.0, "log"
+        entry.store(done)
+    again = cached()
+    assert list(again) == [{"rank": 0, "loss": 1.5}, {"rank": 1}] and (again.wall_s, again.log) == (3.0, "log")
+    for changes in ({"cfg": {"preset": "smoke", "m": 8}}, {"world_size": 2}, {"seed": 1},
+                    {"cluster": {"name": "h100-ib400"}}, {"keep": True}):
+        assert cached(**changes) is None, changes
+    assert cached(target=targets.resolve("toolkit.lessons.selftest:hang")) is None
+    monkeypatch.setenv("TOOLKIT_BF16_COMPUTE", "fp32")  # what a rank may read changes the key
+    assert cached() is None
+    monkeypatch.delenv("TOOLKIT_LAUNCH_CACHE")
+    monkeypatch.delenv("TOOLKIT_BF16_COMPUTE")
+    assert cached() is None  # no cache outside the suite

@@ -35,6 +35,8 @@ phase.
 """
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import os
 import re
@@ -48,6 +50,11 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+
+try:
+    import fcntl  # the session cache's lock (POSIX)
+except ImportError:  # pragma: no cover - Windows: identical launches may then run twice
+    fcntl = None
 
 from . import target as targets  # light: the standard library only
 
@@ -128,33 +135,40 @@ def launch(lesson, world_size: int, cfg: dict | None = None, *, backend: str = "
     emulated = check_cluster(cluster, world_size, backend)
     cfg = validate_cfg(target, dict(cfg or {}), world_size)
     phase_list = check_phases(phases if phases is not None else getattr(target.module, "PHASES", None), cfg)
-    tmp = prepare_out_dir(out_dir)
-    spec_path = write_spec(tmp, target, cfg, backend, seed, threads, timeout_s, phase_list, emulated)
-    title = f"{target.label} x{world_size} ({backend})"
-    bar = Progress(title, progress, phase_list) if progress != "none" else None
     keep = bool(keep_files or out_dir)
-    try:
-        proc, wall = run_ranks(command(spec_path, world_size, accelerate_args), child_env(threads), tmp, world_size,
-                               timeout_s, bar, title)
-        results = collect(tmp, world_size, proc.returncode, bar)
-    except LaunchError as err:  # what it needs is in the message; the files stay only where asked for
+    title = f"{target.label} x{world_size} ({backend})"
+    with session_cache(target, cfg, world_size, backend, seed, threads, emulated, accelerate_args, keep) as cache:
+        if cache.results is not None:
+            if progress != "none":
+                print(f"{title}: the results of an identical launch earlier in this test session ({CACHE_ENV})",
+                      flush=True)
+            return cache.results
+        tmp = prepare_out_dir(out_dir)
+        spec_path = write_spec(tmp, target, cfg, backend, seed, threads, timeout_s, phase_list, emulated)
+        bar = Progress(title, progress, phase_list) if progress != "none" else None
+        try:
+            proc, wall = run_ranks(command(spec_path, world_size, accelerate_args), child_env(threads), tmp,
+                                   world_size, timeout_s, bar, title)
+            results = collect(tmp, world_size, proc.returncode, bar)
+        except LaunchError as err:  # what it needs is in the message; the files stay only where asked for
+            if keep:
+                err.args = (f"{err.args[0]}\n(the ranks' files: {tmp})",)
+            else:
+                shutil.rmtree(tmp, ignore_errors=True)
+                err.args = (f"{err.args[0]}\n(the ranks' files are removed; launch(..., keep_files=True) keeps "
+                            "them: spec, launcher log, per-rank results, errors and stacks)",)
+            raise
+        except BaseException:  # interrupted: the processes are gone (run_ranks killed them)
+            if not keep:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        results.wall_s = wall
         if keep:
-            err.args = (f"{err.args[0]}\n(the ranks' files: {tmp})",)
+            results.out_dir = tmp
         else:
             shutil.rmtree(tmp, ignore_errors=True)
-            err.args = (f"{err.args[0]}\n(the ranks' files are removed; launch(..., keep_files=True) keeps them: "
-                        "spec, launcher log, per-rank results, errors and stacks)",)
-        raise
-    except BaseException:  # interrupted: the processes are gone (run_ranks killed them)
-        if not keep:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    results.wall_s = wall
-    if keep:
-        results.out_dir = tmp
-    else:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return results
+        cache.store(results)
+        return results
 
 
 # ---- 1. cheap checks ------------------------------------------------------------------------------------------
@@ -711,3 +725,58 @@ class Progress:
     def _print(self, text: str) -> None:
         print(f"[launch] {self.title}: {text}", file=self.out, flush=True)
         self.last_line = time.monotonic()
+
+
+# ---- 8. the test suite's launch cache ----------------------------------------------------------------------------
+CACHE_ENV = "TOOLKIT_LAUNCH_CACHE"
+"""A folder (the test suite sets one per session, ``conftest.py``): a lesson launch identical to one already run
+there returns that run's results instead of starting its processes again, so a notebook's run and a test module's
+fixture that launch the same job share one launch. Unset (a notebook, ``make run``, your code): every launch runs."""
+CACHE_KEY_ENV = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "TRITON_INTERPRET")
+"""Environment a run's results may depend on, besides every ``TOOLKIT_*`` variable: part of the cache key."""
+
+
+class _SessionCache:
+    """One launch's entry in the session cache: ``results`` when an identical launch already ran (else None),
+    ``store(results)`` after a successful run (a failure is never stored: the next identical launch runs)."""
+
+    def __init__(self, path: Path | None):
+        self.path, self.results = path, None
+        if path is not None and path.exists():
+            data = json.loads(path.read_text())
+            self.results = RankResults(data["results"])
+            self.results.wall_s, self.results.log = data["wall_s"], data["log"]
+
+    def store(self, results: RankResults) -> None:
+        if self.path is not None:
+            tmp = self.path.with_suffix(".tmp")
+            tmp.write_text(json.dumps({"results": list(results), "wall_s": results.wall_s, "log": results.log}))
+            tmp.replace(self.path)
+
+
+@contextlib.contextmanager
+def session_cache(target, cfg: dict, world_size: int, backend: str, seed: int, threads: int, cluster: dict | None,
+                  accelerate_args, keep: bool):
+    """The session cache's entry for this launch (``CACHE_ENV``), held under a lock so that an identical launch
+    in another process (a pytest-xdist worker, a notebook kernel) waits for this one and then reads its results.
+    Only a lesson's ``run`` (``toolkit.lessons.lNN_*``) is cached, and never a launch whose files were asked for
+    (``out_dir``, ``keep_files``): tests of the launcher itself always start processes."""
+    folder = os.environ.get(CACHE_ENV)
+    spec = target.spec
+    lesson = (spec.get("kind") == "import" and spec.get("function") == "run"
+              and re.fullmatch(r"toolkit\.lessons\.l\d\d\w*", spec.get("module", "")) is not None)
+    if not folder or keep or not lesson:
+        yield _SessionCache(None)
+        return
+    env = {k: v for k, v in os.environ.items()
+           if (k.startswith("TOOLKIT_") and k not in (CACHE_ENV, "TOOLKIT_PLAIN_PROGRESS")) or k in CACHE_KEY_ENV}
+    fields = {"target": spec, "cfg": cfg, "world_size": world_size, "backend": backend, "seed": seed,
+              "threads": threads, "cluster": cluster, "accelerate_args": accelerate_args, "env": env,
+              "cwd": os.getcwd()}
+    key = hashlib.sha256(json.dumps(fields, sort_keys=True, default=repr).encode()).hexdigest()[:32]
+    path = Path(folder) / f"{key}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "w") as lock:
+        if fcntl is not None:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        yield _SessionCache(path)
