@@ -139,6 +139,7 @@ def launch(lesson, world_size: int, cfg: dict | None = None, *, backend: str = "
     title = f"{target.label} x{world_size} ({backend})"
     with session_cache(target, cfg, world_size, backend, seed, threads, emulated, accelerate_args, keep) as cache:
         if cache.results is not None:
+            cache.note_hit(title)
             if progress != "none":
                 print(f"{title}: the results of an identical launch earlier in this test session ({CACHE_ENV})",
                       flush=True)
@@ -746,6 +747,11 @@ class _SessionCache:
             data = json.loads(path.read_text())
             self.results = RankResults(data["results"])
             self.results.wall_s, self.results.log = data["wall_s"], data["log"]
+
+    def note_hit(self, title: str) -> None:
+        """One line per launch served from the cache, in the folder's ``hits.log`` (what the cache saved)."""
+        with open(self.path.parent / "hits.log", "a") as log:
+            log.write(f"{title}\t{self.results.wall_s:.1f}\n")
 
     def store(self, results: RankResults) -> None:
         if self.path is not None:
