@@ -123,7 +123,7 @@ def all_finite(x: torch.Tensor) -> bool:
     if x.numel() == 0:
         return True
     lo, hi = torch.aminmax(x)
-    return bool(lo.isfinite() & hi.isfinite())
+    return bool(torch.logical_and(lo.isfinite(), hi.isfinite()))
 
 
 def _check_input(x: torch.Tensor, name: str = "x", finite: bool = True) -> None:

@@ -274,8 +274,8 @@ if EM is not None:
     step_m, step_t = (bench.verdict(v["baseline"], v["sdp4bit"]) for v in (step_m, step_t))
     m, ops = EM["matched"], dict(EM["codec_ops"]["sdp4bit"])
     codec = {mode: m[mode]["grads_s"] + m[mode]["weights_s"] - m[mode]["wire_s"] for mode in ("baseline", "sdp4bit")}
-    # quant.all_finite: aminmax over x, then isfinite (eq, abs, ne, mul) of its two values and their and
-    check_ops = [op for op in ("aten.aminmax", "aten.eq", "aten.abs", "aten.ne", "aten.mul", "aten.bitwise_and")
+    # quant.all_finite: aminmax over x, then isfinite (eq, abs, ne, mul) of its two values and logical_and
+    check_ops = [op for op in ("aten.aminmax", "aten.eq", "aten.abs", "aten.ne", "aten.mul", "aten.logical_and")
                  if op in ops]
     checks = sum(ops[op] for op in check_ops)
     kernels = sum(t for op, t in ops.items() if "Triton" in op)
