@@ -46,7 +46,10 @@ What the models take, what they leave out:
 The measured CPU time of every op is kept beside its modelled time (``report()["ops"]``), never driving the clock.
 Clocks are per thread; a thread that takes work from another carries its time with ``fork()`` / ``join(stamp)``
 (``worker(stamp)`` also times the ATen ops it runs).
-Everything here is deterministic: the same job gives the same virtual times on any machine, at any load.
+Everything here is deterministic: the same job gives the same virtual times at any load, and on any machine that
+runs the same ATen ops. Where values decide shapes (MoE routing, a rank chosen from a gradient), a CPU kernel
+path that rounds differently (AVX2 against AVX-512) may run slightly different ops: seen as 0.40x against 0.39x in
+lesson 05's matched sync.
 """
 from __future__ import annotations
 
