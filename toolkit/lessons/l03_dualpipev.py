@@ -81,9 +81,8 @@ def emulated(ctx, cfg: dict, setup: PipelineSetup, jobs: list[Job]) -> dict | No
     emu = ctx.emulator
     if emu is None:
         return None
-    mc, real = setup.model_cfg, planner.MODELS[cfg["stands_for"]]
-    toy = planner.dense_layer_op(cfg["micro_batch"] * mc.seq_len, mc.d_model, mc.d_ff, emu.cluster.float_bytes)
-    scales = planner.matched_scales(toy, planner.workload_layer_op(real))
+    real = planner.MODELS[cfg["stands_for"]]
+    scales = planner.matched_scales(setup.layer_op(emu.cluster.float_bytes), planner.workload_layer_op(real))
     with emu.scaled(**scales):
         records, _ = measure_schedules(ctx, setup, jobs, warmup=0, steps=1, rounds=1, trim=0)
     out = {"cluster": emu.cluster.name, "gpu": emu.cluster.gpu.name, "link": emu.cluster.intra.name,

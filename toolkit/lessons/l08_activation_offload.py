@@ -200,9 +200,8 @@ def emulated(ctx, cfg: dict, setup: PipelineSetup, make, stepper) -> dict | None
     emu = ctx.emulator
     if emu is None:
         return None
-    mc, real = setup.model_cfg, planner.MODELS[cfg["stands_for"]]
-    toy = planner.dense_layer_op(cfg["micro_batch"] * mc.seq_len, mc.d_model, mc.d_ff, emu.cluster.float_bytes)
-    scales = planner.matched_scales(toy, planner.workload_layer_op(real))
+    real = planner.MODELS[cfg["stands_for"]]
+    scales = planner.matched_scales(setup.layer_op(emu.cluster.float_bytes), planner.workload_layer_op(real))
     out = {"cluster": emu.cluster.name, "gpu": emu.cluster.gpu.name, "host_link": emu.cluster.host.name,
            "stands_for": cfg["stands_for"], "scales": scales}
     for i, (view, factors) in enumerate((("toy", {}), ("matched", scales))):

@@ -106,9 +106,7 @@ def emulated(ctx, cfg: dict, setup: PipelineSetup, jobs: list[Job]) -> dict:
     The toy's own shapes ran on the same clock in ``runs`` (``bench["virtual"]``, ``op_vseconds``). ``hop_s``: one
     activation or gradient on the link between two stages, α + bytes/β, at both shapes (the simulator's comm)."""
     emu = ctx.emulator
-    mc, real = setup.model_cfg, planner.MODELS[cfg["stands_for"]]
-    toy = planner.dense_layer_op(cfg["micro_batch"] * mc.seq_len, mc.d_model, mc.d_ff, emu.cluster.float_bytes)
-    real_op = planner.workload_layer_op(real)
+    toy, real_op = setup.layer_op(emu.cluster.float_bytes), planner.workload_layer_op(planner.MODELS[cfg["stands_for"]])
     scales = planner.matched_scales(toy, real_op)
     link = emu.cluster.link_between([0, 1], ctx.world_size)  # between neighbouring stages
     with emu.scaled(**scales):
