@@ -172,11 +172,7 @@ def element_bytes(dtype: torch.dtype, float_bytes: int) -> int:
 
 
 def _bytes(tensors, float_bytes: int) -> int:
-    total = 0
-    for t in tensors:
-        dtype = t.dtype
-        total += t.numel() * (float_bytes if dtype.is_floating_point and 2 <= dtype.itemsize <= 4 else dtype.itemsize)
-    return total
+    return sum(t.numel() * element_bytes(t.dtype, float_bytes) for t in tensors)
 
 
 def op_cost(func, args, kwargs, out, float_bytes: int, formulas: dict) -> tuple[float, float]:
