@@ -15,7 +15,6 @@ runs the checks of the technique on random gradients (used by the tests).
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 import statistics
 
@@ -261,14 +260,13 @@ def run(ctx, cfg: dict) -> dict:
         model0 = GPT(model_cfg).to(ctx.device)
         base = copy.deepcopy(model0)
         plain_sync = _plain_sync(list(base.parameters()))
-        untimed = ctx.paused if seed else contextlib.nullcontext  # only seed 0's steps are timed
-        with untimed():
+        with ctx.paused(seed > 0):  # only seed 0's steps are timed
             baseline, base_opt = _train(ctx, base, cfg, "baseline", plain_sync, seed,
                                         progress(f"seed {seed}: baseline"))
         model = copy.deepcopy(model0)
         stages = [list(s.parameters()) for s in split_stages(model, cfg["stages"])]
         edgc = EDGC(stages, _edgc_cfg(cfg, seed))
-        with untimed():
+        with ctx.paused(seed > 0):
             compressed, edgc_opt = _train(ctx, model, cfg, "edgc", edgc.sync, seed, progress(f"seed {seed}: EDGC"))
         per_seed.append({"seed": seed, "eval_loss": {"baseline": held_out_loss(base, cfg["batch"], cfg["eval_batches"]),
                                                      "edgc": held_out_loss(model, cfg["batch"], cfg["eval_batches"])},

@@ -16,7 +16,6 @@
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 
 import torch
@@ -338,8 +337,7 @@ def run(ctx, cfg: dict) -> dict:
     for name, section in (("plan", plan_section), ("layer", layer_section), ("timing", timing_section),
                           ("emulated", emulated_section), ("learned", learned_section)):
         t0 = time.perf_counter()
-        real_run_only = name != "emulated" and ctx.emulator is not None  # no bookkeeping on every op there
-        with ctx.phase(name), (ctx.paused() if real_run_only else contextlib.nullcontext()):
+        with ctx.phase(name), ctx.paused(name != "emulated"):  # the real run only: no bookkeeping on every op
             out["zipf" if name == "plan" else name] = section(ctx, cfg)
         out["phase_s"][name] = time.perf_counter() - t0
     mc = model_config(cfg)

@@ -95,11 +95,12 @@ class Context:
         if dist.is_initialized() and self.world_size > 1:
             dist.barrier()
 
-    def paused(self):
+    def paused(self, when: bool = True):
         """``with ctx.paused():`` the block runs as without an emulated cluster (``Emulator.paused``: no virtual
-        time, no bookkeeping on every op); nothing changes without one. For sections that read the wall clock or
-        the results only. Collective: every rank of the groups used inside pauses around the same block."""
-        return self.emulator.paused() if self.emulator is not None else contextlib.nullcontext()
+        time, no bookkeeping on every op); nothing changes without one, or when ``when`` is false. For sections
+        that read the wall clock or the results only. Collective: every rank of the groups used inside pauses
+        around the same block."""
+        return self.emulator.paused() if self.emulator is not None and when else contextlib.nullcontext()
 
     # -- progress: what the launcher's bar shows (rank 0's) ------------------------------------------------
     #
