@@ -235,3 +235,31 @@ def test_a_quantize_call_is_timed_as_the_one_triton_kernel_a_gpu_runs():
     quantize, dequantize = ops["quantize_int (Triton kernel)"], ops["dequantize (Triton kernel)"]
     assert quantize["calls"] == dequantize["calls"] == 1 and quantize["launch_s"] == PRESETS["h100-ib400"].gpu.launch_s
     assert quantize["bytes"] == dequantize["bytes"] == 4096 * 2 + 4096 / 2 + 4096 / 128 * 2
+
+
+def test_paused_takes_the_timer_off_the_dispatch_stack_and_hides_the_emulator_on_that_thread():
+    import threading
+    import types
+
+    import torch
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+    from toolkit.runtime.emulator import ComputeTimer, Emulator, current
+    emu = Emulator(cluster("h100-ib400"), 0, 1).install(types.SimpleNamespace(emulator=None, inside_op=False))
+    try:
+        a, seen = torch.ones(64, 64), {}
+        assert isinstance(_get_current_dispatch_mode(), ComputeTimer) and current() is emu
+        with emu.paused():
+            with emu.paused():  # nested: nothing more to take off
+                torch.mm(a, a)
+            seen["mode"], seen["current"] = _get_current_dispatch_mode(), current()
+            other = threading.Thread(target=lambda: seen.__setitem__("thread", current()))
+            other.start()
+            other.join()
+            calls = emu.ops["aten.mm"]["calls"]
+        assert seen["mode"] is None and seen["current"] is None and calls == 0  # native ops, no emulator here
+        assert seen["thread"] is emu  # pausing is per thread
+        assert isinstance(_get_current_dispatch_mode(), ComputeTimer) and current() is emu
+        torch.mm(a, a)
+        assert emu.ops["aten.mm"]["calls"] == 1
+    finally:
+        emu.uninstall()

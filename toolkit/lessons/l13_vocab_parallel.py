@@ -85,75 +85,76 @@ def run(ctx, cfg: dict) -> dict:
         ticks[0] += 1
         ctx.progress(ticks[0], total, msg)
 
-    # Pass costs, one rank at a time so ranks do not share the cores while timed; then everyone has all.
-    for turn in range(p):
-        ctx.barrier()
-        if r == turn:
-            out["times"] = _time_passes(setup.fresh(), setup.inputs[0], setup.targets[0], r, p, cfg["bench_steps"])
-            if r == 0:
-                out["calibration"] = _calibrate(cfg, p, ctx.device)
-    everyone = [None] * p
-    dist.all_gather_object(everyone, out["times"])
-    tick("pass costs")
+    with ctx.paused():  # the real run: the emulated cluster's clock is read in _emulated() only
+        # Pass costs, one rank at a time so ranks do not share the cores while timed; then everyone has all.
+        for turn in range(p):
+            ctx.barrier()
+            if r == turn:
+                out["times"] = _time_passes(setup.fresh(), setup.inputs[0], setup.targets[0], r, p, cfg["bench_steps"])
+                if r == 0:
+                    out["calibration"] = _calibrate(cfg, p, ctx.device)
+        everyone = [None] * p
+        dist.all_gather_object(everyone, out["times"])
+        tick("pass costs")
 
-    # The schedules: what the simulator builds from the measured costs, the same on every rank.
-    schedules = {"1f1b": one_f_one_b(p, m)}
-    for alg in vp.ALGORITHMS:
-        _, rows = measured_rows([{"times": t} for t in everyone], alg)
-        schedules[f"vocab-{alg}"] = vp.vocab_1f1b(p, m, alg, vp.StageCosts(rows))
-    out["schedules"] = {name: s.to_strings() for name, s in schedules.items()}
+        # The schedules: what the simulator builds from the measured costs, the same on every rank.
+        schedules = {"1f1b": one_f_one_b(p, m)}
+        for alg in vp.ALGORITHMS:
+            _, rows = measured_rows([{"times": t} for t in everyone], alg)
+            schedules[f"vocab-{alg}"] = vp.vocab_1f1b(p, m, alg, vp.StageCosts(rows))
+        out["schedules"] = {name: s.to_strings() for name, s in schedules.items()}
 
-    # One checked step of each.
-    record, _ = check_step(ctx, setup, Job(schedules["1f1b"]))
-    loss = torch.tensor([record["loss"] or 0.0], device=ctx.device)
-    dist.broadcast(loss, src=p - 1)  # the last stage computed it
-    out["runs"]["1f1b"] = {"loss": loss.item(), "max_grad_diff": record["grad_diff"],
-                           "peak_act_bytes": record["peak_act_bytes"]}
-    for alg in vp.ALGORITHMS:
-        name = f"vocab-{alg}"
-        model, stage, ex, passes = _vocab_executor(ctx, setup, schedules[name], groups, meter=True)
-        with ctx.ledger.tag(name):
-            loss = ex.step(setup.inputs, setup.targets)
-        out["runs"][name] = {
-            "loss": loss, "max_grad_diff": vx.vocab_grad_diff(model, stage, setup.reference),
-            "peak_act_bytes": ex.meter.peak, "peak_vocab_bytes": passes.vocab_meter.peak,
-            "peak_total": passes.peak_total, "peak_held": passes.peak_held, "forward_bytes": passes.forward_bytes,
-            "waits": ex.waits, "comm_spans": passes.comm_spans, "collectives": passes.collectives,
-            "comm": _comm_per_mb(ctx, name, m)}
-    tick("checked steps")
+        # One checked step of each.
+        record, _ = check_step(ctx, setup, Job(schedules["1f1b"]))
+        loss = torch.tensor([record["loss"] or 0.0], device=ctx.device)
+        dist.broadcast(loss, src=p - 1)  # the last stage computed it
+        out["runs"]["1f1b"] = {"loss": loss.item(), "max_grad_diff": record["grad_diff"],
+                               "peak_act_bytes": record["peak_act_bytes"]}
+        for alg in vp.ALGORITHMS:
+            name = f"vocab-{alg}"
+            model, stage, ex, passes = _vocab_executor(ctx, setup, schedules[name], groups, meter=True)
+            with ctx.ledger.tag(name):
+                loss = ex.step(setup.inputs, setup.targets)
+            out["runs"][name] = {
+                "loss": loss, "max_grad_diff": vx.vocab_grad_diff(model, stage, setup.reference),
+                "peak_act_bytes": ex.meter.peak, "peak_vocab_bytes": passes.vocab_meter.peak,
+                "peak_total": passes.peak_total, "peak_held": passes.peak_held, "forward_bytes": passes.forward_bytes,
+                "waits": ex.waits, "comm_spans": passes.comm_spans, "collectives": passes.collectives,
+                "comm": _comm_per_mb(ctx, name, m)}
+        tick("checked steps")
 
-    # All three timed side by side, round-robin, each on a fresh copy; spans of each one's last step.
-    def timeline() -> Timeline:
-        t = Timeline(r)
-        t.origin = ctx.timeline.origin  # aligned across ranks by the launch barrier
-        t.virtual = ctx.timeline.virtual  # the emulated cluster's clock, when there is one
-        return t
+        # All three timed side by side, round-robin, each on a fresh copy; spans of each one's last step.
+        def timeline() -> Timeline:
+            t = Timeline(r)
+            t.origin = ctx.timeline.origin  # aligned across ranks by the launch barrier
+            t.virtual = ctx.timeline.virtual  # the emulated cluster's clock, when there is one
+            return t
 
-    timed = {"1f1b": (*setup.executor(schedules["1f1b"], r, timeline=timeline()), None, None)}
-    for alg in vp.ALGORITHMS:
-        model, stage, ex, passes = _vocab_executor(ctx, setup, schedules[f"vocab-{alg}"], groups,
-                                                   timeline=timeline())
-        timed[f"vocab-{alg}"] = (model, ex, stage, passes)
+        timed = {"1f1b": (*setup.executor(schedules["1f1b"], r, timeline=timeline()), None, None)}
+        for alg in vp.ALGORITHMS:
+            model, stage, ex, passes = _vocab_executor(ctx, setup, schedules[f"vocab-{alg}"], groups,
+                                                       timeline=timeline())
+            timed[f"vocab-{alg}"] = (model, ex, stage, passes)
 
-    def stepper(model, ex, stage):
-        def go():
-            model.zero_grad(set_to_none=True)
-            if stage is not None:
-                stage.zero_grad(set_to_none=True)
-            ex.timeline.spans.clear()
-            ex.step(setup.inputs, setup.targets)
-        return go
+        def stepper(model, ex, stage):
+            def go():
+                model.zero_grad(set_to_none=True)
+                if stage is not None:
+                    stage.zero_grad(set_to_none=True)
+                ex.timeline.spans.clear()
+                ex.step(setup.inputs, setup.targets)
+            return go
 
-    with ctx.part(2, total, "timing"):
-        bench = compare({name: stepper(*timed[name][:3]) for name in RUNS}, warmup=cfg["warmup"],
-                        steps=cfg["bench_steps"], rounds=cfg["rounds"], sync=ctx.barrier, on_round=ctx.progress)
-    for name in RUNS:
-        _, ex, _, passes = timed[name]
-        out["runs"][name]["bench"] = bench[name].to_dict()
-        out["runs"][name]["spans"] = ex.timeline.to_json()  # the last timed step
-        out["runs"][name]["timed_waits"] = ex.waits
-        if passes is not None:
-            out["runs"][name]["timed_comm_spans"] = passes.comm_spans
+        with ctx.part(2, total, "timing"):
+            bench = compare({name: stepper(*timed[name][:3]) for name in RUNS}, warmup=cfg["warmup"],
+                            steps=cfg["bench_steps"], rounds=cfg["rounds"], sync=ctx.barrier, on_round=ctx.progress)
+        for name in RUNS:
+            _, ex, _, passes = timed[name]
+            out["runs"][name]["bench"] = bench[name].to_dict()
+            out["runs"][name]["spans"] = ex.timeline.to_json()  # the last timed step
+            out["runs"][name]["timed_waits"] = ex.waits
+            if passes is not None:
+                out["runs"][name]["timed_comm_spans"] = passes.comm_spans
     out["emulated"] = None if ctx.emulator is None else _emulated(ctx, cfg, setup, groups, timed, stepper, timeline)
     out["param_bytes"] = {"baseline": _param_bytes_baseline(setup, r, p),
                           "vocab": sum(q.numel() * q.element_size() for q in timed["vocab-2"][2].parameters())}

@@ -62,7 +62,7 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode, _pop_mode_temporarily
 
 from .cluster import Cluster, check, cluster as make_cluster
 
@@ -261,8 +261,10 @@ _CURRENT: "Emulator | None" = None
 
 
 def current() -> "Emulator | None":
-    """The emulator of this rank (None when the launch has no ``cluster``)."""
-    return _CURRENT
+    """The emulator of this rank: None when the launch has no ``cluster``, and on a thread inside ``paused()``
+    (the block runs as without one: a comm thread it hands work to carries no clock either)."""
+    emu = _CURRENT
+    return None if emu is None or getattr(emu._local, "paused", False) else emu
 
 
 class Emulator:
@@ -424,17 +426,22 @@ class Emulator:
 
     @contextlib.contextmanager
     def paused(self):
-        """Inside, this rank runs as without an emulated cluster: its ops pass untimed and unrecorded, collectives
-        carry no clock message, host copies and disk I/O take no time, the clocks stand still (the sections of a lesson that measure the real run only,
-        without the emulator's bookkeeping on every op). Collective: the ranks of a group pause around the same
-        collectives."""
+        """Inside, this rank runs as without an emulated cluster: its ops pass untimed and unrecorded (the timer
+        leaves the dispatch stack), collectives carry no clock message, host copies and disk I/O take no time, the
+        clocks stand still (the sections of a lesson that measure the real run only, without the emulator's
+        bookkeeping on every op). Collective: the ranks of a group pause around the same collectives."""
         ledger = self.ledger
         previous = getattr(self._local, "internal", False), getattr(self._local, "paused", False)
         if ledger is not None:
             ledger.emulator = None
         self._local.internal = self._local.paused = True
+        # this thread's timer off the dispatch stack: ops run at native speed, not through Python (+50 % a step)
+        top = _get_current_dispatch_mode()
+        off_stack = _pop_mode_temporarily() if isinstance(top, ComputeTimer) and top.emulator is self else \
+            contextlib.nullcontext()
         try:
-            yield self
+            with off_stack:
+                yield self
         finally:
             self._local.internal, self._local.paused = previous
             if ledger is not None:
