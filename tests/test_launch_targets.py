@@ -8,6 +8,7 @@ import runpy
 import sys
 import textwrap
 import types
+from pathlib import Path
 
 import pytest
 
@@ -252,6 +253,12 @@ def test_the_session_cache_shares_one_launch_of_an_identical_lesson_job(tmp_path
                     {"cluster": {"name": "h100-ib400"}}, {"keep": True}):
         assert cached(**changes) is None, changes
     assert cached(target=targets.resolve("toolkit.lessons.selftest:hang")) is None
+    monkeypatch.chdir(tmp_path)  # a notebook runs in notebooks/, a test in the repository's root: one launch
+    assert cached() is not None
+    with session_cache(lesson, **{**args, "cfg": {"preset": "smoke", "nvme_path": "spill/here"}}) as entry:
+        entry.store(done)
+    monkeypatch.chdir(Path(__file__).parent)  # ... unless a cfg value may be a path relative to the caller's folder
+    assert cached(cfg={"preset": "smoke", "nvme_path": "spill/here"}) is None
     monkeypatch.setenv("TOOLKIT_BF16_COMPUTE", "fp32")  # what a rank may read changes the key
     assert cached() is None
     monkeypatch.delenv("TOOLKIT_LAUNCH_CACHE")

@@ -778,10 +778,15 @@ def session_cache(target, cfg: dict, world_size: int, backend: str, seed: int, t
            if (k.startswith("TOOLKIT_") and k not in (CACHE_ENV, "TOOLKIT_PLAIN_PROGRESS")) or k in CACHE_KEY_ENV}
     fields = {"target": spec, "cfg": cfg, "world_size": world_size, "backend": backend, "seed": seed,
               "threads": threads, "cluster": cluster, "accelerate_args": accelerate_args, "env": env,
-              "cwd": os.getcwd()}
+              "toolkit": str(Path(__file__).resolve().parents[1]),  # the code
+              # the caller's folder only where a cfg value may be a relative path (nvme_path): a lesson reads no
+              # other, so a test (in the repository's root) and a notebook (in notebooks/) share one launch
+              "cwd": os.getcwd() if any(isinstance(v, str) and os.sep in v for v in cfg.values()) else None}
     key = hashlib.sha256(json.dumps(fields, sort_keys=True, default=repr).encode()).hexdigest()[:32]
     path = Path(folder) / f"{key}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
+    path.with_suffix(".key.json").write_text(json.dumps(fields, sort_keys=True, default=repr, indent=1))  # misses are
+    # found by comparing these
     with open(path.with_suffix(".lock"), "w") as lock:
         if fcntl is not None:
             fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
