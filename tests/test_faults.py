@@ -56,7 +56,10 @@ def failing(fn: str, tmp_path: Path, **cfg) -> LaunchError:
 
 def caller(tmp_path: Path, fn: str, timeout_s: float = TIMEOUT_S, **cfg) -> subprocess.Popen:
     """A Python process that calls launch and prints the results as JSON (what a notebook kernel is)."""
-    code = (f"import json, sys; sys.path.insert(0, {str(TESTS)!r})\n"
+    # SIGINT handled as a kernel handles it: the process would inherit an ignored SIGINT from this pytest worker,
+    # where an earlier test's library left it ignored (seen in the full suite, never alone)
+    code = (f"import json, signal, sys; sys.path.insert(0, {str(TESTS)!r})\n"
+            "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
             "from toolkit import launch\n"
             f"res = launch('fault_targets:{fn}', 2, {cfg!r}, timeout_s={timeout_s}, progress='none', "
             f"out_dir={str(tmp_path / 'out')!r})\n"

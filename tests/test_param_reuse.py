@@ -211,12 +211,13 @@ def test_validate_names_the_bad_parameter():
 
 @pytest.fixture(scope="module")
 def dp2():
-    return launch("l07_param_reuse", 2, {"preset": "smoke", "steps": 12}, timeout_s=300, progress="none")
+    # the notebook's smoke run, which the suite's launch cache shares with nbval's
+    return launch("l07_param_reuse", 2, {"preset": "smoke"}, timeout_s=300, progress="none")
 
 
 def test_dp2_sharded_training_is_bit_exact_every_step(dp2):
     for r in dp2:
-        assert r["bitexact_steps"] == r["steps"] == 12
+        assert r["bitexact_steps"] == r["steps"] == 20  # the smoke preset's
         for row in r["ties"]:  # reuse's bf16 differs from torch's cast of its own master exactly on even ties
             assert row["bf16_vs_rne_cast"] == row["rne_mismatches"] <= row["ties"]
     assert dp2[0]["amp_drift"] == dp2[1]["amp_drift"]

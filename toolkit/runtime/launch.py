@@ -781,7 +781,8 @@ def session_cache(target, cfg: dict, world_size: int, backend: str, seed: int, t
               "toolkit": str(Path(__file__).resolve().parents[1]),  # the code
               # the caller's folder only where a cfg value may be a relative path (nvme_path): a lesson reads no
               # other, so a test (in the repository's root) and a notebook (in notebooks/) share one launch
-              "cwd": os.getcwd() if any(isinstance(v, str) and os.sep in v for v in cfg.values()) else None}
+              "cwd": os.getcwd() if any(isinstance(v, str) and os.sep in v and not os.path.isabs(v)
+                                        for v in cfg.values()) else None}
     key = hashlib.sha256(json.dumps(fields, sort_keys=True, default=repr).encode()).hexdigest()[:32]
     path = Path(folder) / f"{key}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
