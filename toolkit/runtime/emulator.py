@@ -58,7 +58,6 @@ import math
 import threading
 import time
 from collections import defaultdict
-from typing import Callable
 
 import torch
 import torch.distributed as dist
