@@ -68,10 +68,8 @@ def caller(tmp_path: Path, fn: str, timeout_s: float = TIMEOUT_S, **cfg) -> subp
                             text=True)
 
 
-def hanging(tmp_path: Path, timeout_s: float = 300) -> subprocess.Popen:
-    """A caller whose 2 ranks have started and hang. The test ends the launch itself (SIGINT, SIGKILL), long
-    before ``timeout_s``: its deadline must not come first on a loaded machine, where the ranks took most of
-    ``TIMEOUT_S`` to start (seen once: the launch timed out as the interrupt arrived)."""
+def hanging(tmp_path: Path, timeout_s: float = TIMEOUT_S) -> subprocess.Popen:
+    """A caller whose 2 ranks have started and hang."""
     proc = caller(tmp_path, "hangs", timeout_s)
     end = time.monotonic() + 60
     while not all((tmp_path / "out" / f"hanging{r}").exists() for r in (0, 1)):

@@ -783,11 +783,11 @@ def session_cache(target, cfg: dict, world_size: int, backend: str, seed: int, t
               # other, so a test (in the repository's root) and a notebook (in notebooks/) share one launch
               "cwd": os.getcwd() if any(isinstance(v, str) and os.sep in v and not os.path.isabs(v)
                                         for v in cfg.values()) else None}
-    key = hashlib.sha256(json.dumps(fields, sort_keys=True, default=repr).encode()).hexdigest()[:32]
+    text = json.dumps(fields, sort_keys=True, default=repr)
+    key = hashlib.sha256(text.encode()).hexdigest()[:32]
     path = Path(folder) / f"{key}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.with_suffix(".key.json").write_text(json.dumps(fields, sort_keys=True, default=repr, indent=1))  # misses are
-    # found by comparing these
+    path.with_suffix(".key.json").write_text(text)  # what was hashed: a miss is found by comparing these
     with open(path.with_suffix(".lock"), "w") as lock:
         if fcntl is not None:
             fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
