@@ -80,3 +80,35 @@ def test_heatmap_labels_that_look_like_numbers_stay_labels():
     fig = viz.heatmap([[1, 2, 3]], x=["32", "64", "tensor"], y=["int8"])
     assert fig.layout.xaxis.type == "category" and fig.layout.yaxis.type == "category"
     assert viz.heatmap([[1, 2]], x=[0.5, 1.5]).layout.xaxis.type is None   # numbers stay numbers
+
+
+def test_a_figure_is_plotlys_mimetype_bundle():
+    import plotly.io as pio
+    fig = viz.bars([{"x": "a", "y": 1.5}, {"x": "b", "y": 2.0}], x="x", y="y", title="t")
+    assert isinstance(fig, viz.Figure) and isinstance(fig, go.Figure)
+    assert viz.mime_bundle(fig) == pio.renderers["plotly_mimetype"].to_mimebundle(fig.to_dict())
+
+
+def test_a_kernel_draws_a_figure_without_plotlys_renderer_registry():
+    """show() and a figure as a cell's value emit the mimetype only, and never import nbformat (1.5-3 s/kernel)."""
+    from jupyter_client.manager import start_new_kernel
+
+    km, kc = start_new_kernel(kernel_name="python3")
+    try:
+        outputs = []
+
+        def run(code: str) -> None:
+            reply = kc.execute_interactive(code, timeout=120, output_hook=outputs.append)
+            assert reply["content"]["status"] == "ok", reply["content"]
+
+        run("from toolkit import viz\nfig = viz.lines({'loss': [2.0, 1.5]}, title='t')")
+        run("fig.show()")
+        run("fig")
+        run("import sys, os; print(sorted(m for m in ('nbformat', 'plotly.io._renderers') if m in sys.modules), "
+            "os.environ['PLOTLY_RENDERER'])")
+        shown = [m["content"]["data"] for m in outputs if m["msg_type"] in ("display_data", "execute_result")]
+        assert len(shown) == 2 and all(set(d) == {viz.PLOTLY_MIME} for d in shown)
+        printed = "".join(m["content"]["text"] for m in outputs if m["msg_type"] == "stream")
+        assert printed.strip() == "[] plotly_mimetype"
+    finally:
+        km.shutdown_kernel(now=True)

@@ -37,7 +37,7 @@
 import os
 from typing import Optional
 
-world_size: Optional[int] = None  # None: 2 ranks at smoke, 4 otherwise (n_expert / world_size experts per rank)
+world_size: int = 2  # expert-parallel ranks, one per core of a laptop (n_expert / world_size experts each)
 preset: str = os.environ.get("TOOLKIT_PRESET", "default")  # smoke | default | full
 backend: str = "auto"  # auto | gloo | nccl
 cluster: str = "none"  # emulated cluster under the run: none | h100-ib400 | a100-ib200 | pcie-100gbe
@@ -79,7 +79,6 @@ from IPython.display import Markdown, display
 
 from toolkit import launch, viz
 
-world_size = world_size or (2 if preset == "smoke" else 4)
 results = launch("l04_int8_a2a", world_size, {"preset": preset, "train_modes": train_modes, "block": block},
                  backend=backend, timeout_s=timeout_s, cluster=cluster)
 r0 = results[0]

@@ -1,4 +1,5 @@
-"""Plotly figures with one look for every lesson. Each function returns a ``go.Figure``.
+"""Plotly figures with one look for every lesson. Each function returns a ``go.Figure`` (a ``Figure``, which
+a kernel draws without plotly's renderer registry: see its docstring).
 
 They render in JupyterLab (plotly's mimetype, drawn by the jupyterlab-plotly extension) and in the
 HTML book ``make run`` writes (``tools/book.py`` draws the same mimetype with one shared, local copy
@@ -8,6 +9,9 @@ in JupyterLab and, precomputed, without a kernel.
 """
 from __future__ import annotations
 
+import json
+import os
+import sys
 from typing import Iterable, Sequence
 
 import plotly.graph_objects as go
@@ -25,6 +29,7 @@ COLORS = {
     "other": "#9e9e9e",
 }
 CATEGORY_ORDER = ["param", "grad", "optim", "act", "comm"]
+PLOTLY_MIME = "application/vnd.plotly.v1+json"
 
 pio.templates["toolkit"] = go.layout.Template(layout=go.Layout(
     font=dict(family="Inter, Helvetica, Arial, sans-serif", size=13, color="#222"),
@@ -34,6 +39,40 @@ pio.templates["toolkit"] = go.layout.Template(layout=go.Layout(
     yaxis=dict(showgrid=True, gridcolor="#eee", zeroline=False, linecolor="#999", ticks="outside"),
     legend=dict(orientation="h", yanchor="bottom", y=1.02, xanchor="right", x=1),
     margin=dict(l=60, r=20, t=70, b=50), hoverlabel=dict(font_size=12)))
+
+
+def in_kernel() -> bool:
+    """True in a Jupyter kernel (JupyterLab, papermill, nbval): the shell that displays plotly's mimetype."""
+    ipython = sys.modules.get("IPython")  # not imported: certainly no kernel
+    shell = ipython.get_ipython() if ipython is not None else None
+    return shell is not None and shell.__class__.__name__ == "ZMQInteractiveShell"
+
+
+def mime_bundle(fig: go.Figure) -> dict:
+    """The figure as plotly's ``plotly_mimetype`` renderer writes it: ``{"application/vnd.plotly.v1+json": ...}``."""
+    return {PLOTLY_MIME: json.loads(pio.to_json(fig, validate=False, remove_uids=False))}
+
+
+class Figure(go.Figure):
+    """A ``go.Figure`` that a Jupyter kernel draws straight from plotly's mimetype, as plotly's ``show()`` would.
+
+    Plotly's own path (``show()``, or a figure as a cell's value) first imports its renderer registry, which
+    imports nbformat, whose jsonschema builds the grammars of ``rfc3987-syntax`` when it is installed (JupyterLab
+    installs it): 1.5–3 s once per kernel on a 2-core machine, which every lesson paid for its first figure.
+    Outside a kernel, or with arguments (``show(renderer="png")``), it is plotly's ``show``.
+    """
+
+    def show(self, *args, **kwargs) -> None:
+        if args or kwargs or not in_kernel():
+            return super().show(*args, **kwargs)
+        from IPython.display import display
+        display(mime_bundle(self), raw=True)
+
+    def _ipython_display_(self) -> None:
+        if in_kernel():
+            self.show()
+        else:
+            super()._ipython_display_()
 
 
 def color_of(key: str, i: int = 0) -> str:
@@ -66,7 +105,7 @@ def gantt(spans: Iterable[dict], color_by: str = "kind", title: str = "", label:
     for s in spans:
         key = str(s.get(color_by, s.get("meta", {}).get(color_by, "")))
         groups.setdefault(key, []).append(s)
-    fig = go.Figure()
+    fig = Figure()
     for i, (key, items) in enumerate(groups.items()):
         fig.add_trace(go.Bar(
             base=[s["start"] * scale for s in items], x=[(s["end"] - s["start"]) * scale for s in items],
@@ -96,7 +135,7 @@ def memory_over_time(samples: Sequence[dict], title: str = "", categories: Seque
     div = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}[unit]
     cats = list(categories) if categories else [c for c in CATEGORY_ORDER if any(c in s for s in samples)]
     xs = [s.get(x, i) for i, s in enumerate(samples)]
-    fig = go.Figure()
+    fig = Figure()
     for i, c in enumerate(cats):
         fig.add_trace(go.Scatter(x=xs, y=[s.get(c, 0) / div for s in samples], name=c, stackgroup="mem",
                                  mode="lines", line=dict(width=0.5, color=color_of(c if c != "comm" else "comm_buf", i)),
@@ -111,7 +150,7 @@ def bars(rows: Sequence[dict], x: str, y: str, color: str | None = None, title: 
     groups: dict[str, list[dict]] = {}
     for r in rows:
         groups.setdefault(str(r[color]) if color else y, []).append(r)
-    fig = go.Figure()
+    fig = Figure()
     for i, (key, items) in enumerate(groups.items()):
         vals = [r[y] for r in items]
         fig.add_trace(go.Bar(x=[r[x] for r in items], y=vals, name=key, marker_color=color_of(key, i),
@@ -127,7 +166,7 @@ def lines(series: dict[str, Sequence[float]], x: Sequence[float] | None = None, 
           xaxis_title: str = "", yaxis_title: str = "", log_x: bool = False, log_y: bool = False,
           dash: dict[str, str] | None = None) -> go.Figure:
     """One line per named series (e.g. loss curves: {"baseline": [...], "int8": [...]})."""
-    fig = go.Figure()
+    fig = Figure()
     for i, (name, ys) in enumerate(series.items()):
         xs = list(x) if x is not None else list(range(len(ys)))
         fig.add_trace(go.Scatter(x=xs, y=list(ys), name=name, mode="lines+markers" if len(ys) <= 30 else "lines",
@@ -143,7 +182,7 @@ def lines(series: dict[str, Sequence[float]], x: Sequence[float] | None = None, 
 def heatmap(z: Sequence[Sequence[float]], x: Sequence | None = None, y: Sequence | None = None, title: str = "",
             colorbar_title: str = "", text_format: str | None = ".3g", colorscale: str = "Viridis") -> go.Figure:
     """Annotated heatmap (values written in the cells when ``text_format`` is set)."""
-    fig = go.Figure(go.Heatmap(z=z, x=x, y=y, colorscale=colorscale, colorbar=dict(title=colorbar_title),
+    fig = Figure(go.Heatmap(z=z, x=x, y=y, colorscale=colorscale, colorbar=dict(title=colorbar_title),
                                text=[[format(v, text_format) for v in row] for row in z] if text_format else None,
                                texttemplate="%{text}" if text_format else None))
     for axis, labels in (("xaxis", x), ("yaxis", y)):  # "32", "64", "tensor": labels, not numbers (plotly would
@@ -155,11 +194,11 @@ def heatmap(z: Sequence[Sequence[float]], x: Sequence | None = None, y: Sequence
 def table(rows: Sequence[dict], title: str = "", formats: dict[str, str] | None = None) -> go.Figure:
     """A plotly table of dicts (columns from the first row), with optional per-column formats."""
     if not rows:
-        return theme(go.Figure(), title)
+        return theme(Figure(), title)
     cols = list(rows[0])
     fmt = formats or {}
     cells = [[format(r.get(c), fmt[c]) if c in fmt and r.get(c) is not None else r.get(c) for r in rows] for c in cols]
-    fig = go.Figure(go.Table(header=dict(values=cols, fill_color="#f3f3f3", align="left"),
+    fig = Figure(go.Table(header=dict(values=cols, fill_color="#f3f3f3", align="left"),
                              cells=dict(values=cells, align="left")))
     return theme(fig, title, height=120 + 28 * len(rows))
 
@@ -170,7 +209,7 @@ def waterfall(steps: Sequence[str], values: Sequence[float], title: str = "", ya
     to its own (green down, red up), and the last value as a total bar. ``values[i]`` is the quantity after
     ``steps[i]`` (``steps[0]`` the starting point)."""
     deltas = [values[0]] + [b - a for a, b in zip(values, values[1:])] + [values[-1]]
-    fig = go.Figure(go.Waterfall(
+    fig = Figure(go.Waterfall(
         x=[*steps, "result"], y=deltas, measure=["absolute"] + ["relative"] * (len(values) - 1) + ["total"],
         text=[format(v, text_format) for v in deltas], textposition="outside",
         increasing=dict(marker_color=COLORS["act"]), decreasing=dict(marker_color=COLORS["grad"]),
@@ -190,19 +229,21 @@ def human_bytes(n: float) -> str:
 
 from .explore import Explorer, explore, precompute  # noqa: E402  (needs theme above)
 
-__all__ = ["theme", "gantt", "memory_over_time", "bars", "lines", "heatmap", "table", "waterfall", "human_bytes",
+__all__ = ["Figure", "mime_bundle", "in_kernel", "theme", "gantt", "memory_over_time", "bars", "lines", "heatmap", "table", "waterfall", "human_bytes",
            "COLORS", "PALETTE", "color_of", "explore", "precompute", "Explorer"]
 
 
 def _use_notebook_renderer() -> None:
-    """In a Jupyter kernel, emit plotly's mimetype only: JupyterLab draws it, and so does the HTML book
-    (with one shared plotly.js), instead of every executed notebook carrying its own 4.8 MB copy."""
-    try:
-        from IPython import get_ipython
-        if get_ipython() is not None and get_ipython().__class__.__name__ == "ZMQInteractiveShell":
-            pio.renderers.default = "plotly_mimetype"
-    except ImportError:
-        pass
+    """In a Jupyter kernel, plotly's mimetype only: JupyterLab draws it, and so does the HTML book (with one
+    shared plotly.js), instead of every executed notebook carrying its own 4.8 MB copy. Set through plotly's
+    ``PLOTLY_RENDERER`` (a user's own setting wins) while its renderer registry is not imported yet: importing
+    it is what ``Figure`` avoids."""
+    if not in_kernel():
+        return
+    if "plotly.io._renderers" in sys.modules:
+        pio.renderers.default = "plotly_mimetype"
+    else:
+        os.environ.setdefault("PLOTLY_RENDERER", "plotly_mimetype")
 
 
 _use_notebook_renderer()

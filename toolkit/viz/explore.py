@@ -26,7 +26,7 @@ from typing import Any, Callable, Mapping, Sequence
 import plotly.graph_objects as go
 import plotly.io as pio
 
-from . import theme
+from . import Figure, mime_bundle, theme
 
 DROPDOWN_PX, SLIDER_PX, AXIS_PX = 46, 90, 64   # vertical room each control takes below the plot
 
@@ -61,7 +61,7 @@ def _check(controls: Mapping[str, Sequence], defaults: Mapping[str, Any] | None)
 
 
 def _failed(message: str) -> go.Figure:
-    fig = go.Figure()
+    fig = Figure()
     fig.add_annotation(text=message, showarrow=False, x=0.5, y=0.5, xref="paper", yref="paper")
     fig.update_xaxes(visible=False)
     fig.update_yaxes(visible=False)
@@ -161,7 +161,7 @@ def precompute(draw: Callable[..., go.Figure], controls: Mapping[str, Sequence],
               "height": total, "margin": {**figures[0].get("layout", {}).get("margin", {}), "b": bottom},
               "meta": {"explorer": {"controls": {n: [_label(v) for v in lists[n]] for n in lists},
                                     "defaults": {n: _label(v) for n, v in base.items()}, "states": len(states)}}}
-    return go.Figure({"data": data, "layout": layout})
+    return Figure({"data": data, "layout": layout})
 
 
 class Explorer:
@@ -176,6 +176,7 @@ class Explorer:
     def widget(self):
         """The live version: ipywidgets controls and an output area redrawn on every change."""
         import ipywidgets as w
+        from IPython.display import display
 
         style, ctrl = {"description_width": "initial"}, {}
         for name, values in self.controls.items():
@@ -197,7 +198,7 @@ class Explorer:
                     return
                 # plotly's mimetype only: the "notebook" renderer inside an Output widget makes
                 # papermill/nbclient wait for its whole timeout
-                fig.show(renderer="plotly_mimetype")
+                display(mime_bundle(fig), raw=True)
 
         for c in ctrl.values():
             c.observe(redraw, names="value")

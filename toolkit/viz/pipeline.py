@@ -16,7 +16,7 @@ import plotly.graph_objects as go
 from toolkit.pipeline.schedule import SCHEDULES, from_torch, make_schedule, torch_order_missing
 from toolkit.pipeline.simulate import Costs, SimResult, simulate
 
-from . import color_of, gantt, theme
+from . import Figure, color_of, gantt, theme
 
 KIND_COLORS = {"I": "#7cb342"}  # input-gradient backward: a lighter green than B (full backward)
 
@@ -38,7 +38,7 @@ def schedule_gantt(source: SimResult | list[dict], title: str = "", label: str =
 
 def memory_steps(sim: SimResult, title: str = "") -> go.Figure:
     """Activation stage-chunks held by each rank over the simulated step."""
-    fig = go.Figure()
+    fig = Figure()
     for r, curve in enumerate(sim.memory):
         fig.add_trace(go.Scatter(x=[t for t, _ in curve], y=[n for _, n in curve], mode="lines", line_shape="hv",
                                  name=f"rank {r}", line=dict(color=color_of(f"rank {r}", r))))
@@ -58,7 +58,8 @@ def schedule_view(sim: SimResult, title: str = "") -> go.Figure:
     from plotly.subplots import make_subplots
 
     chart, held = schedule_gantt(sim), memory_steps(sim)
-    fig = make_subplots(rows=2, cols=1, shared_xaxes=True, row_heights=[0.64, 0.36], vertical_spacing=0.07)
+    fig = make_subplots(rows=2, cols=1, shared_xaxes=True, row_heights=[0.64, 0.36], vertical_spacing=0.07,
+                        figure=Figure())
     for trace in chart.data:
         fig.add_trace(trace, row=1, col=1)
     for trace in held.data:
