@@ -246,8 +246,11 @@ class _Candidate:
 
     def __init__(self, ctx, setup: PipelineSetup, job: Job, warmup: int):
         from toolkit.runtime.timeline import Timeline
-        self.ctx, self.setup, self.job, self.warmup, self.calls = ctx, setup, job, warmup, 0
+        self.ctx, self.setup, self.job = ctx, setup, job
+        self.untimed, self.timed_calls = warmup, 0  # warm-up steps still to run; timed steps run (wall)
         self.steps: list[dict] = []  # per timed step: spans, waits
+        self.vsteps: list[dict] = []  # the same, of the steps on the emulated cluster's clock (measure_schedules)
+        self.virtual_pass = False
         self.executor = None
         if job.impl == "torch":
             self.model, runner = setup.torch_runner(job.schedule, ctx.rank)
@@ -265,32 +268,34 @@ class _Candidate:
         return "pipeline:" + self.job.label
 
     def __call__(self) -> None:
-        self.calls += 1
-        timed = self.calls > self.warmup
+        timed = self.untimed == 0
+        self.untimed -= not timed
+        self.timed_calls += timed and not self.virtual_pass
         self.model.zero_grad(set_to_none=True)
-        with self.ctx.ledger.tag(self.tag if timed else self.tag + ":warmup"):
+        with self.ctx.ledger.tag(self.tag + (":warmup" if not timed else ":virtual" if self.virtual_pass else "")):
             self.runner.step(self.setup.inputs, self.setup.targets)
         if self.executor is not None:
             if timed:
-                self.steps.append({"spans": self.executor.timeline.to_json(), "waits": list(self.executor.waits)})
+                step = {"spans": self.executor.timeline.to_json(), "waits": list(self.executor.waits)}
+                (self.vsteps if self.virtual_pass else self.steps).append(step)
             self.executor.timeline.spans.clear()
 
     def summary(self) -> dict:
         """Op times, the last timed step's spans and waits, exposed receive time and p2p counts per step."""
-        n = max(len(self.steps), 1)
         ledger = [r for r in self.ctx.ledger.records if r.tag == self.tag and r.op in ("isend", "irecv")]
-        timed_steps = self.calls - self.warmup
+        timed_steps = self.timed_calls
         out = {"p2p": {"calls": len(ledger) / timed_steps,
                        "sent_bytes": sum(r.sent_bytes for r in ledger) / timed_steps,
                        "recv_bytes": sum(r.recv_bytes for r in ledger) / timed_steps,
                        "recv_open_s": sum(r.seconds for r in ledger if r.op == "irecv") / timed_steps}}
         if self.executor is None:
             return out
-        out.update(self._op_times("start", "end", "op_seconds"))
-        if any("vstart" in s for st in self.steps for s in st["spans"]):  # the emulated cluster's clock
-            out.update(self._op_times("vstart", "vend", "op_vseconds"))
-            out["exposed_recv_vs"] = statistics.median([sum(w["vseconds"] for w in st["waits"]) for st in self.steps])
-            out["exposed_wire_vs"] = statistics.median([sum(w["vwire_s"] for w in st["waits"]) for st in self.steps])
+        out.update(self._op_times(self.steps, "start", "end", "op_seconds"))
+        vsteps = self.vsteps or self.steps  # a virtual pass, or timed steps that ran on the emulated cluster's clock
+        if any("vstart" in s for st in vsteps for s in st["spans"]):
+            out.update(self._op_times(vsteps, "vstart", "vend", "op_vseconds"))
+            out["exposed_recv_vs"] = statistics.median([sum(w["vseconds"] for w in st["waits"]) for st in vsteps])
+            out["exposed_wire_vs"] = statistics.median([sum(w["vwire_s"] for w in st["waits"]) for st in vsteps])
         exposed = [sum(w["seconds"] for w in st["waits"]) for st in self.steps]
         by_msg: dict[tuple, list[float]] = defaultdict(list)
         for st in self.steps:
@@ -302,14 +307,15 @@ class _Candidate:
             "exposed_recv_s": statistics.median(exposed) if exposed else 0.0,
             "recv_waits": [{"msg": k[0], "stage": k[1], "mb": k[2], "chunk": k[3], "pair": k[4],
                             "seconds": statistics.median(v)} for k, v in by_msg.items()],
-            "timed_steps": n})
+            "timed_steps": len(self.steps)})
         return out
 
 
-    def _op_times(self, start: str, end: str, key: str) -> dict:
-        """Median duration per (op, stage) over the timed steps, F&B pairs as their halves' compute."""
+    @staticmethod
+    def _op_times(steps: list[dict], start: str, end: str, key: str) -> dict:
+        """Median duration per (op, stage) over ``steps``, F&B pairs as their halves' compute."""
         per_op: dict[tuple, list[float]] = defaultdict(list)
-        for st in self.steps:
+        for st in steps:
             pairs: dict[str, list[dict]] = defaultdict(list)
             for s in st["spans"]:
                 per_op[(s["kind"], s["meta"]["stage"])].append(s[end] - s[start])
@@ -333,6 +339,12 @@ def measure_schedules(ctx, setup: PipelineSetup, jobs: list[Job], *, warmup: int
     over this call; wrap the call in ``ctx.part`` to make it one slice of a longer run. A record holds
     ``check_step``'s fields and:
 
+    On an emulated cluster, virtual time is the same at every step once the pipeline is warm. With more than one
+    timed step, the checked steps and the timed rounds therefore run paused (``ctx.paused()``: wall time without
+    the emulator's Python on every op), and two more steps per job run on the emulated cluster's clock, a warm-up
+    and a timed one, for the virtual fields (``bench["virtual"]``, ``op_vseconds``, ``exposed_recv_vs``,
+    ``exposed_wire_vs``); a single timed step carries both clocks.
+
     - ``bench``: ``BenchResult`` fields (trimmed mean of the round means, median, std, stability, ...);
     - ``p2p``: per timed step, from the ledger: ``calls``, ``sent_bytes``, ``recv_bytes``, ``recv_open_s``
       (each receive's time from its post to its arrival being waited for);
@@ -347,23 +359,34 @@ def measure_schedules(ctx, setup: PipelineSetup, jobs: list[Job], *, warmup: int
     if len({job.label for job in jobs}) != len(jobs):
         raise ValueError(f"jobs repeat: {[job.label for job in jobs]}")
     records, models = [], []
-    # progress in pipeline steps, the unit of time here: one checked step per job, then warm-up and rounds
+    split = ctx.emulator is not None and steps * rounds > 1
+    # progress in pipeline steps, the unit of time here: one checked step per job, then warm-up and rounds (and
+    # the virtual pass)
     per_round = len(jobs) * steps
-    units = len(jobs) * (1 + warmup) + rounds * per_round
-    for i, job in enumerate(jobs):
-        record, model = check_step(ctx, setup, job)
-        records.append(record)
-        models.append(model)
-        ctx.progress(i + 1, units, "checked " + job.label)
-    candidates = {job.label: _Candidate(ctx, setup, job, warmup) for job in jobs}
+    units = len(jobs) * (1 + warmup + 2 * split) + rounds * per_round
+    with ctx.paused(split):
+        for i, job in enumerate(jobs):
+            record, model = check_step(ctx, setup, job)
+            records.append(record)
+            models.append(model)
+            ctx.progress(i + 1, units, "checked " + job.label)
+        candidates = {job.label: _Candidate(ctx, setup, job, warmup) for job in jobs}
 
-    def timed(done: int, total: int) -> None:  # after the warm-up (done = 0), then after each round
-        ctx.progress(units - (total - done) * per_round, units, f"timing every schedule, round {done}/{total}")
+        def timed(done: int, total: int) -> None:  # after the warm-up (done = 0), then after each round
+            ctx.progress(units - (total - done) * per_round - 2 * split * len(jobs), units,
+                         f"timing every schedule, round {done}/{total}")
 
-    results = compare(candidates, warmup=warmup, steps=steps, rounds=rounds, trim=trim, sync=ctx.barrier,
-                      on_round=timed)
+        results = compare(candidates, warmup=warmup, steps=steps, rounds=rounds, trim=trim, sync=ctx.barrier,
+                          on_round=timed)
+    if split:  # one warm step per job on the emulated cluster's clock, then one timed
+        for candidate in candidates.values():
+            candidate.virtual_pass, candidate.untimed = True, 1
+        virtual = compare(candidates, warmup=1, steps=1, rounds=1, trim=0, sync=ctx.barrier)
+        ctx.progress(units, units, "one step per schedule on the emulated cluster")
     for record, (label, candidate) in zip(records, candidates.items()):
         record["bench"] = results[label].to_dict()
+        if split:
+            record["bench"]["virtual"] = virtual[label].virtual.to_dict()
         record.update(candidate.summary())
     return records, models
 

@@ -47,8 +47,12 @@ class Timeline:
         return time.perf_counter() - self.origin
 
     def vnow(self) -> float | None:
-        """The virtual clock (None without an emulated cluster)."""
-        return self.virtual() if self.virtual is not None else None
+        """The virtual clock (None without an emulated cluster, and inside ``ctx.paused()``, where it stands still:
+        a span timed there has no virtual times, as without a cluster)."""
+        if self.virtual is None:
+            return None
+        from .emulator import current
+        return self.virtual() if current() is not None else None
 
     @contextlib.contextmanager
     def span(self, kind: str, **meta):
