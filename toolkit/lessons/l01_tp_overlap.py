@@ -96,78 +96,81 @@ def run(ctx, cfg: dict) -> dict:
     with torch.no_grad():
         x = model.embed(idx)  # [B,T,D]: the blocks' input, real text
 
-    # -- the single-process reference, and its gradients sliced exactly like the weights ----------------
-    ref = copy.deepcopy(model)
-    xr = x.clone().requires_grad_()
-    h = xr
-    for block in ref.blocks:
-        h = block(h)
-    loss_ref = lm_loss(ref.head(h), tgt)
-    loss_ref.backward()
-    as_params = copy.deepcopy(ref)  # a model whose "weights" are the reference gradients, sharded like ours
-    with torch.no_grad():
-        for p, q in zip(as_params.parameters(), ref.parameters()):
-            if q.grad is not None:  # the embedding is not part of the stack
-                p.copy_(q.grad)
-    ref_grads = dict(SequenceParallelStack.from_model(as_params, group).named_parameters())
+    # checks, traced and timed steps read the wall clock only: paused (the virtual clock runs in emulated())
+    with ctx.paused():
+        # -- the single-process reference, and its gradients sliced exactly like the weights ----------------
+        ref = copy.deepcopy(model)
+        xr = x.clone().requires_grad_()
+        h = xr
+        for block in ref.blocks:
+            h = block(h)
+        loss_ref = lm_loss(ref.head(h), tgt)
+        loss_ref.backward()
+        as_params = copy.deepcopy(ref)  # a model whose "weights" are the reference gradients, sharded like ours
+        with torch.no_grad():
+            for p, q in zip(as_params.parameters(), ref.parameters()):
+                if q.grad is not None:  # the embedding is not part of the stack
+                    p.copy_(q.grad)
+        ref_grads = dict(SequenceParallelStack.from_model(as_params, group).named_parameters())
 
-    x_r, t_r, dx_ref = shard_tokens(x, group), shard_tokens(tgt[..., None], group)[:, 0], shard_tokens(xr.grad, group)
-    stacks = {name: SequenceParallelStack.from_model(copy.deepcopy(model), group, mode, keep)
-              for name, (mode, keep) in VARIANTS.items()}
+        x_r, dx_ref = shard_tokens(x, group), shard_tokens(xr.grad, group)
+        t_r = shard_tokens(tgt[..., None], group)[:, 0]
+        stacks = {name: SequenceParallelStack.from_model(copy.deepcopy(model), group, mode, keep)
+                  for name, (mode, keep) in VARIANTS.items()}
 
-    def step(stack: SequenceParallelStack, meter: ActivationMeter | None = None, name: str = "step"):
-        xi = x_r.clone().requires_grad_()
-        with ctx.ledger.tag(f"{name}/forward"), meter.recording((0, 0, 0)) if meter else nullcontext():
-            local = stack(xi, t_r, M)
-        saved = meter.live if meter else None
-        with ctx.ledger.tag(f"{name}/backward"):
-            local.backward()
-        with ctx.ledger.tag("sp-grads"):
-            allreduce_sequence_parallel_grads(stack, group)
-        return local, xi.grad, saved
+        def step(stack: SequenceParallelStack, meter: ActivationMeter | None = None, name: str = "step"):
+            xi = x_r.clone().requires_grad_()
+            with ctx.ledger.tag(f"{name}/forward"), meter.recording((0, 0, 0)) if meter else nullcontext():
+                local = stack(xi, t_r, M)
+            saved = meter.live if meter else None
+            with ctx.ledger.tag(f"{name}/backward"):
+                local.backward()
+            with ctx.ledger.tag("sp-grads"):
+                allreduce_sequence_parallel_grads(stack, group)
+            return local, xi.grad, saved
 
-    # -- one checked step per variant ----------------------------------------------------------------------
-    variants, grads = {}, {}
-    for i, (name, stack) in enumerate(stacks.items()):
-        local, dx, saved = step(stack, ActivationMeter(stack.parameters()), name)
-        loss = local.detach().clone()
-        with ctx.ledger.tag("metrics"):
-            dist.all_reduce(loss, group=group)
-        grads[name] = {n: p.grad.clone() for n, p in stack.named_parameters()}
-        variants[name] = {
-            "mode": VARIANTS[name][0], "keep_gathered": VARIANTS[name][1], "loss": loss.item(),
-            "loss_ref": loss_ref.item(), "dx_max_diff": _diff(dx, dx_ref),
-            "grad_max_diff": max(_diff(g, ref_grads[n]) for n, g in grads[name].items()),
-            "saved_act_bytes": saved,
-            "sent_bytes": {p: ctx.ledger.total("sent_bytes", tag=f"{name}/{p}") for p in ("forward", "backward")},
-            "calls": {p: _calls(ctx.ledger, f"{name}/{p}") for p in ("forward", "backward")}}
-        ctx.progress(i + 1, 9, "checked " + name)
-    bitwise = {mode: all(torch.equal(g, grads[f"{mode}+keep"][n]) for n, g in grads[mode].items())
-               for mode in ("bulk", "ring")}
+        # -- one checked step per variant ----------------------------------------------------------------------
+        variants, grads = {}, {}
+        for i, (name, stack) in enumerate(stacks.items()):
+            local, dx, saved = step(stack, ActivationMeter(stack.parameters()), name)
+            loss = local.detach().clone()
+            with ctx.ledger.tag("metrics"):
+                dist.all_reduce(loss, group=group)
+            grads[name] = {n: p.grad.clone() for n, p in stack.named_parameters()}
+            variants[name] = {
+                "mode": VARIANTS[name][0], "keep_gathered": VARIANTS[name][1], "loss": loss.item(),
+                "loss_ref": loss_ref.item(), "dx_max_diff": _diff(dx, dx_ref),
+                "grad_max_diff": max(_diff(g, ref_grads[n]) for n, g in grads[name].items()),
+                "saved_act_bytes": saved,
+                "sent_bytes": {p: ctx.ledger.total("sent_bytes", tag=f"{name}/{p}") for p in ("forward", "backward")},
+                "calls": {p: _calls(ctx.ledger, f"{name}/{p}") for p in ("forward", "backward")}}
+            ctx.progress(i + 1, 9, "checked " + name)
+        bitwise = {mode: all(torch.equal(g, grads[f"{mode}+keep"][n]) for n, g in grads[mode].items())
+                   for mode in ("bulk", "ring")}
 
-    # -- one traced step per variant: spans for the timeline, exposed vs hidden communication ----------------
-    spans, exposure = {}, {}
-    for name, stack in stacks.items():
-        stack.zero_grad(set_to_none=True)
-        stack.configure(timeline=ctx.timeline)
-        ctx.barrier()
-        mark = len(ctx.timeline.spans)
-        with ctx.timeline.span("step", lane="step", variant=name):
-            step(stack, name="traced")
-        stack.configure(timeline=None)
-        spans[name] = [asdict(s) for s in ctx.timeline.spans[mark:]]
-        exposure[name] = exposure_of(spans[name])
-    ctx.progress(5, 9, "timing the four variants")
-
-    # -- the four variants, timed side by side ---------------------------------------------------------------
-    def timed(stack):
-        def one():
+        # -- one traced step per variant: spans for the timeline, exposed vs hidden communication ----------------
+        spans, exposure = {}, {}
+        for name, stack in stacks.items():
             stack.zero_grad(set_to_none=True)
-            step(stack, name="bench")
-        return one
+            stack.configure(timeline=ctx.timeline)
+            ctx.barrier()
+            mark = len(ctx.timeline.spans)
+            with ctx.timeline.span("step", lane="step", variant=name):
+                step(stack, name="traced")
+            stack.configure(timeline=None)
+            spans[name] = [asdict(s) for s in ctx.timeline.spans[mark:]]
+            exposure[name] = exposure_of(spans[name])
+        ctx.progress(5, 9, "timing the four variants")
 
-    bench = compare({name: timed(s) for name, s in stacks.items()}, warmup=cfg["warmup"], steps=cfg["bench_steps"],
-                    rounds=cfg["rounds"], sync=ctx.barrier)
+        # -- the four variants, timed side by side ---------------------------------------------------------------
+        def timed(stack):
+            def one():
+                stack.zero_grad(set_to_none=True)
+                step(stack, name="bench")
+            return one
+
+        bench = compare({name: timed(s) for name, s in stacks.items()}, warmup=cfg["warmup"], steps=cfg["bench_steps"],
+                        rounds=cfg["rounds"], sync=ctx.barrier)
     ctx.progress(6, 9, "micro-benchmarks")
     ops = op_benchmarks(ctx, group, stacks["ring"].blocks[0], M, cfg)
     ctx.progress(8, 9, "on the emulated cluster" if ctx.emulator else "done")
@@ -232,17 +235,16 @@ def op_benchmarks(ctx, group, block, tokens: int, cfg: dict) -> dict:
         "tiled_rs_allclose": close(tiled_rs, scattered)}}
     candidates = _candidates(group, o, tiles)
     for op, (shapes, cands) in candidates.items():
-        with ctx.ledger.tag(f"ops/{op}"):
+        with ctx.ledger.tag(f"ops/{op}"), ctx.paused():  # wall time without the emulator's bookkeeping
             res = compare(cands, warmup=cfg["warmup"], steps=cfg["op_steps"], rounds=cfg["rounds"], sync=ctx.barrier)
         t = {n: r.mean_s for n, r in res.items()}
         out[op] = {"shapes": shapes, "mean_s": t, "median_s": {n: r.median_s for n, r in res.items()},
                    "bench": {n: r.to_dict() for n, r in res.items()},
                    "overlap": {v: overlap_fraction(t["comm"], t["gemm"], t[v]) for v in ("bulk", "ring", "tiled ring")},
                    "overlap_own_messages": overlap_fraction(t["ring comm"], t["gemm"], t["ring"])}
-        if res["comm"].virtual is not None:  # the same calls on the emulated cluster's clock, toy shapes
-            v = {n: r.virtual.mean_s for n, r in res.items()}
-            out[op]["virtual"] = {"mean_s": v, "overlap": {c: overlap_fraction(v["comm"], v["gemm"], v[c])
-                                                           for c in ("bulk", "ring", "tiled ring")}}
+    if ctx.emulator is not None:  # the same candidates on the emulated cluster's clock, toy shapes: one call each
+        for op, point in _virtual_ops(ctx, group, block, tokens, cfg).items():
+            out[op]["virtual"] = {"mean_s": point["mean_s"], "overlap": point["overlap"]}
     return out
 
 
