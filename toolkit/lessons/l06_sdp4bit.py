@@ -204,7 +204,8 @@ def run(ctx, cfg: dict) -> dict:
         model0 = GPT(_model_cfg(cfg)).to(ctx.device)
         got = {}
         for mode in cfg["modes"]:
-            with ctx.paused(seed > 0):  # only seed 0's steps are timed
+            # only seed 0's steps of the modes timed on the emulated cluster (MATCHED_MODES) run on its clock
+            with ctx.paused(seed > 0 or mode not in MATCHED_MODES):
                 got[mode], model, sdp = _train(ctx, model0, cfg, mode, topo, seed, progress)
             if seed == 0 and mode in MATCHED_MODES:  # on an emulated cluster it goes on, timed as the real model
                 going_on[mode] = (model, sdp)
@@ -216,9 +217,11 @@ def run(ctx, cfg: dict) -> dict:
     spread = {m: paired([s["eval_loss"]["baseline"] for s in per_seed], [s["eval_loss"][m] for s in per_seed])
               for m in cfg["modes"] if m != "baseline"}
     toy_steps = {mode: run.pop("virtual") for mode, run in runs.items()}
+    with ctx.paused():
+        static_snr = _static_snr(ctx, first, cfg, topo)
     return {"cfg": cfg, "world_size": ctx.world_size, "nodes": topo.nodes, "local": topo.local,
             "model": vars(first.cfg), "n_params": count_params(first), "runs": runs, "seeds": per_seed,
-            "spread": spread, "snr": _static_snr(ctx, first, cfg, topo),
+            "spread": spread, "snr": static_snr,
             "emulated": emulated(ctx, cfg, toy_steps, going_on, lambda: progress("timed as the real model", 0)),
             "ledger": ctx.ledger.summary()}
 
