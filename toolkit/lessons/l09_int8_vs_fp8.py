@@ -12,7 +12,8 @@ The ranks split one grid of experiments and gather the rows, so every rank retur
 
 Blocks are ``block`` consecutive elements along the last dimension (the reduction dimension of
 the GEMM that consumes the tensor); block 0 stands for one scale per tensor. The real tensors come
-from a tiny GPT trained for ``capture_steps`` steps in fp32 (identical on every rank).
+from a tiny GPT trained for ``capture_steps`` steps in fp32, by the first rank with a training run fewer
+(after its runs), and broadcast to the others.
 """
 from __future__ import annotations
 
@@ -247,9 +248,21 @@ def _tasks(cfg: dict) -> list[tuple]:
 def run(ctx, cfg: dict) -> dict:
     tasks = _tasks(cfg)
     mine = tasks[ctx.rank::ctx.world_size]
+    trains, others = [t for t in mine if t[0] == "train"], [t for t in mine if t[0] != "train"]
+    total = sum(cfg["steps"] if t[0] == "train" else 1 for t in mine)
+    done = 0
+    rows, curves, kappa, exact = [], [], None, {}
+    for task in trains:  # the heavy tasks first
+        curves.append(train_run(cfg, task[1], lambda s, d=done: ctx.progress(d + s, total, f"train {task[1]}")))
+        done += cfg["steps"]
+    # the real tensors: one rank trains the capture model while the others finish their longer share of runs
+    # (the first rank with a run fewer), and every rank receives them
+    capture_rank = sum(t[0] == "train" for t in tasks) % ctx.world_size
+    captured = [capture_gpt_tensors(cfg) if ctx.rank == capture_rank else None]
+    dist.broadcast_object_list(captured, src=capture_rank)
+    captured = captured[0]
     gen = torch.Generator().manual_seed(cfg["seed"])
     data = {name: [synthetic(name, cfg, gen)] for name in DATASETS[:3]}  # same on every rank (same seed)
-    captured = capture_gpt_tensors(cfg)
     data.update({k: v for k, v in captured.items() if k.startswith("gpt_")})
     m, k, n = cfg["gemm"]
     fc1 = captured["names"].index("0.mlp.fc1")
@@ -258,28 +271,20 @@ def run(ctx, cfg: dict) -> dict:
                                      torch.randn(n, k, generator=gen)),
                 "gpt_fc1": (captured["gpt_activations"][fc1], captured["gpt_weights"][fc1])}
     kappa_gen = torch.Generator().manual_seed(cfg["seed"] + 3)
-    total = sum(cfg["steps"] if t[0] == "train" else 1 for t in mine)
-    done = 0
-    rows, curves, kappa, exact = [], [], None, {}
-    for task in mine:
-        if task[0] == "train":
-            curves.append(train_run(cfg, task[1], lambda s, d=done: ctx.progress(d + s, total, f"train {task[1]}")))
-            done += cfg["steps"]
-        elif task[0] == "qsnr":
+    for task in others:
+        if task[0] == "qsnr":
             _, name, fmt, block = task
             rows.append({"kind": "tensor", "data": name, "fmt": fmt, "block": block,
                          "qsnr_db": pooled_qsnr(data[name], fmt, block)})
-            done += 1
         elif task[0] == "gemm":
             _, case, fmt, block = task
             if case not in exact:
                 exact[case] = gemm_ops[case][0].double() @ gemm_ops[case][1].double().t()
             rows.append({"kind": "gemm", "data": case, "fmt": fmt, "block": block,
                          "qsnr_db": gemm_qsnr(*gemm_ops[case], fmt, block, exact[case])})
-            done += 1
         else:
             kappa = kappa_sweep(cfg, kappa_gen)
-            done += 1
+        done += 1
         ctx.progress(done, total, task[0])
     kappa_by_data = {name: float(torch.cat([block_kappa(t, 128) for t in data[name]]).median()) for name in DATASETS}
     gathered = [None] * ctx.world_size
