@@ -339,11 +339,12 @@ def measure_schedules(ctx, setup: PipelineSetup, jobs: list[Job], *, warmup: int
     over this call; wrap the call in ``ctx.part`` to make it one slice of a longer run. A record holds
     ``check_step``'s fields and:
 
-    On an emulated cluster, virtual time is the same at every step once the pipeline is warm. With more than one
-    timed step, the checked steps and the timed rounds therefore run paused (``ctx.paused()``: wall time without
-    the emulator's Python on every op), and two more steps per job run on the emulated cluster's clock, a warm-up
-    and a timed one, for the virtual fields (``bench["virtual"]``, ``op_vseconds``, ``exposed_recv_vs``,
-    ``exposed_wire_vs``); a single timed step carries both clocks.
+    On an emulated cluster the virtual clock is deterministic: a step started from clocks a barrier aligned takes
+    the same virtual time every time. With more than one timed step, the checked steps and the timed rounds
+    therefore run paused (``ctx.paused()``: wall time without the emulator's Python on every op), and one more
+    step per job, after a barrier, runs on the emulated cluster's clock for the virtual fields (``bench["virtual"]``,
+    ``op_vseconds``, ``exposed_recv_vs``, ``exposed_wire_vs``), as the lessons' emulated sections time theirs; a
+    single timed step carries both clocks.
 
     - ``bench``: ``BenchResult`` fields (trimmed mean of the round means, median, std, stability, ...);
     - ``p2p``: per timed step, from the ledger: ``calls``, ``sent_bytes``, ``recv_bytes``, ``recv_open_s``
@@ -363,7 +364,7 @@ def measure_schedules(ctx, setup: PipelineSetup, jobs: list[Job], *, warmup: int
     # progress in pipeline steps, the unit of time here: one checked step per job, then warm-up and rounds (and
     # the virtual pass)
     per_round = len(jobs) * steps
-    units = len(jobs) * (1 + warmup + 2 * split) + rounds * per_round
+    units = len(jobs) * (1 + warmup + split) + rounds * per_round
     with ctx.paused(split):
         for i, job in enumerate(jobs):
             record, model = check_step(ctx, setup, job)
@@ -373,15 +374,15 @@ def measure_schedules(ctx, setup: PipelineSetup, jobs: list[Job], *, warmup: int
         candidates = {job.label: _Candidate(ctx, setup, job, warmup) for job in jobs}
 
         def timed(done: int, total: int) -> None:  # after the warm-up (done = 0), then after each round
-            ctx.progress(units - (total - done) * per_round - 2 * split * len(jobs), units,
+            ctx.progress(units - (total - done) * per_round - split * len(jobs), units,
                          f"timing every schedule, round {done}/{total}")
 
         results = compare(candidates, warmup=warmup, steps=steps, rounds=rounds, trim=trim, sync=ctx.barrier,
                           on_round=timed)
-    if split:  # one warm step per job on the emulated cluster's clock, then one timed
+    if split:  # one step per job on the emulated cluster's clock
         for candidate in candidates.values():
-            candidate.virtual_pass, candidate.untimed = True, 1
-        virtual = compare(candidates, warmup=1, steps=1, rounds=1, trim=0, sync=ctx.barrier)
+            candidate.virtual_pass = True
+        virtual = compare(candidates, warmup=0, steps=1, rounds=1, trim=0, sync=ctx.barrier)
         ctx.progress(units, units, "one step per schedule on the emulated cluster")
     for record, (label, candidate) in zip(records, candidates.items()):
         record["bench"] = results[label].to_dict()
