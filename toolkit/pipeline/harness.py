@@ -246,11 +246,10 @@ class _Candidate:
 
     def __init__(self, ctx, setup: PipelineSetup, job: Job, warmup: int):
         from toolkit.runtime.timeline import Timeline
-        self.ctx, self.setup, self.job = ctx, setup, job
-        self.untimed, self.timed_calls = warmup, 0  # warm-up steps still to run; timed steps run (wall)
+        self.ctx, self.setup, self.job, self.warmup, self.calls = ctx, setup, job, warmup, 0
         self.steps: list[dict] = []  # per timed step: spans, waits
         self.vsteps: list[dict] = []  # the same, of the steps on the emulated cluster's clock (measure_schedules)
-        self.virtual_pass = False
+        self.virtual_pass, self.virtual_calls = False, 0
         self.executor = None
         if job.impl == "torch":
             self.model, runner = setup.torch_runner(job.schedule, ctx.rank)
@@ -268,9 +267,9 @@ class _Candidate:
         return "pipeline:" + self.job.label
 
     def __call__(self) -> None:
-        timed = self.untimed == 0
-        self.untimed -= not timed
-        self.timed_calls += timed and not self.virtual_pass
+        self.calls += 1
+        self.virtual_calls += self.virtual_pass
+        timed = self.calls > self.warmup
         self.model.zero_grad(set_to_none=True)
         with self.ctx.ledger.tag(self.tag + (":warmup" if not timed else ":virtual" if self.virtual_pass else "")):
             self.runner.step(self.setup.inputs, self.setup.targets)
@@ -283,7 +282,7 @@ class _Candidate:
     def summary(self) -> dict:
         """Op times, the last timed step's spans and waits, exposed receive time and p2p counts per step."""
         ledger = [r for r in self.ctx.ledger.records if r.tag == self.tag and r.op in ("isend", "irecv")]
-        timed_steps = self.timed_calls
+        timed_steps = self.calls - self.warmup - self.virtual_calls
         out = {"p2p": {"calls": len(ledger) / timed_steps,
                        "sent_bytes": sum(r.sent_bytes for r in ledger) / timed_steps,
                        "recv_bytes": sum(r.recv_bytes for r in ledger) / timed_steps,
