@@ -231,7 +231,8 @@ def test_the_widget_bar_has_a_fixed_maximum():
 def test_the_session_cache_shares_one_launch_of_an_identical_lesson_job(tmp_path, monkeypatch):
     """TOOLKIT_LAUNCH_CACHE (set by conftest for the suite): a lesson's run with the same resolved cfg, ranks,
     backend, seed, cluster and environment returns the stored results; anything else, or a launch whose files
-    were asked for, or a target that is not a lesson's run, misses."""
+    were asked for, or a target that is not one of the course's programs (a lesson's run, the emulator's checks),
+    misses."""
     from toolkit.runtime.launch import RankResults, session_cache
     monkeypatch.setenv("TOOLKIT_LAUNCH_CACHE", str(tmp_path))
     lesson = targets.resolve("l11_seq1f1b")
@@ -253,6 +254,10 @@ def test_the_session_cache_shares_one_launch_of_an_identical_lesson_job(tmp_path
                     {"cluster": {"name": "h100-ib400"}}, {"keep": True}):
         assert cached(**changes) is None, changes
     assert cached(target=targets.resolve("toolkit.lessons.selftest:hang")) is None
+    check = targets.resolve("toolkit.lessons.emulator_check:pipeline")  # the course's emulator checks are shared
+    with session_cache(check, **args) as entry:
+        entry.store(done)
+    assert list(cached(target=check)) == list(done)
     monkeypatch.chdir(tmp_path)  # a notebook runs in notebooks/, a test in the repository's root: one launch
     assert cached() is not None
     with session_cache(lesson, **{**args, "cfg": {"preset": "smoke", "nvme_path": "spill/here"}}) as entry:

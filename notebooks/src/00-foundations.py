@@ -491,12 +491,13 @@ viz.table([{"case": n, "emulated (µs)": g * 1e6, "closed form (µs)": w * 1e6} 
 from toolkit.pipeline.schedule import make_schedule
 from toolkit.pipeline.simulate import simulate
 
-piped = launch("toolkit.lessons.emulator_check:pipeline", 2, {"schedules": ["1f1b", "dualpipev"]}, backend=backend,
+schedules = ["1f1b", "interleaved", "zb-h1", "dualpipev"]  # 2 ranks, m = 4 micro-batches
+piped = launch("toolkit.lessons.emulator_check:pipeline", 2, {"schedules": schedules}, backend=backend,
                cluster=two_nodes.name, timeout_s=timeout_s)
 b_, t_, d_ = piped[0]["act_shape"]
 one_node = make_cluster(two_nodes.name)
 rows = []
-for name in ("1f1b", "dualpipev"):
+for name in schedules:
     durations = {(s["op"], s["stage"], s["mb"], s["chunk"]): s["virtual_s"] for r in piped for s in r[name]["spans"]}
 
     def cost(a, durations=durations):

@@ -760,18 +760,22 @@ class _SessionCache:
             tmp.replace(self.path)
 
 
+CACHED_PROGRAMS = re.compile(r"toolkit\.lessons\.(l\d\d\w*:run|emulator_check:\w+)")
+"""Launch targets (``module:function``) the session cache may serve: deterministic programs of the course."""
+
+
 @contextlib.contextmanager
 def session_cache(target, cfg: dict, world_size: int, backend: str, seed: int, threads: int, cluster: dict | None,
                   accelerate_args, keep: bool):
     """The session cache's entry for this launch (``CACHE_ENV``), held under a lock so that an identical launch
     in another process (a pytest-xdist worker, a notebook kernel) waits for this one and then reads its results.
-    Only a lesson's ``run`` (``toolkit.lessons.lNN_*``) is cached, and never a launch whose files were asked for
+    Only the course's own programs are cached (``CACHED_PROGRAMS``: a lesson's ``run``, the emulator's checks that
+    lesson 00 shows and ``tests/test_emulator.py`` asserts), and never a launch whose files were asked for
     (``out_dir``, ``keep_files``): tests of the launcher itself always start processes."""
     folder = os.environ.get(CACHE_ENV)
     spec = target.spec
-    lesson = (spec.get("kind") == "import" and spec.get("function") == "run"
-              and re.fullmatch(r"toolkit\.lessons\.l\d\d\w*", spec.get("module", "")) is not None)
-    if not folder or keep or not lesson:
+    program = f"{spec.get('module', '')}:{spec.get('function', '')}" if spec.get("kind") == "import" else ""
+    if not folder or keep or CACHED_PROGRAMS.fullmatch(program) is None:
         yield _SessionCache(None)
         return
     env = {k: v for k, v in os.environ.items()
