@@ -90,9 +90,12 @@ def _edgc_cfg(cfg: dict, seed: int = 0) -> EDGCConfig:
                       ref_bits=cfg["ref_bits"], r_init=cfg["r_init"], r_min=cfg["r_min"], r_max=cfg["r_max"])
 
 
-def _train(ctx, model: GPT, cfg: dict, tag: str, sync, seed: int, progress) -> tuple[dict, torch.optim.Optimizer]:
+def _train(ctx, model: GPT, cfg: dict, tag: str, sync, seed: int, progress,
+           timed_from: int | None) -> tuple[dict, torch.optim.Optimizer]:
     """AdamW on this rank's slice of each global batch (data order from ``seed``); ``sync(step)`` averages
-    the gradients; ``progress()`` is called after every step. Returns the record and the optimizer."""
+    the gradients; ``progress()`` is called after every step. Steps from ``timed_from`` on run on the emulated
+    cluster's clock (their ``virtual`` phases are read), the others paused (``virtual`` holds zeros; None: every
+    step paused). Returns the record and the optimizer."""
     opt = _adamw(model, cfg)
     seq = model.cfg.seq_len
     out = {"loss": [], "sent_bytes": [], "allreduce_bytes": [], "comm_s": [], "info": [], "virtual": []}
@@ -101,7 +104,8 @@ def _train(ctx, model: GPT, cfg: dict, tag: str, sync, seed: int, progress) -> t
                    device=ctx.device)
     for step, (x, y) in enumerate(data):
         before = (led.total("sent_bytes", tag), led.total("sent_bytes", tag, "all_reduce"), led.total("seconds", tag))
-        loss, info, virtual = _step(ctx, model, opt, x, y, tag, sync, step)
+        with ctx.paused(timed_from is None or step < timed_from):
+            loss, info, virtual = _step(ctx, model, opt, x, y, tag, sync, step)
         out["info"].append(info)
         out["virtual"].append(virtual)
         out["sent_bytes"].append(led.total("sent_bytes", tag) - before[0])
@@ -244,7 +248,8 @@ def run(ctx, cfg: dict) -> dict:
     reported in full (curves, bytes, ranks), every seed's held-out loss goes into the spread."""
     cfg = cfg if "edgc" in cfg else validate(cfg, ctx.world_size)
     model_cfg = _model_cfg(cfg)
-    time_model, probe = _fit_time_model(ctx)
+    with ctx.paused():  # this machine's all-reduce times, without the emulator's bookkeeping in them
+        time_model, probe = _fit_time_model(ctx)
     done, total = 0, 2 * cfg["seeds"] * cfg["steps"] + (1 + cfg["window"] if ctx.emulator is not None else 0)
 
     def progress(tag):
@@ -260,16 +265,18 @@ def run(ctx, cfg: dict) -> dict:
         model0 = GPT(model_cfg).to(ctx.device)
         base = copy.deepcopy(model0)
         plain_sync = _plain_sync(list(base.parameters()))
-        with ctx.paused(seed > 0):  # only seed 0's steps are timed
-            baseline, base_opt = _train(ctx, base, cfg, "baseline", plain_sync, seed,
-                                        progress(f"seed {seed}: baseline"))
+        timed_from = cfg["edgc_warmup"] if seed == 0 else None  # seed 0's steps after the warm-up are timed
+        baseline, base_opt = _train(ctx, base, cfg, "baseline", plain_sync, seed, progress(f"seed {seed}: baseline"),
+                                    timed_from)
         model = copy.deepcopy(model0)
         stages = [list(s.parameters()) for s in split_stages(model, cfg["stages"])]
         edgc = EDGC(stages, _edgc_cfg(cfg, seed))
-        with ctx.paused(seed > 0):
-            compressed, edgc_opt = _train(ctx, model, cfg, "edgc", edgc.sync, seed, progress(f"seed {seed}: EDGC"))
-        per_seed.append({"seed": seed, "eval_loss": {"baseline": held_out_loss(base, cfg["batch"], cfg["eval_batches"]),
-                                                     "edgc": held_out_loss(model, cfg["batch"], cfg["eval_batches"])},
+        compressed, edgc_opt = _train(ctx, model, cfg, "edgc", edgc.sync, seed, progress(f"seed {seed}: EDGC"),
+                                      timed_from)
+        with ctx.paused():  # from here to the emulated section nothing reads the virtual clock
+            eval_loss = {"baseline": held_out_loss(base, cfg["batch"], cfg["eval_batches"]),
+                         "edgc": held_out_loss(model, cfg["batch"], cfg["eval_batches"])}
+        per_seed.append({"seed": seed, "eval_loss": eval_loss,
                          "final_loss": {"baseline": baseline["loss"][-1], "edgc": compressed["loss"][-1]},
                          "ranks_after_warmup": compressed["info"][-1]["ranks"]})
         if seed == 0:  # reported in full; on an emulated cluster its runs go on, timed as the real workload
@@ -287,7 +294,9 @@ def run(ctx, cfg: dict) -> dict:
              for rk in ranks]
     after = slice(cfg["edgc_warmup"], cfg["steps"])
     all_shapes = [s for st in shapes for s in st]
-    tails_init, tails_end = _gradient_tails(copy.deepcopy(model0), cfg), _gradient_tails(copy.deepcopy(model), cfg)
+    with ctx.paused():
+        tails_init, tails_end = _gradient_tails(copy.deepcopy(model0), cfg), _gradient_tails(copy.deepcopy(model), cfg)
+        torch_vs_ours = _torch_vs_ours(ctx, model0, cfg)
     rank_curve = [{"rank": r, "sent_bytes": sum(allreduce_wire_bytes(e, world) for e in step_elements(all_shapes, r)),
                    "predicted_s": time_model.predict([allreduce_wire_bytes(e, world)
                                                       for e in step_elements(all_shapes, r)]),
@@ -314,7 +323,7 @@ def run(ctx, cfg: dict) -> dict:
                        "predicted_step_s_edgc": [time_model.predict(c) for c in calls],
                        "measured_step_s": {"baseline": baseline["comm_s"], "edgc": compressed["comm_s"]}},
         "rank_curve": rank_curve,
-        "torch_vs_ours": _torch_vs_ours(ctx, model0, cfg),
+        "torch_vs_ours": torch_vs_ours,
         "emulated": emulated(ctx, cfg, n_params, {"baseline": baseline["virtual"], "edgc": compressed["virtual"]},
                              going_on, ranks, progress("workload-matched steps")),
         "ledger": ctx.ledger.summary(),
@@ -364,7 +373,7 @@ def emulated(ctx, cfg: dict, n_params: int, toy_steps: dict[str, list], going_on
     from toolkit.runtime.cluster import cluster as make_cluster
     hw, world, warm = emu.cluster, ctx.world_size, cfg["edgc_warmup"]
     real = planner.MODELS[cfg["stands_for"]]
-    toy_flops = toy_steps["baseline"][0]["compute_flops"]  # the same every step
+    toy_flops = toy_steps["baseline"][warm]["compute_flops"]  # the same every timed step
     scales = planner.dp_phase_scales(n_params, toy_flops, cfg["batch"] * cfg["seq_len"], _model_cfg(cfg).d_model,
                                      real)
     data = list(batches(cfg["batch"], cfg["seq_len"], cfg["window"], seed=MATCHED_DATA_SEED, rank=ctx.rank,
