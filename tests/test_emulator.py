@@ -244,19 +244,22 @@ def test_paused_takes_the_timer_off_the_dispatch_stack_and_hides_the_emulator_on
     import torch
     from torch.utils._python_dispatch import _get_current_dispatch_mode
     from toolkit.runtime.emulator import ComputeTimer, Emulator, current
-    emu = Emulator(cluster("h100-ib400"), 0, 1).install(types.SimpleNamespace(emulator=None, inside_op=False))
+    ledger = types.SimpleNamespace(emulator=None, inside_op=False)
+    emu = Emulator(cluster("h100-ib400"), 0, 1).install(ledger)
     try:
         a, seen = torch.ones(64, 64), {}
-        assert isinstance(_get_current_dispatch_mode(), ComputeTimer) and current() is emu
+        assert isinstance(_get_current_dispatch_mode(), ComputeTimer) and current() is emu and ledger.emulator is emu
         with emu.paused():
             with emu.paused():  # nested: nothing more to take off
                 torch.mm(a, a)
             seen["mode"], seen["current"] = _get_current_dispatch_mode(), current()
+            seen["ledger"] = ledger.emulator  # the inner block gave the ledger back to the outer pause
             other = threading.Thread(target=lambda: seen.__setitem__("thread", current()))
             other.start()
             other.join()
             calls = emu.ops["aten.mm"]["calls"]
         assert seen["mode"] is None and seen["current"] is None and calls == 0  # native ops, no emulator here
+        assert seen["ledger"] is None and ledger.emulator is emu  # collectives carry no clock until the outer ends
         assert seen["thread"] is emu  # pausing is per thread
         assert isinstance(_get_current_dispatch_mode(), ComputeTimer) and current() is emu
         torch.mm(a, a)

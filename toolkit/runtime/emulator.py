@@ -431,6 +431,7 @@ class Emulator:
         bookkeeping on every op). Collective: the ranks of a group pause around the same collectives."""
         ledger = self.ledger
         previous = getattr(self._local, "internal", False), getattr(self._local, "paused", False)
+        ledger_emulator = ledger.emulator if ledger is not None else None  # None already when nested
         if ledger is not None:
             ledger.emulator = None
         self._local.internal = self._local.paused = True
@@ -444,7 +445,7 @@ class Emulator:
         finally:
             self._local.internal, self._local.paused = previous
             if ledger is not None:
-                ledger.emulator = self
+                ledger.emulator = ledger_emulator
 
     @property
     def timing(self) -> bool:
