@@ -11,7 +11,8 @@
   item's knobs, a different run, and stays.
 - One launch per distinct lesson job: ``TOOLKIT_LAUNCH_CACHE`` names a folder for this session (every xdist
   worker and notebook kernel inherits it), so a test module's fixture and a notebook that launch the same lesson
-  with the same resolved configuration share one real launch (``toolkit.runtime.launch.session_cache``).
+  (or the same emulator check) with the same resolved configuration share one real launch
+  (``toolkit.runtime.launch.session_cache``).
 """
 import os
 import shutil

@@ -730,9 +730,10 @@ class Progress:
 
 # ---- 8. the test suite's launch cache ----------------------------------------------------------------------------
 CACHE_ENV = "TOOLKIT_LAUNCH_CACHE"
-"""A folder (the test suite sets one per session, ``conftest.py``): a lesson launch identical to one already run
-there returns that run's results instead of starting its processes again, so a notebook's run and a test module's
-fixture that launch the same job share one launch. Unset (a notebook, ``make run``, your code): every launch runs."""
+"""A folder (the test suite sets one per session, ``conftest.py``): a launch of one of ``CACHED_PROGRAMS``
+identical to one already run there returns that run's results instead of starting its processes again, so a
+notebook's run and a test module's fixture that launch the same job share one launch. Unset (a notebook,
+``make run``, your code): every launch runs."""
 CACHE_KEY_ENV = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "TRITON_INTERPRET")
 """Environment a run's results may depend on, besides every ``TOOLKIT_*`` variable: part of the cache key."""
 
