@@ -94,8 +94,9 @@ def side_channel(ctx, cfg: dict) -> dict:
         s = next(calls)
         train_step(s, mode, record=s >= 2)
 
-    bench = compare({mode: (lambda mode=mode: step(mode)) for mode in ("blocking", "side")}, warmup=1, steps=1,
-                    rounds=cfg["steps"], trim=0, sync=ctx.barrier)
+    with ctx.paused():  # the wall clock only: nothing here reads the emulated cluster's
+        bench = compare({mode: (lambda mode=mode: step(mode)) for mode in ("blocking", "side")}, warmup=1, steps=1,
+                        rounds=cfg["steps"], trim=0, sync=ctx.barrier)
     spans = [sp for sp in ctx.timeline.to_json() if sp["meta"].get("mode") in ("blocking", "side")]
     # the training thread's time in communication: collecting the values (blocking: the all_gather; side: post
     # and the end-of-step collect) and the gradient all-reduce, where waiting for the slowest rank ends up
@@ -183,7 +184,7 @@ def buckets(ctx, cfg: dict) -> dict:
             model.zero_grad(set_to_none=True)
         return step
 
-    with ctx.ledger.tag("buckets/toy"):
+    with ctx.ledger.tag("buckets/toy"), ctx.paused():  # wall time only: the virtual clock times one step each below
         res = compare({cap: stepper(cap) for cap in models}, warmup=cfg["warmup"], steps=cfg["bench_steps"],
                       rounds=cfg["rounds"], sync=ctx.barrier, on_round=ctx.progress)
     out = {"grad_bytes": sum(p.numel() * elem for p in base.parameters()), "n_tensors": len(list(base.parameters())),
@@ -209,13 +210,18 @@ def buckets(ctx, cfg: dict) -> dict:
     def closed_form(cap: float, backward_s: float, byte_scale: float, on: Link) -> float:
         return steady_exposed(target_bytes(cap, byte_scale), backward_s, n, on.latency_s, on.bytes_per_s)
 
+    # one step each on the virtual clock, started from clocks a barrier aligned (compare's sync): deterministic,
+    # so one stands for every round (as the matched steps below)
+    with ctx.ledger.tag("buckets/toy"):
+        toy = compare({cap: stepper(cap) for cap in models}, warmup=0, steps=1, rounds=1, sync=ctx.barrier,
+                      clock="virtual")
     backward = _virtual_backward(ctx, emu, models[cfg["bucket_mb"][0]], *data[0])
     E = {"cluster": hw.name, "gpu": hw.gpu.name, "link": _link(link), "intra": _link(hw.intra),
          "nodes": n // hw.per_node(n), "float_bytes": hw.float_bytes, "launch_s": hw.gpu.launch_s,
          "backward_s": backward, "rows": []}
     for cap in models:
         v = last[cap]
-        E["rows"].append({"bucket_mb": cap, "step_s": res[cap].virtual.mean_s, "exposed_s": v["exposed_s"],
+        E["rows"].append({"bucket_mb": cap, "step_s": toy[cap].mean_s, "exposed_s": v["exposed_s"],
                           "closed_form_exposed_s": closed_form(cap, backward, 1.0, link),
                           "closed_form_intra_exposed_s": closed_form(cap, backward, 1.0, hw.intra),
                           "spans": v["spans"], "backward_end_s": v["backward_end_s"]})

@@ -188,16 +188,18 @@ def offload(ctx, cfg: dict) -> dict:
                               "transfers": [c for c in emu.comms[first:] if c["link"] in LOCAL_LINKS]}
         return fn
 
-    with ctx.ledger.tag("offload/timing"), ctx.part(len(names), len(names) + 2, "offload timing"):
+    # wall time only, without the emulator's bookkeeping on every op: the virtual clock is deterministic, so
+    # _emulated() times one more step of each variant on it
+    with ctx.ledger.tag("offload/timing"), ctx.part(len(names), len(names) + 2, "offload timing"), ctx.paused():
         res = compare({name: stepper(name) for name in names}, warmup=cfg["warmup"], steps=cfg["bench_steps"],
                       rounds=cfg["rounds"], sync=ctx.barrier, on_round=ctx.progress)
     out["step_time_s"] = {name: r.mean_s for name, r in res.items()}
-    out["emulated"] = None if emu is None else _emulated(ctx, cfg, out, trainers, stepper, res, last)
-    for name in ("nvme", "nvme_params"):
+    for name in ("nvme", "nvme_params"):  # the timed steps' disk statistics, before _emulated() adds steps
         if name in trainers:
             s = trainers[name].optimizer.stats[-cfg["bench_steps"]:]
             out["disk"][name]["timed"] = {k: sum(x[k] for x in s) / len(s) for k in
                                           ("wait_read_s", "wait_write_s", "compute_s", "io_seconds")}
+    out["emulated"] = None if emu is None else _emulated(ctx, cfg, out, trainers, stepper, last)
     for tr in trainers.values():
         if isinstance(tr.optimizer, nvme.DiskAdamW):
             tr.optimizer.close()
@@ -238,10 +240,10 @@ def _optimizer_vstats(opt) -> dict | None:
     return None
 
 
-def _emulated(ctx, cfg: dict, out: dict, trainers: dict, stepper, res: dict, last: dict) -> dict:
+def _emulated(ctx, cfg: dict, out: dict, trainers: dict, stepper, last: dict) -> dict:
     """The ZeRO variants on the emulated cluster's clock: their steps (forward + backward, optimizer), the copies
-    and disk I/O of one step, at the toy's shapes (from the timed steps) and matched to ``cfg["stands_for"]``'s
-    gradient and backward (one step each: the virtual clock is deterministic), each beside
+    and disk I/O of one step, at the toy's shapes and matched to ``cfg["stands_for"]``'s gradient and backward
+    (one step each, after the timed ones: the virtual clock is deterministic), each beside
     ``planner.offload_time`` for the same workload, cluster, data parallelism and ZeRO stage."""
     emu, n, hw = ctx.emulator, ctx.world_size, ctx.emulator.cluster
     names = [v for v in EMULATED_VARIANTS if v in trainers]
@@ -265,16 +267,23 @@ def _emulated(ctx, cfg: dict, out: dict, trainers: dict, stepper, res: dict, las
                                             if name in CLOSED_FORM else None)}
         return rows
 
+    def one_step_each() -> dict:
+        """Each variant's step on the virtual clock, started from clocks a barrier aligned (compare's sync):
+        deterministic, so one stands for every round."""
+        return compare({name: stepper(name) for name in names}, warmup=0, steps=1, rounds=1, sync=ctx.barrier,
+                       clock="virtual")
+
+    with ctx.ledger.tag("offload/toy"):
+        toy_bench = one_step_each()
     E = {"cluster": hw.name, "gpu": hw.gpu.name, "cpu": hw.cpu.name, "float_bytes": hw.float_bytes,
          "host_link": {"name": hw.host.name, "bytes_per_s": hw.host.bytes_per_s, "latency_s": hw.host.latency_s},
          "disk": {"name": hw.disk.name, "read_bytes_per_s": hw.disk.read_bytes_per_s,
                   "write_bytes_per_s": hw.disk.write_bytes_per_s, "latency_s": hw.disk.latency_s},
          "cpu_adam_bytes_per_s": planner.Assumptions().cpu_adam_bytes_per_s,
          "toy": {"params": out["numel"], "tokens": tokens,
-                 "rows": view({name: res[name].virtual for name in names}, toy)}}
+                 "rows": view(toy_bench, toy)}}
     with emu.scaled(**scales), ctx.ledger.tag("offload/matched"):
-        bench = compare({name: stepper(name) for name in names}, warmup=0, steps=1, rounds=1, sync=ctx.barrier,
-                        clock="virtual")
+        bench = one_step_each()
     E["matched"] = {"stands_for": cfg["stands_for"], "scales": scales, "params": real.params,
                     "tokens": real.seq_len * real.micro_batch, "rows": view(bench, real)}
     return E
@@ -331,16 +340,19 @@ def nvme_buffers(ctx, cfg: dict) -> dict:
                 p.grad = g
             opt.step()
         cands[f"{c}x{s}"] = step
-    res = compare(cands, warmup=cfg["warmup"], steps=cfg["bench_steps"], rounds=cfg["rounds"], sync=ctx.barrier)
+    with ctx.paused():  # wall time only: the emulated cluster's drive times one more step of each below
+        res = compare(cands, warmup=cfg["warmup"], steps=cfg["bench_steps"], rounds=cfg["rounds"], sync=ctx.barrier)
+    timed = {key: opt.stats[-cfg["bench_steps"]:] for key, opt in opts.items()}
+    virtual = None if ctx.emulator is None else compare(cands, warmup=0, steps=1, rounds=1, sync=ctx.barrier,
+                                                         clock="virtual")  # deterministic: one step each
     for (c, s), opt in opts.items():
-        st = opt.stats[-cfg["bench_steps"]:]
+        st = timed[(c, s)]
         mean = {k: sum(x[k] for x in st) / len(st) for k in ("wait_read_s", "wait_write_s", "compute_s", "io_seconds")}
-        virtual = res[f"{c}x{s}"].virtual  # the emulated cluster's drive, when there is one
         rows.append({"buffer_count": c, "buffer_size": s, "host_bytes": opt.host_bytes(), "pieces": st[-1]["pieces"],
                      "io_calls": st[-1]["io_calls"], "bytes_read": st[-1]["bytes_read"],
                      "bytes_written": st[-1]["bytes_written"], "step_s": res[f"{c}x{s}"].mean_s, **mean,
-                     "vstep_s": virtual.mean_s if virtual is not None else None,
-                     **{k: st[-1][k] for k in ("vread_wait_s", "vwrite_wait_s") if k in st[-1]}})
+                     "vstep_s": virtual[f"{c}x{s}"].mean_s if virtual is not None else None,
+                     **{k: opt.stats[-1][k] for k in ("vread_wait_s", "vwrite_wait_s") if k in opt.stats[-1]}})
     store.close()
     return {"rows": rows, "state_bytes": rows[0]["bytes_read"]}
 
