@@ -190,7 +190,7 @@ def two_hop(ctx, cfg: dict, x, ids, w, hop: TwoHop) -> dict:
 # ---- (d) low-latency mode --------------------------------------------------------------------------------------
 def low_latency(ctx, cfg: dict, x, ids, w) -> dict:
     R, rank, H, M = ctx.world_size, ctx.rank, cfg["hidden"], cfg["max_tokens"]
-    E, K, local = cfg["n_expert"], cfg["top_k"], cfg["n_expert"] // R
+    E, local = cfg["n_expert"], cfg["n_expert"] // R
     exact = LowLatency(E, M)
     sweep = []
     for T in cfg["ll_tokens"]:
@@ -347,7 +347,7 @@ def capture_audit(ctx, cfg: dict, x, ids, w) -> dict:
 
 # ---- timing ----------------------------------------------------------------------------------------------------
 def timing(ctx, cfg: dict, x, ids, w, hop: TwoHop) -> dict:
-    E, K, local = cfg["n_expert"], cfg["top_k"], cfg["n_expert"] // ctx.world_size
+    E, K = cfg["n_expert"], cfg["top_k"]
     fp8 = Codec("fp8", cfg["block"])
     plain = TokenDispatcher(E, K, codec="bf16", combine_codec="bf16")
     dedup = TokenDispatcher(E, K, codec="bf16", combine_codec="bf16", dedup=True)
