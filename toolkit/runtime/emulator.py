@@ -2,9 +2,9 @@
 
 On a laptop gloo moves bytes on the cores that compute, so overlap, bubbles and compression show their bytes but
 not their time. The emulator keeps the run real — the ops, their shapes, their order and their dependencies are
-the program's own, and every tensor is bitwise what it is without emulation — and takes *time* from models of a
-target cluster (``toolkit.runtime.cluster``), one virtual clock per rank. This is SMPI's on-line simulation
-(Clauss et al. 2011; Degomme et al., TPDS 2017), with a roofline for the compute::
+the program's own, and every tensor is bitwise what it is without emulation (one exception of torch's, below) —
+and takes *time* from models of a target cluster (``toolkit.runtime.cluster``), one virtual clock per rank. This
+is SMPI's on-line simulation (Clauss et al. 2011; Degomme et al., TPDS 2017), with a roofline for the compute::
 
     rank r, a real process                       its virtual clock (seconds on the target cluster): a host that
     ──────────────────────                       issues and a stream that runs, now = max(host, stream)
@@ -42,6 +42,12 @@ What the models take, what they leave out:
   completion but not this rank's link.
 - Host: the CPU time of Python and of the dispatcher is not charged; the launch term stands for it. One stream per
   host thread (compute and communication kernels do not contend for the GPU's SMs).
+
+- Values: every op runs unchanged, with one exception torch makes for any Python dispatch mode (this one, or
+  ``FlopCounterMode``): ``torch.linalg.svdvals`` and ``eigvalsh``, and what calls them (``matrix_norm`` with
+  ``ord`` 2, -2 or "nuc", ``cond``), then compute the vectors too, as they do for autograd, and LAPACK's other
+  path moves the values' last bits (float64: within 1e-12 of the largest value;
+  ``tests/test_emulator.py`` pins it). The toolkit computes them paused (lesson 05's spectral tails).
 
 The measured CPU time of every op is kept beside its modelled time (``report()["ops"]``), never driving the clock.
 Clocks are per thread; a thread that takes work from another carries its time with ``fork()`` / ``join(stamp)``
