@@ -176,7 +176,9 @@ display(Markdown(
 # CPU share per GPU (`ctx.emulator.on_host`, its roofline over fp32 tensors). Each wait is the one the CUDA code
 # makes: the host waits for a gradient before updating it, the stream for the parameters before the next
 # forward. Only the toolkit's ZeRO variants are timed there: on a CPU-only machine FSDP2's `CPUOffloadPolicy`
-# copies nothing, so its emulated step would leave its copies out. Two views, as in section 5:
+# copies nothing, so its emulated step would leave its copies out. The virtual clock is deterministic, so each
+# variant takes one step on it, after the wall-clock rounds above (which ran without the emulator's bookkeeping
+# on every op). Two views, as in section 5:
 #
 # - the toy's own shapes;
 # - **matched** to a real model (`stands_for`): every op at the FLOPs of its backward, every tensor, copy and disk
