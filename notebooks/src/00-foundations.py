@@ -427,8 +427,9 @@ assert repeated == ["NCCL_IB_DISABLE"]
 # machine gloo moves the bytes on the same cores that compute, so wall time cannot show them. Every launch can
 # therefore run on an **emulated cluster** (`launch(..., cluster="h100-ib400")`, `toolkit.runtime.emulator`),
 # the way SimGrid's SMPI simulates MPI programs on-line: the program runs for real on its processes — its ops,
-# shapes, order and dependencies are real, every tensor is bitwise what it is without emulation — and a
-# virtual clock per rank takes time from models of the target hardware:
+# shapes, order and dependencies are real, every tensor is bitwise what it is without emulation (but for the
+# last bits of `svdvals` and `eigvalsh`, which torch computes by another path under any dispatch mode: the
+# emulator's docstring) — and a virtual clock per rank takes time from models of the target hardware:
 #
 # ```
 # any ATen op   host += launch; stream = max(host, stream) + max(FLOPs / peak, bytes / HBM)

@@ -42,7 +42,6 @@ What the models take, what they leave out:
   completion but not this rank's link.
 - Host: the CPU time of Python and of the dispatcher is not charged; the launch term stands for it. One stream per
   host thread (compute and communication kernels do not contend for the GPU's SMs).
-
 - Values: every op runs unchanged, with one exception torch makes for any Python dispatch mode (this one, or
   ``FlopCounterMode``): ``torch.linalg.svdvals`` and ``eigvalsh``, and what calls them (``matrix_norm`` with
   ``ord`` 2, -2 or "nuc", ``cond``), then compute the vectors too, as they do for autograd, and LAPACK's other
