@@ -281,7 +281,7 @@ def test_torchruns_agent_killed_takes_every_rank_with_it(tmp_path):
             time.sleep(0.1)
         for p in psutil.process_iter(["cmdline"]):
             cmd = " ".join(p.info["cmdline"] or [])
-            if "accelerate.commands.launch" in cmd and str(out) in cmd:
+            if "toolkit.runtime.launcher" in cmd and str(out) in cmd:
                 p.kill()
 
     killer = threading.Thread(target=kill_the_agent)

@@ -9,7 +9,8 @@
       2 target.resolve     lesson / "module:function" / function object ─► target (import or shipped source)
       3 check_capacity     ranks vs GPUs, cores and memory (refused far beyond the machine)
       4 validate + phases  the module's validate(cfg, world_size) and PHASES, before any process starts
-      5 write spec.json ─► torchrun ─► rank 0..3: python -m toolkit.runtime.worker spec.json
+      5 write spec.json ─► toolkit.runtime.launcher (accelerate launch's main) ─► torchrun's agent
+                                             ─► rank 0..3: python -m toolkit.runtime.worker spec.json
       6 watch out_dir:                               │ cwd and sys.path of the caller, init_process_group
           progress.rank0.json  ◄──────────────────── │ fn(ctx, cfg) -> rank{r}.json       (ctx.phase, ctx.progress)
           rank{r}.error.json   ◄──────────────────── │ exception    -> rank{r}.error.json
@@ -325,7 +326,7 @@ def write_spec(tmp: Path, target, cfg: dict, backend: str, seed: int, threads: i
 
 def command(spec_path: Path, world_size: int, accelerate_args=None) -> list[str]:
     extra = list(accelerate_args or [])
-    cmd = [sys.executable, "-m", "accelerate.commands.launch"]
+    cmd = [sys.executable, "-m", "toolkit.runtime.launcher"]  # accelerate launch, without its teardown
     if "--config_file" not in extra:
         # one rank: accelerate refuses --multi_gpu and runs the worker as a plain process (init_context then
         # sets up a one-rank process group itself)
