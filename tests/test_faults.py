@@ -4,11 +4,13 @@ at once.
 
 Each case checks what the user is told (the faulty rank, or the caller, and the cause) and that no process of
 the launch is left on the machine: every process whose command line carries the launch's out_dir (torchrun's
-agent and each rank: ``... -m toolkit.runtime.worker OUT_DIR/spec.json``), whoever its parent now is.
+agent, ``-m toolkit.runtime.launcher ... OUT_DIR/spec.json``, and each rank: forked from the agent, its command
+line is the agent's; started afresh, ``-m toolkit.runtime.worker OUT_DIR/spec.json``), whoever its parent now is.
 """
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import subprocess
@@ -33,7 +35,7 @@ def launch_processes(out_dir: Path) -> list[str]:
     left = []
     for p in psutil.process_iter(["cmdline", "status"]):
         cmd = " ".join(p.info["cmdline"] or [])
-        if "toolkit.runtime.worker" in cmd and str(out_dir) in cmd and p.info["status"] != psutil.STATUS_ZOMBIE:
+        if "toolkit.runtime." in cmd and str(out_dir) in cmd and p.info["status"] != psutil.STATUS_ZOMBIE:
             left.append(cmd)
     return left
 
@@ -279,9 +281,9 @@ def test_torchruns_agent_killed_takes_every_rank_with_it(tmp_path):
         end = time.monotonic() + 60
         while not all((out / f"hanging{r}").exists() for r in (0, 1)) and time.monotonic() < end:
             time.sleep(0.1)
-        for p in psutil.process_iter(["cmdline"]):
-            cmd = " ".join(p.info["cmdline"] or [])
-            if "toolkit.runtime.launcher" in cmd and str(out) in cmd:
+        for p in psutil.process_iter(["cmdline", "ppid"]):  # the agent is launch's child; forked ranks share its
+            cmd = " ".join(p.info["cmdline"] or [])           # command line, not its parent
+            if "toolkit.runtime.launcher" in cmd and str(out) in cmd and p.info["ppid"] == os.getpid():
                 p.kill()
 
     killer = threading.Thread(target=kill_the_agent)

@@ -19,7 +19,7 @@ def _workers_alive(marker: str) -> list[psutil.Process]:
     alive = []
     for p in psutil.process_iter(["cmdline"]):
         cmd = " ".join(p.info["cmdline"] or [])
-        if "toolkit.runtime.worker" in cmd and marker in cmd:
+        if "toolkit.runtime." in cmd and marker in cmd:  # the agent and its ranks (forked or started afresh)
             alive.append(p)
     return alive
 

@@ -106,3 +106,23 @@ def nested(ctx, cfg):
             compare({"a": lambda: time.sleep(0.05), "b": lambda: time.sleep(0.05)}, warmup=0, steps=1, rounds=3,
                     trim=0, sync=ctx.barrier, on_round=round_done)
     return {"rank": ctx.rank}
+
+
+def ddp_steps(ctx, cfg):
+    """A few DDP + AdamW steps of a small MLP (intra-op threads as launched): every parameter's bits, and
+    whether this rank was forked from the launcher (``TOOLKIT_RANK_START``)."""
+    import multiprocessing
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(ctx.rank)
+    for _ in range(cfg.get("steps", 3)):
+        x = torch.randn(32, 64, generator=gen)  # [batch, d]
+        loss = ddp(x).square().mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    bits = [p.detach().view(torch.int32).flatten().tolist() for p in model.parameters()]
+    return {"bits": bits, "threads": torch.get_num_threads(), "forked": multiprocessing.parent_process() is not None}

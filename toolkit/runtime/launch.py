@@ -10,7 +10,8 @@
       3 check_capacity     ranks vs GPUs, cores and memory (refused far beyond the machine)
       4 validate + phases  the module's validate(cfg, world_size) and PHASES, before any process starts
       5 write spec.json ─► toolkit.runtime.launcher (accelerate launch's main) ─► torchrun's agent
-                                             ─► rank 0..3: python -m toolkit.runtime.worker spec.json
+                                             ─► rank 0..3: toolkit/runtime/worker.py spec.json, forked from the
+                                                pre-imported launcher (gloo) or a fresh interpreter (nccl)
       6 watch out_dir:                               │ cwd and sys.path of the caller, init_process_group
           progress.rank0.json  ◄──────────────────── │ fn(ctx, cfg) -> rank{r}.json       (ctx.phase, ctx.progress)
           rank{r}.error.json   ◄──────────────────── │ exception    -> rank{r}.error.json
@@ -61,6 +62,7 @@ from . import target as targets  # light: the standard library only
 
 BACKENDS = ("auto", "gloo", "nccl")  # the same names as context.BACKENDS (not imported: context imports torch)
 PROGRESS_MODES = ("auto", "widget", "plain", "none")
+START_ENV = "TOOLKIT_RANK_START"  # "fork" (default on CPU): ranks forked from a pre-imported launcher; "exec": fresh
 RANK_ENV = "TOOLKIT_LAUNCHED_RANK"  # set in every rank; launch() refuses to start ranks from inside one
 RANKS_PER_CORE = 4  # gloo ranks per CPU core accepted without oversubscribe=True
 BYTES_PER_RANK = 400 * 2**20  # a rank's resident memory before it does any work (python, torch, gloo)
@@ -149,7 +151,8 @@ def launch(lesson, world_size: int, cfg: dict | None = None, *, backend: str = "
         spec_path = write_spec(tmp, target, cfg, backend, seed, threads, timeout_s, phase_list, emulated)
         bar = Progress(title, progress, phase_list) if progress != "none" else None
         try:
-            proc, wall = run_ranks(command(spec_path, world_size, accelerate_args), child_env(threads), tmp,
+            forked = forks_ranks(backend, world_size, accelerate_args)
+            proc, wall = run_ranks(command(spec_path, world_size, accelerate_args, forked), child_env(threads, forked), tmp,
                                    world_size, timeout_s, bar, title)
             results = collect(tmp, world_size, proc.returncode, bar)
         except LaunchError as err:  # what it needs is in the message; the files stay only where asked for
@@ -177,6 +180,7 @@ def launch(lesson, world_size: int, cfg: dict | None = None, *, backend: str = "
 def check_arguments(world_size, cfg, backend, timeout_s, seed=0, threads=1, progress="auto", accelerate_args=None,
                     out_dir=None) -> None:
     """Every check that needs nothing imported: types and ranges of the launch arguments."""
+    rank_start()
     if os.environ.get(RANK_ENV):
         raise RuntimeError("launch() was called inside a rank (the script that launches was imported by the ranks). "
                            "Put the launch call under  if __name__ == '__main__':  or in a separate file")
@@ -324,7 +328,21 @@ def write_spec(tmp: Path, target, cfg: dict, backend: str, seed: int, threads: i
     return spec_path
 
 
-def command(spec_path: Path, world_size: int, accelerate_args=None) -> list[str]:
+def forks_ranks(backend: str, world_size: int, accelerate_args=None) -> bool:
+    """Whether torchrun's agent forks the ranks from the pre-imported launcher (``toolkit.runtime.launcher``)
+    rather than starting a fresh interpreter for each: on one node with gloo, unless ``TOOLKIT_RANK_START=exec``."""
+    return rank_start() == "fork" and backend == "gloo" and world_size > 1 and not accelerate_args
+
+
+def rank_start() -> str:
+    """``TOOLKIT_RANK_START``: "fork" (the default) or "exec"."""
+    mode = os.environ.get(START_ENV, "fork")
+    if mode not in ("fork", "exec"):
+        raise ValueError(f"{START_ENV} must be 'fork' or 'exec', got {mode!r}")
+    return mode
+
+
+def command(spec_path: Path, world_size: int, accelerate_args=None, forked: bool = False) -> list[str]:
     extra = list(accelerate_args or [])
     cmd = [sys.executable, "-m", "toolkit.runtime.launcher"]  # accelerate launch, without its teardown
     if "--config_file" not in extra:
@@ -336,13 +354,17 @@ def command(spec_path: Path, world_size: int, accelerate_args=None) -> list[str]
             cmd += ["--num_machines", "1"]
         if "--main_process_port" not in extra:
             cmd += ["--main_process_port", "0"]
-    return cmd + extra + ["-m", "toolkit.runtime.worker", str(spec_path)]
+    worker = [str(Path(__file__).with_name("worker.py"))] if forked else ["-m", "toolkit.runtime.worker"]
+    return cmd + extra + worker + [str(spec_path)]
 
 
-def child_env(threads: int) -> dict:
+def child_env(threads: int, forked: bool) -> dict:
     root = str(Path(__file__).resolve().parents[2])  # the toolkit's checkout, importable even if not installed
-    return dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1", **{RANK_ENV: "1"},
-                PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1", **{RANK_ENV: "1"},
+               PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+    if forked:  # torchrun's --start-method fork --run-path, which accelerate launch's parser does not pass on
+        env.update(PET_START_METHOD="fork", PET_RUN_PATH="1")
+    return env
 
 
 # ---- 6. run and watch ---------------------------------------------------------------------------------------
@@ -537,7 +559,7 @@ def root_cause(failed: list[RankEnd], torchrun_first: int | None) -> RankEnd | N
 PEER_GONE = re.compile(r"Connection closed by peer|Connection reset by peer|Broken pipe", re.IGNORECASE)
 """Messages of a collective that failed because a peer went away: a consequence, never the root cause."""
 _FAILURE = re.compile(r"rank\s*: (\d+) \(local_rank: \d+\)\s+exitcode\s*: (-?\d+) \(pid: (\d+)\)")
-_STOPPED = re.compile(r"Sending process (\d+) closing signal")
+_STOPPED = re.compile(r"(?:Sending process|Terminating process|Closing process) (\d+) (?:closing|via) signal")
 _ONE_RANK = re.compile(r"CalledProcessError: Command .* (?:died with <Signals\.\w+: (\d+)>|"
                        r"returned non-zero exit status (\d+))")
 

@@ -2,25 +2,62 @@
 
 ``python -m toolkit.runtime.launcher ARGS`` takes the arguments of ``accelerate launch ARGS`` and runs
 accelerate's own entry point (``accelerate.commands.launch.main``: its parser, then torchrun's agent, which
-starts the ranks and waits for them). The one difference is how it ends::
+starts the ranks and waits for them). Two things differ, both for time:
 
-    python -m accelerate.commands.launch   agent done ─► the interpreter's teardown (about 0.7 s) ─► exit
-    python -m toolkit.runtime.launcher     agent done ─► os._exit(0), once every rank has succeeded
+How a rank starts. On CPU (gloo) launch sets torchrun's own ``--start-method fork --run-path`` (through its
+``PET_*`` variables: accelerate's parser does not pass them on), and this process imports once what every rank
+would import before its first line of work::
 
-That teardown, of a process that imported torch, took 0.64–0.79 s from the agent's return to the launcher's
-exit on 2 cores (0.06 s without it), on every launch, after the ranks' results were on disk. A failure, an
-interrupt or a bad argument takes accelerate's own path unchanged: its traceback in ``launch.log`` and its exit
-status, which the launcher reads.
+    exec (TOOLKIT_RANK_START=exec, GPUs)       agent ─► python -m toolkit.runtime.worker ─► import torch, dynamo,
+                                                        toolkit (3.6–3.9 CPU-s a rank) ─► fn(ctx, cfg)
+    fork (CPU, the default)                    import torch, dynamo, toolkit once ─► agent ─► fork ─► fn(ctx, cfg)
+
+A forked rank is still its own process with its own gloo process group; it inherits imported modules, not
+state (the worker resets the agent's signal handlers, ``init_context`` seeds every generator). GPUs keep the
+fresh interpreter: a forked child cannot use CUDA once its parent has touched it.
+
+How it ends. Once every rank has succeeded it leaves with ``os._exit(0)``: the interpreter's teardown of a
+process that imported torch took 0.64–0.79 s on 2 cores, after the ranks' results were on disk. A failure, an
+interrupt or a bad argument takes accelerate's own path: its traceback in ``launch.log`` and its exit status,
+which launch reads. With forked ranks torchrun's report names only the first failure it saw, so this process
+first adds every failed rank's exit status in the report's own lines (``report_forked_ranks``).
 """
 from __future__ import annotations
 
 import os
 import sys
 
+FORKED = os.environ.get("PET_START_METHOD") == "fork" and os.environ.get("PET_RUN_PATH") == "1"
+
+
+def report_forked_ranks() -> None:
+    """Each forked rank that failed, as torchrun's report writes one (``rank : 1 (local_rank: 1)`` then
+    ``exitcode : -9 (pid: 123)``): its ProcessContext (``torch.multiprocessing``) is still reachable from the
+    failure's traceback. One node: the local rank is the rank."""
+    import gc
+
+    from torch.multiprocessing import ProcessContext
+    for context in (obj for obj in gc.get_objects() if isinstance(obj, ProcessContext)):
+        for local_rank, proc in enumerate(context.processes):
+            if proc.exitcode:
+                print(f"  rank      : {local_rank} (local_rank: {local_rank})\n"
+                      f"  exitcode  : {proc.exitcode} (pid: {proc.pid})", file=sys.stderr, flush=True)
+
+
 if __name__ == "__main__":
+    if FORKED:
+        import torch._dynamo  # noqa: F401 - torch.optim, DDP and dispatch modes import it on first use
+
+        import toolkit.runtime.context  # noqa: F401
+        import toolkit.runtime.target  # noqa: F401
     from accelerate.commands.launch import main
 
-    main()
+    try:
+        main()
+    except BaseException:
+        if FORKED:
+            report_forked_ranks()
+        raise
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

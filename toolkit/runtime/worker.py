@@ -1,4 +1,5 @@
-"""Entry point of every rank: ``python -m toolkit.runtime.worker SPEC_JSON``.
+"""Entry point of every rank: ``python -m toolkit.runtime.worker SPEC_JSON`` in a fresh interpreter, or this
+file run by torchrun (``--run-path``) in a rank forked from the pre-imported launcher (``toolkit.runtime.launcher``).
 
 Reads the launch spec written by :func:`toolkit.runtime.launch.launch`, takes the caller's working
 directory and ``sys.path``, loads the target (an imported function or shipped source, see
@@ -24,6 +25,7 @@ import ctypes
 import errno
 import faulthandler
 import json
+import multiprocessing
 import os
 import signal
 import socket
@@ -137,8 +139,19 @@ def watch_caller(caller: dict, rank: int) -> None:
     threading.Thread(target=watch, name="toolkit-caller-watch", daemon=True).start()
 
 
+def fresh_signal_handlers() -> None:
+    """A rank forked from torchrun's agent inherits the agent's Python signal handlers (its SIGTERM handler
+    raises an exception in whatever the rank runs); give it a fresh interpreter's: SIGINT raises
+    KeyboardInterrupt, every other signal does what the system does."""
+    for sig in signal.valid_signals():
+        if callable(signal.getsignal(sig)):
+            signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
+
+
 def main(spec_path: str) -> int:
     die_with_parent()
+    if multiprocessing.parent_process() is not None:
+        fresh_signal_handlers()
     spec = json.loads(Path(spec_path).read_text())
     out = Path(spec["out_dir"])
     rank = int(os.environ.get("RANK", 0))
@@ -178,6 +191,10 @@ if __name__ == "__main__":
     code = main(sys.argv[1])
     sys.stdout.flush()
     sys.stderr.flush()
+    if multiprocessing.parent_process() is not None:
+        # forked by torchrun's agent (launch's pre-imported start): the agent waits for this function's return,
+        # and multiprocessing then leaves with os._exit itself
+        sys.exit(code)
     # The result is on disk and the process group is gone: skip the interpreter's teardown, where a native
     # thread still joinable at static destruction can abort the rank ("terminate called without an active
     # exception", SIGABRT) after it has finished its work, which would fail a launch that succeeded.
