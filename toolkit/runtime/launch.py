@@ -152,8 +152,8 @@ def launch(lesson, world_size: int, cfg: dict | None = None, *, backend: str = "
         bar = Progress(title, progress, phase_list) if progress != "none" else None
         try:
             forked = forks_ranks(backend, world_size, accelerate_args)
-            proc, wall = run_ranks(command(spec_path, world_size, accelerate_args, forked), child_env(threads, forked), tmp,
-                                   world_size, timeout_s, bar, title)
+            proc, wall = run_ranks(command(spec_path, world_size, accelerate_args, forked),
+                                   child_env(threads, forked), tmp, world_size, timeout_s, bar, title)
             results = collect(tmp, world_size, proc.returncode, bar)
         except LaunchError as err:  # what it needs is in the message; the files stay only where asked for
             if keep:

@@ -8,9 +8,9 @@ How a rank starts. On CPU (gloo) launch sets torchrun's own ``--start-method for
 ``PET_*`` variables: accelerate's parser does not pass them on), and this process imports once what every rank
 would import before its first line of work::
 
-    exec (TOOLKIT_RANK_START=exec, GPUs)       agent ─► python -m toolkit.runtime.worker ─► import torch, dynamo,
-                                                        toolkit (3.6–3.9 CPU-s a rank) ─► fn(ctx, cfg)
-    fork (CPU, the default)                    import torch, dynamo, toolkit once ─► agent ─► fork ─► fn(ctx, cfg)
+    exec (TOOLKIT_RANK_START=exec, GPUs)   agent ─► python -m toolkit.runtime.worker ─► import torch, dynamo,
+                                                    toolkit (3.6–3.9 CPU-s a rank) ─► fn(ctx, cfg)
+    fork (CPU, the default)                import torch, dynamo, toolkit once ─► agent ─► fork ─► fn(ctx, cfg)
 
 A forked rank is still its own process with its own gloo process group; it inherits imported modules, not
 state (the worker resets the agent's signal handlers, ``init_context`` seeds every generator). GPUs keep the
