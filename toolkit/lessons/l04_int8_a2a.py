@@ -45,7 +45,7 @@ PRESETS = {  # sizes: a "model" preset of toolkit.models with these fields overr
     "smoke": dict(model="smoke", d_model=128, d_ff=256, n_head=2, n_layer=2, seq_len=32, n_expert=4, top_k=2,
                   steps=20, batch=4, lr=3e-3, wire_tokens=256, **_SHARED),
     "default": dict(model="default", d_model=256, d_ff=512, n_head=4, n_layer=2, seq_len=64, n_expert=8, top_k=2,
-                    steps=40, batch=8, lr=2e-3, wire_tokens=1024, **_SHARED),  # 2 ranks x 8 sequences a step
+                    steps=24, batch=8, lr=2e-3, wire_tokens=1024, **_SHARED),  # 2 ranks x 8 sequences a step
     "full": dict(model="full", d_model=768, d_ff=3072, n_head=12, n_layer=12, seq_len=1024, n_expert=16, top_k=2,
                  steps=1000, batch=8, lr=6e-4, wire_tokens=8192, **_SHARED),
 }

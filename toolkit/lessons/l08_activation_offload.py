@@ -52,7 +52,7 @@ PRESETS = {
     "smoke": {"model": "smoke", "n_layer": 4, "seq_len": 32, "m": 4, "micro_batch": 2, "policies": DEFAULT_POLICIES,
               "prefetch": True, "skip_within": 1, "warmup": 1, "bench_steps": 1, "rounds": 3,
               "stands_for": "llama2-7b"},
-    "default": {"model": "default", "n_layer": 4, "seq_len": 128, "m": 8, "micro_batch": 4,
+    "default": {"model": "default", "n_layer": 4, "seq_len": 128, "m": 8, "micro_batch": 2,
                 "policies": DEFAULT_POLICIES, "prefetch": True, "skip_within": 1, "warmup": 1, "bench_steps": 2,
                 "rounds": 3, "stands_for": "llama2-7b"},
     "full": {"model": "full", "n_layer": 12, "seq_len": 1024, "m": 16, "micro_batch": 4, "policies": DEFAULT_POLICIES,

@@ -48,7 +48,7 @@ PRESETS = {  # "model" names a toolkit.models preset, n_layer / seq_len override
                   train_block=32, **_SWEEPS),
     "default": dict(model="default", n_layer=2, seq_len=64, rows=128, channels=4096, outliers=8,
                     outlier_scale=50.0, gemm=[256, 4096, 1024], capture_steps=60, kappa_blocks=4096,
-                    steps=80, batch=16, lr=2e-3, train_block=128, **_SWEEPS),
+                    steps=48, batch=16, lr=2e-3, train_block=128, **_SWEEPS),
     "full": dict(model="default", n_layer=4, seq_len=128, rows=1024, channels=4096, outliers=8, outlier_scale=50.0,
                  gemm=[256, 4096, 4096], capture_steps=300, kappa_blocks=32768, steps=1000, batch=32, lr=1e-3,
                  train_block=128, **_SWEEPS),
