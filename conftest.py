@@ -13,20 +13,42 @@
   worker and notebook kernel inherits it), so a test module's fixture and a notebook that launch the same lesson
   (or the same emulator check) with the same resolved configuration share one real launch
   (``toolkit.runtime.launch.session_cache``).
+- One launcher imported once for the session (``toolkit.runtime.launch_server``), started by the session's first
+  process; every launch whose environment matches forks it (tests that change the environment start their own).
+  The session's last line says how many it served.
 """
+import contextlib
 import os
 import shutil
 import tempfile
+
+import pytest
 
 os.environ.setdefault("TOOLKIT_PRESET", "smoke")
 os.environ.setdefault("TOOLKIT_PLAIN_PROGRESS", "1")
 os.environ.setdefault("TRITON_INTERPRET", "1")
 _OWN_CACHE = None
+_SERVER_KEY = pytest.StashKey()
 if "TOOLKIT_LAUNCH_CACHE" not in os.environ:  # the session's first process (xdist's controller) makes it
     _OWN_CACHE = os.environ["TOOLKIT_LAUNCH_CACHE"] = tempfile.mkdtemp(prefix="toolkit-launch-cache-")
 
 
+_SERVER = contextlib.ExitStack()
+
+
+def pytest_configure(config):
+    if _OWN_CACHE:  # before xdist starts its workers: they inherit TOOLKIT_LAUNCH_SERVER
+        from toolkit.runtime.launch import serving
+        config.stash[_SERVER_KEY] = _SERVER.enter_context(serving())
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    if _SERVER_KEY in config.stash:
+        terminalreporter.write_line(f"launch server: {config.stash[_SERVER_KEY].summary()}")
+
+
 def pytest_unconfigure(config):
+    _SERVER.close()
     if _OWN_CACHE:
         shutil.rmtree(_OWN_CACHE, ignore_errors=True)
 

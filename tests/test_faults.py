@@ -23,11 +23,19 @@ import psutil
 import pytest
 
 from toolkit import LaunchError, launch
+from toolkit.runtime.launch_server import SERVER_ENV
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
 TIMEOUT_S = 30  # a failing launch ends long before; a loaded 2-core machine needs the margin to start 2 ranks
 LEFT_WAIT_S = 5.0  # the launch's promise: nothing is left this long after the caller dies, or after its deadline
+
+
+@pytest.fixture(autouse=True)
+def _fresh_launcher(monkeypatch):
+    """Every launch here starts its own launcher: these cases find a launch's processes by their command line,
+    which carries its out_dir; a served launcher's is the server's (tests/test_launch_server.py has its faults)."""
+    monkeypatch.delenv(SERVER_ENV, raising=False)
 
 
 def launch_processes(out_dir: Path) -> list[str]:

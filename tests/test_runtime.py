@@ -11,8 +11,16 @@ import pytest
 
 from toolkit.runtime import LaunchError, LaunchTimeout, ProcessGrid, compat, launch, validate_grid
 from toolkit.runtime.bench import comm_efficiency_ratio, measure, memory_volatility
+from toolkit.runtime.launch_server import SERVER_ENV
 
 LESSON = "toolkit.lessons.selftest"
+
+
+@pytest.fixture
+def fresh_launcher(monkeypatch):
+    """The launch starts its own launcher: ``_workers_alive`` finds a launch's processes by their command line,
+    which carries its out_dir; a served launcher's is the server's (tests/test_launch_server.py has its faults)."""
+    monkeypatch.delenv(SERVER_ENV, raising=False)
 
 
 def _workers_alive(marker: str) -> list[psutil.Process]:
@@ -31,6 +39,7 @@ def test_launch_returns_every_rank():
     assert res.wall_s > 0
 
 
+@pytest.mark.usefixtures("fresh_launcher")
 def test_failing_rank_is_named_with_its_traceback(tmp_path):
     with pytest.raises(LaunchError) as info:
         launch(f"{LESSON}:fail", 2, {"bad_rank": 1}, timeout_s=120, progress="none", out_dir=tmp_path)
@@ -44,6 +53,7 @@ def test_failing_rank_is_named_with_its_traceback(tmp_path):
     assert not _workers_alive(str(tmp_path))
 
 
+@pytest.mark.usefixtures("fresh_launcher")
 def test_hanging_rank_times_out_with_its_stack_and_no_orphans(tmp_path):
     start = time.monotonic()
     with pytest.raises(LaunchTimeout) as info:

@@ -10,12 +10,15 @@ out/results.html + out/results.json (the course results page: each lesson's head
 source's claim, collected from the executed notebooks' ``toolkit.report.headline`` outputs) and out/machine.json
 (``toolkit.runtime.machine.fingerprint()``: the CPU, its bf16 and AVX-512 instructions, torch's kernels, which the
 summary, the index and the results page show beside the times).
+On CPU the notebooks' launches are forked from one launcher imported once (``toolkit.runtime.launch_server``):
+a fresh one spends 4–5 s on imports per launch; the last lines say how many launches it served.
 Exits non-zero if any notebook failed; the others still run. A ``-p`` name one of the notebooks does not declare
 stops it before any notebook runs (exit status 2), naming the notebook's parameters.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -49,6 +52,26 @@ def slowest_cells(executed: Path, n: int = 3) -> list[dict]:
     return sorted(rows, key=lambda r: -r["seconds"])[:n]
 
 
+def run_notebooks(notebooks: list[Path], out: Path, params: dict, preset: str, rows: list, nb_tool) -> None:
+    """Execute each notebook into ``out/notebooks``, appending its row (status, seconds, slowest cells) to ``rows``."""
+    for i, nb in enumerate(notebooks, 1):
+        print(f"[{i}/{len(notebooks)}] {nb.stem} (preset={preset})", flush=True)
+        target = out / "notebooks" / nb.name
+        start, status, error = time.monotonic(), "ok", ""
+        try:
+            nb_tool.execute(nb, target, params, kernel_name="python3")
+        except Exception as exc:  # noqa: BLE001 - report and go on with the other lessons
+            status, error = "failed", str(exc).strip().splitlines()[-1][:300] if str(exc).strip() else repr(exc)
+        seconds = time.monotonic() - start
+        longest = slowest_cells(target)
+        print(f"    {status} in {seconds:.1f} s {error}", flush=True)
+        if longest:
+            print("    longest cells: " + "; ".join(f"{c['seconds']:.1f} s cell {c['cell']} ({c['code'][:40]})"
+                                                   for c in longest), flush=True)
+        rows.append({"name": nb.stem, "status": status, "seconds": round(seconds, 2), "preset": preset,
+                     "error": error, "slowest_cells": longest})
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="default", choices=["smoke", "default", "full"])
@@ -62,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     import book
     import nb as nb_tool
 
+    from toolkit.runtime.launch import serving
     from toolkit.runtime.machine import describe, fingerprint
 
     params = {"preset": args.preset, "backend": args.backend}
@@ -90,22 +114,16 @@ def main(argv: list[str] | None = None) -> int:
     (out / "machine.json").write_text(json.dumps(machine, indent=1))
     print(f"machine: {describe(machine)}", flush=True)
     rows = []
-    for i, nb in enumerate(notebooks, 1):
-        print(f"[{i}/{len(notebooks)}] {nb.stem} (preset={args.preset})", flush=True)
-        target = out / "notebooks" / nb.name
-        start, status, error = time.monotonic(), "ok", ""
-        try:
-            nb_tool.execute(nb, target, params, kernel_name="python3")
-        except Exception as exc:  # noqa: BLE001 - report and go on with the other lessons
-            status, error = "failed", str(exc).strip().splitlines()[-1][:300] if str(exc).strip() else repr(exc)
-        seconds = time.monotonic() - start
-        longest = slowest_cells(target)
-        print(f"    {status} in {seconds:.1f} s {error}", flush=True)
-        if longest:
-            print("    longest cells: " + "; ".join(f"{c['seconds']:.1f} s cell {c['cell']} ({c['code'][:40]})"
-                                                   for c in longest), flush=True)
-        rows.append({"name": nb.stem, "status": status, "seconds": round(seconds, 2), "preset": args.preset,
-                     "error": error, "slowest_cells": longest})
+    with contextlib.ExitStack() as stack:
+        server = None
+        if args.backend != "nccl":  # one launcher, imported once, forked for every CPU launch of the batch
+            started = time.monotonic()
+            server = stack.enter_context(serving())
+            print(f"launch server: {'ready' if server.ready else 'not started'} in "
+                  f"{time.monotonic() - started:.1f} s", flush=True)
+        run_notebooks(notebooks, out, params, args.preset, rows, nb_tool)
+        if server:
+            print(f"launch server: {server.summary()}", flush=True)
     ran, done = list(rows), {r["name"] for r in rows}  # --only: keep the other notebooks' last results
     old = json.loads((out / "summary.json").read_text()) if (out / "summary.json").exists() else []
     rows = sorted(rows + [r for r in old if r.get("name") not in done and (out / "notebooks" / f"{r['name']}.ipynb")

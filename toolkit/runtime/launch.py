@@ -37,6 +37,7 @@ phase.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import hashlib
 import json
@@ -58,6 +59,7 @@ try:
 except ImportError:  # pragma: no cover - Windows: identical launches may then run twice
     fcntl = None
 
+from . import launch_server  # light: the standard library only
 from . import target as targets  # light: the standard library only
 
 BACKENDS = ("auto", "gloo", "nccl")  # the same names as context.BACKENDS (not imported: context imports torch)
@@ -373,7 +375,7 @@ def run_ranks(cmd: list[str], env: dict, tmp: Path, world_size: int, timeout_s: 
     log_path = tmp / "launch.log"
     start = time.monotonic()
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        proc = start_launcher(cmd, env, log, log_path)
         try:
             while proc.poll() is None:
                 if time.monotonic() - start > timeout_s:
@@ -397,6 +399,17 @@ def run_ranks(cmd: list[str], env: dict, tmp: Path, world_size: int, timeout_s: 
             f"{_unfinished(tmp, world_size)}); all processes killed.\n" + stacks,
             rank=None, traceback=stacks, log=_tail(log_path))
     return proc, wall
+
+
+def start_launcher(cmd: list[str], env: dict, log, log_path: Path):
+    """The launcher, forked by the batch's launch server when one serves this launch (``toolkit.runtime.
+    launch_server``: its imports done once), else a fresh interpreter in a session of its own."""
+    server = os.environ.get(launch_server.SERVER_ENV)
+    if server and env.get("PET_START_METHOD") == "fork":
+        served = launch_server.request(server, cmd[3:], env, log_path)  # cmd: python -m toolkit.runtime.launcher
+        if served is not None:
+            return served
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
 
 def kill_tree(pid: int, grace_s: float = 3.0) -> None:
@@ -751,7 +764,7 @@ class Progress:
         self.last_line = time.monotonic()
 
 
-# ---- 8. the test suite's launch cache ----------------------------------------------------------------------------
+# ---- 8. the test suite's launch cache -----------------------------------------------------------------------
 CACHE_ENV = "TOOLKIT_LAUNCH_CACHE"
 """A folder (the test suite sets one per session, ``conftest.py``): a launch of one of ``CACHED_PROGRAMS``
 identical to one already run there returns that run's results instead of starting its processes again, so a
@@ -820,3 +833,64 @@ def session_cache(target, cfg: dict, world_size: int, backend: str, seed: int, t
         if fcntl is not None:
             fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
         yield _SessionCache(path)
+
+
+# ---- 9. a batch's launch server -----------------------------------------------------------------------------
+SERVER_READY_S = 120.0  # a launch server's imports on a loaded 2-core machine
+
+
+@dataclass
+class LaunchServer:
+    """A running launch server: its socket, its process and its log (a line per launch served or declined)."""
+    path: str
+    pid: int
+    log: Path
+    ready: bool
+
+    def summary(self) -> str:
+        """How many launches it served and declined so far, and why it declined them."""
+        lines = self.log.read_text().splitlines()
+        served = sum(line.startswith("served") for line in lines)
+        declined = [line.removeprefix("declined: ") for line in lines if line.startswith("declined")]
+        why = "".join(f"; {n} as {reason}" for reason, n in collections.Counter(declined).items())
+        return f"{served} launches served, {len(declined)} declined (they started their own launcher){why}"
+
+
+@contextlib.contextmanager
+def serving(threads: int = 1):
+    """Run a launch server (``toolkit.runtime.launch_server``) for the launches of this process and its children
+    (``TOOLKIT_LAUNCH_SERVER``), then stop it.
+
+    ``threads``: the intra-op threads of the launches it will serve (``launch(..., threads=)``); launches with
+    another count, or from a process whose environment differs, start a fresh launcher as without a server.
+    Yields a :class:`LaunchServer` (``ready`` False: it did not start, and every launch starts its own launcher)."""
+    folder = Path(tempfile.mkdtemp(prefix="toolkit-launch-server-"))
+    path, log_path = str(folder / "socket"), folder / "server.log"
+    previous = os.environ.get(launch_server.SERVER_ENV)
+    os.environ[launch_server.SERVER_ENV] = path
+    env = child_env(threads, forked=True)
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "toolkit.runtime.launch_server", path, str(os.getpid())],
+                                stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        end = time.monotonic() + SERVER_READY_S
+        while "ready" not in log_path.read_text() and proc.poll() is None and time.monotonic() < end:
+            time.sleep(0.05)
+        ready = proc.poll() is None and "ready" in log_path.read_text()
+        if not ready:
+            os.environ.pop(launch_server.SERVER_ENV)
+            print(f"launch server did not start; launches start their own launcher:\n{log_path.read_text()}",
+                  file=sys.stderr)
+        yield LaunchServer(path, proc.pid, log_path, ready)
+    finally:
+        if previous is None:
+            os.environ.pop(launch_server.SERVER_ENV, None)
+        else:
+            os.environ[launch_server.SERVER_ENV] = previous
+        proc.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=10)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        shutil.rmtree(folder, ignore_errors=True)

@@ -14,7 +14,9 @@ would import before its first line of work::
 
 A forked rank is still its own process with its own gloo process group; it inherits imported modules, not
 state (the worker resets the agent's signal handlers, ``init_context`` seeds every generator). GPUs keep the
-fresh interpreter: a forked child cannot use CUDA once its parent has touched it.
+fresh interpreter: a forked child cannot use CUDA once its parent has touched it. In a batch (``make run``, the
+test session) this process is itself forked from a launch server that did these imports once
+(``toolkit.runtime.launch_server``), and ``main`` runs there with the caller's argv.
 
 How it ends. Once every rank has succeeded it leaves with ``os._exit(0)``: the interpreter's teardown of a
 process that imported torch took 0.64–0.79 s on 2 cores, after the ranks' results were on disk. A failure, an
@@ -44,16 +46,24 @@ def report_forked_ranks() -> None:
                       f"  exitcode  : {proc.exitcode} (pid: {proc.pid})", file=sys.stderr, flush=True)
 
 
-if __name__ == "__main__":
-    if FORKED:
-        import torch._dynamo  # noqa: F401 - torch.optim, DDP and dispatch modes import it on first use
+def preload() -> None:
+    """Import what every forked rank would import before its first line of work, and torchrun's agent."""
+    import accelerate.commands.launch  # noqa: F401
+    import torch._dynamo  # noqa: F401 - torch.optim, DDP and dispatch modes import it on first use
+    import torch.distributed.run  # noqa: F401
 
-        import toolkit.runtime.context  # noqa: F401
-        import toolkit.runtime.target  # noqa: F401
-    from accelerate.commands.launch import main
+    import toolkit.runtime.context  # noqa: F401
+    import toolkit.runtime.target  # noqa: F401
+
+
+def main() -> None:
+    """accelerate launch with ``sys.argv[1:]``; leaves with ``os._exit(0)`` once every rank has succeeded."""
+    if FORKED:
+        preload()
+    from accelerate.commands.launch import main as accelerate_launch
 
     try:
-        main()
+        accelerate_launch()
     except BaseException:
         if FORKED:
             report_forked_ranks()
@@ -61,3 +71,7 @@ if __name__ == "__main__":
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
