@@ -1,12 +1,17 @@
 """The launch server (``toolkit.runtime.launch_server``): launches forked from one pre-imported launcher compute
-what a fresh launcher's compute, report a failure and a hang as a fresh one does, leave nothing behind, and are
-declined (the caller starts its own launcher) when the caller's environment is not the one the server imported
-under. Each test runs its own server; the processes of a served launch are the server's descendants."""
+what a fresh launcher's compute, report a failure and a hang as a fresh one does, leave nothing behind (also when
+their caller is killed), and are declined (the caller starts its own launcher) when the caller's environment is
+not the one the server imported under; a notebook's kernel forked from a kernel server runs as a fresh one. Each
+test runs its own server; the processes a server forked are its descendants."""
 from __future__ import annotations
 
+import importlib.util
 import os
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -39,7 +44,7 @@ def server():
 
 def test_a_served_launch_computes_the_bits_of_a_fresh_launcher(server, tmp_path, monkeypatch):
     served = launch("toolkit.lessons.selftest:ddp_steps", 2, {}, threads=2, progress="none")
-    assert server.summary().startswith("1 launches served, 0 declined"), server.log.read_text()
+    assert server.summary().startswith("1 served, 0 declined"), server.log.read_text()
     monkeypatch.delenv(SERVER_ENV)
     fresh = launch("toolkit.lessons.selftest:ddp_steps", 2, {}, threads=2, progress="none")
     assert [r["forked"] for r in served] == [True, True] and [r["threads"] for r in served] == [2, 2]
@@ -52,7 +57,7 @@ def test_a_served_launch_names_a_killed_rank_and_leaves_nothing(server, tmp_path
         launch("fault_targets:killed", 2, {}, threads=2, timeout_s=TIMEOUT_S, progress="none",
                out_dir=tmp_path / "out")
     assert info.value.rank == 1 and str(info.value).startswith("rank 1 of 2 was killed by SIGKILL (signal 9)")
-    assert server.summary().startswith("1 launches served"), server.log.read_text()
+    assert server.summary().startswith("1 served"), server.log.read_text()
     assert not descendants_after(server)
 
 
@@ -89,21 +94,74 @@ def test_another_environment_is_declined_and_launches_afresh(server, monkeypatch
     monkeypatch.setenv("TOOLKIT_SOME_SETTING", "1")
     res = launch("toolkit.lessons.selftest", 2, {}, threads=2, progress="none")
     assert [r["sum"] for r in res] == [3.0, 3.0]
-    assert server.summary() == ("0 launches served, 1 declined (they started their own launcher); 1 as the "
+    assert server.summary() == ("0 served, 1 declined (started afresh); 1 as the "
                                 "environment differs in TOOLKIT_SOME_SETTING"), server.log.read_text()
 
 
-def test_what_a_kernel_sets_does_not_count_and_changed_sources_do():
+def test_what_a_kernel_sets_does_not_count_and_another_interpreter_or_changed_sources_do():
     env = {"PATH": "/bin", "OMP_NUM_THREADS": "1"}
     kernel = dict(env, JPY_PARENT_PID="1", MPLBACKEND="inline", PYTEST_CURRENT_TEST="x", PLOTLY_RENDERER="json")
-    assert mismatch(kernel, env, "a", "a") == ""
-    assert mismatch(dict(env, OMP_NUM_THREADS="2"), env, "a", "a") == "the environment differs in OMP_NUM_THREADS"
-    assert mismatch(env, env, "b", "a") == "the interpreter or the toolkit's sources changed"
+
+    def req(env, interpreter=None, sources="a"):
+        return {"env": env, "interpreter": interpreter or launch_server.interpreter(), "sources": sources}
+
+    assert mismatch(req(kernel), env, "a") == ""
+    assert mismatch(req(dict(env, OMP_NUM_THREADS="2")), env, "a") == "the environment differs in OMP_NUM_THREADS"
+    assert mismatch(req(env, sources="b"), env, "a") == "the toolkit's sources changed"
+    assert mismatch(req(env, ["/usr/bin/python3", "-X", "dev"]), env, "a") == (
+        "another interpreter or its options (/usr/bin/python3 -X dev)")
     assert launch_server.sources() == launch_server.sources()
 
 
 def test_no_server_at_the_path_starts_a_fresh_launcher(monkeypatch, tmp_path):
     monkeypatch.setenv(SERVER_ENV, str(tmp_path / "nobody-listens"))
-    assert launch_server.request(str(tmp_path / "nobody-listens"), [], {}, tmp_path / "log") is None
+    cmd = [sys.executable, "-m", "toolkit.runtime.launcher"]
+    assert launch_server.request(str(tmp_path / "nobody-listens"), cmd, {}, tmp_path / "log") is None
     res = launch("toolkit.lessons.selftest", 2, {}, progress="none")
     assert [r["sum"] for r in res] == [3.0, 3.0]
+
+
+def test_the_caller_killed_ends_its_served_launch(server, tmp_path):
+    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})\n"
+            "from toolkit import launch\n"
+            f"launch('fault_targets:hangs', 2, {{}}, threads=2, timeout_s=120, progress='none', "
+            f"out_dir={str(tmp_path / 'out')!r})\n")
+    caller = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    end = time.monotonic() + 60
+    while not all((tmp_path / "out" / f"hanging{r}").exists() for r in (0, 1)):
+        assert caller.poll() is None and time.monotonic() < end, caller.communicate()
+        time.sleep(0.1)
+    assert server.summary().startswith("1 served"), server.log.read_text()
+    caller.kill()  # a killed papermill job: its end of the connection closes
+    caller.communicate()
+    assert not descendants_after(server)
+
+
+def test_a_notebook_runs_in_a_served_kernel_as_in_a_fresh_one(tmp_path, monkeypatch):
+    """The kernel server (``tools/run_all.py``'s): the cell sees the notebook's folder, the caller's environment and
+    torch's thread count of a fresh kernel; the kernel's interpreter and options are the kernelspec's."""
+    import nbformat
+    from jupyter_client.kernelspec import KernelSpecManager
+
+    spec = importlib.util.spec_from_file_location("nb_tool", Path(__file__).resolve().parents[1] / "tools" / "nb.py")
+    nb_tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(nb_tool)
+    notebook = tmp_path / "probe.ipynb"
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell("import os, torch\n"
+                                          "print(os.getcwd(), os.environ['PROBE'], torch.get_num_threads())")]
+    nbformat.write(nb, notebook)
+    monkeypatch.setenv("PROBE", "seen")
+
+    def printed(out) -> str:
+        return nbformat.read(out, as_version=4).cells[0].outputs[0]["text"]
+
+    argv = KernelSpecManager().get_kernel_spec("python3").argv
+    with serving(role="kernel", interpreter=argv[:argv.index("-m")]) as kernels:
+        assert kernels.ready, kernels.log.read_text()
+        nb_tool.execute(notebook, tmp_path / "served.ipynb", kernel_name="python3")
+        assert kernels.summary() == "1 served, 0 declined (started afresh)", kernels.log.read_text()
+        assert not descendants_after(kernels)
+    nb_tool.execute(notebook, tmp_path / "fresh.ipynb", kernel_name="python3")
+    assert printed(tmp_path / "served.ipynb") == printed(tmp_path / "fresh.ipynb")
+    assert printed(tmp_path / "served.ipynb").startswith(f"{tmp_path} seen ")

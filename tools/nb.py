@@ -98,12 +98,19 @@ def execute(notebook: str | Path, output: str | Path, params: dict | None = None
     ``output`` is written once, when the run ends: complete, or up to the cell that failed with its traceback
     (papermill's default rewrites the whole notebook before and after every cell, which took 21 s of the
     course on 2 cores: 0.2 s a write once lesson 03's schedule figures are in it). A run that ends without a
-    notebook (the kernel died, a cell timed out) leaves no ``output``, never an older run's."""
+    notebook (the kernel died, a cell timed out) leaves no ``output``, never an older run's. The kernel is
+    stopped without its interpreter's teardown once the last cell has run (``shutdown_kernel="immediate"``)."""
     import papermill as pm
+
+    from toolkit.runtime import launch_server
     check_parameters(notebook, params or {})
     kwargs.setdefault("cwd", str(Path(notebook).parent))
     kwargs.setdefault("progress_bar", False)
     kwargs.setdefault("request_save_on_cell_execute", False)
+    if os.environ.get(launch_server.KERNEL_SERVER_ENV):  # a batch's kernel server (tools/run_all.py)
+        kwargs.setdefault("kernel_manager_class", launch_server.kernel_manager_class())
+    kwargs.setdefault("shutdown_kernel", "immediate")  # killed once its last cell has run: the teardown of an
+    # interpreter that imported torch took 0.5 s a notebook, and nothing in a lesson's kernel is left to end
     Path(output).unlink(missing_ok=True)
     return pm.execute_notebook(str(notebook), str(output), parameters=params or {}, **kwargs)
 

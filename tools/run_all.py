@@ -10,8 +10,9 @@ out/results.html + out/results.json (the course results page: each lesson's head
 source's claim, collected from the executed notebooks' ``toolkit.report.headline`` outputs) and out/machine.json
 (``toolkit.runtime.machine.fingerprint()``: the CPU, its bf16 and AVX-512 instructions, torch's kernels, which the
 summary, the index and the results page show beside the times).
-On CPU the notebooks' launches are forked from one launcher imported once (``toolkit.runtime.launch_server``):
-a fresh one spends 4–5 s on imports per launch; the last lines say how many launches it served.
+On CPU the notebooks' kernels and their launches are forked from a kernel and a launcher imported once
+(``toolkit.runtime.launch_server``): a fresh launcher spends 4–5 s on imports per launch, a fresh kernel 1.4 s
+importing torch; the last lines say how many each server served.
 Exits non-zero if any notebook failed; the others still run. A ``-p`` name one of the notebooks does not declare
 stops it before any notebook runs (exit status 2), naming the notebook's parameters.
 """
@@ -26,6 +27,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+KERNEL = "python3"
 
 
 def _value(text: str):
@@ -59,7 +61,7 @@ def run_notebooks(notebooks: list[Path], out: Path, params: dict, preset: str, r
         target = out / "notebooks" / nb.name
         start, status, error = time.monotonic(), "ok", ""
         try:
-            nb_tool.execute(nb, target, params, kernel_name="python3")
+            nb_tool.execute(nb, target, params, kernel_name=KERNEL)
         except Exception as exc:  # noqa: BLE001 - report and go on with the other lessons
             status, error = "failed", str(exc).strip().splitlines()[-1][:300] if str(exc).strip() else repr(exc)
         seconds = time.monotonic() - start
@@ -115,15 +117,18 @@ def main(argv: list[str] | None = None) -> int:
     print(f"machine: {describe(machine)}", flush=True)
     rows = []
     with contextlib.ExitStack() as stack:
-        server = None
-        if args.backend != "nccl":  # one launcher, imported once, forked for every CPU launch of the batch
+        servers = {}
+        if args.backend != "nccl":  # a launcher and a kernel imported once, forked for each launch and notebook
             started = time.monotonic()
-            server = stack.enter_context(serving())
-            print(f"launch server: {'ready' if server.ready else 'not started'} in "
-                  f"{time.monotonic() - started:.1f} s", flush=True)
+            from jupyter_client.kernelspec import KernelSpecManager
+            argv = KernelSpecManager().get_kernel_spec(KERNEL).argv  # the kernel's interpreter and its options
+            servers = {"launcher": stack.enter_context(serving()),
+                       "kernel": stack.enter_context(serving(role="kernel", interpreter=argv[:argv.index("-m")]))}
+            print(f"launch and kernel servers: {'ready' if all(s.ready for s in servers.values()) else 'not started'} "
+                  f"in {time.monotonic() - started:.1f} s", flush=True)
         run_notebooks(notebooks, out, params, args.preset, rows, nb_tool)
-        if server:
-            print(f"launch server: {server.summary()}", flush=True)
+        for role, server in servers.items():
+            print(f"{role} server: {server.summary()}", flush=True)
     ran, done = list(rows), {r["name"] for r in rows}  # --only: keep the other notebooks' last results
     old = json.loads((out / "summary.json").read_text()) if (out / "summary.json").exists() else []
     rows = sorted(rows + [r for r in old if r.get("name") not in done and (out / "notebooks" / f"{r['name']}.ipynb")

@@ -406,7 +406,7 @@ def start_launcher(cmd: list[str], env: dict, log, log_path: Path):
     launch_server``: its imports done once), else a fresh interpreter in a session of its own."""
     server = os.environ.get(launch_server.SERVER_ENV)
     if server and env.get("PET_START_METHOD") == "fork":
-        served = launch_server.request(server, cmd[3:], env, log_path)  # cmd: python -m toolkit.runtime.launcher
+        served = launch_server.request(server, cmd, env, log_path)
         if served is not None:
             return served
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -841,7 +841,8 @@ SERVER_READY_S = 120.0  # a launch server's imports on a loaded 2-core machine
 
 @dataclass
 class LaunchServer:
-    """A running launch server: its socket, its process and its log (a line per launch served or declined)."""
+    """A running launch (or kernel) server: its socket, its process and its log (a line per request served or
+    declined)."""
     path: str
     pid: int
     log: Path
@@ -853,24 +854,31 @@ class LaunchServer:
         served = sum(line.startswith("served") for line in lines)
         declined = [line.removeprefix("declined: ") for line in lines if line.startswith("declined")]
         why = "".join(f"; {n} as {reason}" for reason, n in collections.Counter(declined).items())
-        return f"{served} launches served, {len(declined)} declined (they started their own launcher){why}"
+        return f"{served} served, {len(declined)} declined (started afresh){why}"
 
 
 @contextlib.contextmanager
-def serving(threads: int = 1):
+def serving(threads: int = 1, role: str = "launcher", interpreter: list[str] | None = None):
     """Run a launch server (``toolkit.runtime.launch_server``) for the launches of this process and its children
-    (``TOOLKIT_LAUNCH_SERVER``), then stop it.
+    (``TOOLKIT_LAUNCH_SERVER``), then stop it. ``role="kernel"``: a server of notebook kernels instead
+    (``TOOLKIT_KERNEL_SERVER``, for papermill's ``kernel_manager_class=launch_server.kernel_manager_class()``).
 
     ``threads``: the intra-op threads of the launches it will serve (``launch(..., threads=)``); launches with
     another count, or from a process whose environment differs, start a fresh launcher as without a server.
+    ``interpreter``: the server's interpreter and options (what precedes ``-m`` in a kernelspec's argv; this
+    process's by default): a kernel is served only from the interpreter its kernelspec names.
     Yields a :class:`LaunchServer` (``ready`` False: it did not start, and every launch starts its own launcher)."""
-    folder = Path(tempfile.mkdtemp(prefix="toolkit-launch-server-"))
+    if role not in ("launcher", "kernel"):
+        raise ValueError(f"role={role!r}; allowed: 'launcher', 'kernel'")
+    variable = launch_server.SERVER_ENV if role == "launcher" else launch_server.KERNEL_SERVER_ENV
+    folder = Path(tempfile.mkdtemp(prefix=f"toolkit-{role}-server-"))
     path, log_path = str(folder / "socket"), folder / "server.log"
-    previous = os.environ.get(launch_server.SERVER_ENV)
-    os.environ[launch_server.SERVER_ENV] = path
-    env = child_env(threads, forked=True)
+    previous = os.environ.get(variable)
+    os.environ[variable] = path
+    env = child_env(threads, forked=True) if role == "launcher" else dict(os.environ)
     with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "toolkit.runtime.launch_server", path, str(os.getpid())],
+        proc = subprocess.Popen([*(interpreter or [sys.executable]), "-m", "toolkit.runtime.launch_server", path,
+                                 str(os.getpid()), role],
                                 stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
         end = time.monotonic() + SERVER_READY_S
@@ -878,15 +886,14 @@ def serving(threads: int = 1):
             time.sleep(0.05)
         ready = proc.poll() is None and "ready" in log_path.read_text()
         if not ready:
-            os.environ.pop(launch_server.SERVER_ENV)
-            print(f"launch server did not start; launches start their own launcher:\n{log_path.read_text()}",
-                  file=sys.stderr)
+            os.environ.pop(variable)
+            print(f"{role} server did not start; each starts afresh:\n{log_path.read_text()}", file=sys.stderr)
         yield LaunchServer(path, proc.pid, log_path, ready)
     finally:
         if previous is None:
-            os.environ.pop(launch_server.SERVER_ENV, None)
+            os.environ.pop(variable, None)
         else:
-            os.environ[launch_server.SERVER_ENV] = previous
+            os.environ[variable] = previous
         proc.terminate()
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=10)

@@ -1,4 +1,4 @@
-"""A launcher kept warm for a batch of launches: each launch forks it instead of starting a fresh interpreter.
+"""A launcher, and a notebook kernel, kept warm for a batch: each one is forked instead of a fresh interpreter.
 
 Before torchrun's agent starts a single rank, a fresh launcher (``python -m toolkit.runtime.launcher``) spends
 4–5 s importing torch, torch._dynamo, accelerate and the runtime: a fifth of a short lesson's launch on 2 cores.
@@ -19,7 +19,11 @@ starts a fresh launcher. Served launches fork their ranks as every CPU launch do
 the same bits. The server leaves when its owner stops it (``toolkit.runtime.launch.serving``), or when the
 owner's process is gone.
 
-A notebook opened by hand in JupyterLab has no server: each launch there starts its own launcher.
+The same server, in the role ``"kernel"``, forks the batch's notebook kernels (``tools/run_all.py``): it has
+imported torch and ipykernel once, which every lesson's kernel imported for 1.4 s before its first cell ran;
+``ServedKernelManager`` is the jupyter_client kernel manager that asks for them.
+
+A notebook opened by hand in JupyterLab has no server: its kernel and each of its launches start afresh.
 """
 from __future__ import annotations
 
@@ -27,13 +31,19 @@ import contextlib
 import hashlib
 import json
 import os
+import select
 import signal
 import socket
+import subprocess
 import sys
+import time
 import traceback
 from pathlib import Path
 
-SERVER_ENV = "TOOLKIT_LAUNCH_SERVER"  # the server's socket path, inherited by the processes that may use it
+SERVER_ENV = "TOOLKIT_LAUNCH_SERVER"  # the launcher server's socket path, inherited by the processes that may use it
+KERNEL_SERVER_ENV = "TOOLKIT_KERNEL_SERVER"  # the kernel server's
+CALLER_POLL_S = 0.2  # how often a watcher looks whether its process or its caller has ended
+PROGRAMS = {"launcher": "toolkit.runtime.launcher", "kernel": "ipykernel_launcher"}  # what each role forks
 CALLER_ENV = ("CLICOLOR", "CLICOLOR_FORCE", "FORCE_COLOR", "GIT_PAGER", "PAGER", "MPLBACKEND", "TERM",
               "PYDEVD_USE_FRAME_EVAL",  # ipykernel's, in a notebook's kernel
               "PLOTLY_RENDERER",  # toolkit.viz's, in a notebook
@@ -45,37 +55,67 @@ PACKAGE = Path(__file__).resolve().parents[1]  # toolkit/
 
 def import_env(env: dict) -> dict:
     """The environment the preloaded modules may have read: all of it but what a caller's own process sets once
-    it runs (``CALLER_ENV``, ``CALLER_PREFIXES``: none of the preloaded modules reads these when imported)."""
-    return {k: v for k, v in env.items() if k not in CALLER_ENV and not k.startswith(CALLER_PREFIXES)}
+    it runs (``CALLER_ENV``, ``CALLER_PREFIXES``) and the servers' addresses: none of the preloaded modules reads
+    these when imported."""
+    return {k: v for k, v in env.items() if k not in CALLER_ENV + (SERVER_ENV, KERNEL_SERVER_ENV)
+            and not k.startswith(CALLER_PREFIXES)}
 
 
 def sources() -> str:
-    """The interpreter and the toolkit's sources (paths and modification times), as one digest."""
-    h = hashlib.sha256(sys.executable.encode())
+    """The toolkit's sources (paths and modification times), as one digest."""
+    h = hashlib.sha256()
     for path in sorted(PACKAGE.rglob("*.py")):
         h.update(f"{path}:{path.stat().st_mtime_ns}\0".encode())
     return h.hexdigest()
 
 
-def mismatch(env: dict, own_env: dict, digest: str, own_digest: str) -> str:
-    """Why a request cannot be served by a server that imported under ``own_env`` and ``own_digest`` ('' if it
-    can): the variables that differ, or the sources."""
-    env, own_env = import_env(env), import_env(own_env)
+def interpreter() -> list[str]:
+    """This process's interpreter and its options (``python -X...``): what precedes ``-m`` in its command."""
+    return sys.orig_argv[:sys.orig_argv.index("-m")] if "-m" in sys.orig_argv else [sys.executable]
+
+
+def mismatch(req: dict, own_env: dict, own_digest: str) -> str:
+    """Why a request cannot be served by this server, which imported under ``own_env`` and ``own_digest`` ('' if
+    it can): another interpreter, variables that differ, or changed sources."""
+    if req["interpreter"] != interpreter():
+        return f"another interpreter or its options ({' '.join(req['interpreter'])})"
+    env, own_env = import_env(req["env"]), import_env(own_env)
     differ = sorted(k for k in env.keys() | own_env.keys() if env.get(k) != own_env.get(k))
     if differ:
         return "the environment differs in " + ", ".join(differ)
-    return "" if digest == own_digest else "the interpreter or the toolkit's sources changed"
+    return "" if req["sources"] == own_digest else "the toolkit's sources changed"
 
 
 # ---- the caller's side ------------------------------------------------------------------------------------------
-class ServedLauncher:
-    """A launcher the server forked, watched like the ``subprocess.Popen`` of a fresh one: ``pid``, ``poll()``,
-    ``returncode`` (negative: the signal that ended it)."""
+class ServedProcess:
+    """A process the server forked, watched like the ``subprocess.Popen`` of a fresh one: ``pid``, ``poll()``,
+    ``wait()``, ``returncode`` (negative: the signal that ended it), ``send_signal``, ``terminate``, ``kill``."""
+
+    stdin = stdout = stderr = None  # its streams go to the log it was given
 
     def __init__(self, conn: socket.socket, pid: int, buffer: bytes = b""):
         self.pid, self.returncode = pid, None
         self._conn, self._buffer = conn, buffer
         conn.setblocking(False)
+
+    def wait(self, timeout: float | None = None) -> int:
+        end = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if end is not None and time.monotonic() > end:
+                raise subprocess.TimeoutExpired(f"served process {self.pid}", timeout)
+            time.sleep(0.02)
+        return self.returncode
+
+    def send_signal(self, signum: int) -> None:
+        if self.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signum)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
 
     def poll(self) -> int | None:
         if self.returncode is None:
@@ -95,15 +135,18 @@ class ServedLauncher:
         return self.returncode
 
 
-def request(path: str, args: list[str], env: dict, log_path: Path) -> ServedLauncher | None:
-    """Ask the server at ``path`` to fork ``python -m toolkit.runtime.launcher ARGS`` with ``env``, this process's
-    working directory and ``log_path`` as its stdout and stderr. None if there is no server there or it declines
-    (another environment, changed sources): the caller starts a fresh launcher."""
+def request(path: str, cmd: list[str], env: dict, log_path: Path, cwd: str | None = None) -> ServedProcess | None:
+    """Ask the server at ``path`` to fork ``cmd``: its role's program (``python -m toolkit.runtime.launcher ARGS``
+    or ``python -m ipykernel_launcher ARGS``) with ``env``, ``cwd`` (this process's by default) and ``log_path``
+    as its stdout and stderr. None if there is no server there or it declines (another interpreter or
+    environment, changed sources): the caller starts a fresh interpreter."""
+    split = cmd.index("-m")
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         conn.settimeout(10.0)
         conn.connect(path)
-        conn.sendall(json.dumps({"args": args, "env": env, "cwd": os.getcwd(), "log": str(log_path),
+        conn.sendall(json.dumps({"interpreter": cmd[:split], "program": cmd[split + 1], "args": cmd[split + 2:],
+                                 "env": env, "cwd": cwd or os.getcwd(), "log": str(log_path),
                                  "sources": sources()}).encode() + b"\n")
         buffer = b""
         while b"\n" not in buffer and (data := conn.recv(4096)):
@@ -116,16 +159,27 @@ def request(path: str, args: list[str], env: dict, log_path: Path) -> ServedLaun
     if "pid" not in reply:
         conn.close()
         return None
-    return ServedLauncher(conn, int(reply["pid"]), rest)
+    return ServedProcess(conn, int(reply["pid"]), rest)
 
 
 # ---- the server's side ------------------------------------------------------------------------------------------
-def serve(path: str, owner: int) -> None:
-    """Import once, then fork a launcher for each request it can serve (``mismatch``), until ``owner`` is gone (its
-    parent: the process that called ``toolkit.runtime.launch.serving``)."""
+def preload_kernel() -> None:
+    """What every lesson's kernel imports before its first cell's work: ipykernel, then torch (plotly stays out:
+    ``toolkit.viz`` sets its renderer before plotly.io is first imported)."""
+    import torch  # noqa: F401
+
+    from ipykernel import kernelapp  # noqa: F401
+
+
+def serve(path: str, owner: int, role: str) -> None:
+    """Import once for ``role`` ("launcher" or "kernel"), then fork one for each request it can serve
+    (``mismatch``), until ``owner`` is gone (its parent: the process that called ``toolkit.runtime.launch.serving``)."""
     own_env, own_digest = dict(os.environ), sources()  # before the imports: one sets TORCHINDUCTOR_CACHE_DIR
-    from toolkit.runtime import launcher
-    launcher.preload()
+    if role == "launcher":
+        from toolkit.runtime import launcher
+        launcher.preload()
+    else:
+        preload_kernel()
 
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
@@ -144,14 +198,15 @@ def serve(path: str, owner: int) -> None:
                 req = json.loads(conn.makefile("rb").readline())
             except (OSError, ValueError):
                 continue
-            why = mismatch(req["env"], own_env, req["sources"], own_digest)
+            why = mismatch(req, own_env, own_digest) or ("" if req["program"] == PROGRAMS[role] else
+                                                          f"this server forks {PROGRAMS[role]}")
             if why:
                 print(f"declined: {why}", flush=True)
                 conn.sendall(json.dumps({"declined": why}).encode() + b"\n")
                 continue
             if os.fork() == 0:
                 listener.close()
-                _watch(conn, req)
+                _watch(conn, req, role)
             print(f"served: {' '.join(req['args'][-1:])}", flush=True)
 
 
@@ -162,28 +217,50 @@ def _reap() -> None:
             pass
 
 
-def _watch(conn: socket.socket, req: dict) -> None:
-    """The watcher: fork the launcher, tell the caller its pid, wait for it, tell its exit status, leave."""
+def _watch(conn: socket.socket, req: dict, role: str) -> None:
+    """The watcher: fork the served process, tell the caller its pid, wait for it, tell its exit status, leave.
+
+    If the caller goes first (its end of the connection closes: a killed notebook runner, a restarted kernel),
+    the served process gets SIGTERM, as a fresh kernel's parent poller would end it (a launch's ranks also see
+    their caller gone, ``toolkit.runtime.worker``)."""
     os.setsid()  # out of the owner's process group: a Ctrl-C there reaches the caller, which kills the tree
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # an interrupt sent to the group is the served process's
     pid = os.fork()
     if pid == 0:
         conn.close()
-        _run_launcher(req)
+        _run(req, role)
     with contextlib.suppress(OSError):
         conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
-    _, status = os.waitpid(pid, 0)
+    caller_gone = False
+    while not (ended := os.waitpid(pid, os.WNOHANG))[0]:
+        if caller_gone:
+            time.sleep(CALLER_POLL_S)
+        elif select.select([conn], [], [], CALLER_POLL_S)[0] and not _peek(conn):
+            caller_gone = True
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+    status = ended[1]
     with contextlib.suppress(OSError):
         conn.sendall(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}).encode() + b"\n")
     os._exit(0)
 
 
-def _run_launcher(req: dict) -> None:
-    """Become ``python -m toolkit.runtime.launcher ARGS`` run by the caller: its streams, environment, directory."""
+def _peek(conn: socket.socket) -> bytes:
+    """What the caller has sent and no one has read: b"" once it has closed its end (or is gone)."""
+    try:
+        return conn.recv(1, socket.MSG_PEEK)
+    except OSError:
+        return b""
+
+
+def _run(req: dict, role: str) -> None:
+    """Become ``python -m toolkit.runtime.launcher ARGS`` (or ``-m ipykernel_launcher ARGS``) as the caller would
+    have started it: its streams, environment, working directory and argv."""
     code = 1
     try:
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD):
             signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
-        log = os.open(req["log"], os.O_WRONLY | os.O_APPEND)
+        log = os.open(req["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
         os.dup2(log, 1)
@@ -194,9 +271,14 @@ def _run_launcher(req: dict) -> None:
         os.environ.update(req["env"])
         os.chdir(req["cwd"])
         sys.path[0] = req["cwd"]  # as `python -m` sets it
-        from toolkit.runtime import launcher
-        sys.argv = [launcher.__file__, *req["args"]]
-        launcher.main()  # leaves by os._exit(0) when every rank has succeeded
+        if role == "launcher":
+            from toolkit.runtime import launcher
+            sys.argv = [launcher.__file__, *req["args"]]
+            launcher.main()  # leaves by os._exit(0) when every rank has succeeded
+        else:
+            from ipykernel import kernelapp
+            sys.argv = [kernelapp.__file__, *req["args"]]
+            kernelapp.launch_new_instance()  # returns when the kernel is shut down
         code = 0
     except SystemExit as stop:
         if isinstance(stop.code, int) or stop.code is None:
@@ -210,5 +292,28 @@ def _run_launcher(req: dict) -> None:
     os._exit(code)
 
 
+def kernel_manager_class():
+    """``ServedKernelManager``: a jupyter_client kernel manager whose kernels the batch's kernel server forks
+    (``KERNEL_SERVER_ENV``), or started afresh where it declines (papermill's ``kernel_manager_class``)."""
+    from jupyter_client.manager import AsyncKernelManager
+
+    class ServedKernelManager(AsyncKernelManager):
+        async def _async_launch_kernel(self, kernel_cmd: list[str], **kw) -> None:
+            path = os.environ.get(KERNEL_SERVER_ENV)
+            served = None
+            if path and "-m" in kernel_cmd:
+                log = Path(path).parent / f"kernel-{self.kernel_id}.log"
+                served = request(path, kernel_cmd, kw.get("env") or dict(os.environ), log,
+                                 str(kw.get("cwd") or os.getcwd()))
+            if served is None:
+                return await super()._async_launch_kernel(kernel_cmd, **kw)
+            provisioner = self.provisioner  # its process, as LocalProvisioner.launch_kernel would set it
+            provisioner.process, provisioner.pid, provisioner.pgid = served, served.pid, None
+            provisioner.cwd = kw.get("cwd", os.getcwd())
+            self._reconcile_connection_info(provisioner.connection_info)
+
+    return ServedKernelManager
+
+
 if __name__ == "__main__":
-    serve(sys.argv[1], int(sys.argv[2]))
+    serve(sys.argv[1], int(sys.argv[2]), sys.argv[3])
