@@ -28,12 +28,9 @@ os.environ.setdefault("TOOLKIT_PRESET", "smoke")
 os.environ.setdefault("TOOLKIT_PLAIN_PROGRESS", "1")
 os.environ.setdefault("TRITON_INTERPRET", "1")
 _OWN_CACHE = None
-_SERVER_KEY = pytest.StashKey()
 if "TOOLKIT_LAUNCH_CACHE" not in os.environ:  # the session's first process (xdist's controller) makes it
     _OWN_CACHE = os.environ["TOOLKIT_LAUNCH_CACHE"] = tempfile.mkdtemp(prefix="toolkit-launch-cache-")
-
-
-_SERVER = contextlib.ExitStack()
+_SERVER, _SERVER_KEY = contextlib.ExitStack(), pytest.StashKey()
 
 
 def pytest_configure(config):

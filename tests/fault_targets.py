@@ -30,6 +30,11 @@ def all_reduce(ctx, cfg):
     return {"sum": x[0].item()}
 
 
+def fsize_limit(ctx, cfg):
+    """Healthy: this rank's file-size limit (``ulimit -f``, as its caller set it)."""
+    return {"fsize": resource.getrlimit(resource.RLIMIT_FSIZE)[0]}
+
+
 def killed(ctx, cfg):
     """The bad rank is killed by SIGKILL (what the kernel's out-of-memory killer sends) amid all-reduces."""
     x = torch.ones(1024)

@@ -52,6 +52,19 @@ def test_a_served_launch_computes_the_bits_of_a_fresh_launcher(server, tmp_path,
     assert not descendants_after(server)
 
 
+def test_a_served_launch_takes_its_callers_resource_limits(server, tmp_path):
+    """A file-size limit set in the caller (``ulimit -f``) holds in its served ranks, as in a child of its own."""
+    limit = 1_000_000  # bytes: above every file of the launch
+    code = ("import resource, sys\nfrom toolkit import launch\n"
+            f"resource.setrlimit(resource.RLIMIT_FSIZE, ({limit}, {limit}))\n"
+            "print(launch('fault_targets:fsize_limit', 2, {}, threads=2, progress='none', timeout_s=60))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parent)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert server.summary().startswith("1 served"), server.log.read_text()
+    assert f"[{{'fsize': {limit}}}, {{'fsize': {limit}}}]" in out.stdout, out.stdout
+
+
 def test_a_served_launch_names_a_killed_rank_and_leaves_nothing(server, tmp_path):
     with pytest.raises(LaunchError) as info:
         launch("fault_targets:killed", 2, {}, threads=2, timeout_s=TIMEOUT_S, progress="none",
@@ -98,18 +111,27 @@ def test_another_environment_is_declined_and_launches_afresh(server, monkeypatch
                                 "environment differs in TOOLKIT_SOME_SETTING"), server.log.read_text()
 
 
-def test_what_a_kernel_sets_does_not_count_and_another_interpreter_or_changed_sources_do():
+def test_what_a_kernel_sets_does_not_count_and_another_interpreter_limit_or_changed_sources_do():
     env = {"PATH": "/bin", "OMP_NUM_THREADS": "1"}
     kernel = dict(env, JPY_PARENT_PID="1", MPLBACKEND="inline", PYTEST_CURRENT_TEST="x", PLOTLY_RENDERER="json")
 
-    def req(env, interpreter=None, sources="a"):
-        return {"env": env, "interpreter": interpreter or launch_server.interpreter(), "sources": sources}
+    def req(env, interpreter=None, sources="a", limits=None):
+        return {"env": env, "interpreter": interpreter or launch_server.interpreter(), "sources": sources,
+                "limits": limits or launch_server.process_limits()}
 
     assert mismatch(req(kernel), env, "a") == ""
     assert mismatch(req(dict(env, OMP_NUM_THREADS="2")), env, "a") == "the environment differs in OMP_NUM_THREADS"
     assert mismatch(req(env, sources="b"), env, "a") == "the toolkit's sources changed"
     assert mismatch(req(env, ["/usr/bin/python3", "-X", "dev"]), env, "a") == (
         "another interpreter or its options (/usr/bin/python3 -X dev)")
+    limits = launch_server.process_limits()
+    soft, hard = limits["rlimits"]["RLIMIT_NOFILE"]
+    above = dict(limits, rlimits=dict(limits["rlimits"], RLIMIT_NOFILE=(soft, hard + 1)))
+    assert mismatch(req(env, limits=above), env, "a") == "a resource limit above the server's: RLIMIT_NOFILE"
+    assert mismatch(req(env, limits=dict(limits, nice=limits["nice"] - 1)), env, "a") == (
+        "a higher scheduling priority than the server's")
+    assert mismatch(req(env, limits=dict(limits, cpus=limits["cpus"] + [10_000])), env, "a") == (
+        "CPUs the server may not run on")
     assert launch_server.sources() == launch_server.sources()
 
 

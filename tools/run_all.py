@@ -117,15 +117,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"machine: {describe(machine)}", flush=True)
     rows = []
     with contextlib.ExitStack() as stack:
-        servers = {}
+        servers, started = {}, time.monotonic()
         if args.backend != "nccl":  # a launcher and a kernel imported once, forked for each launch and notebook
-            started = time.monotonic()
             from jupyter_client.kernelspec import KernelSpecManager
             argv = KernelSpecManager().get_kernel_spec(KERNEL).argv  # the kernel's interpreter and its options
             servers = {"launcher": stack.enter_context(serving()),
                        "kernel": stack.enter_context(serving(role="kernel", interpreter=argv[:argv.index("-m")]))}
             print(f"launch and kernel servers: {'ready' if all(s.ready for s in servers.values()) else 'not started'} "
                   f"in {time.monotonic() - started:.1f} s", flush=True)
+        serving_s = time.monotonic() - started
         run_notebooks(notebooks, out, params, args.preset, rows, nb_tool)
         for role, server in servers.items():
             print(f"{role} server: {server.summary()}", flush=True)
@@ -138,8 +138,8 @@ def main(argv: list[str] | None = None) -> int:
         import api_page
         api_page.main(["--out", str(out)])
     pages = book.build(out, rows, params, machine)
-    print(f"HTML book: {len(pages)} pages; course time {sum(r['seconds'] for r in rows):.1f} s on "
-          f"{describe(machine)}", flush=True)
+    print(f"HTML book: {len(pages)} pages; course time {sum(r['seconds'] for r in rows):.1f} s (and "
+          f"{serving_s:.1f} s starting the servers) on {describe(machine)}", flush=True)
     failed = [r["name"] for r in ran if r["status"] != "ok"]
     print(f"{len(ran) - len(failed)}/{len(ran)} notebooks ok; index: {out / 'index.html'}")
     return 1 if failed else 0

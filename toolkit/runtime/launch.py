@@ -764,7 +764,7 @@ class Progress:
         self.last_line = time.monotonic()
 
 
-# ---- 8. the test suite's launch cache -----------------------------------------------------------------------
+# ---- 8. the test suite's launch cache ----------------------------------------------------------------------------
 CACHE_ENV = "TOOLKIT_LAUNCH_CACHE"
 """A folder (the test suite sets one per session, ``conftest.py``): a launch of one of ``CACHED_PROGRAMS``
 identical to one already run there returns that run's results instead of starting its processes again, so a
@@ -849,7 +849,7 @@ class LaunchServer:
     ready: bool
 
     def summary(self) -> str:
-        """How many launches it served and declined so far, and why it declined them."""
+        """How many requests it served and declined so far, and why it declined them."""
         lines = self.log.read_text().splitlines()
         served = sum(line.startswith("served") for line in lines)
         declined = [line.removeprefix("declined: ") for line in lines if line.startswith("declined")]
@@ -867,7 +867,7 @@ def serving(threads: int = 1, role: str = "launcher", interpreter: list[str] | N
     another count, or from a process whose environment differs, start a fresh launcher as without a server.
     ``interpreter``: the server's interpreter and options (what precedes ``-m`` in a kernelspec's argv; this
     process's by default): a kernel is served only from the interpreter its kernelspec names.
-    Yields a :class:`LaunchServer` (``ready`` False: it did not start, and every launch starts its own launcher)."""
+    Yields a :class:`LaunchServer` (``ready`` False: it did not start, and every launch or kernel starts afresh)."""
     if role not in ("launcher", "kernel"):
         raise ValueError(f"role={role!r}; allowed: 'launcher', 'kernel'")
     variable = launch_server.SERVER_ENV if role == "launcher" else launch_server.KERNEL_SERVER_ENV

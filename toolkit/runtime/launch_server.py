@@ -1,27 +1,26 @@
-"""A launcher, and a notebook kernel, kept warm for a batch: each one is forked instead of a fresh interpreter.
+"""A launcher, and a notebook kernel, kept warm for a batch: each is forked instead of a fresh interpreter.
 
 Before torchrun's agent starts a single rank, a fresh launcher (``python -m toolkit.runtime.launcher``) spends
-4–5 s importing torch, torch._dynamo, accelerate and the runtime: a fifth of a short lesson's launch on 2 cores.
-A batch of launches (``tools/run_all.py``, the test session) starts one server that imports them once; every
-launch in a process that inherits ``TOOLKIT_LAUNCH_SERVER`` (the batch's notebook kernels, its test workers)
-hands its command to it::
+4–5 s importing torch, torch._dynamo, accelerate and the runtime: a fifth of a short lesson's launch on 2 cores;
+a fresh notebook kernel spends 1.4 s importing torch before its first cell's work. A batch (``tools/run_all.py``;
+the test session, for launches) starts a server per role that imports these once and forks one for each
+request from a process that inherits its address (``TOOLKIT_LAUNCH_SERVER``, ``TOOLKIT_KERNEL_SERVER``)::
 
-    launch() ── socket: argv, environment, cwd, log ──►  server (imported once)
-       │                                                    └─ fork ─► watcher ── fork ─► launcher ─► agent ─► ranks
-       ◄─────────── the launcher's pid, then its exit status ────┘
+    launch() ─── socket: interpreter, argv, environment, cwd, log ───►  server "launcher" (imported once)
+       │                                                                   └─ fork ─► watcher ─ fork ─► launcher
+       ◄──────────── the launcher's pid, then its exit status ──────────────────┘        └─► agent ─► ranks
 
-The launcher is the one a fresh interpreter would run: the caller's argv, environment, working directory and
-log, in a session of its own; ``launch`` watches it as it watches a fresh one (the same timeout, ``kill_tree`` of
-its pid, the same report of a failure). The server serves a launch only if the caller's environment is the one
-it imported under (aside from what a kernel, a notebook, pytest or torch set in the caller: ``CALLER_ENV``), with
-the same interpreter and the toolkit's sources unchanged since; otherwise ``request`` returns None and ``launch``
-starts a fresh launcher. Served launches fork their ranks as every CPU launch does (``toolkit.runtime.launcher``), so the ranks compute
-the same bits. The server leaves when its owner stops it (``toolkit.runtime.launch.serving``), or when the
-owner's process is gone.
+    papermill (ServedKernelManager) ─── the same, for ipykernel_launcher ───►  server "kernel" ─► … ─► kernel
 
-The same server, in the role ``"kernel"``, forks the batch's notebook kernels (``tools/run_all.py``): it has
-imported torch and ipykernel once, which every lesson's kernel imported for 1.4 s before its first cell ran;
-``ServedKernelManager`` is the jupyter_client kernel manager that asks for them.
+The served process is the one a fresh interpreter would have run: the caller's argv, environment, working
+directory and log, in a session of its own. ``launch`` watches a served launcher as a fresh one (the same
+timeout, ``kill_tree`` of its pid, the same failure report); its ranks are forked from it as every CPU launch's
+are (``toolkit.runtime.launcher``), so they compute the same bits, and it takes the caller's resource limits,
+umask, priority and CPUs, as a child of the caller would. A server serves a request only from the same interpreter and
+options, with the same environment (aside from what a kernel, a notebook, pytest or torch set in the caller:
+``CALLER_ENV``), limits the served process can take and the toolkit's sources unchanged since it started
+(``mismatch``); otherwise the caller starts a fresh interpreter. If a caller dies first, its watcher ends the
+served process. A server leaves when its owner stops it (``toolkit.runtime.launch.serving``) or is gone.
 
 A notebook opened by hand in JupyterLab has no server: its kernel and each of its launches start afresh.
 """
@@ -31,6 +30,7 @@ import contextlib
 import hashlib
 import json
 import os
+import resource
 import select
 import signal
 import socket
@@ -51,6 +51,7 @@ CALLER_ENV = ("CLICOLOR", "CLICOLOR_FORCE", "FORCE_COLOR", "GIT_PAGER", "PAGER",
               "TORCHINDUCTOR_CACHE_DIR", "CUBLAS_WORKSPACE_CONFIG")  # torch's, once the caller imports inductor
 CALLER_PREFIXES = ("JPY_", "PYTEST_")  # Jupyter's, and pytest's (PYTEST_CURRENT_TEST changes with every test)
 PACKAGE = Path(__file__).resolve().parents[1]  # toolkit/
+RLIMITS = sorted(name for name in dir(resource) if name.startswith("RLIMIT_"))
 
 
 def import_env(env: dict) -> dict:
@@ -74,11 +75,34 @@ def interpreter() -> list[str]:
     return sys.orig_argv[:sys.orig_argv.index("-m")] if "-m" in sys.orig_argv else [sys.executable]
 
 
+def process_limits() -> dict:
+    """What a process passes on to its children besides its environment: its resource limits (``ulimit``),
+    umask, scheduling priority (nice) and the CPUs it may run on (``taskset``)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return {"rlimits": {name: resource.getrlimit(getattr(resource, name)) for name in RLIMITS}, "umask": umask,
+            "nice": os.getpriority(os.PRIO_PROCESS, 0), "cpus": sorted(os.sched_getaffinity(0))}
+
+
+def _above(limit: int, ceiling: int) -> bool:
+    infinite = resource.RLIM_INFINITY
+    return ceiling != infinite and (limit == infinite or limit > ceiling)
+
+
 def mismatch(req: dict, own_env: dict, own_digest: str) -> str:
     """Why a request cannot be served by this server, which imported under ``own_env`` and ``own_digest`` ('' if
-    it can): another interpreter, variables that differ, or changed sources."""
+    it can): another interpreter, a resource limit or priority the served process could not take, variables that
+    differ, or changed sources."""
     if req["interpreter"] != interpreter():
         return f"another interpreter or its options ({' '.join(req['interpreter'])})"
+    own = process_limits()
+    higher = [name for name, (_, hard) in req["limits"]["rlimits"].items() if _above(hard, own["rlimits"][name][1])]
+    if higher:
+        return "a resource limit above the server's: " + ", ".join(higher)
+    if req["limits"]["nice"] < own["nice"]:
+        return "a higher scheduling priority than the server's"
+    if not set(req["limits"]["cpus"]) <= set(own["cpus"]):
+        return "CPUs the server may not run on"
     env, own_env = import_env(req["env"]), import_env(own_env)
     differ = sorted(k for k in env.keys() | own_env.keys() if env.get(k) != own_env.get(k))
     if differ:
@@ -147,7 +171,7 @@ def request(path: str, cmd: list[str], env: dict, log_path: Path, cwd: str | Non
         conn.connect(path)
         conn.sendall(json.dumps({"interpreter": cmd[:split], "program": cmd[split + 1], "args": cmd[split + 2:],
                                  "env": env, "cwd": cwd or os.getcwd(), "log": str(log_path),
-                                 "sources": sources()}).encode() + b"\n")
+                                 "limits": process_limits(), "sources": sources()}).encode() + b"\n")
         buffer = b""
         while b"\n" not in buffer and (data := conn.recv(4096)):
             buffer += data
@@ -255,7 +279,7 @@ def _peek(conn: socket.socket) -> bytes:
 
 def _run(req: dict, role: str) -> None:
     """Become ``python -m toolkit.runtime.launcher ARGS`` (or ``-m ipykernel_launcher ARGS``) as the caller would
-    have started it: its streams, environment, working directory and argv."""
+    have started it: its streams, resource limits, umask, priority, environment, working directory and argv."""
     code = 1
     try:
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD):
@@ -267,6 +291,12 @@ def _run(req: dict, role: str) -> None:
         os.dup2(log, 2)
         os.close(log)
         os.close(null)
+        limits = req["limits"]  # the caller's: a child of theirs would have inherited them (mismatch: they fit)
+        for name, (soft, hard) in limits["rlimits"].items():
+            resource.setrlimit(getattr(resource, name), (soft, hard))
+        os.umask(limits["umask"])
+        os.setpriority(os.PRIO_PROCESS, 0, limits["nice"])
+        os.sched_setaffinity(0, limits["cpus"])
         os.environ.clear()
         os.environ.update(req["env"])
         os.chdir(req["cwd"])
