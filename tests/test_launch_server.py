@@ -115,22 +115,25 @@ def test_what_a_kernel_sets_does_not_count_and_another_interpreter_limit_or_chan
     env = {"PATH": "/bin", "OMP_NUM_THREADS": "1"}
     kernel = dict(env, JPY_PARENT_PID="1", MPLBACKEND="inline", PYTEST_CURRENT_TEST="x", PLOTLY_RENDERER="json")
 
-    def req(env, interpreter=None, sources="a", limits=None):
-        return {"env": env, "interpreter": interpreter or launch_server.interpreter(), "sources": sources,
-                "limits": limits or launch_server.process_limits()}
+    def req(env, interpreter=None, sources="a", limits=None, program="toolkit.runtime.launcher"):
+        return {"program": program, "env": env, "interpreter": interpreter or launch_server.interpreter(),
+                "sources": sources, "limits": limits or launch_server.process_limits()}
 
-    assert mismatch(req(kernel), env, "a") == ""
-    assert mismatch(req(dict(env, OMP_NUM_THREADS="2")), env, "a") == "the environment differs in OMP_NUM_THREADS"
-    assert mismatch(req(env, sources="b"), env, "a") == "the toolkit's sources changed"
-    assert mismatch(req(env, ["/usr/bin/python3", "-X", "dev"]), env, "a") == (
+    assert mismatch(req(kernel), "launcher", env, "a") == ""
+    assert mismatch(req(dict(env, OMP_NUM_THREADS="2")), "launcher", env, "a") == (
+        "the environment differs in OMP_NUM_THREADS")
+    assert mismatch(req(env, sources="b"), "launcher", env, "a") == "the toolkit's sources changed"
+    assert mismatch(req(env), "kernel", env, "a") == "this server forks ipykernel_launcher"
+    assert mismatch(req(env, ["/usr/bin/python3", "-X", "dev"]), "launcher", env, "a") == (
         "another interpreter or its options (/usr/bin/python3 -X dev)")
     limits = launch_server.process_limits()
     soft, hard = limits["rlimits"]["RLIMIT_NOFILE"]
     above = dict(limits, rlimits=dict(limits["rlimits"], RLIMIT_NOFILE=(soft, hard + 1)))
-    assert mismatch(req(env, limits=above), env, "a") == "a resource limit above the server's: RLIMIT_NOFILE"
-    assert mismatch(req(env, limits=dict(limits, nice=limits["nice"] - 1)), env, "a") == (
+    assert mismatch(req(env, limits=above), "launcher", env, "a") == (
+        "a resource limit above the server's: RLIMIT_NOFILE")
+    assert mismatch(req(env, limits=dict(limits, nice=limits["nice"] - 1)), "launcher", env, "a") == (
         "a higher scheduling priority than the server's")
-    assert mismatch(req(env, limits=dict(limits, cpus=limits["cpus"] + [10_000])), env, "a") == (
+    assert mismatch(req(env, limits=dict(limits, cpus=limits["cpus"] + [10_000])), "launcher", env, "a") == (
         "CPUs the server may not run on")
     assert launch_server.sources() == launch_server.sources()
 

@@ -89,10 +89,12 @@ def _above(limit: int, ceiling: int) -> bool:
     return ceiling != infinite and (limit == infinite or limit > ceiling)
 
 
-def mismatch(req: dict, own_env: dict, own_digest: str) -> str:
-    """Why a request cannot be served by this server, which imported under ``own_env`` and ``own_digest`` ('' if
-    it can): another interpreter, a resource limit or priority the served process could not take, variables that
-    differ, or changed sources."""
+def mismatch(req: dict, role: str, own_env: dict, own_digest: str) -> str:
+    """Why a request cannot be served by this server of ``role``, which imported under ``own_env`` and
+    ``own_digest`` ('' if it can): another program, another interpreter, a resource limit or priority the served
+    process could not take, variables that differ, or changed sources."""
+    if req["program"] != PROGRAMS[role]:
+        return f"this server forks {PROGRAMS[role]}"
     if req["interpreter"] != interpreter():
         return f"another interpreter or its options ({' '.join(req['interpreter'])})"
     own = process_limits()
@@ -222,8 +224,7 @@ def serve(path: str, owner: int, role: str) -> None:
                 req = json.loads(conn.makefile("rb").readline())
             except (OSError, ValueError):
                 continue
-            why = mismatch(req, own_env, own_digest) or ("" if req["program"] == PROGRAMS[role] else
-                                                          f"this server forks {PROGRAMS[role]}")
+            why = mismatch(req, role, own_env, own_digest)
             if why:
                 print(f"declined: {why}", flush=True)
                 conn.sendall(json.dumps({"declined": why}).encode() + b"\n")
