@@ -19,6 +19,8 @@ a multiple of 2p.
 """
 from __future__ import annotations
 
+import contextlib
+
 from toolkit.pipeline.harness import Job, PipelineSetup, measure_schedules
 from toolkit.pipeline.schedule import make_schedule, torch_order_missing
 from toolkit.pipeline.torch_compare import compare_orders, runtime_missing
@@ -62,9 +64,15 @@ def run(ctx, cfg: dict) -> dict:
     torch_missing = {"runtime": runtime_missing("dualpipev"), "order": torch_order_missing("dualpipev")}
     if torch_missing["runtime"] is None:
         jobs.append(Job(dpv, impl="torch"))                         # torch's ScheduleDualPipeV
-    runs, _ = measure_schedules(ctx, setup, jobs, warmup=cfg["warmup"], steps=cfg["bench_steps"],
-                                rounds=cfg["rounds"])
-    return {"rank": ctx.rank, "emulated": emulated(ctx, cfg, setup, [j for j in jobs if j.impl == "ours"]), "p": p, "m": m, "model": vars(setup.model_cfg), "ref_loss": setup.ref_loss,
+    # the bar: measure_schedules counts its own steps, so each call gets its slice (the emulated cluster's
+    # one step per schedule took 1/7 of the default run)
+    slices = 7 if ctx.emulator is not None else 6
+    with ctx.part(0, slices, size=6):
+        runs, _ = measure_schedules(ctx, setup, jobs, warmup=cfg["warmup"], steps=cfg["bench_steps"],
+                                    rounds=cfg["rounds"])
+    with ctx.part(6, 7, "emulated cluster") if ctx.emulator is not None else contextlib.nullcontext():
+        emulated_runs = emulated(ctx, cfg, setup, [j for j in jobs if j.impl == "ours"])
+    return {"rank": ctx.rank, "emulated": emulated_runs, "p": p, "m": m, "model": vars(setup.model_cfg), "ref_loss": setup.ref_loss,
             "runs": runs, "orders": {name: make_schedule(name, p, m).to_strings() for name in cfg["schedules"]},
             "torch_missing": torch_missing,  # None, or why this torch cannot run / list torch's DualPipeV
             "torch_order_identical": (compare_orders(dpv, "dualpipev")["identical"]

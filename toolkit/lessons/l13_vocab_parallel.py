@@ -79,7 +79,7 @@ def run(ctx, cfg: dict) -> dict:
     for name, group in groups.items():
         ctx.ledger.name_group(group, name)
     out = {"rank": r, "ref_loss": setup.ref_loss, "runs": {}}
-    ticks, total = [0], 3
+    ticks, total = [0], (4 if ctx.emulator is not None else 3)  # the bar: pass costs, checked, timed, emulated
 
     def tick(msg):
         ticks[0] += 1
@@ -155,7 +155,11 @@ def run(ctx, cfg: dict) -> dict:
             out["runs"][name]["timed_waits"] = ex.waits
             if passes is not None:
                 out["runs"][name]["timed_comm_spans"] = passes.comm_spans
-    out["emulated"] = None if ctx.emulator is None else _emulated(ctx, cfg, setup, groups, timed, stepper, timeline)
+    if ctx.emulator is None:
+        out["emulated"] = None
+    else:
+        with ctx.part(3, total, "emulated cluster"):  # the last quarter of the bar (a quarter of the default run)
+            out["emulated"] = _emulated(ctx, cfg, setup, groups, timed, stepper, timeline)
     out["param_bytes"] = {"baseline": _param_bytes_baseline(setup, r, p),
                           "vocab": sum(q.numel() * q.element_size() for q in timed["vocab-2"][2].parameters())}
     return out

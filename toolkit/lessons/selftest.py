@@ -95,8 +95,8 @@ def nested(ctx, cfg):
     ctx.phase("work")
 
     def round_done(done: int, total: int) -> None:
-        ctx.progress(done, total, "rounds")
         time.sleep(0.3)  # longer than the launcher's poll and the rank's report interval: every report is seen
+        ctx.progress(done, total, "rounds")
 
     n, parts = cfg.get("n", 3), cfg.get("parts", True)
     for i in range(n):

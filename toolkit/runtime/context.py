@@ -69,6 +69,7 @@ class Context:
     emulator: "Emulator | None" = None
     """The virtual clock on an emulated cluster (``launch(..., cluster=)``); None: real time only."""
     _last_progress: float = field(default=0.0, repr=False)
+    _t0: float = field(default_factory=time.monotonic, repr=False)
     _phase: int = field(default=0, repr=False)
     _phase_name: str = field(default="", repr=False)
     _parts: list = field(default_factory=list, repr=False)
@@ -155,9 +156,20 @@ class Context:
         lo, hi = self._bounds()
         fraction = lo + (hi - lo) * (min(max(done / total, 0.0), 1.0) if total else 0.0)
         where = " · ".join(filter(None, [m for _, _, m in self._parts] + [message]))
+        self._write_progress({"phase": self._phase, "fraction": fraction, "done": done, "total": total,
+                              "message": where, "t": round(now - self._t0, 3)})
+
+    def finish(self) -> None:
+        """The run is over (the worker calls it when the lesson's ``run`` returns): one last report, the whole
+        bar, marked ``"end"``. What the bar read before it shows how the lesson reported its progress: a report
+        at 100 % long before this one is a bar that sat full while the run went on."""
+        if self.out_dir is not None:
+            self._write_progress({"phase": max(len(self.phases) - 1, 0), "fraction": 1.0, "done": 1, "total": 1,
+                                  "message": "finished", "t": round(time.monotonic() - self._t0, 3), "end": True})
+
+    def _write_progress(self, state: dict) -> None:
         tmp = self.out_dir / f"progress.rank{self.rank}.tmp"
-        tmp.write_text(json.dumps({"phase": self._phase, "fraction": fraction, "done": done, "total": total,
-                                   "message": where}))
+        tmp.write_text(json.dumps(state))
         tmp.replace(self.out_dir / f"progress.rank{self.rank}.json")
 
     def log(self, message: str) -> None:

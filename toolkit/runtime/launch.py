@@ -83,11 +83,14 @@ class LaunchTimeout(LaunchError, TimeoutError):
 
 
 class RankResults(list):
-    """Per-rank results (index = rank) plus ``wall_s``, ``out_dir`` and the launcher ``log``."""
+    """Per-rank results (index = rank) plus ``wall_s``, ``out_dir``, the launcher ``log`` and ``progress``: how
+    the bar moved, one ``[fraction of the run, rank 0's report, seconds since the bar started]`` per report it
+    read (``Progress.trace``; the last one rank 0's ``Context.finish``, ``"end": True``)."""
 
     wall_s: float = 0.0
     out_dir: Path | None = None
     log: str = ""
+    progress: list | None = None
 
 
 def launch(lesson, world_size: int, cfg: dict | None = None, *, backend: str = "auto",
@@ -151,12 +154,14 @@ def launch(lesson, world_size: int, cfg: dict | None = None, *, backend: str = "
             return cache.results
         tmp = prepare_out_dir(out_dir)
         spec_path = write_spec(tmp, target, cfg, backend, seed, threads, timeout_s, phase_list, emulated)
-        bar = Progress(title, progress, phase_list) if progress != "none" else None
+        busy = kernel_stays_busy() if progress != "none" and _in_notebook() else contextlib.nullcontext()
         try:
-            forked = forks_ranks(backend, world_size, accelerate_args)
-            proc, wall = run_ranks(command(spec_path, world_size, accelerate_args, forked),
-                                   child_env(threads, forked), tmp, world_size, timeout_s, bar, title)
-            results = collect(tmp, world_size, proc.returncode, bar)
+            with busy:  # before the bar's widget opens its first comm
+                bar = Progress(title, progress, phase_list)  # progress="none": shows nothing, keeps its trace
+                forked = forks_ranks(backend, world_size, accelerate_args)
+                proc, wall = run_ranks(command(spec_path, world_size, accelerate_args, forked),
+                                       child_env(threads, forked), tmp, world_size, timeout_s, bar, title)
+                results = collect(tmp, world_size, proc.returncode, bar)
         except LaunchError as err:  # what it needs is in the message; the files stay only where asked for
             if keep:
                 err.args = (f"{err.args[0]}\n(the ranks' files: {tmp})",)
@@ -169,7 +174,7 @@ def launch(lesson, world_size: int, cfg: dict | None = None, *, backend: str = "
             if not keep:
                 shutil.rmtree(tmp, ignore_errors=True)
             raise
-        results.wall_s = wall
+        results.wall_s, results.progress = wall, bar.trace
         if keep:
             results.out_dir = tmp
         else:
@@ -445,6 +450,7 @@ def collect(tmp: Path, world_size: int, returncode: int, bar=None) -> RankResult
     results = RankResults(json.loads((tmp / f"rank{r}.json").read_text()) for r in range(world_size))
     results.log = log_path.read_text()
     if bar:
+        bar.poll(tmp)  # rank 0's last report ("end"), written before its result
         bar.close("done")
     return results
 
@@ -646,6 +652,41 @@ def _tail(path: Path, n: int = 60) -> str:
 
 
 # ---- the progress bar ---------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def kernel_stays_busy():
+    """While the block runs in a Jupyter kernel, every status the kernel publishes for a control-channel message
+    is followed by "busy" for the cell that is running.
+
+    Why: JupyterLab (4.4 and later, with ipykernel 7's subshells) sends ``create_subshell_request`` on the control
+    channel when the first widget of a session opens its comm (here the launch's bar). ipykernel answers with a
+    busy and an idle status whose parent is that request, and both JupyterLab's status bar and the server's
+    ``/api/kernels`` take any status for the kernel's: the rest of the launch showed "Idle" while the cell ran
+    (measured: busy in 5 of 48 polls of a 13 s launch, the first 2 s; with this, in every poll). Nothing changes
+    outside a kernel or where ipykernel lacks these hooks."""
+    try:
+        from IPython import get_ipython
+        kernel = getattr(get_ipython(), "kernel", None)
+        publish, cell = kernel._publish_status, kernel.get_parent("shell")
+    except Exception:  # not in a kernel, or an ipykernel without these names
+        yield
+        return
+    if not cell:
+        yield
+        return
+
+    def publish_then_busy(status, channel, parent=None):
+        publish(status, channel, parent)
+        if channel == "control" and status == "idle":
+            publish("busy", "shell", cell)
+
+    kernel._publish_status = publish_then_busy
+    try:
+        yield
+    finally:
+        if kernel.__dict__.get("_publish_status") is publish_then_busy:
+            del kernel._publish_status
+
+
 def _in_notebook() -> bool:
     """A kernel that a person is looking at: JupyterLab / Notebook (their server names the session), not a
     kernel papermill or nbclient runs headless (those get plain lines, kept in the executed notebook)."""
@@ -659,7 +700,8 @@ def _in_notebook() -> bool:
 
 
 class Progress:
-    """One bar per launch: a widget in JupyterLab, plain lines under papermill, CI and scripts.
+    """One bar per launch: a widget in JupyterLab, plain lines under papermill, CI and scripts, nothing with
+    ``mode="none"``. Every mode keeps ``trace``: each report it read, where it put the bar, and when.
 
     The total is the sum of the phase weights, fixed before any rank starts (without phases: one phase
     of weight 1). Rank 0 reports ``{"phase": i, "fraction": f, "done", "total", "message"}``, ``f`` its place
@@ -678,6 +720,7 @@ class Progress:
         self.declared = bool(phases)
         self.weight = sum(w for _, w in self.phases)
         self.fraction, self.state, self.out = 0.0, None, out or sys.stdout
+        self.trace: list[list] = []  # [overall(state), state, seconds] per report read, before never-move-back
         if mode == "auto":
             plain = os.environ.get("TOOLKIT_PLAIN_PROGRESS") or os.environ.get("CI") or not _in_notebook()
             mode = "plain" if plain else "widget"
@@ -723,7 +766,8 @@ class Progress:
 
     def update(self, state: dict) -> None:
         self.state = state
-        self.fraction = max(self.fraction, self.overall(state))
+        self.trace.append([self.overall(state), state, round(time.monotonic() - self.start, 3)])
+        self.fraction = max(self.fraction, self.trace[-1][0])
         elapsed = time.monotonic() - self.start
         if self.mode == "widget" and self.bar is not None:
             self.bar.value = int(round(self.fraction * self.WIDTH))
@@ -784,6 +828,7 @@ class _SessionCache:
             data = json.loads(path.read_text())
             self.results = RankResults(data["results"])
             self.results.wall_s, self.results.log = data["wall_s"], data["log"]
+            self.results.progress = data.get("progress")
 
     def note_hit(self, title: str) -> None:
         """One line per launch served from the cache, in the folder's ``hits.log`` (what the cache saved)."""
@@ -793,7 +838,8 @@ class _SessionCache:
     def store(self, results: RankResults) -> None:
         if self.path is not None:
             tmp = self.path.with_suffix(".tmp")
-            tmp.write_text(json.dumps({"results": list(results), "wall_s": results.wall_s, "log": results.log}))
+            tmp.write_text(json.dumps({"results": list(results), "wall_s": results.wall_s, "log": results.log,
+                                       "progress": results.progress}))
             tmp.replace(self.path)
 
 

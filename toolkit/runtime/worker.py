@@ -171,6 +171,7 @@ def main(spec_path: str) -> int:
                            out_dir=out, threads=spec["threads"], phases=spec.get("phases"),
                            cluster=spec.get("cluster"))
         result = fn(ctx, spec["cfg"])
+        ctx.finish()  # the bar's last report, before the result the launcher waits for
         write_atomic(out / f"rank{rank}.json", json.dumps(to_jsonable(result if result is not None else {})))
         import gc
 
