@@ -183,3 +183,63 @@ def test_simulator_figures_must_be_labelled():
     assert any("simulator" in p for p in _check("Text.", code))
     code = 'res = simulate(s)\nviz.lines(res, title="Bubble per schedule (simulated)").show()'
     assert not _check("Text.", code)
+
+
+# ---- what a run renders (tests/reading.py, applied to every executed cell by conftest.py and test_notebooks) ----
+from reading import LISTING_LINES, PARAGRAPH_WORDS, cell_problems  # noqa: E402
+
+TABLE = "application/vnd.plotly.v1+json"
+
+
+def _figure(title: str, x: str = "", table: list | None = None) -> dict:
+    data = [{"type": "table", "cells": {"values": table}}] if table else []
+    return {"output_type": "display_data", "data": {TABLE: {"data": data, "layout": {
+        "title": {"text": title}, "xaxis": {"title": {"text": x}}}}}}
+
+
+def test_what_a_learner_reads_is_checked_cell_by_cell():
+    wall = " ".join(["word"] * (PARAGRAPH_WORDS + 1))
+    md = {"output_type": "display_data", "data": {"text/markdown": f"Short.\n\n- {wall}\n- short"}}
+    listing = {"output_type": "stream", "name": "stdout", "text": "x = 1\n\n" * (LISTING_LINES + 1)}
+    record = {"output_type": "execute_result", "data": {"text/plain": "{'lesson': '03'}"}}
+    found = cell_problems("headline('03', ...)", [record]) + cell_problems("display(Markdown(text))", [md]) \
+        + cell_problems("print(viz.listing(fn))", [listing]) \
+        + cell_problems("show()", [_figure("Simulated step (ms)", "time (cost units)"),
+                                   _figure("Loss table", table=[["baseline", "fp8"], [None, "baseline"]])])
+    expected = ["the headline cell also shows a raw value as its result",
+                f"a rendered paragraph of {PARAGRAPH_WORDS + 1} words",
+                f"prints a listing of {LISTING_LINES + 1} lines",
+                "figure 'Simulated step (ms)' says ['ms'] over the axis 'time (cost units)'",
+                "table 'Loss table' shows None"]
+    assert len(found) == len(expected) and all(f.startswith(e) for f, e in zip(found, expected)), found
+    fine = [_figure("Step (trimmed mean, this machine)", "step (ms)"), _figure("One step (µs, virtual time)", "µs"),
+            _figure("Schedule, simulated (ms)", "time (ms)"), _figure("SNR (dB, rank 0)", "time (s)"),
+            {"output_type": "display_data", "data": {"text/markdown": "- short\n- " + " ".join(["w"] * 100)}},
+            {"output_type": "stream", "name": "stdout", "text": "x = 1\n\n" * LISTING_LINES}]
+    assert cell_problems("print(inspect.getsource(fn)); headline('03')", fine) == []
+
+
+def test_listing_shows_the_lines_that_matter_and_where_the_rest_is():
+    from toolkit.pipeline import dualpipev
+    from toolkit.viz import listing
+    text = listing(dualpipev, start="# 1", end="ranks.append")
+    lines = text.splitlines()
+    assert lines[0].startswith("def dualpipev(") and lines[1].endswith('..."""') and lines[2].strip() == "..."
+    assert "# 1" in lines[3] and "ranks.append(acts)" in lines[-3] and lines[-2].strip() == "..."
+    assert lines[-1].startswith("# the whole of it: toolkit/pipeline/schedule.py:")
+    assert len(lines) <= LISTING_LINES
+    with pytest.raises(ValueError, match=r"the listing of 'dualpipev' is \d+ lines, more than limit=40"):
+        listing(dualpipev)
+    with pytest.raises(ValueError, match="start='no such line' is not in the source of 'dualpipev'"):
+        listing(dualpipev, start="no such line")
+    from toolkit.pipeline import vocab_parallel
+    whole = listing(vocab_parallel.c0)  # short: all of it, its one-line docstring, no pointer
+    assert "# the whole of it" not in whole and whole.splitlines()[1].strip().startswith('"""The first barrier')
+
+
+def test_a_table_shows_no_null():
+    from toolkit import viz
+    fig = viz.table([{"run": "baseline", "against": None, "x": float("nan")}, {"run": "fp8", "against": "baseline",
+                                                                              "x": 1.5}], formats={"x": ".2f"})
+    assert [list(c) for c in fig.data[0].cells.values] == [["baseline", "fp8"], [viz.EMPTY, "baseline"],
+                                                           [viz.EMPTY, "1.50"]]

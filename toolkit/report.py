@@ -54,17 +54,17 @@ def record(lesson: str, technique: str, measured: str, value: float | int | None
 
 def headline(lesson: str, technique: str, measured: str, value: float | int | None = None, unit: str = "",
              claim: str = "", source: str = "", reproduced: bool | None = None, note: str = "", emulated: str = "",
-             emulated_reproduced: bool | None = None) -> dict:
-    """Record and display this lesson's headline (see the module docstring); returns the record."""
+             emulated_reproduced: bool | None = None) -> None:
+    """Record and display this lesson's headline (see the module docstring). Returns None, so a cell that ends
+    with it shows the headline once, not its record again as the cell's value (``record`` gives the dict)."""
     rec = record(lesson, technique, measured, value, unit, claim, source, reproduced, note, emulated,
                  emulated_reproduced)
     try:
         from IPython.display import display
     except ImportError:  # plain Python: nothing to attach the record to
         print(_markdown(rec))
-        return rec
+        return
     display({"text/markdown": _markdown(rec), "text/plain": _markdown(rec), MIME: rec}, raw=True)
-    return rec
 
 
 VERDICTS = {True: "reproduced", False: "not reproduced", None: "not testable here"}

@@ -10,6 +10,7 @@ in JupyterLab and, precomputed, without a kernel.
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 from typing import Iterable, Sequence
@@ -90,14 +91,17 @@ def theme(fig: go.Figure, title: str | None = None, height: int | None = None) -
 
 
 def gantt(spans: Iterable[dict], color_by: str = "kind", title: str = "", label: str | None = "mb",
-          time_unit: str = "ms", lane: str | None = None) -> go.Figure:
+          time_unit: str = "ms", lane: str | None = None, unit_label: str | None = None) -> go.Figure:
     """Per-rank timeline: one row per rank, one bar per span, coloured by ``span[color_by]`` (or ``meta``).
 
-    ``spans`` are ``Timeline.to_json()`` dicts (rank, kind, start, end, meta) from any number of ranks;
-    ``label`` names a meta field written inside each bar (micro-batch by default); ``lane`` names a meta
-    field that splits each rank's row in several (e.g. "compute" and "comm").
+    ``spans`` are ``Timeline.to_json()`` dicts (rank, kind, start, end, meta) from any number of ranks, their
+    times in seconds, shown in ``time_unit`` ("s", "ms", "us"); ``unit_label`` names the unit on the axis and in
+    the hover text instead (times already in another unit, e.g. a simulator's "cost units", with
+    ``time_unit="s"``: shown as they are); ``label`` names a meta field written inside each bar (micro-batch by
+    default); ``lane`` names a meta field that splits each rank's row in several (e.g. "compute" and "comm").
     """
     scale = {"s": 1.0, "ms": 1e3, "us": 1e6}[time_unit]
+    unit = unit_label or time_unit
     spans = list(spans)
     origin = min((s["start"] for s in spans), default=0.0)  # the chart starts at the first span
     spans = [{**s, "start": s["start"] - origin, "end": s["end"] - origin} for s in spans]
@@ -114,12 +118,12 @@ def gantt(spans: Iterable[dict], color_by: str = "kind", title: str = "", label:
             text=[str(s.get("meta", {}).get(label, "")) if label else "" for s in items], textposition="inside",
             insidetextanchor="middle",
             customdata=[[s["kind"], str(s.get("meta", {}))] for s in items],
-            hovertemplate="%{customdata[0]} %{customdata[1]}<br>%{base:.3f} + %{x:.3f} " + time_unit
+            hovertemplate="%{customdata[0]} %{customdata[1]}<br>%{base:.3f} + %{x:.3f} " + unit
                           + "<extra></extra>"))
     rows = sorted({(s["rank"], str(s.get("meta", {}).get(lane, "") or "")) for s in spans}) if lane else \
         sorted({(s["rank"], "") for s in spans})
     labels = [_row({"rank": r, "meta": {lane: x}}, lane) for r, x in rows]
-    fig.update_layout(barmode="overlay", bargap=0.25, xaxis_title=f"time ({time_unit})",
+    fig.update_layout(barmode="overlay", bargap=0.25, xaxis_title=f"time ({unit})",
                       yaxis=dict(categoryorder="array", categoryarray=list(reversed(labels))))
     return theme(fig, title, height=140 + 45 * max(len(labels), 1))
 
@@ -191,13 +195,24 @@ def heatmap(z: Sequence[Sequence[float]], x: Sequence | None = None, y: Sequence
     return theme(fig, title)
 
 
+EMPTY = "—"
+"""What a table shows where a row has no value (``table``)."""
+
+
 def table(rows: Sequence[dict], title: str = "", formats: dict[str, str] | None = None) -> go.Figure:
-    """A plotly table of dicts (columns from the first row), with optional per-column formats."""
+    """A plotly table of dicts (columns from the first row), with optional per-column formats. A cell a row has
+    no value for (None, NaN, or the key missing) shows ``EMPTY``, never "null"."""
     if not rows:
         return theme(Figure(), title)
     cols = list(rows[0])
     fmt = formats or {}
-    cells = [[format(r.get(c), fmt[c]) if c in fmt and r.get(c) is not None else r.get(c) for r in rows] for c in cols]
+
+    def cell(value, column):
+        if value is None or (isinstance(value, float) and math.isnan(value)):
+            return EMPTY
+        return format(value, fmt[column]) if column in fmt else value
+
+    cells = [[cell(r.get(c), c) for r in rows] for c in cols]
     fig = Figure(go.Table(header=dict(values=cols, fill_color="#f3f3f3", align="left"),
                              cells=dict(values=cells, align="left")))
     return theme(fig, title, height=120 + 28 * len(rows))
@@ -228,9 +243,10 @@ def human_bytes(n: float) -> str:
 
 
 from .explore import Explorer, explore, precompute  # noqa: E402  (needs theme above)
+from .listing import listing  # noqa: E402
 
 __all__ = ["Figure", "mime_bundle", "in_kernel", "theme", "gantt", "memory_over_time", "bars", "lines", "heatmap", "table", "waterfall", "human_bytes",
-           "COLORS", "PALETTE", "color_of", "explore", "precompute", "Explorer"]
+           "COLORS", "PALETTE", "color_of", "explore", "precompute", "Explorer", "listing", "EMPTY"]
 
 
 def _use_notebook_renderer() -> None:

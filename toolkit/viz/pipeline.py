@@ -21,28 +21,29 @@ from . import Figure, color_of, gantt, theme
 KIND_COLORS = {"I": "#7cb342"}  # input-gradient backward: a lighter green than B (full backward)
 
 
-def schedule_gantt(source: SimResult | list[dict], title: str = "", label: str = "mb") -> go.Figure:
-    """Gantt chart of a simulated step (``SimResult``, time in cost units) or of measured spans
-    (``Timeline.to_json()`` dicts from the executor, time in ms)."""
+def schedule_gantt(source: SimResult | list[dict], title: str = "", label: str = "mb",
+                   unit: str = "cost units") -> go.Figure:
+    """Gantt chart of a simulated step (``SimResult``: its times in the unit of the costs it was simulated with,
+    ``unit``; "cost units" when they are not times) or of measured spans (``Timeline.to_json()`` dicts from the
+    executor, shown in ms)."""
     simulated = isinstance(source, SimResult)
     spans = source.spans if simulated else source
     if not simulated:  # measured: start the axis at the step's first action
         t0 = min(s["start"] for s in source)
         spans = [{**s, "start": s["start"] - t0, "end": s["end"] - t0} for s in source]
-    fig = gantt(spans, title=title, label=label, time_unit="s" if simulated else "ms")
+    fig = gantt(spans, title=title, label=label, time_unit="s" if simulated else "ms",  # simulated: as they are
+                unit_label=unit if simulated else None)
     fig.for_each_trace(lambda t: t.update(marker_color=KIND_COLORS[t.name]) if t.name in KIND_COLORS else None)
-    if simulated:
-        fig.update_layout(xaxis_title="time (cost units)")
     return fig
 
 
-def memory_steps(sim: SimResult, title: str = "") -> go.Figure:
-    """Activation stage-chunks held by each rank over the simulated step."""
+def memory_steps(sim: SimResult, title: str = "", unit: str = "cost units") -> go.Figure:
+    """Activation stage-chunks held by each rank over the simulated step (time in ``unit``, as ``schedule_gantt``)."""
     fig = Figure()
     for r, curve in enumerate(sim.memory):
         fig.add_trace(go.Scatter(x=[t for t, _ in curve], y=[n for _, n in curve], mode="lines", line_shape="hv",
                                  name=f"rank {r}", line=dict(color=color_of(f"rank {r}", r))))
-    fig.update_layout(xaxis_title="time (cost units)", yaxis_title="stage-chunks held")
+    fig.update_layout(xaxis_title=f"time ({unit})", yaxis_title="stage-chunks held")
     return theme(fig, title)
 
 
@@ -53,11 +54,11 @@ def simulate_named(name: str, p: int, m: int, costs: Costs, **options) -> SimRes
     return simulate(schedule, costs)
 
 
-def schedule_view(sim: SimResult, title: str = "") -> go.Figure:
+def schedule_view(sim: SimResult, title: str = "", unit: str = "cost units") -> go.Figure:
     """The simulated step's Gantt chart above the activation chunks each rank holds (one figure, shared x)."""
     from plotly.subplots import make_subplots
 
-    chart, held = schedule_gantt(sim), memory_steps(sim)
+    chart, held = schedule_gantt(sim, unit=unit), memory_steps(sim, unit=unit)
     fig = make_subplots(rows=2, cols=1, shared_xaxes=True, row_heights=[0.64, 0.36], vertical_spacing=0.07,
                         figure=Figure())
     for trace in chart.data:
@@ -67,7 +68,7 @@ def schedule_view(sim: SimResult, title: str = "") -> go.Figure:
     fig.update_layout(barmode="overlay", bargap=0.25)
     fig.update_yaxes(categoryorder="array", categoryarray=chart.layout.yaxis.categoryarray, row=1, col=1)
     fig.update_yaxes(title_text="chunks held", row=2, col=1)
-    fig.update_xaxes(title_text="time (cost units)", row=2, col=1)
+    fig.update_xaxes(title_text=f"time ({unit})", row=2, col=1)
     return theme(fig, title, height=(chart.layout.height or 320) + 200)
 
 
@@ -82,7 +83,7 @@ def explorer(schedule: str = "dualpipev", p: int = 4, m: int = 8, costs: Costs |
     def draw(schedule: str, p: int, m: int, F: float, B: float, W: float, overlap: float, comm: float):
         cost = Costs(F, B, W, FB=overlap * (F + B), comm=comm)
         sim = simulate_named(schedule, p, m, cost)
-        return schedule_view(sim, title=f"{schedule}, p={p}, m={m}: step {sim.makespan:.2f}, bubble "
+        return schedule_view(sim, title=f"{schedule}, p={p}, m={m}: step {sim.makespan:.2f} cost units, bubble "
                                         f"{sim.bubble_fraction:.1%}, peak chunks {max(sim.peak_mb):.2f}")
 
     def grid(values: list, value):
