@@ -203,9 +203,10 @@ def pipeline(ctx, cfg):
     p = ctx.world_size
     setup = PipelineSetup.build("smoke", m=2 * p, micro_batch=2, n_layer=2 * p, seed=0, device=ctx.device, d_model=64)
     out = {"act_shape": list(setup.act_shape)}
-    for name in cfg["schedules"]:
-        records, models = measure_schedules(ctx, setup, [Job(make_schedule(name, p, 2 * p))], warmup=1, steps=1,
-                                            rounds=1, trim=0)
+    for i, name in enumerate(cfg["schedules"]):
+        with ctx.part(i, len(cfg["schedules"]), name):  # the bar: one slice per schedule (it counts its own steps)
+            records, models = measure_schedules(ctx, setup, [Job(make_schedule(name, p, 2 * p))], warmup=1, steps=1,
+                                                rounds=1, trim=0)
         rec, digest = records[0], _Digest()
         for param in models[0].parameters():
             if param.grad is not None:

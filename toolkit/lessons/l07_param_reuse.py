@@ -41,6 +41,7 @@ PRESETS = {
     "full": {"model": "full", "seq_len": 1024, "batch": 8, "steps": 1000, "lr": 3e-4, "chunk_numel": 1 << 16,
              "warmup": 2, "bench_steps": 10, "rounds": 5},
 }
+PHASES = [("train", 4), ("measure", 1)]  # the bar: training took 4/5 of a default run, memory and timing the rest
 
 
 def validate(cfg: dict, world_size: int) -> dict:
@@ -109,6 +110,7 @@ def run(ctx, cfg: dict) -> dict:
     reps = {name: Replica(copy.deepcopy(base), make, rank, dp) for name, make in makers.items()}
 
     # ---- training: reuse == same at every step; amp drifts once a tie rounds the other way -----------
+    ctx.phase("train")
     data = list(batches(cfg["batch"], cfg["seq_len"], cfg["steps"] + 1, seed=1, rank=rank, world=dp))
     losses = {name: [] for name in reps}
     bitexact_steps, tie_rows, drift = 0, [], []
@@ -134,6 +136,7 @@ def run(ctx, cfg: dict) -> dict:
         ctx.progress(step + 1, cfg["steps"], "training reuse / same / amp")
 
     # ---- memory: storage bytes per parameter, unsharded and sharded -------------------------------------
+    ctx.phase("measure")
     def per_param(model, opt, numel):
         b = bytes_by_category(model, opt)
         return {k: v / numel for k, v in b.items()} | {"bytes": b}
@@ -164,7 +167,7 @@ def run(ctx, cfg: dict) -> dict:
     opt_times = compare({name: reps[name].opt.step for name in ("amp", "reuse")}, **timing)
     for name in ("amp", "reuse"):
         reps[name].shard.grad = None
-    ctx.progress(cfg["steps"], cfg["steps"], "timing the training step")
+    ctx.progress(1, 2, "timing the training step")
     train_times = compare({name: (lambda rep=reps[name]: rep.step(x, y)) for name in ("amp", "reuse")}, **timing)
     bench = {name: {"optimizer_step_s": opt_times[name].mean_s, "train_step_s": train_times[name].mean_s}
              for name in ("amp", "reuse")}
