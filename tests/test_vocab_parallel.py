@@ -22,7 +22,7 @@ from toolkit.runtime.cluster import cluster
 
 P = 4
 M = lesson.PRESETS["smoke"]["m"]
-PAPER = vp.Workload(n_layer=32, d_model=3072, d_ff=4 * 3072, vocab_size=256_000, seq_len=4096)
+PAPER = vp.Workload(vp.gpt("the paper's 4B GPT", layers=32, hidden=3072, vocab=256_000, seq_len=4096))
 A100 = cluster("a100-ib200")
 
 
@@ -248,7 +248,7 @@ def test_vocab_schedule_runs_at_skewed_costs(alg):
 def test_larger_vocab_larger_gain():
     gains = []
     for V in (32_000, 256_000):
-        w = vp.Workload(n_layer=32, d_model=3072, d_ff=4 * 3072, vocab_size=V, seq_len=4096)
+        w = vp.Workload(vp.gpt("the paper's 4B GPT", layers=32, hidden=3072, vocab=V, seq_len=4096))
         gains.append(vp.simulate_layouts(vp.stage_costs(w, 8, A100, "baseline"),
                                          vp.stage_costs(w, 8, A100, "vocab"), 16)["speedup"])
     assert 1.0 < gains[0] < gains[1]

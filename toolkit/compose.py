@@ -463,11 +463,11 @@ def vocab_schedule(cfg: ComposeConfig):
     from toolkit.pipeline import vocab_costs as vc
     from toolkit.pipeline import vocab_parallel as vp
     mcfg = cfg.model_config()
-    w = vc.Workload(n_layer=cfg.n_layer, d_model=mcfg.d_model, d_ff=mcfg.d_ff, vocab_size=mcfg.vocab_size,
-                    seq_len=mcfg.seq_len, micro_batch=cfg.micro_batch, act_bytes=4 if cfg.precision == "fp32" else 2)
+    w = vc.Workload(vc.gpt("the capstone's GPT", cfg.n_layer, mcfg.d_model, mcfg.vocab_size, mcfg.seq_len,
+                           ffn=mcfg.d_ff, heads=mcfg.n_head), micro_batch=cfg.micro_batch)
     hw = vc.from_rates("placement model", matmul_flops=1e11, mem_bw=1e10, op_overhead_s=0.0, link_bytes_per_s=1e9)
-    return vp.vocab_1f1b(cfg.pp, cfg.m, VOCAB_ALGORITHM, vp.StageCosts(vc.stage_costs(w, cfg.pp, hw, "vocab",
-                                                                                     VOCAB_ALGORITHM, vc.ACHIEVED)))
+    costs = vc.stage_costs(w, cfg.pp, hw, "vocab", VOCAB_ALGORITHM, elem=4 if cfg.precision == "fp32" else 2)
+    return vp.vocab_1f1b(cfg.pp, cfg.m, VOCAB_ALGORITHM, vp.StageCosts(costs))
 
 
 VOCAB_ALGORITHM = 2

@@ -18,11 +18,14 @@ micro-batch b, m micro-batches per step, on N = dp·tp·pp GPUs (bytes, bf16 com
                  (DeepSpeed's ``grad_partitions_flat_buffer`` lives on the offload device): device grads 0.
 
     time = compute / (1 - bubble) + exposed communication
-      compute   = 6Ψ·tokens / (N · peak_flops · mfu)        (x 4/3 with full recompute)
+      compute   = m x one micro-batch's kernels on one GPU: its L/pp layers at tp-way TP, forward and backward
+                  (and the forward again with full recompute), each GEMM, attention and elementwise kernel at the
+                  GPU's achieved rate (``toolkit.models.catalog.train_seconds``, ``toolkit.runtime.efficiency``)
       bubble    = (pp-1)/(m+pp-1)                           (1F1B)
-      TP comm   = 4 all-reduces of s·b·h·2 bytes per layer per micro-batch (fwd+bwd), on the intra-node link
-      DP comm   = gradient all-reduce 2(dp-1)/dp · 2Ψ/(tp·pp) bytes (ZeRO-3: x1.5), on the inter-node link
-                  when dp spans nodes; a fraction ``dp_overlap`` hides behind backward
+      TP comm   = 4 collectives of s·b·h·2 bytes per layer per micro-batch (sequence parallel: an all-gather
+                  and a reduce-scatter each way), NCCL's time on the TP group's link
+      DP comm   = gradient all-reduce 2(dp-1)/dp · 2Ψ/(tp·pp) bytes (ZeRO-3: x1.5), NCCL's time on the links
+                  the DP group spans; a fraction ``dp_overlap`` hides behind backward
       PP comm   = 2·m·s·b·h·2 bytes per stage boundary, latency-bound, ignored in time
 
 ``validate_memory_model`` checks the parameter/gradient/optimizer formulas against the bytes
@@ -51,12 +54,11 @@ ZeRO 2 or 3 it also puts the gradient shards on the host, as ZeRO-Offload does (
 backward produces them; ``memory_per_gpu`` counts them on the host at ZeRO 3 only, on the device at ZeRO 2);
 ``validate_offload_model`` compares it with the bytes lesson 00b measures, device and host.
 
-The hardware is a ``toolkit.runtime.cluster.Cluster`` (a preset, or one with parts replaced): its GPU's dense
-bf16 peak and memory, the per-direction bandwidth of its intra- and inter-node links (a group of at most
-``gpus_per_node`` GPUs stays inside a node), its host link (PCIe) and its disk. Transfers are timed by bandwidth
-alone (the α of ``Link.seconds`` is left out: these messages are megabytes to gigabytes). What the model
-assumes about the software rather than the hardware (the MFU, the hidden share of the DP all-reduce, a host
-CPU's Adam throughput) is ``Assumptions``.
+The hardware is a ``toolkit.runtime.cluster.Cluster`` (a preset, or one with parts replaced): its GPU (peaks,
+achieved efficiency, memory), its links (NCCL's protocols; a group of at most ``gpus_per_node`` GPUs stays
+inside a node), its host link (PCIe) and its disk: the same figures the emulated cluster times a run with. The
+model's workload is a ``toolkit.models.catalog.ModelSpec``. What the model assumes about the software rather
+than the hardware (the hidden share of the DP all-reduce, a host CPU's Adam throughput) is ``Assumptions``.
 """
 from __future__ import annotations
 
@@ -65,29 +67,9 @@ import itertools
 import math
 from dataclasses import dataclass
 
-from toolkit.runtime.cluster import Cluster, Link, cluster as make_cluster
-
-
-@dataclass
-class Workload:
-    """The model and batch to place."""
-    params: float = 7e9
-    """Ψ, total parameters."""
-    layers: int = 32
-    hidden: int = 4096
-    heads: int = 32
-    seq_len: int = 4096
-    micro_batch: int = 1
-    global_batch: int = 512
-    """Sequences per optimizer step (= dp · micro_batch · micro-batches)."""
-    recompute: bool = False
-    """Full activation recomputation."""
-    ffn_hidden: int = 0
-    """Width of the MLP (0: 4 · hidden; Llama's SwiGLU width otherwise; an MoE's: each expert's)."""
-    experts: int = 0
-    """Routed experts per MoE layer (0: a dense model)."""
-    top_k: int = 0
-    """Experts each token is routed to."""
+from toolkit.models.catalog import Workload, train_seconds  # noqa: F401 (Workload: the planner's input)
+from toolkit.runtime import collectives
+from toolkit.runtime.cluster import Cluster, cluster as make_cluster
 
 
 @dataclass(frozen=True)
@@ -103,8 +85,8 @@ class Zero3Buffers:
 
 
 def layer_params(w: "Workload", tp: int = 1) -> float:
-    """One dense transformer layer's parameters on a rank of a TP group: 4h² (attention) + 2·h·F (MLP)."""
-    return (4 * w.hidden ** 2 + 2 * w.hidden * (w.ffn_hidden or 4 * w.hidden)) / tp
+    """One transformer layer's parameters on a rank of a TP group (``ModelSpec.layer_params``)."""
+    return w.model.layer_params() / tp
 
 
 def zero3_buffers(w: "Workload", tp: int, bytes_weight: int = 2, bytes_grad: int = 2,
@@ -117,16 +99,15 @@ def zero3_buffers(w: "Workload", tp: int, bytes_weight: int = 2, bytes_grad: int
 
 @dataclass(frozen=True)
 class Assumptions:
-    """What the step-time model assumes about the software, not the hardware (that is a ``Cluster``)."""
-    mfu: float = 0.45
-    """Achieved fraction of the GPU's dense bf16 peak on the model's FLOPs."""
+    """What the step-time model assumes about the software, not the hardware (that is a ``Cluster``, whose GPU's
+    ``efficiency`` times the kernels)."""
     dp_overlap: float = 0.7
     """Fraction of the DP all-reduce hidden behind backward."""
     cpu_adam_bytes_per_s: float = 10e9
     """Optimizer-state bytes a host CPU's Adam streams per second, per GPU's share of the host (offload)."""
 
     def __post_init__(self):
-        checks = {"mfu": (lambda v: 0 < v <= 1, "in (0, 1]"), "dp_overlap": (lambda v: 0 <= v <= 1, "in [0, 1]"),
+        checks = {"dp_overlap": (lambda v: 0 <= v <= 1, "in [0, 1]"),
                   "cpu_adam_bytes_per_s": (lambda v: 0 < v < math.inf, "> 0 and finite")}
         for name, (ok, allowed) in checks.items():
             v = getattr(self, name)
@@ -245,23 +226,31 @@ def validate_offload_model(unit_numels: list[int], dp: int, stage: int, measured
     return rows
 
 
-def _link(hw: Cluster, gpus: int) -> Link:
-    """The link a group of ``gpus`` consecutive GPUs spans: intra-node if it fits in one node."""
-    return hw.intra if gpus <= hw.gpus_per_node else hw.inter
+def group_seconds(hw: Cluster, op: str, n: int, wire_bytes: float, stride: int = 1) -> float:
+    """One collective among ``n`` GPUs ``stride`` apart (a TP group: 1; a DP group: tp·pp) on ``hw``, its nodes
+    filled in rank order (``toolkit.runtime.collectives``)."""
+    if n <= 1:
+        return 0.0
+    world = n * stride
+    per = min(world, hw.gpus_per_node)
+    placed = make_cluster(hw, ranks_per_node=per) if world > per else hw
+    return collectives.seconds(placed, op, range(0, world, stride), world, wire_bytes)[0]
 
 
 def step_time(w: Workload, hw: Cluster, dp: int, tp: int, pp: int, zero: int,
               assume: Assumptions = Assumptions()) -> dict[str, float]:
-    """Seconds per optimizer step on dp·tp·pp GPUs of ``hw``, split into compute, bubble, exposed TP and exposed
-    DP communication."""
+    """Seconds per optimizer step on dp·tp·pp GPUs of ``hw``, split into compute (each GPU's kernels at the
+    GPU's achieved rates: ``catalog.train_seconds``), bubble, exposed TP and exposed DP communication (NCCL's
+    times on the links the groups span)."""
     micro_batches = max(w.global_batch // (dp * w.micro_batch), 1)
-    tokens = w.global_batch * w.seq_len
-    compute = 6 * w.params * tokens * (4 / 3 if w.recompute else 1) / (dp * tp * pp * hw.gpu.bf16_flops * assume.mfu)
+    per_micro = train_seconds(w.model, hw.gpu, w.micro_batch, w.seq_len, tp, pp, w.recompute)["total"]
+    compute = micro_batches * per_micro
     bubble = (pp - 1) / (micro_batches + pp - 1)
-    tp_bytes = 4 * (w.layers / pp) * micro_batches * w.seq_len * w.micro_batch * w.hidden * 2 * 2 * (tp - 1) / tp
-    tp_comm = tp_bytes / _link(hw, tp).bytes_per_s if tp > 1 else 0.0
-    dp_bytes = 2 * (dp - 1) / dp * 2 * w.params / (tp * pp) * (1.5 if zero == 3 else 1.0)
-    dp_comm = dp_bytes / _link(hw, dp * tp * pp).bytes_per_s * (1 - assume.dp_overlap) if dp > 1 else 0.0
+    act = w.seq_len * w.micro_batch * w.hidden * 2  # one activation, bf16
+    calls = 4 * (w.layers / pp) * micro_batches  # an all-gather and a reduce-scatter per layer, each way
+    tp_comm = calls * group_seconds(hw, "all_gather", tp, (tp - 1) / tp * act) if tp > 1 else 0.0
+    grad = 2 * w.params / (tp * pp) * (1.5 if zero == 3 else 1.0)
+    dp_comm = group_seconds(hw, "all_reduce", dp, 2 * (dp - 1) / dp * grad, tp * pp) * (1 - assume.dp_overlap)
     busy = compute + tp_comm
     return {"compute": compute, "bubble": busy / (1 - bubble) - busy, "tp_comm": tp_comm, "dp_comm": dp_comm,
             "total": busy / (1 - bubble) + dp_comm, "micro_batches": micro_batches}
@@ -443,83 +432,3 @@ def explain(rows: list[dict], hw: Cluster | str, headroom: float = 0.9) -> list[
                        if alt["fits"] else f"does not fit ({alt['memory_gb']:.1f} GB)")
             out.append(f"{key} {value} instead of {best[key]}: at best {verdict}")
     return out
-
-
-# ---- the real workloads the toy runs stand for: the emulated cluster's workload-matched mode ------------------------
-MODELS: dict[str, Workload] = {
-    "llama2-7b": Workload(params=6.7e9, layers=32, hidden=4096, heads=32, seq_len=4096, ffn_hidden=11008),
-    "llama2-13b": Workload(params=13e9, layers=40, hidden=5120, heads=40, seq_len=4096, ffn_hidden=13824),
-    "llama2-70b": Workload(params=69e9, layers=80, hidden=8192, heads=64, seq_len=4096, ffn_hidden=28672),
-    "mixtral-8x7b": Workload(params=46.7e9, layers=32, hidden=4096, heads=32, seq_len=4096, ffn_hidden=14336,
-                             experts=8, top_k=2),
-    "deepseek-v3": Workload(params=671e9, layers=61, hidden=7168, heads=128, seq_len=4096, ffn_hidden=2048,
-                            experts=256, top_k=8),
-}
-"""Llama 2's shapes (Touvron et al. 2023, Table 1 and the released configs), Mixtral 8x7B's (Jiang et al. 2024,
-Table 1) and DeepSeek-V3's (its technical report §4.2 and released config: 256 routed SwiGLU experts of width 2048,
-top-8; the shared expert and the dense first layers left out), one sequence of 4096 per micro-batch."""
-
-
-def dense_layer_op(tokens: int, hidden: int, ffn: int, elem: int = 2) -> dict[str, float]:
-    """One transformer layer's forward on one rank: ``gemm_flops`` of its projections and MLP, 2·M·(4·D² + 2·D·F)
-    (attention scores left out), and ``wire_bytes`` of the activation a pipeline stage hands on, M·D·elem."""
-    return {"gemm_flops": 2.0 * tokens * (4 * hidden * hidden + 2 * hidden * ffn), "wire_bytes": float(tokens * hidden * elem)}
-
-
-def workload_layer_op(w: Workload, elem: int = 2) -> dict[str, float]:
-    """``dense_layer_op`` of one of ``w``'s layers on one micro-batch: seq_len · micro_batch tokens, its MLP width
-    ``ffn_hidden`` (4 · hidden when it has none)."""
-    return dense_layer_op(w.seq_len * w.micro_batch, w.hidden, w.ffn_hidden or 4 * w.hidden, elem)
-
-
-def tp_mlp_op(tokens: int, hidden: int, ffn: int, tp: int, elem: int = 2) -> dict[str, float]:
-    """fc1's all-gather + GEMM (fc2's GEMM + reduce-scatter is its mirror: the same numbers) on one rank of a
-    sequence-parallel TP group: ``gemm_flops`` = 2·M·D·F/tp, ``wire_bytes`` = (tp−1)/tp·M·D·elem (the ledger's
-    convention), for M tokens, D = hidden, F = ffn."""
-    return {"gemm_flops": 2.0 * tokens * hidden * ffn / tp, "wire_bytes": (tp - 1) / tp * tokens * hidden * elem}
-
-
-def moe_layer_op(tokens: int, hidden: int, ffn: int, top_k: int, ep: int, elem: int = 2) -> dict[str, float]:
-    """One rank's MoE layer under expert parallelism over ``ep`` ranks, its ``tokens`` balanced: ``gemm_flops`` of
-    the experts it runs (each routed token: an up and a down GEMM, 2·2·D·F) and ``wire_bytes`` of one dispatch
-    all-to-all ((ep−1)/ep of its ``tokens · top_k`` rows of D leave the rank; the combine moves as many back)."""
-    return {"gemm_flops": 4.0 * tokens * top_k * hidden * ffn, "wire_bytes": (ep - 1) / ep * tokens * top_k * hidden * elem}
-
-
-def dp_grad_op(params: float, tokens: int, elem: int = 2) -> dict[str, float]:
-    """One data-parallel rank's backward and the gradient its all-reduce carries: ``gemm_flops`` = 4·Ψ·tokens (dX
-    and dW, twice the forward's 2·Ψ·tokens) and ``wire_bytes`` = Ψ·elem (the gradient; a ring all-reduce sends
-    2(n−1)/n of it, the same factor for a toy and its real model)."""
-    return {"gemm_flops": 4.0 * params * tokens, "wire_bytes": float(params * elem)}
-
-
-def matched_scales(toy: dict[str, float], real: dict[str, float]) -> dict[str, float]:
-    """The emulator's ``scaled(flops=, bytes=)`` factors that time a toy op as its real counterpart: real / toy
-    GEMM FLOPs and real / toy activation bytes (``tp_mlp_op``-style dicts; the wire carries activations, so its
-    bytes scale as theirs). GEMMs grow as M·K·N, activations as M·K: their quotient is what moves the compute-to-
-    communication balance from the toy's to the real workload's."""
-    return {"flops": real["gemm_flops"] / toy["gemm_flops"], "bytes": real["wire_bytes"] / toy["wire_bytes"]}
-
-
-def dp_phase_scales(toy_params: float, toy_step_flops: float, toy_tokens: int, toy_hidden: int,
-                    real: Workload) -> dict[str, dict[str, float]]:
-    """``scaled(...)`` factors that time a data-parallel toy step as ``real``'s on one micro-batch per rank
-    (T = seq_len · micro_batch tokens), for its two kinds of ops. ``"compute"``, the forward and backward: FLOPs so
-    that the toy's (``toy_step_flops``, as the emulator counted them) count 6·Ψ·T, bytes as its activations
-    (T·hidden against the toy's ``toy_tokens · toy_hidden``: elementwise ops read and write activations; the GEMMs
-    are FLOP-bound at the real size). ``"gradient"``, every op that walks the gradient once or a few times (its
-    sync, a compressor's codec, the optimizer): FLOPs and bytes both x Ψ / toy parameters."""
-    tokens = real.seq_len * real.micro_batch
-    grad = real.params / toy_params
-    return {"compute": {"flops": 6 * real.params * tokens / toy_step_flops,
-                        "bytes": tokens * real.hidden / (toy_tokens * toy_hidden)},
-            "gradient": {"flops": grad, "bytes": grad}}
-
-
-def op_times(op: dict[str, float], hw, link: str = "intra") -> dict[str, float]:
-    """One op on a ``toolkit.runtime.cluster.Cluster``: the GEMM at the bf16 peak plus a launch, the transfer
-    α + bytes/β on ``link``, and their ratio (> 1: the GEMM is long enough to hide the transfer)."""
-    gemm = op["gemm_flops"] / hw.gpu.bf16_flops + hw.gpu.launch_s
-    comm = getattr(hw, link).seconds(op["wire_bytes"])
-    return {"gemm_s": gemm, "comm_s": comm, "ratio": gemm / comm}
-

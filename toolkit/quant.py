@@ -112,7 +112,7 @@ def _one_kernel(name: str):
     cost = {}
     with emu.untimed():
         yield lambda reads, writes, flops=0.0: cost.update(flops=flops, nbytes=emu.tensor_bytes([reads, writes]))
-    emu.compute(f"{name} (Triton kernel)", cost["flops"], cost["nbytes"])
+    emu.compute(f"{name} (Triton kernel)", cost["flops"], cost["nbytes"], kind="memory")
 
 
 def all_finite(x: torch.Tensor) -> bool:

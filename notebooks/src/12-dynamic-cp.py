@@ -411,7 +411,8 @@ if E is not None:
 # ## 4 · Simulated: the seed's scale (Llama-13B, PP8 × 8 DP·CP ranks, 2048 sequences, full recompute)
 #
 # **Simulation, not measurement.** `toolkit.context.dcp_sim` times a step from a cost model: linear layers and
-# attention at assumed fractions of the `h100-ib400` preset's bf16 peak (`dcp_sim.Efficiency`), each ring hop
+# attention at the `h100-ib400` preset's achieved rates (its GPU's efficiency model, calibrated on published
+# GEMM and FlashAttention throughput: `toolkit.runtime.efficiency`), each ring hop
 # at an assumed link bandwidth and latency (`dcp_sim.RING_HOP`, in place of the preset's NVLink), overlapped with
 # 1/cp of the attention it feeds; a micro-batch's stage time is its slowest group's; 1F1B over 8 stages with these
 # unequal micro-batches is timed by `toolkit.pipeline.simulate`. Up to `sim_cap` tokens per rank, sequences up to
@@ -425,15 +426,15 @@ if E is not None:
 # %%
 setup = dcp_sim.Setup(cap=sim_cap, gbs=sim_gbs if sim_gbs is not None else (512 if preset == "smoke" else 2048))
 hw = dcp_sim.CLUSTER
-eff = dcp_sim.Efficiency()  # assumed kernel efficiencies (fractions of the bf16 peak): the Try list edits these
 max_len = setup.dcp * setup.cap
 dists = {"GitHub-like (corpus)": dcp_sim.corpus_lengths(setup.gbs, max_len),
          "CommonCrawl-like (assumed log-normal)": dcp_sim.lognormal_lengths(setup.gbs, max_len)}
-sim_plans = {d: dcp_sim.plans_for(lengths, setup, hw=hw, eff=eff) for d, lengths in dists.items()}
-sims = {d: dcp_sim.compare(dists[d], setup, hw=hw, plans=sim_plans[d], eff=eff) for d in dists}
+sim_plans = {d: dcp_sim.plans_for(lengths, setup, hw=hw) for d, lengths in dists.items()}
+sims = {d: dcp_sim.compare(dists[d], setup, hw=hw, plans=sim_plans[d]) for d in dists}
 print(f"{setup.gbs} sequences per step, cap {setup.cap} tokens per rank, PP {setup.pp} × {setup.dcp} DP·CP ranks; "
       f"hardware: {hw.name} ({hw.gpu.name}, ring hop {hw.intra.bytes_per_s / 1e9:.0f} GB/s, α "
-      f"{hw.intra.latency_s * 1e6:.0f} µs: {hw.intra.source}); efficiencies {eff}")
+      f"{hw.intra.latency_s * 1e6:.0f} µs: {hw.intra.source}); GEMMs up to {hw.gpu.efficiency.gemm:.0%} and "
+      f"causal attention {hw.gpu.efficiency.attention_causal:.0%} of the bf16 peak")
 
 # %%
 for d, sim in sims.items():
@@ -475,7 +476,7 @@ display(viz.bars(parts, x="run", y="seconds", color="part", barmode="stack",
 # %%
 bandwidths = [25, 100, 400]
 sweeps = {d: dcp_sim.bandwidth_sweep({k: v for k, v in sim_plans[d].items() if k in ("static", "dynamic")},
-                                     bandwidths, setup, hw=hw, eff=eff) for d in dists}
+                                     bandwidths, setup, hw=hw) for d in dists}
 display(viz.lines({d.split(" ")[0]: s["dynamic"] for d, s in sweeps.items()}, x=bandwidths,
                   title="Simulated speed-up of dynamic CP over static CP vs ring link bandwidth (rescheduled for "
                         "each link)", xaxis_title="GB/s per ring hop", yaxis_title="speed-up (×)", log_x=True))
@@ -609,7 +610,8 @@ headline("12", "dynamic context parallelism",
 # ## Try this
 #
 # - `sim_cap = 4096`: in section 4 each rank holds half the tokens, so a sequence needs twice the ranks.
-# - A code edit in section 4's first cell: `eff = dcp_sim.Efficiency(attention=...)` or `dcp_sim.Setup(pp=4, dcp=16)`.
+# - A code edit in section 4's first cell: `hw = dcp_sim.CLUSTER.perturbed(compute=0.7)` (every kernel 30 % slower)
+#   or `dcp_sim.Setup(pp=4, dcp=16)`.
 # - `cluster = "pcie-100gbe"`: a slower ring under the run, so fewer merges pay; compare the ring bytes and the
 #   emulated steps.
 # - `lengths = [240, 8, 8, 8, 8, 8, 8, 8]`: one long sequence among short ones (a multiple of `world_size` of

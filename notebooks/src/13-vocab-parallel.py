@@ -465,7 +465,7 @@ display(Markdown(
 # schedules as above, built from modelled instead of measured costs.
 
 # %%
-paper = vp.Workload(n_layer=32, d_model=3072, d_ff=4 * 3072, vocab_size=256_000, seq_len=4096)
+paper = vp.Workload(vp.gpt("the paper's 4B GPT", layers=32, hidden=3072, vocab=256_000, seq_len=4096))
 P8, M24 = 8, 24
 a100 = make_cluster("a100-ib200")
 print(a100.describe())
@@ -503,7 +503,7 @@ assert sims[1]["vocab"].peak_mb[0] == P8 + 2 and sims[2]["vocab"].peak_mb[0] == 
 # %%
 sweep = {}
 for V in (32_000, 64_000, 128_000):
-    w = vp.Workload(n_layer=32, d_model=3072, d_ff=4 * 3072, vocab_size=V, seq_len=4096)
+    w = vp.Workload(vp.gpt("the paper's 4B GPT", layers=32, hidden=3072, vocab=V, seq_len=4096))
     sweep[V] = vp.simulate_layouts(vp.stage_costs(w, P8, a100, "baseline"), vp.stage_costs(w, P8, a100, "vocab", 2),
                                    M24, 2, comm_a100)["speedup"]
 sweep[paper.vocab_size] = sims[2]["speedup"]

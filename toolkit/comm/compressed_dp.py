@@ -4,7 +4,8 @@ A job of ``gpus`` = dp·tp·pp GPUs; each GPU holds Ψ' = Ψ/(tp·pp) of the mod
 computes, then synchronises its gradients with its dp peers. Per GPU and per step::
 
     step     = compute + DP traffic + codec + optimizer        (nothing overlapped: the lessons' runs overlap nothing)
-    compute  = 6 · Ψ · tokens / (tp · pp · peak · mfu)         tokens: this replica's per step (bubble left out)
+    compute  = the GPU's kernels for this replica's tokens per step, at their achieved rates (bubble left out;
+               ``toolkit.models.catalog.train_seconds``)
     traffic  = Σ over calls of α + bytes / β                   (toolkit.runtime.cluster.Link.seconds)
       plain all-reduce        1 call      2(dp−1)/dp · Ψ' · g
       PowerSGD at rank r      3 calls     2(dp−1)/dp · g · (vectors | Σ n·r | Σ m·r)   over this GPU's matrices
@@ -33,7 +34,7 @@ from typing import Callable
 
 from toolkit.comm.edgc import step_elements
 from toolkit.comm.sdp4bit import SDPConfig
-from toolkit.planner import Workload
+from toolkit.models.catalog import Workload, train_seconds
 from toolkit.runtime.cluster import Cluster, Link
 
 
@@ -95,9 +96,10 @@ def traffic_s(calls: list[tuple[float, Link]]) -> float:
     return sum(link.seconds(b) for b, link in calls if b > 0)
 
 
-def compute_s(w: Workload, lay: Layout, hw: Cluster, mfu: float) -> float:
-    """One replica's forward and backward on one of its GPUs: 6·Ψ·tokens / (tp·pp · peak · mfu)."""
-    return 6 * w.params * lay.tokens / (lay.tp * lay.pp * hw.gpu.bf16_flops * mfu)
+def compute_s(w: Workload, lay: Layout, hw: Cluster) -> float:
+    """One replica's forward and backward on one of its GPUs: its share of the model's kernels for the replica's
+    ``lay.tokens`` tokens per step, in sequences of ``w.seq_len``, at the GPU's achieved rates."""
+    return train_seconds(w.model, hw.gpu, lay.tokens / w.seq_len, w.seq_len, lay.tp, lay.pp)["total"]
 
 
 def dp_calls(scheme: str, w: Workload, lay: Layout, hw: Cluster, rank: int | None = None, g: float = 2.0,
@@ -130,7 +132,7 @@ def dp_calls(scheme: str, w: Workload, lay: Layout, hw: Cluster, rank: int | Non
     raise ValueError(f"scheme={scheme!r} is not allowed; allowed: allreduce, powersgd, sharded, sdp4bit")
 
 
-def step(scheme: str, w: Workload, lay: Layout, hw: Cluster, codec: float, mfu: float, rank: int | None = None,
+def step(scheme: str, w: Workload, lay: Layout, hw: Cluster, codec: float, rank: int | None = None,
          g: float = 2.0, optimizer: float = 0.0, compute: float | None = None) -> dict[str, float]:
     """Seconds of one step of ``scheme`` on one GPU, by term: ``compute_s`` (``compute`` if given, else
     ``compute_s(...)``), ``traffic_s``, ``codec_s`` and ``optimizer_s`` (``codec`` and ``optimizer``: seconds per
@@ -140,7 +142,7 @@ def step(scheme: str, w: Workload, lay: Layout, hw: Cluster, codec: float, mfu: 
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
             raise ValueError(f"{name} (seconds per element) must be a finite number >= 0, got {v!r}")
     elements = w.params / (lay.tp * lay.pp)
-    out = {"compute_s": compute_s(w, lay, hw, mfu) if compute is None else compute,
+    out = {"compute_s": compute_s(w, lay, hw) if compute is None else compute,
            "traffic_s": traffic_s(dp_calls(scheme, w, lay, hw, rank, g)),
            "codec_s": codec * elements, "optimizer_s": optimizer * elements}
     out["sync_s"] = out["traffic_s"] + out["codec_s"]

@@ -1,6 +1,7 @@
 """A cost model of static vs dynamic CP at the seed's scale -- a *simulation*: every number it gives rests on the
-cluster it is given (``CLUSTER``: the h100-ib400 preset with an assumed ring hop) and on the assumed kernel
-efficiencies (``Efficiency``), and is labelled "simulated" wherever it is shown.
+cluster it is given (``CLUSTER``: the h100-ib400 preset with an assumed ring hop), whose GPU's efficiency model
+(``toolkit.runtime.efficiency``, the emulated cluster's) times the kernels, and is labelled "simulated" wherever
+it is shown.
 
 The blog's setting: Llama-13B, pipeline 8 stages (PP8) x 8 DP·CP ranks per stage (64 GPUs), global batch 2048
 sequences, full recompute; static CP8 (the CP size the longest sequence needs) against the dynamic scheduler.
@@ -8,8 +9,10 @@ sequences, full recompute; static CP8 (the CP size the longest sequence needs) a
 Per micro-batch, per pipeline stage, for each CP group (c ranks, T tokens per rank, A = Σ L²/c over its
 sequences; every rank of a group does the same work)::
 
-    linear      2·T·(2·d² + 2·d·d_kv + 3·d·d_ff) / (peak · gemm)      QKV + output projection, SwiGLU MLP
-    attention   2·d·A / (peak · attention)                            causal QKᵀ and PV (half the square each)
+    linear      the layer's GEMMs on T tokens (QKV, output projection,   each kernel at the GPU's achieved rate
+                SwiGLU MLP) and its elementwise passes                (``catalog.layer_kernels``)
+    attention   flash attention, causal, 2·d·A FLOPs, at the rate of sequences of A/T tokens (the
+                token-weighted mean length: short documents run below the kernel's plateau)
     ring hop    α + 2·T·d_kv·b / β                                    K and V of one rank's tokens, on the link
                                                                       the CP group spans (intra-node up to
                                                                       gpus_per_node ranks, else inter-node)
@@ -32,9 +35,7 @@ The same per-group time is what the toolkit's scheduler judges its refill and me
 longest first (the ablation: the gain of packing alone), dynamic CP with Megatron's rules, and the toolkit's.
 
 Not modelled: the embedding, and the output layer but where asked (``output_layer``, pp = 1); the DP gradient
-all-reduce (the same for every plan); per-element ops (LayerNorms, activations); kernel efficiency falling on
-small chunks (which would favour dynamic CP further); the scheduler's own time (Megatron runs it
-asynchronously); memory.
+all-reduce (the same for every plan); the scheduler's own time (Megatron runs it asynchronously); memory.
 """
 from __future__ import annotations
 
@@ -43,53 +44,18 @@ import random
 from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
 
+from toolkit.models.catalog import ModelSpec, get, layer_kernels
 from toolkit.pipeline.schedule import one_f_one_b
 from toolkit.pipeline.simulate import simulate
 from toolkit.runtime.cluster import Cluster, Link, cluster
+from toolkit.runtime.efficiency import kernel_seconds
 
 from .dynamic_cp import Group, Plan, advance, cp_size_for, pad_length, schedule_dynamic, schedule_static
 
 
-@dataclass(frozen=True)
-class ModelShape:
-    """Transformer sizes the cost model needs."""
+LLAMA_13B = get("llama2-13b")
+"""The blog's model (``toolkit.models.catalog``)."""
 
-    name: str
-    n_layer: int
-    d_model: int
-    n_head: int
-    d_ff: int
-    n_kv_head: int
-    vocab: int
-    elem_bytes: int = 2
-
-    @property
-    def d_kv(self) -> int:
-        return self.n_kv_head * (self.d_model // self.n_head)
-
-
-LLAMA_13B = ModelShape("Llama-13B", n_layer=40, d_model=5120, n_head=40, d_ff=13824, n_kv_head=40, vocab=32000)
-
-
-@dataclass(frozen=True)
-class Efficiency:
-    """The fractions of the GPU's dense bf16 peak the kernels reach: assumptions of this model, not hardware.
-    Change them and the simulated speed-ups change."""
-
-    gemm: float = 0.60
-    """Of the linear layers' GEMMs."""
-    attention: float = 0.45
-    """Of the attention kernels."""
-
-    def __post_init__(self):
-        for name in ("gemm", "attention"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 1:
-                raise ValueError(f"Efficiency {name}={v!r} is not allowed; allowed: a fraction in (0, 1]")
-
-
-ROOFLINE = Efficiency(gemm=1.0, attention=1.0)
-"""Every kernel at the GPU's peak: what the emulated cluster's roofline assumes (to predict an emulated run)."""
 
 RING_HOP = Link("CP ring hop over NVLink (assumed)", 200e9, 20e-6,
                 "assumed: one K/V send/recv between neighbours per attention step, issued inside the attention "
@@ -115,14 +81,14 @@ class Setup:
     recompute: bool = True
 
 
-def matched_scales(d_model: int, shape: ModelShape = LLAMA_13B) -> dict[str, float]:
+def matched_scales(d_model: int, shape: ModelSpec = LLAMA_13B) -> dict[str, float]:
     """The emulator's ``scaled(flops=, bytes=)`` factors that time a toy GPT of width ``d_model`` as ``shape``'s
     layers: every width and every length times r = shape.d_model / d_model. Attention's FLOPs (∝ d·L²) and the
     linear layers' (∝ d²·L) then both grow as r³, activations, K/V blocks and weights as r², so the toy keeps
     the real model's ratios of attention to linear work and of compute to ring traffic. Approximate where the
     shapes differ: the toy's 12·d² linear FLOPs per token and layer (a 4·d GELU MLP) stand for Llama-13B's
     12.1·d² (SwiGLU of 2.7·d), its 256-token vocabulary for 256·r."""
-    r = shape.d_model / d_model
+    r = shape.hidden / d_model
     return {"scale": r, "flops": r ** 3, "bytes": r ** 2}
 
 
@@ -143,24 +109,35 @@ def lognormal_lengths(n: int, max_len: int, median: float = 800.0, sigma: float 
     return [min(max(1, round(median * math.exp(sigma * rng.gauss(0.0, 1.0)))), max_len) for _ in range(n)]
 
 
-def group_times(tokens: float, attn_work: float, cp: int, layers: int, shape: ModelShape, hw: Cluster,
-                recompute: bool = True, eff: Efficiency = Efficiency(), output_layer: bool = False) -> dict[str, float]:
+def _seconds(hw: Cluster, kernels) -> tuple[float, float]:
+    """(all the kernels' seconds, the attention kernels' share of them) on ``hw``'s GPU."""
+    g = hw.gpu
+    t = [(kernel_seconds(k, g.bf16_flops, g.hbm_bytes_per_s, g.sms, g.efficiency), k.kind) for k in kernels]
+    return sum(x for x, _ in t), sum(x for x, kind in t if kind == "attention")
+
+
+def group_times(tokens: float, attn_work: float, cp: int, layers: int, shape: ModelSpec, hw: Cluster,
+                recompute: bool = True, output_layer: bool = False, elem: int = 2) -> dict[str, float]:
     """Forward and backward seconds of one CP group on one stage (see the module docstring), and their parts:
     ``tokens`` per rank, ``attn_work`` = Σ L²/cp per rank. ``output_layer``: the stage also runs the output
-    layer's GEMM, 2·T·d·vocab FLOPs forward and twice that backward (the last stage; a run without a pipeline)."""
-    d, dkv, peak = shape.d_model, shape.d_kv, hw.gpu.bf16_flops
+    layer's GEMM (the last stage; a run without a pipeline)."""
+    from toolkit.models.catalog import head_kernels
+    if tokens <= 0:
+        return {"F": 0.0, "B": 0.0, "compute": 0.0, "exposed_comm": 0.0}
+    length = max(1.0, attn_work / tokens)  # the token-weighted mean sequence length
+    batch = tokens / length
+    fwd_s, attention = _seconds(hw, layer_kernels(shape, batch, round(length), elem=elem))
+    bwd_s, attention_b = _seconds(hw, layer_kernels(shape, batch, round(length), backward=True, elem=elem))
     link = hw.intra if cp <= hw.gpus_per_node else hw.inter
-    linear = 2 * tokens * (2 * d * d + 2 * d * dkv + 3 * d * shape.d_ff) / (peak * eff.gemm)
-    attention = 2 * d * attn_work / (peak * eff.attention)
-    hop = link.seconds(2 * tokens * dkv * shape.elem_bytes)
+    hop = link.seconds(2 * tokens * shape.kv_dim * elem)
     exposed_f = (cp - 1) * max(0.0, hop - attention / cp) if cp > 1 else 0.0
-    hop_b = link.latency_s + 2 * (hop - link.latency_s)  # K/V and dK/dV in flight together
-    exposed_b = ((cp - 1) * max(0.0, hop_b - 2.5 * attention / cp) + hop) if cp > 1 else 0.0
-    head = 2 * tokens * d * shape.vocab / (peak * eff.gemm) if output_layer else 0.0
-    fwd = layers * (linear + attention + exposed_f)
-    bwd = layers * (2 * linear + 2.5 * attention + exposed_b) + (fwd if recompute else 0.0) + 2 * head
-    fwd += head
-    compute = layers * (linear * (4 if recompute else 3) + attention * (4.5 if recompute else 3.5)) + 3 * head
+    hop_b = link.seconds(4 * tokens * shape.kv_dim * elem)  # K/V and dK/dV in flight together
+    exposed_b = ((cp - 1) * max(0.0, hop_b - attention_b / cp) + hop) if cp > 1 else 0.0
+    head_f = _seconds(hw, head_kernels(shape, round(tokens)))[0] if output_layer else 0.0
+    head_b = _seconds(hw, head_kernels(shape, round(tokens), backward=True))[0] if output_layer else 0.0
+    fwd = layers * (fwd_s + exposed_f) + head_f
+    bwd = layers * (bwd_s + exposed_b) + head_b + (layers * fwd_s if recompute else 0.0)
+    compute = layers * (fwd_s * (2 if recompute else 1) + bwd_s) + head_f + head_b
     return {"F": fwd, "B": bwd, "compute": compute, "exposed_comm": fwd + bwd - compute}
 
 
@@ -170,17 +147,16 @@ class CostModel:
     ``dynamic_cp.GroupCost``: what the toolkit's scheduler minimises. ``scale``: the plan's lengths stand for
     ``scale`` times as many tokens (a workload-matched run: the toy's lengths and widths both times ``scale``)."""
 
-    shape: ModelShape = LLAMA_13B
+    shape: ModelSpec = LLAMA_13B
     hw: Cluster = CLUSTER
-    layers: int = LLAMA_13B.n_layer // 8
+    layers: int = LLAMA_13B.layers // 8
     recompute: bool = True
-    eff: Efficiency = Efficiency()
     scale: float = 1.0
     output_layer: bool = False
 
     def __call__(self, tokens: float, attn_work: float, cp: int) -> float:
         t = group_times(tokens * self.scale, attn_work * self.scale ** 2, cp, self.layers, self.shape,
-                        self.hw, self.recompute, self.eff, self.output_layer)
+                        self.hw, self.recompute, self.output_layer)
         return t["F"] + t["B"]
 
 
@@ -190,16 +166,16 @@ def group_inputs(group: Group, lengths: list[int], scale: float = 1.0) -> tuple[
             scale ** 2 * sum(lengths[s] ** 2 for s in group.samples) / group.size)
 
 
-def _stage_costs(plan: Plan, groups_of, shape: ModelShape, hw: Cluster, pp: int, recompute: bool, eff: Efficiency,
-                 scale: float, output_layer: bool):
-    layers = shape.n_layer // pp
+def _stage_costs(plan: Plan, groups_of, shape: ModelSpec, hw: Cluster, pp: int, recompute: bool, scale: float,
+                 output_layer: bool):
+    layers = shape.layers // pp
     out = []
     for mb in plan.micro_batches:
         times = []
         for g in groups_of(mb):
             if not g.samples:
                 continue
-            times.append(group_times(*group_inputs(g, plan.lengths, scale), g.size, layers, shape, hw, recompute, eff,
+            times.append(group_times(*group_inputs(g, plan.lengths, scale), g.size, layers, shape, hw, recompute,
                                      output_layer))
         if times:
             out.append(max(times, key=lambda t: t["F"] + t["B"]))
@@ -211,8 +187,8 @@ def _one_f_one_b(pp: int, m: int):
     return one_f_one_b(pp, m)
 
 
-def step_time(plan: Plan, shape: ModelShape, hw: Cluster, pp: int, recompute: bool = True,
-              eff: Efficiency = Efficiency(), scale: float = 1.0, output_layer: bool = False) -> dict:
+def step_time(plan: Plan, shape: ModelSpec, hw: Cluster, pp: int, recompute: bool = True, scale: float = 1.0,
+              output_layer: bool = False) -> dict:
     """Simulated seconds of one training step of ``plan`` on ``pp`` pipeline stages: 1F1B with each micro-batch's
     slowest group as its stage time; static plans with several replicas run them as independent pipelines. With
     pp = 1, rank clocks (``_rank_clocks``): no micro-batch waits for groups it does not share ranks with.
@@ -222,7 +198,7 @@ def step_time(plan: Plan, shape: ModelShape, hw: Cluster, pp: int, recompute: bo
         raise ValueError(f"output_layer=True needs pp=1 (got pp={pp}): the model gives every stage the same costs, "
                          f"and only the last stage holds the output layer")
     if pp == 1:
-        return _rank_clocks(plan, shape, hw, recompute, eff, scale, output_layer)
+        return _rank_clocks(plan, shape, hw, recompute, scale, output_layer)
     if plan.kind.startswith("static"):
         starts = sorted({g.start for g in plan.micro_batches[0].groups})
         pipelines = [(lambda mb, a=a: [g for g in mb.groups if g.start == a]) for a in starts]
@@ -230,7 +206,7 @@ def step_time(plan: Plan, shape: ModelShape, hw: Cluster, pp: int, recompute: bo
         pipelines = [lambda mb: mb.groups]
     results = []
     for groups_of in pipelines:
-        costs = _stage_costs(plan, groups_of, shape, hw, pp, recompute, eff, scale, output_layer)
+        costs = _stage_costs(plan, groups_of, shape, hw, pp, recompute, scale, output_layer)
         if not costs:
             continue
         if len(costs) < pp:
@@ -246,18 +222,18 @@ def step_time(plan: Plan, shape: ModelShape, hw: Cluster, pp: int, recompute: bo
     return {**worst, "bubble_s": worst["step_s"] - worst["busy_s"], "pipelines": len(results)}
 
 
-def _rank_clocks(plan: Plan, shape: ModelShape, hw: Cluster, recompute: bool, eff: Efficiency, scale: float,
+def _rank_clocks(plan: Plan, shape: ModelSpec, hw: Cluster, recompute: bool, scale: float,
                  output_layer: bool) -> dict:
     """Without a pipeline each rank runs its micro-batches in turn, and a group starts once its last rank is
     free (its ring needs them all): rank clocks (``dynamic_cp.advance``), the step ends with the last. Static
     replicas never wait for each other, nor do CP-1 groups; the time the last rank waited for the other ranks of
     its groups is its ``bubble_s``."""
-    cost = CostModel(shape, hw, shape.n_layer, recompute, eff, scale, output_layer)
+    cost = CostModel(shape, hw, shape.layers, recompute, scale, output_layer)
     clock = [0.0] * plan.n_ranks
     for mb in plan.micro_batches:
         advance(clock, mb, plan.lengths, cost)
     last = clock.index(max(clock))
-    parts = [group_times(*group_inputs(g, plan.lengths, scale), g.size, shape.n_layer, shape, hw, recompute, eff,
+    parts = [group_times(*group_inputs(g, plan.lengths, scale), g.size, shape.layers, shape, hw, recompute,
                          output_layer) for mb in plan.micro_batches for g in mb.groups if last in g.ranks and g.samples]
     busy = sum(t["F"] + t["B"] for t in parts)
     return {"step_s": clock[last], "m": len(plan.micro_batches), "busy_s": busy,
@@ -265,43 +241,43 @@ def _rank_clocks(plan: Plan, shape: ModelShape, hw: Cluster, recompute: bool, ef
             "bubble_s": clock[last] - busy, "pipelines": 1}
 
 
-def model_flops(lengths: list[int], shape: ModelShape) -> float:
+def model_flops(lengths: list[int], shape: ModelSpec) -> float:
     """Model FLOPs of one step over sequences of ``lengths`` (forward + backward = 3x forward; no recompute,
     the usual MFU convention): per layer 2·L·(linear params) + 2·d·L² (causal attention), plus the output layer."""
-    d, dkv = shape.d_model, shape.d_kv
-    per_token = shape.n_layer * 2 * (2 * d * d + 2 * d * dkv + 3 * d * shape.d_ff) + 2 * d * shape.vocab
-    return 3 * sum(per_token * n + shape.n_layer * 2 * d * n * n for n in lengths)
+    d = shape.hidden
+    per_token = 2 * shape.layers * shape.active_layer_params() + 2 * d * shape.vocab
+    return 3 * sum(per_token * n + shape.layers * 2 * d * n * n for n in lengths)
 
 
-def plans_for(lengths: list[int], setup: Setup = Setup(), min_cp: int = 1, shape: ModelShape = LLAMA_13B,
-              hw: Cluster = CLUSTER, eff: Efficiency = Efficiency()) -> dict[str, Plan]:
+def plans_for(lengths: list[int], setup: Setup = Setup(), min_cp: int = 1, shape: ModelSpec = LLAMA_13B,
+              hw: Cluster = CLUSTER) -> dict[str, Plan]:
     """The four plans ``compare`` times: static CP (the size the longest sequence needs, dp = dcp / cp) packed in
     data order and packed longest first, Megatron's rules as they are, and the toolkit's dynamic scheduler with
     this simulation's ``CostModel`` on ``hw``."""
     padded = [pad_length(n, 2 * setup.dcp) for n in lengths]
     static_cp = cp_size_for(max(padded), setup.cap, min_cp, setup.dcp)
-    cost = CostModel(shape, hw, shape.n_layer // setup.pp, setup.recompute, eff)
+    cost = CostModel(shape, hw, shape.layers // setup.pp, setup.recompute)
     return {"static": schedule_static(padded, setup.dcp, static_cp, setup.cap),
             "static-sorted": schedule_static(padded, setup.dcp, static_cp, setup.cap, order="length"),
             "dynamic-megatron": schedule_dynamic(padded, setup.dcp, setup.cap, min_cp),
             "dynamic": schedule_dynamic(padded, setup.dcp, setup.cap, min_cp, cost=cost)}
 
 
-def compare(lengths: list[int], setup: Setup = Setup(), shape: ModelShape = LLAMA_13B, hw: Cluster = CLUSTER,
-            min_cp: int = 1, plans: dict[str, Plan] | None = None, eff: Efficiency = Efficiency()) -> dict:
+def compare(lengths: list[int], setup: Setup = Setup(), shape: ModelSpec = LLAMA_13B, hw: Cluster = CLUSTER,
+            min_cp: int = 1, plans: dict[str, Plan] | None = None) -> dict:
     """Static CP against dynamic CP (``plans_for``) on one global batch of ``lengths``: simulated step times, their
     parts, speed-ups over static and model TFLOPS/GPU, and ``ablation``: the speed-up of dynamic CP over static
     split into the packing gain (static packed longest first over static in data order) and the gain of a CP
     size per sequence (dynamic over static packed longest first); the two multiply to the whole. Pass ``plans``
     to reuse them."""
-    plans = plans or plans_for(lengths, setup, min_cp, shape, hw, eff)
+    plans = plans or plans_for(lengths, setup, min_cp, shape, hw)
     flops = model_flops(lengths, shape)
     gpus = setup.pp * setup.dcp
     out = {"static_cp": plans["static"].micro_batches[0].groups[0].size, "gpus": gpus, "setup": asdict(setup),
-           "hardware": hw.to_dict(), "efficiency": asdict(eff), "model": asdict(shape), "runs": {}}
+           "hardware": hw.to_dict(), "efficiency": asdict(hw.gpu.efficiency), "model": asdict(shape), "runs": {}}
     for name, plan in plans.items():
         plan.check()
-        sim = step_time(plan, shape, hw, setup.pp, setup.recompute, eff)
+        sim = step_time(plan, shape, hw, setup.pp, setup.recompute)
         balance = plan.balance()
         out["runs"][name] = {**sim, "tflops_per_gpu": flops / sim["step_s"] / gpus / 1e12,
                              "micro_batches": len(plan.micro_batches), "balance_max": max(balance),
@@ -319,21 +295,20 @@ def compare(lengths: list[int], setup: Setup = Setup(), shape: ModelShape = LLAM
 
 
 def bandwidth_sweep(plans: dict[str, Plan], gbytes_per_s: list[float], setup: Setup = Setup(),
-                    shape: ModelShape = LLAMA_13B, hw: Cluster = CLUSTER, eff: Efficiency = Efficiency(),
-                    min_cp: int = 1) -> dict[str, list[float]]:
+                    shape: ModelSpec = LLAMA_13B, hw: Cluster = CLUSTER, min_cp: int = 1) -> dict[str, list[float]]:
     """Simulated speed-up of each plan over the static one for each ring link bandwidth (GB/s: the intra link's
     ``bytes_per_s`` replaced). The toolkit's dynamic plan is scheduled again for each link, as its cost model
     sees the link; the others do not depend on it."""
     out: dict[str, list[float]] = {name: [] for name in plans if name != "static"}
     for bw in gbytes_per_s:
         h = replace(hw, intra=replace(hw.intra, bytes_per_s=bw * 1e9))
-        base = step_time(plans["static"], shape, h, setup.pp, setup.recompute, eff)["step_s"]
+        base = step_time(plans["static"], shape, h, setup.pp, setup.recompute)["step_s"]
         for name in out:
             plan = plans[name]
             if name == "dynamic":
-                cost = CostModel(shape, h, shape.n_layer // setup.pp, setup.recompute, eff)
+                cost = CostModel(shape, h, shape.layers // setup.pp, setup.recompute)
                 plan = schedule_dynamic(plan.lengths, plan.n_ranks, plan.cap, min_cp, cost=cost)
-            out[name].append(base / step_time(plan, shape, h, setup.pp, setup.recompute, eff)["step_s"])
+            out[name].append(base / step_time(plan, shape, h, setup.pp, setup.recompute)["step_s"])
     return out
 
 

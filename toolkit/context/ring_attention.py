@@ -172,7 +172,10 @@ class _FusedBlock:
         self.untimed.__exit__(*exc)
         fb = self.emu.cluster.float_bytes
         nbytes = sum(t.numel() * emulation.element_bytes(t.dtype, fb) for t in self.tensors)
-        self.emu.compute(self.name, 2.0 * self.matmuls * self.head_dim * self.heads * pairs, float(nbytes))
+        rows = self.mask.shape[0]  # the query block: one flash-attention kernel over it (causal where masked)
+        self.emu.compute(self.name, 2.0 * self.matmuls * self.head_dim * self.heads * pairs, float(nbytes),
+                         kind="attention", dims=(self.heads, rows, self.head_dim, pairs < self.mask.numel(),
+                                                 self.matmuls > 2))
 
 
 def _wait(works) -> None:

@@ -47,7 +47,7 @@ import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from toolkit.pipeline.executor import ExecutorHook
-from toolkit.runtime.emulator import COLLECTIVE_NAMESPACES, HOST_SYNC, NO_KERNEL, launches_kernel  # noqa: F401
+from toolkit.runtime.opcost import COLLECTIVE_NAMESPACES, HOST_SYNC, NO_KERNEL, launches_kernel  # noqa: F401
 
 # ops whose output shape depends on the data (the host cannot know it without waiting for the device)
 DATA_DEPENDENT = {"aten.nonzero", "aten.masked_select", "aten.unique", "aten._unique2", "aten.unique_consecutive",

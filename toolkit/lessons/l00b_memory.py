@@ -28,7 +28,7 @@ import time
 from toolkit.lessons import memory_comm, memory_offload
 from toolkit.memory import nvme
 from toolkit.models import preset
-from toolkit.planner import MODELS
+from toolkit.models.catalog import MODELS
 from toolkit.runtime.config import Param, common, require_ranks, resolve
 
 SECTIONS = ("offload", "nvme_buffers", "spill", "side_channel", "buckets")

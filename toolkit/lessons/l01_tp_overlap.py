@@ -269,22 +269,22 @@ def _sp_grad_bytes(ledger) -> int:
 # ---- on the emulated cluster: the toy's own shapes, the real workload's, and a sweep between ------------------
 def emulated(ctx, group, block, tokens: int, cfg: dict, stacks: dict, step) -> dict:
     """On the emulated cluster's clock (``launch(..., cluster=)``), with the GEMMs and transfers timed as the
-    real workload ``cfg["stands_for"]``'s (``toolkit.planner.MODELS``; its MLP at tp = world size, one sequence
+    real workload ``cfg["stands_for"]``'s (``toolkit.models.catalog``; its MLP at tp = world size, one sequence
     per micro-batch): the micro-benchmark candidates, a sweep of the GEMM's length against the transfer (where
     the ring pays, where tiles pay), and the four whole-step variants. Deterministic: one call each."""
-    from toolkit import planner
+    from toolkit.models import catalog, matched
     from toolkit.parallel.tp_overlap import overlap_ceiling
     emu, tp = ctx.emulator, dist.get_world_size(group)
     w1 = block.fc1.weight
     D, F = w1.shape[1], w1.shape[0] * tp
-    real = planner.MODELS[cfg["stands_for"]]
-    toy_op = planner.tp_mlp_op(tokens, D, F, tp, elem=emu.cluster.float_bytes)
-    real_op = planner.tp_mlp_op(real.seq_len * real.micro_batch, real.hidden, real.ffn_hidden or 4 * real.hidden, tp)
-    scales = planner.matched_scales(toy_op, real_op)
+    real = catalog.get(cfg["stands_for"])
+    toy_op = matched.tp_mlp_op(tokens, D, F, tp, elem=emu.cluster.float_bytes)
+    real_op = matched.tp_mlp_op(real.seq_len, real.hidden, real.ffn, tp)
+    scales = matched.matched_scales(toy_op, real_op)
     out = {"cluster": emu.cluster.name, "gpu": emu.cluster.gpu.name, "link": emu.cluster.intra.name,
-           "stands_for": cfg["stands_for"], "real_shape": {"tokens": real.seq_len * real.micro_batch,
-                                                           "hidden": real.hidden, "ffn": real.ffn_hidden},
-           "scales": scales, "real_op": planner.op_times(real_op, emu.cluster), "tiles": cfg["tiles"], "sweep": []}
+           "stands_for": cfg["stands_for"], "real_shape": {"tokens": real.seq_len,
+                                                           "hidden": real.hidden, "ffn": real.ffn},
+           "scales": scales, "real_op": matched.op_times(real_op, emu.cluster), "tiles": cfg["tiles"], "sweep": []}
     for factor in cfg["sweep"]:  # the GEMM factor × the matched one; the transfer stays the real one
         with emu.scaled(flops=scales["flops"] * factor, bytes=scales["bytes"]):
             point = _virtual_ops(ctx, group, block, tokens, cfg)

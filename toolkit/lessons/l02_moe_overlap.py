@@ -141,21 +141,21 @@ def traced(ctx, cfg: dict, mbs, models) -> dict:
 
 def emulated(ctx, cfg: dict, mbs, models) -> dict | None:
     """One step each way on the emulated cluster's clock (virtual time; deterministic, so one step is the time):
-    at the toy's own shapes and matched to ``cfg["stands_for"]`` (``toolkit.planner.MODELS``: its expert GEMMs
+    at the toy's own shapes and matched to ``cfg["stands_for"]`` (``toolkit.models.catalog``: its expert GEMMs
     and all-to-all bytes at ep = world size). Step time and exposed communication, as ``traced`` measures them."""
-    from toolkit import planner
+    from toolkit.models import catalog, matched
     emu = ctx.emulator
     if emu is None:
         return None
-    mc, real = models["serial"].cfg, planner.MODELS[cfg["stands_for"]]
+    mc, real = models["serial"].cfg, catalog.get(cfg["stands_for"])
     tokens = cfg["micro_batch"] * cfg["seq_len"]
-    toy_op = planner.moe_layer_op(tokens, mc.d_model, mc.d_ff, mc.top_k, ctx.world_size, emu.cluster.float_bytes)
-    real_op = planner.moe_layer_op(real.seq_len * real.micro_batch, real.hidden, real.ffn_hidden, real.top_k,
+    toy_op = matched.moe_layer_op(tokens, mc.d_model, mc.d_ff, mc.top_k, ctx.world_size, emu.cluster.float_bytes)
+    real_op = matched.moe_layer_op(real.seq_len, real.hidden, real.ffn, real.top_k,
                                    ctx.world_size)
-    scales = planner.matched_scales(toy_op, real_op)
+    scales = matched.matched_scales(toy_op, real_op)
     link = "intra" if emu.cluster.per_node(ctx.world_size) >= ctx.world_size else "inter"  # what the EP group spans
     out = {"cluster": emu.cluster.name, "gpu": emu.cluster.gpu.name, "link": getattr(emu.cluster, link).name,
-           "stands_for": cfg["stands_for"], "scales": scales, "real_op": planner.op_times(real_op, emu.cluster, link)}
+           "stands_for": cfg["stands_for"], "scales": scales, "real_op": matched.op_times(real_op, emu.cluster, link)}
     for view, factors in (("own shapes", {}), ("matched", scales)):
         out[view] = {}
         with emu.scaled(**factors):

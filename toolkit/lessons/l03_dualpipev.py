@@ -82,15 +82,15 @@ def run(ctx, cfg: dict) -> dict:
 
 def emulated(ctx, cfg: dict, setup: PipelineSetup, jobs: list[Job]) -> dict | None:
     """Our schedules once more on the emulated cluster, matched to ``cfg["stands_for"]`` (its layers' GEMMs and
-    its activations between stages; ``toolkit.planner.dense_layer_op``): per job the step time, the time a rank
+    its activations between stages; ``toolkit.matched.dense_layer_op``): per job the step time, the time a rank
     waited for its receives (exposed p2p) and each link's busy time, all virtual. The same ops run at the toy's
     own shapes in ``runs`` (their virtual times ride along in ``bench["virtual"]``)."""
-    from toolkit import planner
+    from toolkit.models import catalog, matched
     emu = ctx.emulator
     if emu is None:
         return None
-    real = planner.MODELS[cfg["stands_for"]]
-    scales = planner.matched_scales(setup.layer_op(emu.cluster.float_bytes), planner.workload_layer_op(real))
+    real = catalog.get(cfg["stands_for"])
+    scales = matched.matched_scales(setup.layer_op(emu.cluster.float_bytes), matched.layer_op(real, real.seq_len))
     with emu.scaled(**scales):
         records, _ = measure_schedules(ctx, setup, jobs, warmup=0, steps=1, rounds=1, trim=0)
     out = {"cluster": emu.cluster.name, "gpu": emu.cluster.gpu.name, "link": emu.cluster.intra.name,

@@ -126,7 +126,7 @@ def _step(ctx, model: GPT, opt, x, y, tag: str, sync, step: int, scales: dict | 
     """One training step: forward and backward, ``sync(step)`` under ledger ``tag``, the optimizer. Returns the
     loss, what ``sync`` returned and, on an emulated cluster, the step's virtual seconds by phase (``compute``,
     ``sync`` and its ``wire`` part, ``optimizer``; the barrier that lines the ranks up before the sync left out)
-    and the FLOPs of its forward and backward, its ops timed under ``scales`` (``planner.dp_phase_scales``)."""
+    and the FLOPs of its forward and backward, its ops timed under ``scales`` (``matched.dp_phase_scales``)."""
     emu = ctx.emulator
     scale = scales or {"compute": None, "gradient": None}
     with metered(emu, scale["gradient"]) as zero:
@@ -353,7 +353,7 @@ def emulated(ctx, cfg: dict, n_params: int, toy_steps: dict[str, list], going_on
 
     - ``toy``: seed 0's training steps after the warm-up as they ran, by phase (virtual seconds, the toy's shapes);
     - ``matched``: seed 0's two runs go on, timed as ``cfg["stands_for"]`` on one sequence per rank
-      (``planner.dp_phase_scales``: forward and backward as its 6·Ψ·T FLOPs and its activations; the sync, the
+      (``matched.dp_phase_scales``: forward and backward as its 6·Ψ·T FLOPs and its activations; the sync, the
       codec and the optimizer as its gradient) for one window of steps (plain: one step, its ops are the same
       every step). What this cannot scale: the rank-r factors grow with the gradient here, so the compressed bytes
       keep the toy's ratio to the plain ones (at the real shapes, r·(n+m) against n·m, it is far smaller);
@@ -367,14 +367,15 @@ def emulated(ctx, cfg: dict, n_params: int, toy_steps: dict[str, list], going_on
     emu = ctx.emulator
     if emu is None:
         return None
-    from toolkit import planner
     from toolkit.comm import compressed_dp as cost
+    from toolkit.models import catalog
+    from toolkit.models.matched import dp_phase_scales
     from toolkit.runtime.bench import summarize
     from toolkit.runtime.cluster import cluster as make_cluster
     hw, world, warm = emu.cluster, ctx.world_size, cfg["edgc_warmup"]
-    real = planner.MODELS[cfg["stands_for"]]
+    real = catalog.get(cfg["stands_for"])
     toy_flops = toy_steps["baseline"][warm]["compute_flops"]  # the same every timed step
-    scales = planner.dp_phase_scales(n_params, toy_flops, cfg["batch"] * cfg["seq_len"], _model_cfg(cfg).d_model,
+    scales = dp_phase_scales(n_params, toy_flops, cfg["batch"] * cfg["seq_len"], _model_cfg(cfg).d_model,
                                      real)
     data = list(batches(cfg["batch"], cfg["seq_len"], cfg["window"], seed=MATCHED_DATA_SEED, rank=ctx.rank,
                         world=world, device=ctx.device))
@@ -393,17 +394,18 @@ def emulated(ctx, cfg: dict, n_params: int, toy_steps: dict[str, list], going_on
     codec_ops = {name: sorted(ops.items(), key=lambda kv: -kv[1]) for name, ops in matched_ops.items()}
     optimizer = statistics.fmean(m["optimizer_s"] for m in matched.values()) / real_elements
     here = cost.Layout(world, 1, 1, cfg["batch"] * cfg["seq_len"])  # the cost model at this run's own size
-    check = {"cost_model_s": cost.traffic_s(cost.dp_calls("allreduce", planner.Workload(params=real_elements), here,
+    check = {"cost_model_s": cost.traffic_s(cost.dp_calls("allreduce", catalog.Workload(params=real_elements), here,
                                                           hw)),
              "emulated_s": matched["baseline"]["wire_s"]}
     rank = round(statistics.fmean(r for rk in ranks[warm:] for r in rk))
-    paper_hw, mfu = make_cluster(hw.name), planner.Assumptions().mfu
+    paper_hw, job = make_cluster(hw.name), catalog.Workload(real)
+    mfu = catalog.train_seconds(real, paper_hw.gpu, 1, real.seq_len, PAPER_TP, PAPER_PP)["mfu"]  # kernels alone
     rows = []
     for gpus in PAPER_GPUS:
         for batch in PAPER_GLOBAL_BATCH:
             lay = cost.Layout(gpus, PAPER_TP, PAPER_PP, batch * real.seq_len * PAPER_TP * PAPER_PP // gpus)
-            plain = cost.step("allreduce", real, lay, paper_hw, codec["baseline"], mfu, optimizer=optimizer)
-            low = cost.step("powersgd", real, lay, paper_hw, codec["edgc"], mfu, rank=rank, optimizer=optimizer)
+            plain = cost.step("allreduce", job, lay, paper_hw, codec["baseline"], optimizer=optimizer)
+            low = cost.step("powersgd", job, lay, paper_hw, codec["edgc"], rank=rank, optimizer=optimizer)
             rows.append({"gpus": gpus, "dp": lay.dp, "global_batch": batch, "tokens_per_replica": lay.tokens,
                          "link": lay.dp_link(paper_hw).name, "plain": plain, "edgc": low,
                          "sync_cut": 1 - low["sync_s"] / plain["sync_s"],
@@ -411,7 +413,7 @@ def emulated(ctx, cfg: dict, n_params: int, toy_steps: dict[str, list], going_on
     bench = {scale: {name: {k: summarize([m[k]], 1, 0, "virtual").to_dict() for k in ("sync_s", "step_s")}
                      for name, m in got.items()} for scale, got in (("toy", toy), ("matched", matched))}
     return {"cluster": hw.name, "gpu": hw.gpu.name, "link": hw.link_between(list(range(world)), world).name,
-            "nodes": world // hw.per_node(world), "stands_for": cfg["stands_for"], "real_params": real.params,
+            "nodes": world // hw.per_node(world), "stands_for": cfg["stands_for"], "real_params": real.params(),
             "scales": scales, "toy": toy, "matched": matched, "bench": bench, "matched_steps": cfg["window"],
             "codec_s_per_element": codec, "codec_ops": codec_ops, "optimizer_s_per_element": optimizer, "rank": rank,
             "check": check,

@@ -126,7 +126,7 @@ def _step(ctx, model: GPT, sdp: ShardedDP, x, y, tag: str, step: int, snr: dict 
     shard, the weights' all-gather (``tag:weights``); with ``snr`` (the record to append to), the SNR against an
     exact fp32 reduce-scatter, sent apart under the tag "check" and left out of the timing. Returns the loss, the
     gradient shard and, on an emulated cluster, the step's virtual seconds by phase, its ops timed under
-    ``scales`` (``planner.dp_phase_scales``) when given."""
+    ``scales`` (``matched.dp_phase_scales``) when given."""
     emu, led = ctx.emulator, ctx.ledger
     scale = scales or {"compute": None, "gradient": None}
     with metered(emu, scale["gradient"]) as zero:
@@ -230,10 +230,10 @@ def run(ctx, cfg: dict) -> dict:
 MATCHED_MODES = ("baseline", "sdp4bit")
 """The runs timed as the real workload too (one step each: their ops are the same every step)."""
 MATCHED_DATA_SEED = 1000
-PAPER = dict(gpus=128, tp=8, pp=1, params=18e9, seq_len=2048, speedup=4.08)
+PAPER = dict(gpus=128, tp=8, pp=1, params=18e9, model="gpt-18b", seq_len=2048, speedup=4.08)
 """The paper's largest speed run: an 18B GPT on 128 H800 (16 nodes), tp 8, pp 1, one micro-batch per step
-(github.com/jindajia/SDP4Bit, README), and the end-to-end speed-up it claims; only the model's size matters to
-the cost model."""
+(github.com/jindajia/SDP4Bit, README), and the end-to-end speed-up it claims; its shapes taken as Megatron-LM's
+18.4B GPT (``toolkit.models.catalog``: hidden 6144, 40 layers)."""
 PAPER_INTER_SWEEP = (5e9, 10e9, 25e9, 46e9, 100e9, 200e9)
 """Inter-node bandwidths per GPU (bytes/s) the extrapolation sweeps: the paper's cluster's is not given."""
 PAPER_MICRO_BATCH = (1, 2, 4)
@@ -252,7 +252,7 @@ def emulated(ctx, cfg: dict, toy_steps: dict[str, list], going_on: dict, progres
 
     - ``toy``: seed 0's training steps as they ran, by phase (virtual seconds, the toy's shapes);
     - ``matched``: one more step of seed 0's runs timed as ``cfg["stands_for"]`` on one sequence per rank
-      (``planner.dp_phase_scales``: forward and backward as its 6·Ψ·T FLOPs and its activations, the codecs, the
+      (``matched.dp_phase_scales``: forward and backward as its 6·Ψ·T FLOPs and its activations, the codecs, the
       transfers and the optimizer as its gradient; the quantized payloads scale with it, as they do for real);
     - ``codec_s_per_element``: the matched grads' and weights' phases less their wire time, per gradient element;
       ``codec_ops``: their ops, longest first;
@@ -263,15 +263,16 @@ def emulated(ctx, cfg: dict, toy_steps: dict[str, list], going_on: dict, progres
     emu = ctx.emulator
     if emu is None or set(MATCHED_MODES) - set(going_on):  # no cluster, or modes without SDP4Bit
         return None
-    from toolkit import planner
     from toolkit.comm import compressed_dp as cost
+    from toolkit.models import catalog
+    from toolkit.models.matched import dp_phase_scales
     from toolkit.runtime.bench import summarize
     from toolkit.runtime.cluster import cluster as make_cluster
     hw, world = emu.cluster, ctx.world_size
-    real = planner.MODELS[cfg["stands_for"]]
+    real = catalog.get(cfg["stands_for"])
     padded = going_on["baseline"][1].padded
     tokens = cfg["batch"] * cfg["seq_len"]
-    scales = planner.dp_phase_scales(padded, toy_steps["baseline"][0]["compute_flops"], tokens,
+    scales = dp_phase_scales(padded, toy_steps["baseline"][0]["compute_flops"], tokens,
                                      _model_cfg(cfg).d_model, real)
     x, y = next(batches(cfg["batch"], cfg["seq_len"], 1, seed=MATCHED_DATA_SEED, rank=ctx.rank, world=world,
                         device=ctx.device))
@@ -286,17 +287,18 @@ def emulated(ctx, cfg: dict, toy_steps: dict[str, list], going_on: dict, progres
     optimizer = statistics.fmean(m["optimizer_s"] for m in matched.values()) / (elements / world)
     schemes = {"baseline": "sharded", "sdp4bit": "sdp4bit"}
     here = cost.Layout(world, 1, 1, tokens)
-    check = {mode: {"cost_model_s": cost.traffic_s(cost.dp_calls(schemes[mode], planner.Workload(params=elements),
+    check = {mode: {"cost_model_s": cost.traffic_s(cost.dp_calls(schemes[mode], catalog.Workload(params=elements),
                                                                   here, hw)),
                     "emulated_s": matched[mode]["wire_s"]} for mode in going_on}
-    paper_hw, mfu = make_cluster(hw.name), planner.Assumptions().mfu
-    w = planner.Workload(params=PAPER["params"], seq_len=PAPER["seq_len"])
+    paper_hw = make_cluster(hw.name)
+    w = catalog.Workload(PAPER["model"], seq_len=PAPER["seq_len"])
+    mfu = catalog.train_seconds(w.model, paper_hw.gpu, 1, w.seq_len, PAPER["tp"], PAPER["pp"])["mfu"]
 
     def speedup(on: Cluster, micro_batch: int, g: int, codec_sdp: float) -> tuple[float, dict, dict]:
         """The baseline's step time over SDP4Bit's on ``on``, and both steps (the cost model)."""
         lay = cost.Layout(PAPER["gpus"], PAPER["tp"], PAPER["pp"], micro_batch * PAPER["seq_len"])
-        base = cost.step("sharded", w, lay, on, codec["baseline"], mfu, g=g, optimizer=optimizer / lay.dp)
-        fast = cost.step("sdp4bit", w, lay, on, codec_sdp, mfu, optimizer=optimizer / lay.dp)
+        base = cost.step("sharded", w, lay, on, codec["baseline"], g=g, optimizer=optimizer / lay.dp)
+        fast = cost.step("sdp4bit", w, lay, on, codec_sdp, optimizer=optimizer / lay.dp)
         return base["step_s"] / fast["step_s"], base, fast
 
     rows = []

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from toolkit import planner
+from toolkit.models import catalog, matched
 from toolkit.memory.offload import (ALL_KINDS, POLICIES, ActivationOffloader, Offload, SaveOnCPU, in_flight,
                                     long_lived, per_rank_budget, resolve_policy, schedule_order)
 from toolkit.models import lm_loss, preset
@@ -195,14 +195,14 @@ def policy_of(variant: str) -> str:
 def emulated(ctx, cfg: dict, setup: PipelineSetup, make, stepper) -> dict | None:
     """The ``TIMED`` variants once more on the emulated cluster's clock, one step each (virtual time is
     deterministic: one step is the time), at the toy's own shapes and matched to ``cfg["stands_for"]`` (its
-    layers' GEMMs and activations, ``toolkit.planner.dense_layer_op``; the copies carry the matched bytes too).
+    layers' GEMMs and activations, ``toolkit.matched.dense_layer_op``; the copies carry the matched bytes too).
     Per view and variant: the step, the late reloads (reloads whose wait moved the stream's clock) and their
     wait in all, and the seconds and bytes the host link carried each way (D2H, H2D)."""
     emu = ctx.emulator
     if emu is None:
         return None
-    real = planner.MODELS[cfg["stands_for"]]
-    scales = planner.matched_scales(setup.layer_op(emu.cluster.float_bytes), planner.workload_layer_op(real))
+    real = catalog.get(cfg["stands_for"])
+    scales = matched.matched_scales(setup.layer_op(emu.cluster.float_bytes), matched.layer_op(real, real.seq_len))
     out = {"cluster": emu.cluster.name, "gpu": emu.cluster.gpu.name, "host_link": emu.cluster.host.name,
            "stands_for": cfg["stands_for"], "scales": scales}
     for i, (view, factors) in enumerate((("toy", {}), ("matched", scales))):

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from toolkit import planner
+from toolkit.models import catalog, matched
 from toolkit.pipeline.harness import Job, PipelineSetup, grads_bitwise_equal, measure_schedules
 from toolkit.pipeline.recompute import RecomputeQueue
 from toolkit.pipeline.schedule import interleaved_1f1b, one_f_one_b
@@ -101,13 +101,13 @@ def run(ctx, cfg: dict) -> dict:
 
 def emulated(ctx, cfg: dict, setup: PipelineSetup, jobs: list[Job]) -> dict:
     """Every schedule once more on the emulated cluster, matched to ``cfg["stands_for"]`` (its layers' GEMMs and
-    the activations between stages, ``toolkit.planner.dense_layer_op``): one step each (virtual time is
+    the activations between stages, ``toolkit.matched.dense_layer_op``): one step each (virtual time is
     deterministic), its op times and spans on the virtual clock, and the time a rank waited for its receives.
     The toy's own shapes ran on the same clock in ``runs`` (``bench["virtual"]``, ``op_vseconds``). ``hop_s``: one
     activation or gradient on the link between two stages, α + bytes/β, at both shapes (the simulator's comm)."""
     emu = ctx.emulator
-    toy, real_op = setup.layer_op(emu.cluster.float_bytes), planner.workload_layer_op(planner.MODELS[cfg["stands_for"]])
-    scales = planner.matched_scales(toy, real_op)
+    toy, real_op = setup.layer_op(emu.cluster.float_bytes), matched.layer_op(catalog.get(cfg["stands_for"]), catalog.get(cfg["stands_for"]).seq_len)
+    scales = matched.matched_scales(toy, real_op)
     link = emu.cluster.link_between([0, 1], ctx.world_size)  # between neighbouring stages
     with emu.scaled(**scales):
         records, _ = measure_schedules(ctx, setup, jobs, warmup=0, steps=1, rounds=1, trim=0)

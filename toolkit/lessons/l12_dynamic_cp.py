@@ -131,12 +131,11 @@ def scheduler_cluster(spec: str | Cluster | None) -> Cluster:
 def cost_model(model_cfg: GPTConfig, hw: Cluster) -> dcp_sim.CostModel:
     """The toolkit scheduler's cost of a CP group in this run: ``dcp_sim``'s model of the toy's layers and output
     layer timed as Llama-13B's at r = 5120 / d_model times the lengths (the workload-matched run: the output
-    layer's vocabulary r times the toy's), every kernel at ``hw``'s peak as the emulated cluster's roofline
-    assumes, no recompute (the lesson recomputes nothing)."""
+    layer's vocabulary r times the toy's), every kernel at ``hw``'s achieved rates as the emulated cluster times
+    them, no recompute (the lesson recomputes nothing)."""
     r = dcp_sim.matched_scales(model_cfg.d_model)["scale"]
     shape = replace(dcp_sim.LLAMA_13B, vocab=round(model_cfg.vocab_size * r))
-    return dcp_sim.CostModel(shape, hw, model_cfg.n_layer, recompute=False, eff=dcp_sim.ROOFLINE, scale=r,
-                             output_layer=True)
+    return dcp_sim.CostModel(shape, hw, model_cfg.n_layer, recompute=False, scale=r, output_layer=True)
 
 
 def predicted(result: dict) -> dict[str, dict]:
@@ -144,8 +143,8 @@ def predicted(result: dict) -> dict[str, dict]:
     a run, on the cluster its scheduler planned for: what the emulated run's virtual step is compared with."""
     hw = Cluster.from_dict(result["scheduler"]["cluster"])
     model = cost_model(GPTConfig(**result["model"]), hw)
-    shape = replace(model.shape, n_layer=model.layers)
-    return {k: dcp_sim.step_time(p, shape, hw, 1, False, model.eff, model.scale, output_layer=True)
+    shape = replace(model.shape, layers=model.layers)
+    return {k: dcp_sim.step_time(p, shape, hw, 1, False, model.scale, output_layer=True)
             for k, p in plans_of(result).items()}
 
 

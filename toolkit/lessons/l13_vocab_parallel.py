@@ -53,7 +53,7 @@ TOL = 1e-5  # fp32: the sharded softmax and the all-reduces only reorder sums
 RUNS = ("1f1b", "vocab-1", "vocab-2")
 PAPER_LAYER = {"tokens": 4096, "hidden": 3072, "ffn": 4 * 3072}
 """The layer of the paper's setting (Yeung et al., section 6: hidden 3072, sequence 4096, micro-batch 1) that the
-emulated cluster's matched step times the toy's ops as (``planner.dense_layer_op``)."""
+emulated cluster's matched step times the toy's ops as (``matched.dense_layer_op``)."""
 
 
 def validate(cfg: dict, world_size: int) -> dict:
@@ -169,12 +169,12 @@ def _emulated(ctx, cfg: dict, setup: PipelineSetup, groups, timed: dict, stepper
     """The three runs on the emulated cluster's clock, at the toy's shapes and matched to ``PAPER_LAYER``: in each
     view every rank times its passes on the virtual clock, the vocabulary schedules are built from the gathered
     times, and one step of each run is read on the virtual clock (deterministic: one is enough)."""
-    from toolkit import planner
+    from toolkit.models import matched
     emu, r, p, m = ctx.emulator, ctx.rank, ctx.world_size, setup.m
     hw = emu.cluster
-    scales = planner.matched_scales(
-        planner.dense_layer_op(cfg["micro_batch"] * cfg["seq_len"], cfg["d_model"], 4 * cfg["d_model"], hw.float_bytes),
-        planner.dense_layer_op(PAPER_LAYER["tokens"], PAPER_LAYER["hidden"], PAPER_LAYER["ffn"], hw.float_bytes))
+    scales = matched.matched_scales(
+        matched.dense_layer_op(cfg["micro_batch"] * cfg["seq_len"], cfg["d_model"], 4 * cfg["d_model"], hw.float_bytes),
+        matched.dense_layer_op(PAPER_LAYER["tokens"], PAPER_LAYER["hidden"], PAPER_LAYER["ffn"], hw.float_bytes))
     link = hw.link_between(list(range(p)), p)
     out = {"cluster": hw.name, "gpu": hw.gpu.name, "link": link.name, "launch_s": hw.gpu.launch_s,
            "scales": scales, "paper_layer": PAPER_LAYER}
@@ -333,9 +333,9 @@ def measured_rows(results: list[dict], algorithm: int) -> tuple[list[dict], list
 
 
 def workload(cfg: dict) -> vp.Workload:
-    """The lesson's model as the cost model sees it (fp32 on this machine)."""
-    return vp.Workload(cfg["n_layer"], cfg["d_model"], 4 * cfg["d_model"], cfg["vocab_size"], cfg["seq_len"],
-                       cfg["micro_batch"], act_bytes=4, logit_bytes=4)
+    """The lesson's model as the cost model sees it (``toolkit.models.catalog.gpt``)."""
+    return vp.Workload(vp.gpt("the lesson's GPT", cfg["n_layer"], cfg["d_model"], cfg["vocab_size"], cfg["seq_len"]),
+                       micro_batch=cfg["micro_batch"])
 
 
 def cost_model_check(cfg: dict, results: list[dict], algorithm: int = 2) -> list[dict]:
@@ -345,7 +345,7 @@ def cost_model_check(cfg: dict, results: list[dict], algorithm: int = 2) -> list
                        link_bytes_per_s=1e9)
     p = len(results)
     rows_b, rows_v = measured_rows(results, algorithm)
-    pred = {layout: vp.stage_costs(workload(cfg), p, hw, layout, algorithm, vp.ACHIEVED)
+    pred = {layout: vp.stage_costs(workload(cfg), p, hw, layout, algorithm, elem=4)  # fp32 on this machine
             for layout in ("baseline", "vocab")}
     out = []
     for layout, measured in (("baseline", rows_b), ("vocab", rows_v)):

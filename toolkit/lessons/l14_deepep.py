@@ -26,7 +26,7 @@ from contextlib import contextmanager, nullcontext
 import torch
 import torch.distributed as dist
 
-from toolkit import planner
+from toolkit.models import catalog
 from toolkit.data import corpus
 from toolkit.graphs import audit
 from toolkit.graphs.cuda_graphs import COLLECTIVE_NAMESPACES, HOST_SYNC
@@ -456,7 +456,7 @@ def emulated(ctx, cfg: dict, x, ids, w) -> dict | None:
                 "plan_s": marks["plan_end"] - marks["plan_start"] if marks else None}
 
     written = ids.numel() / ll.buffer_rows()  # DeepEP's puts write this rank's pairs, not the padded buffer
-    real = planner.MODELS[STANDS_FOR]
+    real = catalog.get(STANDS_FOR)
     out = {"cluster": emu.cluster.name, "ll_written": written, "gpu": emu.cluster.gpu.name, "compute_s": compute_s, "stands_for": STANDS_FOR,
            "link": emu.cluster.link_between(list(range(ctx.world_size)), ctx.world_size).name, "runs": {}}
     for shapes, rows in (("toy", 1.0), (STANDS_FOR, real.hidden / H)):

@@ -21,7 +21,7 @@ import copy
 import torch
 import torch.distributed as dist
 
-from toolkit import planner
+from toolkit.models import catalog
 from toolkit.data import batches
 from toolkit.lessons.l04_int8_a2a import average_gradients
 from toolkit.models import GPT, preset
@@ -55,7 +55,7 @@ PRESETS = {
                  min_tokens=1),
 }
 PHASES = [("plan", 1), ("layer", 2), ("timing", 5), ("emulated", 2), ("learned", 4)]
-STANDS_FOR = "deepseek-v3"  # (c'): each toy expert timed as one of this model's experts (toolkit.planner.MODELS)
+STANDS_FOR = "deepseek-v3"  # (c'): each toy expert timed as one of this model's experts (toolkit.models.catalog)
 
 
 def validate(cfg: dict, world_size: int) -> dict:
@@ -255,10 +255,10 @@ def emulated_section(ctx, cfg: dict) -> dict | None:
     emu = ctx.emulator
     if emu is None:
         return None
-    real, mc = planner.MODELS[STANDS_FOR], model_config(cfg)
-    flops = expert_flops_per_pair(real.hidden, real.ffn_hidden, gated=True) / expert_flops_per_pair(mc.d_model, mc.d_ff)
+    real, mc = catalog.get(STANDS_FOR), model_config(cfg)
+    flops = expert_flops_per_pair(real.hidden, real.ffn, gated=True) / expert_flops_per_pair(mc.d_model, mc.d_ff)
     rows = real.hidden / mc.d_model
-    weights = (expert_param_count(real.hidden, real.ffn_hidden, gated=True, bias=False)
+    weights = (expert_param_count(real.hidden, real.ffn, gated=True, bias=False)
                / expert_param_count(mc.d_model, mc.d_ff))
     byte_scale = {"echo_weights": weights, "echo_grads": weights, "echo_counts": 1.0, "routing": 1.0}
     phase = lambda name: emu.scaled(flops=flops, bytes=byte_scale.get(name, rows))  # noqa: E731
@@ -290,10 +290,10 @@ def emulated_section(ctx, cfg: dict) -> dict | None:
     c = emu.cluster
     return {"cluster": c.name, "gpu": c.gpu.name, "link": c.link_between(list(range(ctx.world_size)),
                                                                           ctx.world_size).name,
-            "stands_for": STANDS_FOR, "expert": {"hidden": real.hidden, "ffn": real.ffn_hidden, "top_k": real.top_k,
+            "stands_for": STANDS_FOR, "expert": {"hidden": real.hidden, "ffn": real.ffn, "top_k": real.top_k,
                                                  "seq_len": real.seq_len},
             "scales": {"flops": flops, "rows": rows, "weights": weights}, "points": points, "cost_model": fit,
-            "break_even": {link.name: clone_break_even(real.hidden, real.ffn_hidden, link, c.gpu)
+            "break_even": {link.name: clone_break_even(real.hidden, real.ffn, link, c.gpu)
                            for link in (c.intra, c.inter)}}
 
 

@@ -22,7 +22,7 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-from toolkit import planner
+from toolkit.models import catalog, matched
 from toolkit.graphs import audit, count_ops, dispatch_cost
 from toolkit.graphs.cuda_graphs import GraphReplay
 from toolkit.models import GPT, lm_loss
@@ -180,16 +180,16 @@ def emulated(ctx, cfg: dict, mc, executor, inputs, targets) -> dict | None:
     """One DualPipeV step per variant on the emulated cluster's clock (virtual time, deterministic): at the toy's
     shapes eager and with every op one CUDA graph replay (``GraphReplay``; bucketed eager only: inside a chunk's
     graph no bucket can leave before the chunk ends), and eager matched to ``STANDS_FOR``'s layers: each toy layer
-    timed as one of its layers (GEMM FLOPs and activation bytes, ``planner.matched_scales``; gradient bytes as its
+    timed as one of its layers (GEMM FLOPs and activation bytes, ``matched.matched_scales``; gradient bytes as its
     layer's weights, ``grad_scale``). Per run: the step, the host's launch time within it, and the time the step's
     end waited for the DP all-reduces, in all and per stage."""
     emu = ctx.emulator
     if emu is None:
         return None
-    real = planner.MODELS[STANDS_FOR]
-    toy_tokens, real_tokens = cfg["micro_batch"] * mc.seq_len, real.seq_len * real.micro_batch
-    scales = planner.matched_scales(planner.dense_layer_op(toy_tokens, mc.d_model, mc.d_ff, emu.cluster.float_bytes),
-                                    planner.dense_layer_op(real_tokens, real.hidden, real.ffn_hidden,
+    real = catalog.get(STANDS_FOR)
+    toy_tokens, real_tokens = cfg["micro_batch"] * mc.seq_len, real.seq_len
+    scales = matched.matched_scales(matched.dense_layer_op(toy_tokens, mc.d_model, mc.d_ff, emu.cluster.float_bytes),
+                                    matched.dense_layer_op(real_tokens, real.hidden, real.ffn,
                                                            emu.cluster.float_bytes))
     grad_scale = scales["flops"] * toy_tokens / real_tokens  # a layer's weights: its GEMM FLOPs per token, halved
     out = {"cluster": emu.cluster.name, "gpu": emu.cluster.gpu.name, "dp_link": None, "runs": {},

@@ -182,20 +182,20 @@ def virtual_step(emu, step) -> dict:
 
 def emulated(ctx, cfg: dict, configs: list, composed: dict[str, Composed], batch) -> dict | None:
     """On the emulated cluster (None without one): the composed configuration (the chain's end) one step more at
-    the toy's own shapes (``toy``) and one more timed as ``cfg["stands_for"]``'s MoE layers (``planner.moe_layer_op``: its expert GEMMs and its all-to-all bytes at ep = dp); likewise DualPipeV
+    the toy's own shapes (``toy``) and one more timed as ``cfg["stands_for"]``'s MoE layers (``matched.moe_layer_op``: its expert GEMMs and its all-to-all bytes at ep = dp); likewise DualPipeV
     without and with the EP overlap when both ran; and ``mfu_check`` for the 13B case study. Virtual time is
     deterministic: one step is the time."""
-    from toolkit import planner
+    from toolkit.models import catalog, matched
     emu = ctx.emulator
     if emu is None:
         return None
     name, config, _ = [c for c in configs if not c[0].endswith("(on baseline)")][-1]  # the chain's end
-    mc, real = config.model_config(), planner.MODELS[cfg["stands_for"]]
-    toy_op = planner.moe_layer_op(config.micro_batch * mc.seq_len, mc.d_model, mc.d_ff, mc.top_k, config.ep,
+    mc, real = config.model_config(), catalog.get(cfg["stands_for"])
+    toy_op = matched.moe_layer_op(config.micro_batch * mc.seq_len, mc.d_model, mc.d_ff, mc.top_k, config.ep,
                                   emu.cluster.float_bytes)
-    real_op = planner.moe_layer_op(real.seq_len * real.micro_batch, real.hidden, real.ffn_hidden, real.top_k,
+    real_op = matched.moe_layer_op(real.seq_len, real.hidden, real.ffn, real.top_k,
                                    config.ep)
-    scales = planner.matched_scales(toy_op, real_op)
+    scales = matched.matched_scales(toy_op, real_op)
     pair = [n for n in ("dualpipev", "ep_overlap (on baseline)") if n in composed]
     to_match = [name, *pair] if len(pair) == 2 else [name]
     total, matched = len(to_match) + 2, {}
@@ -217,11 +217,10 @@ def emulated(ctx, cfg: dict, configs: list, composed: dict[str, Composed], batch
 def mfu_check(emu, w, toy_seq: int = 32, heads: int = 4) -> dict:
     """The planner's ``Assumptions.mfu`` checked on the emulated GPU: two dense toy blocks whose sequence-to-hidden
     and MLP-to-hidden ratios are ``w``'s (so attention and the MLP weigh against each other as in ``w``), forward and backward of one sequence on
-    the virtual clock, timed as ``w``'s layers (``planner.dense_layer_op``, ``matched_scales``). The MFU is the
+    the virtual clock, timed as ``w``'s layers (``matched.dense_layer_op``, ``matched_scales``). The MFU is the
     planner's FLOPs for those layers, 6 · ``layer_params(w)`` per token, over virtual time × the GPU's peak. A
     roofline gives every GEMM its peak, so this is the model's upper bound, not a GPU's measurement."""
-    from toolkit import planner
-    from toolkit.models import GPT, preset
+    from toolkit.models import GPT, matched, preset
     d_model = heads * max(1, round(toy_seq * w.hidden / w.seq_len / heads))
     ffn = w.ffn_hidden or 4 * w.hidden
     mcfg = preset("smoke", seq_len=toy_seq, d_model=d_model, d_ff=round(d_model * ffn / w.hidden), n_head=heads,
@@ -231,8 +230,8 @@ def mfu_check(emu, w, toy_seq: int = 32, heads: int = 4) -> dict:
     x = torch.randn(1, toy_seq, d_model, requires_grad=True)
     grad = torch.randn(1, toy_seq, d_model)
     tokens = w.seq_len * w.micro_batch
-    real = planner.dense_layer_op(tokens, w.hidden, ffn)
-    scales = planner.matched_scales(planner.dense_layer_op(toy_seq, d_model, mcfg.d_ff, emu.cluster.float_bytes), real)
+    real = matched.layer_op(w.model, tokens)
+    scales = matched.matched_scales(matched.dense_layer_op(toy_seq, d_model, mcfg.d_ff, emu.cluster.float_bytes), real)
 
     def forward_backward():
         y = x
@@ -242,7 +241,8 @@ def mfu_check(emu, w, toy_seq: int = 32, heads: int = 4) -> dict:
 
     with emu.scaled(**scales):
         step = virtual_step(emu, forward_backward)
-    flops = 6 * planner.layer_params(w) * tokens * len(blocks)
+    # the usual accounting (PaLM, Megatron-LM, torchtitan): 6 x the layer's parameters + 12 · s · d per token
+    flops = (6 * w.model.active_layer_params() + 12 * w.seq_len * w.hidden) * tokens * len(blocks)
     return {"layers": len(blocks), "toy": {"seq_len": toy_seq, "d_model": d_model}, "scales": scales,
             "real_tokens": tokens, "model_flops": flops, **step,
             "mfu": flops / (step["step_s"] * emu.cluster.gpu.bf16_flops)}

@@ -194,14 +194,14 @@ def buckets(ctx, cfg: dict) -> dict:
         return out
 
     # ---- on the emulated cluster: the toy's own shapes, then matched to the real model's gradient and backward --
-    from toolkit import planner
+    from toolkit.models import catalog, matched
     from toolkit.comm.bucketing import steady_exposed
     hw = emu.cluster
     link = hw.link_between(list(range(n)), n)
-    real = planner.MODELS[cfg["stands_for"]]
+    real = catalog.get(cfg["stands_for"])
     tokens = cfg["batch"] * mc.seq_len
-    real_op = planner.dp_grad_op(real.params, real.seq_len * real.micro_batch, hw.float_bytes)
-    scales = planner.matched_scales(planner.dp_grad_op(out["grad_bytes"] / elem, tokens, hw.float_bytes), real_op)
+    real_op = matched.dp_grad_op(real.params(), real.seq_len, hw.float_bytes)
+    scales = matched.matched_scales(matched.dp_grad_op(out["grad_bytes"] / elem, tokens, hw.float_bytes), real_op)
 
     def target_bytes(cap: float, byte_scale: float) -> list[float]:
         """The bucket's bytes on the target: its elements at ``float_bytes`` (bf16), times the byte scale."""

@@ -29,6 +29,7 @@ from toolkit.models import GPT, preset
 from toolkit.parallel.trainer import DataParallelTrainer
 from toolkit.parallel.zero import ZeroDataParallel, adamw, default_units
 from toolkit import planner
+from toolkit.models import catalog, matched
 from toolkit.planner import offload_memory, validate_offload_model
 from toolkit.runtime.bench import compare, verdict
 from toolkit.runtime.memory import MemoryTracker
@@ -247,11 +248,11 @@ def _emulated(ctx, cfg: dict, out: dict, trainers: dict, stepper, last: dict) ->
     ``planner.offload_time`` for the same workload, cluster, data parallelism and ZeRO stage."""
     emu, n, hw = ctx.emulator, ctx.world_size, ctx.emulator.cluster
     names = [v for v in EMULATED_VARIANTS if v in trainers]
-    real = planner.MODELS[cfg["stands_for"]]
+    real = catalog.get(cfg["stands_for"])
     tokens = cfg["batch"] * preset(cfg["model"]).seq_len
     toy = planner.Workload(params=out["numel"])
-    scales = planner.matched_scales(planner.dp_grad_op(out["numel"], tokens, hw.float_bytes),
-                                    planner.dp_grad_op(real.params, real.seq_len * real.micro_batch, hw.float_bytes))
+    scales = matched.matched_scales(matched.dp_grad_op(out["numel"], tokens, hw.float_bytes),
+                                    matched.dp_grad_op(real.params(), real.seq_len, hw.float_bytes))
 
     def view(bench: dict, workload: planner.Workload) -> dict:
         base = bench["zero"]
@@ -284,8 +285,8 @@ def _emulated(ctx, cfg: dict, out: dict, trainers: dict, stepper, last: dict) ->
                  "rows": view(toy_bench, toy)}}
     with emu.scaled(**scales), ctx.ledger.tag("offload/matched"):
         bench = one_step_each()
-    E["matched"] = {"stands_for": cfg["stands_for"], "scales": scales, "params": real.params,
-                    "tokens": real.seq_len * real.micro_batch, "rows": view(bench, real)}
+    E["matched"] = {"stands_for": cfg["stands_for"], "scales": scales, "params": real.params(),
+                    "tokens": real.seq_len, "rows": view(bench, real)}
     return E
 
 

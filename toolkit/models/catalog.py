@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from toolkit.runtime.efficiency import Kernel, attention, gemm, memory
+from toolkit.runtime.efficiency import Kernel, attention, gemm, kernel_seconds, memory
 
 
 @dataclass(frozen=True)
@@ -141,11 +141,22 @@ MODELS: dict[str, ModelSpec] = {m.name: _check(m) for m in (
               source="DeepSeek-V3 technical report §4.2 and the released config.json: 256 routed SwiGLU experts of "
                      "width 2048, top-8, one shared expert; its multi-head latent attention and its 3 dense first "
                      "layers are counted as plain attention and MoE layers here"),
+    ModelSpec("gpt-18b", 40, 6144, 48, 48, 4 * 6144, 51200, 2048, gated=False, tied_embeddings=True,
+              source="Narayanan et al. 2021, Efficient Large-Scale Language Model Training on GPU Clusters, Table 1 "
+                     "(the 18.4B GPT: hidden 6144, 40 layers, 48 heads)"),
     ModelSpec("gpt3-175b", 96, 12288, 96, 96, 4 * 12288, 51200, 2048, gated=False, tied_embeddings=True,
               source="Brown et al. 2020, GPT-3, Table 2.1 (the model of Megatron-LM's published scaling runs)"),
 )}
 """The named models (``get(name)``). Llama 2 70B's parameter count from these shapes is 69.0B, 13B's 13.0B, 7B's
 6.74B, Mixtral's 46.7B (the sources' figures)."""
+
+
+def gpt(name: str, layers: int, hidden: int, vocab: int, seq_len: int, ffn: int | None = None,
+        heads: int | None = None) -> ModelSpec:
+    """A GPT of the toy's kind (a plain GELU MLP of 4·hidden, no GQA, untied embeddings) of the given size: the
+    lessons' own models, and papers' that name only these sizes (heads: one per 64 of hidden unless given)."""
+    heads = heads or max(1, hidden // 64)
+    return _check(ModelSpec(name, layers, hidden, heads, heads, ffn or 4 * hidden, vocab, seq_len, gated=False))
 
 
 def get(name: str | ModelSpec, **replace) -> ModelSpec:
@@ -160,13 +171,58 @@ def get(name: str | ModelSpec, **replace) -> ModelSpec:
     return _check(dataclasses.replace(spec, **replace)) if replace else spec
 
 
+@dataclass
+class Workload:
+    """A model and the batch it trains on: what the planner places and the cost models time."""
+    model: ModelSpec | str = "llama2-7b"
+    """The model: a name from ``MODELS`` or a ``ModelSpec``."""
+    seq_len: int | None = None
+    """Tokens per sequence (None: the model's training length)."""
+    micro_batch: int = 1
+    global_batch: int = 512
+    """Sequences per optimizer step (= dp · micro_batch · micro-batches)."""
+    recompute: bool = False
+    """Full activation recomputation."""
+    params: float | None = None
+    """Ψ, total parameters (None: the model's; set it to place a model known by its size alone)."""
+
+    def __post_init__(self):
+        self.model = get(self.model)
+        self.seq_len = self.seq_len or self.model.seq_len
+        self.params = float(self.params if self.params is not None else self.model.params())
+
+    @property
+    def layers(self) -> int:
+        return self.model.layers
+
+    @property
+    def hidden(self) -> int:
+        return self.model.hidden
+
+    @property
+    def heads(self) -> int:
+        return self.model.heads
+
+    @property
+    def ffn_hidden(self) -> int:
+        return self.model.ffn
+
+    @property
+    def experts(self) -> int:
+        return self.model.experts
+
+    @property
+    def top_k(self) -> int:
+        return self.model.top_k
+
+
 # ---- the kernels of a layer: what the cost models time ----------------------------------------------------------
 def layer_kernels(spec: ModelSpec, batch: int, seq_len: int, tp: int = 1, backward: bool = False,
                   elem: int = 2, causal: bool = True) -> list[Kernel]:
     """One dense layer (or one MoE layer with its tokens balanced over its experts, ``top_k`` each) on one rank of
     a ``tp``-way tensor-parallel group, forward or backward, for ``batch`` sequences of ``seq_len``: the GEMMs at
     their shapes, flash attention, and the elementwise passes (norms, residuals, activation, rotary)."""
-    T, d, f = batch * seq_len, spec.hidden, spec.ffn
+    T, d, f = max(1, round(batch * seq_len)), spec.hidden, spec.ffn
     heads = spec.heads // tp
     qkv = (d + 2 * spec.kv_dim) // tp
     gemms = [(T, qkv, d), (T, d, d // tp)]
@@ -180,10 +236,43 @@ def layer_kernels(spec: ModelSpec, batch: int, seq_len: int, tp: int = 1, backwa
             out += [gemm(m, k, n, elem), gemm(k, n, m, elem)]
         else:
             out.append(gemm(m, n, k, elem))
-    out.append(attention(batch * heads, seq_len, spec.head_dim, causal, backward, elem))
+    out.append(attention(max(1, round(batch * heads)), seq_len, spec.head_dim, causal, backward, elem))
     grad = 2 if backward else 1  # a backward pass reads the forward's tensors and the incoming gradients
     # two norms (read, write), two residual adds (2 reads, 1 write), rotary on q and k (read, write)
     out.append(memory(grad * 14 * T * d * elem, count=8))
     # the activation of each routed slot: gate and up read, the product written (SwiGLU); GELU: read, write
     out.append(memory(grad * spec.mlp_matrices * T * f // tp * routed * elem, count=routed))
     return out
+
+
+def head_kernels(spec: ModelSpec, tokens: int, tp: int = 1, backward: bool = False, elem: int = 2) -> list[Kernel]:
+    """The output layer on ``tokens`` tokens (its vocabulary split over ``tp``): the logits GEMM (backward: dX and
+    dW) and the softmax's passes over the logits (fp32)."""
+    v = spec.vocab // tp
+    if backward:
+        return [gemm(tokens, spec.hidden, v, elem), gemm(spec.hidden, v, tokens, elem), memory(3 * tokens * v * 4)]
+    return [gemm(tokens, v, spec.hidden, elem), memory(4 * tokens * v * 4)]
+
+
+def kernels_seconds(kernels: list[Kernel], gpu) -> float:
+    """Seconds of ``kernels`` back to back on ``gpu`` (a ``toolkit.runtime.cluster.GPU``): each at its achieved
+    rate (``toolkit.runtime.efficiency``), host costs hidden behind them (they run ahead)."""
+    return sum(kernel_seconds(k, gpu.bf16_flops, gpu.hbm_bytes_per_s, gpu.sms, gpu.efficiency) for k in kernels)
+
+
+def train_seconds(spec: ModelSpec, gpu, batch: int, seq_len: int, tp: int = 1, pp: int = 1,
+                  recompute: bool = False) -> dict[str, float]:
+    """One GPU's kernel seconds for the forward and backward of ``batch`` sequences of ``seq_len`` through its
+    share of the model (``layers / pp`` layers at ``tp``-way tensor parallelism, the output layer's 1/pp):
+    ``forward``, ``backward`` (with the forward again under full ``recompute``), ``total``, and ``mfu``: the
+    model's FLOPs for those tokens (``flops_per_token``, the usual accounting) over the time at the dense peak."""
+    per = spec.layers / pp
+    tokens = max(1, round(batch * seq_len))
+    fwd = per * kernels_seconds(layer_kernels(spec, batch, seq_len, tp), gpu) \
+        + kernels_seconds(head_kernels(spec, tokens, tp), gpu) / pp
+    bwd = per * kernels_seconds(layer_kernels(spec, batch, seq_len, tp, backward=True), gpu) \
+        + kernels_seconds(head_kernels(spec, tokens, tp, backward=True), gpu) / pp
+    total = fwd + bwd + (fwd if recompute else 0.0)
+    flops = spec.flops_per_token(seq_len) * tokens / (tp * pp)
+    return {"forward": fwd, "backward": bwd + (fwd if recompute else 0.0), "total": total,
+            "mfu": flops / (total * gpu.bf16_flops)}

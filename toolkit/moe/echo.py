@@ -329,11 +329,11 @@ def clone_break_even(hidden: int, ffn: int, link, gpu, gated: bool = True, elem:
     """A cost model of one clone at a real expert's size (``link``, ``gpu``: a ``toolkit.runtime.cluster`` Link and
     GPU). It costs its weights out and its gradient back, ``2 · (α + P·elem / β)``, neither hidden behind compute;
     each pair it takes off the busiest rank saves that rank the pair's expert work, forward and backward
-    (``3 · expert_flops_per_pair`` at the GPU's peak). Break-even: ``clone_s / pair_s`` pairs; ``rows``: the clone's
+    (``3 · expert_flops_per_pair`` at the plateau its GEMMs reach: ``gpu.efficiency.gemm`` of the peak). Break-even: ``clone_s / pair_s`` pairs; ``rows``: the clone's
     bytes counted in token rows of ``hidden`` (what the same bytes would carry in a dispatch)."""
     params = expert_param_count(hidden, ffn, gated, bias=False)
     clone_s = 2 * link.seconds(params * elem)
-    pair_s = 3 * expert_flops_per_pair(hidden, ffn, gated) / gpu.bf16_flops
+    pair_s = 3 * expert_flops_per_pair(hidden, ffn, gated) / (gpu.bf16_flops * gpu.efficiency.gemm)
     return {"params": params, "bytes": params * elem, "clone_s": clone_s, "pair_s": pair_s,
             "break_even_pairs": clone_s / pair_s, "rows": params / hidden}
 

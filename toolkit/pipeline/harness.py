@@ -147,11 +147,11 @@ class PipelineSetup:
         return (*self.inputs[0].shape, self.model_cfg.d_model)
 
     def layer_op(self, elem: int = 2) -> dict[str, float]:
-        """``toolkit.planner.dense_layer_op`` of one of this model's layers on one micro-batch: the toy side of a
-        workload-matched run (``planner.matched_scales(setup.layer_op(...), planner.workload_layer_op(real))``)."""
-        from toolkit import planner
+        """``toolkit.matched.dense_layer_op`` of one of this model's layers on one micro-batch: the toy side of a
+        workload-matched run (``matched.matched_scales(setup.layer_op(...), matched.layer_op(real, real.seq_len))``)."""
+        from toolkit.models import matched
         batch, seq, d_model = self.act_shape
-        return planner.dense_layer_op(batch * seq, d_model, self.model_cfg.d_ff, elem)
+        return matched.dense_layer_op(batch * seq, d_model, self.model_cfg.d_ff, elem)
 
     def fresh(self) -> nn.Module:
         """A copy of the base model (no gradients yet)."""

@@ -32,7 +32,7 @@ and its rows of both tables; C0 on a comm thread, every collective asynchronous 
 order per process group on every rank). What each rank sends per micro-batch: ``collective_bytes``.
 
 For settings this machine cannot hold: the cost model (``vocab_costs``, re-exported here: ``pass_ops``,
-``stage_costs`` on a ``toolkit.runtime.cluster.Cluster`` at an ``Efficiency``) gives per-stage seconds for the baseline layout (embedding on stage 0,
+``stage_costs`` on a ``toolkit.runtime.cluster.Cluster``, its GPU's achieved rates) gives per-stage seconds for the baseline layout (embedding on stage 0,
 head on stage p-1) and for vocabulary parallelism, and ``simulate_layouts`` times both layouts with
 ``toolkit.pipeline.simulate``.
 """
@@ -46,8 +46,8 @@ import torch.nn.functional as F
 
 from toolkit.pipeline.schedule import Action, Schedule, linear_layout, one_f_one_b
 from toolkit.pipeline.simulate import simulate
-from toolkit.pipeline.vocab_costs import (ACHIEVED, Efficiency, Workload, from_rates, op_time,  # noqa: F401
-                                          pass_ops, stage_costs, stage_flops)
+from toolkit.pipeline.vocab_costs import (Workload, from_rates, gpt, op_time, pass_ops, stage_costs,  # noqa: F401
+                                          stage_flops)
 
 ALGORITHMS = (1, 2)
 

@@ -148,8 +148,8 @@ class RankClock:
             secs = clock.stream - start
         row = self.ops[name]
         row["calls"] += 1
-        row["flops"] += k.flops * flop_scale
-        row["bytes"] += k.bytes * byte_scale
+        row["flops"] += k.flops  # the program's own (``scaled`` times them as more)
+        row["bytes"] += k.bytes
         row["model_s"] += secs
         row["launch_s"] += launch
         row["cpu_s"] += cpu_s
@@ -224,24 +224,24 @@ class RankClock:
             for clock in self.threads.values():  # kernels already queued past the start lose the SMs too
                 if clock.stream > start:
                     clock.stream += (min(clock.stream, end) - start) * share / (1 - share)
-        rec = {"op": op, "tag": tag, "link": link.name, "bytes": wire_bytes, "issue": issue, "start": start,
-               "local_end": end, "done": None, "exposed": None, "key": key}
+        return self._record({"op": op, "tag": tag, "link": link.name, "bytes": wire_bytes, "issue": issue,
+                             "start": start, "local_end": end, "done": None, "exposed": None, "key": key})
+
+    def _record(self, rec: dict) -> dict:
+        rec["index"] = len(self.comms)
         self.comms.append(rec)
         return rec
 
     def receive(self, tid: int, op: str, tag: str, key: tuple | None) -> dict:
         """The record of a transfer this rank only receives (its time is the sender's)."""
         self._log((RECV, tid, op, tag, key))
-        rec = {"op": op, "tag": tag, "link": None, "bytes": 0.0, "issue": self.threads[tid].now, "start": None,
-               "local_end": None, "done": None, "exposed": None, "key": key}
-        self.comms.append(rec)
-        return rec
+        return self._record({"op": op, "tag": tag, "link": None, "bytes": 0.0, "issue": self.threads[tid].now,
+                             "start": None, "local_end": None, "done": None, "exposed": None, "key": key})
 
     def finish(self, tid: int, rec: dict, start: float, done: float, barrier: bool = False) -> float:
         """This thread's stream waits for a transfer's completion ``done`` (its bytes on the wire from ``start``);
         a barrier also blocks the host. Returns the time the clock moved."""
-        index = self.comms.index(rec) if self.comms[-1] is not rec else len(self.comms) - 1
-        self._log((FINISH, tid, index, barrier))
+        self._log((FINISH, tid, rec["index"], barrier))
         rec["done"] = done
         before = self.threads[tid].now
         waited = self.wait_until(tid, done)
@@ -265,18 +265,15 @@ class RankClock:
         issue = self.threads[tid].now
         start = max(issue, self.link_free[queue], self._resolve(after))
         end = self.link_free[queue] = start + seconds
-        rec = {"op": op, "tag": tag, "link": queue, "bytes": nbytes, "issue": issue, "start": start,
-               "local_end": end, "done": None, "exposed": None, "key": None}
-        self.comms.append(rec)
-        return rec
+        return self._record({"op": op, "tag": tag, "link": queue, "bytes": nbytes, "issue": issue, "start": start,
+                             "local_end": end, "done": None, "exposed": None, "key": None})
 
     def end_stamp(self, rec: dict) -> Stamp:
-        return Stamp(rec["local_end"], ("end", self.comms.index(rec)))
+        return Stamp(rec["local_end"], ("end", rec["index"]))
 
     def local_wait(self, tid: int, rec: dict, host: bool = False) -> float:
         """The stream (``host``: the host) waits for a local copy; returns the time the clock moved."""
-        index = self.comms.index(rec)
-        self._log((LOCAL_WAIT_HOST if host else LOCAL_WAIT, tid, index))
+        self._log((LOCAL_WAIT_HOST if host else LOCAL_WAIT, tid, rec["index"]))
         rec["done"] = rec["local_end"]
         clock = self.threads[tid]
         if host:
@@ -337,7 +334,8 @@ class _Replayed(RankClock):
 def export(clock: RankClock) -> dict:
     """A rank's trace, plain and picklable (``replay`` reads a list of them, one per rank)."""
     return {"rank": clock.rank, "world_size": clock.world_size, "events": list(clock.trace or ()),
-            "kernels": list(clock.kernels), "ranks": list(clock.ranks)}
+            "kernels": [(name, k.kind, k.flops, k.bytes, tuple(k.dims), k.count) for name, k in clock.kernels],
+            "ranks": list(clock.ranks)}
 
 
 def replay(traces: list[dict], cluster) -> list[RankClock]:
@@ -351,7 +349,8 @@ def replay(traces: list[dict], cluster) -> list[RankClock]:
     clocks = []
     for t in traces:
         c = _Replayed(cluster, t["rank"], world, record=False)
-        c.kernels, c.ranks = list(t["kernels"]), list(t["ranks"])
+        c.kernels = [(k[0], Kernel(k[1], k[2], k[3], tuple(k[4]), k[5])) for k in t["kernels"]]
+        c.ranks = [tuple(r) for r in t["ranks"]]
         clocks.append(c)
     published: dict[tuple, list] = defaultdict(list)  # key -> (end, start) of each rank that issued it
     needed: dict[tuple, int] = {}
