@@ -70,11 +70,12 @@ from toolkit.viz.pipeline import explorer, memory_steps, schedule_gantt
 #
 # A schedule is a per-rank list of actions (`toolkit.pipeline.schedule`): `F`, `B` (full backward), `I`
 # (input gradient only), `W` (the deferred weight gradient), `FB` (an F&B pair), `R` (recompute), each on
-# a (stage, micro-batch). The generator below *is* the eight steps; it writes actions in torch's notation
+# a (stage, micro-batch). The generator's loop below *is* the eight steps (its helpers `f`, `b` and `w`, left
+# out, take a stage's next micro-batch and queue the deferred W); it writes actions in torch's notation
 # (`3F1` = forward of stage 3, micro-batch 1; `(0F3;3B1)FB` = an F&B pair).
 
 # %%
-print(inspect.getsource(dualpipev))
+print(viz.listing(dualpipev, start="# 1", end="ranks.append"))
 
 # %% [markdown]
 # The deferred W needs the weight gradient kept aside. As in DeepSeek's `WeightGradStore`, every
@@ -345,19 +346,22 @@ for r, x in enumerate(variants["F&B overlapped"]):
 exposed = {label: sum(blocked(x, r, True) for r, x in enumerate(per_rank)) for label, per_rank in variants.items()}
 exposed_all = {label: sum(blocked(x, r, False) for r, x in enumerate(per_rank)) for label, per_rank in variants.items()}
 steps_ms = {label: per_rank[0]["bench"]["mean_s"] * 1e3 for label, per_rank in variants.items()}
+variant_names = ("F&B overlapped", "F&B back to back", "no pairing")
+blocked_rows = [("blocked on the F&B halves' inputs", exposed, 2), ("blocked on all receives", exposed_all, 2),
+                ("step time", steps_ms, 1)]
+shortened = exposed["F&B overlapped"] < exposed["F&B back to back"]
 display(Markdown(
-    f"**Measured here** ({world_size} ranks, preset `{preset}`, summed over ranks, per step): blocked on the inputs "
-    f"of the F&B halves {exposed['F&B overlapped']:.2f} ms with F&B overlapped, {exposed['F&B back to back']:.2f} ms "
-    f"with the halves back to back (torch's way), {exposed['no pairing']:.2f} ms for the same ops unpaired; on all "
-    f"receives {exposed_all['F&B overlapped']:.2f}, {exposed_all['F&B back to back']:.2f} and "
-    f"{exposed_all['no pairing']:.2f} ms; step times {steps_ms['F&B overlapped']:.1f}, "
-    f"{steps_ms['F&B back to back']:.1f} and {steps_ms['no pairing']:.1f} ms. Overlapping the pair "
-    f"{'shortened' if exposed['F&B overlapped'] < exposed['F&B back to back'] else 'did not shorten'} the time "
-    f"blocked at the pairs against running their halves back to back. With one core per rank the two halves' "
-    f"*compute* cannot overlap each other, so what the pair can hide here is communication only. The unpaired "
-    f"order is run with the same just-in-time waits (each op waits for its own input), so the pairing itself "
-    f"changes little here beyond posting the next pair's receives one op earlier; compare the first and last "
-    f"numbers."))
+    f"**Measured here** ({world_size} ranks, preset `{preset}`, summed over ranks, per step):\n\n"
+    "| | F&B overlapped | F&B back to back (torch's way) | no pairing |\n|---|---|---|---|\n"
+    + "".join(f"| {what} | " + " | ".join(f"{d[k]:.{n}f} ms" for k in variant_names) + " |\n"
+              for what, d, n in blocked_rows)
+    + f"\nOverlapping the pair {'shortened' if shortened else 'did not shorten'} the time blocked at the pairs "
+    "against running their halves back to back.\n\n"
+    "- With one core per rank the two halves' *compute* cannot overlap each other: what the pair can hide here is "
+    "communication only.\n"
+    "- The unpaired order runs with the same just-in-time waits (each op waits for its own input), so the pairing "
+    "itself changes little here beyond posting the next pair's receives one op earlier: compare the first and "
+    "last columns."))
 
 # %% [markdown]
 # **On GPUs, the same code.** With nccl, `isend`/`irecv` run on NCCL's own CUDA streams, and `wait()` does not
@@ -453,8 +457,9 @@ explorer("dualpipev", p=4, m=8, costs=Costs(1, 2, 1))
 # %%
 static = simulate(dualpipev(4, 8), Costs(chunk_costs.F * 1e3, chunk_costs.B * 1e3, chunk_costs.W * 1e3,
                                         FB=0.8 * (chunk_costs.F + chunk_costs.B) * 1e3))
-display(schedule_gantt(static, title="DualPipeV p=4, m=8, simulated with measured chunk costs (ms), F&B = 0.8(F+B)"))
-display(memory_steps(static, title="Activation chunks held"))
+display(schedule_gantt(static, title="DualPipeV p=4, m=8, simulated with the measured chunk costs, F&B = 0.8(F+B)",
+                      unit="ms"))
+display(memory_steps(static, title="Activation chunks held (simulated)", unit="ms"))
 
 # %% [markdown]
 # ## What we found, and where it disagrees with the sources
@@ -533,7 +538,8 @@ headline("03", "DualPipeV (V-folded pipeline, zero-bubble W split, F&B pairs)",
 # %% [markdown]
 # ## Try this
 #
-# - `m = 8` (the smoke preset runs 4) or `m = 16` (the default runs 8): the bubble fraction falls as 1/m.
+# - `m = 8` (the smoke preset runs 4) or `m = 16` (the default runs 8): in section 5's table the *simulated*
+#   bubble % falls as 1/m; the real one, timed on cores the ranks share, need not follow.
 # - In the explorer (section 9), set the `overlap` control, F&B/(F+B), to 0.5.
 # - In the explorer, compare `schedule = "torch:zbv"` (ZB-V, also a V) with `schedule = "dualpipev"` at
 #   equal costs.
