@@ -74,13 +74,14 @@ class Layout:
 
 def gpu_matrices(w: Workload, tp: int, pp: int) -> tuple[list[tuple[int, int]], int]:
     """(matrix shapes, vector elements) one GPU holds (see the module docstring)."""
-    h, f = w.hidden, w.ffn_hidden or 4 * w.hidden
-    columns = [(h, h)] * 3 + ([(f, h)] * 2 if w.ffn_hidden else [(f, h)])  # q, k, v; gate, up (or fc1)
+    m = w.model
+    h, f = m.hidden, m.ffn
+    columns = [(h, h), (m.kv_dim, h), (m.kv_dim, h)] + [(f, h)] * (m.mlp_matrices - 1)  # q, k, v; gate, up (or fc1)
     rows = [(h, h), (h, f)]  # o, down (or fc2)
-    layer = [(n // tp, m) for n, m in columns] + [(n, m // tp) for n, m in rows]
+    layer = [(n // tp, k) for n, k in columns] + [(n, k // tp) for n, k in rows]
     vectors = 2 * h  # two norms per layer
-    per_layer = sum(n * m for n, m in layer) * tp + vectors
-    rest = max(w.params - w.layers * per_layer, 0)  # embeddings and head
+    per_layer = sum(n * k for n, k in layer) * tp + vectors
+    rest = max(w.params - w.layers * per_layer, 0)  # embeddings and head (and an MoE's other experts)
     layers = w.layers // pp
     shapes = layer * layers + ([(int(rest / (h * tp * pp)), h)] if rest else [])
     return shapes, vectors * layers
