@@ -232,6 +232,9 @@ def test_listing_shows_the_lines_that_matter_and_where_the_rest_is():
         listing(dualpipev)
     with pytest.raises(ValueError, match="start='no such line' is not in the source of 'dualpipev'"):
         listing(dualpipev, start="no such line")
+    from toolkit.memory.nvme import DiskAdamW  # decorated (torch.no_grad): its own file and lines
+    assert listing(DiskAdamW.step, start="for k, j", end="free.append(b)").splitlines()[-1].startswith(
+        "# the whole of it: toolkit/memory/nvme.py:")
     from toolkit.pipeline import vocab_parallel
     whole = listing(vocab_parallel.c0)  # short: all of it, its one-line docstring, no pointer
     assert "# the whole of it" not in whole and whole.splitlines()[1].strip().startswith('"""The first barrier')

@@ -77,8 +77,10 @@ print(f"{world_size} ranks on {r0['device']}, model {r0['model']['n_layer']} lay
 # run on a side stream into pinned buffers, ordered with events):
 
 # %%
-print(inspect.getsource(OffloadAdamW._grad_to_host))
-print(inspect.getsource(OffloadAdamW._step_cpu))
+print(viz.listing(OffloadAdamW._grad_to_host))
+
+# %%
+print(viz.listing(OffloadAdamW._step_cpu))
 
 # %% [markdown]
 # The run trains the same steps with every variant: the toolkit's ZeRO-3 with AdamW in memory (`zero`),
@@ -270,20 +272,21 @@ if EO is not None:
         f"{T['cpu']['closed_form_s'] * 1e6:.1f} µs and {T['nvme']['closed_form_s'] * 1e6:.1f} µs: at this size the "
         "costs it leaves out are all there is.\n\n"
         f"**Matched to {MO['stands_for']}** ({MO['params'] / 1e9:.1f}B parameters, {MO['tokens']:,} tokens per rank and "
-        f"step, dp {r0['world_size']}, ZeRO-{off['stage']}; virtual time): the step takes "
+        f"step, dp {r0['world_size']}, ZeRO-{off['stage']}; virtual time):\n\n- the step takes "
         f"{mro['zero']['step_s'] * 1e3:,.0f} ms with AdamW on the GPU and {mro['cpu']['step_s'] * 1e3:,.0f} ms with "
-        f"ZeRO-Offload ({vc['ratio']:.2f}×, {vc['word']}). The host's AdamW over this rank's shard takes "
+        f"ZeRO-Offload ({vc['ratio']:.2f}×, {vc['word']}).\n"
+        f"- The host's AdamW over this rank's shard takes "
         f"{cpu_opt['host_update_s'] * 1e3:,.0f} ms on the CPU share ({EO['cpu']}); "
         f"{copied_under_backward(mro['cpu']):.0%} of the gradients' copy-down ran under backward (the host then waited "
         f"{cpu_opt['grad_wait_s'] * 1e3:.0f} ms for the rest) and the parameters' copy-up left "
-        f"{cpu_opt['param_wait_s'] * 1e3:.0f} ms exposed. With the optimizer state on NVMe the step takes "
+        f"{cpu_opt['param_wait_s'] * 1e3:.0f} ms exposed.\n- With the optimizer state on NVMe the step takes "
         f"{mro['nvme']['step_s'] * 1e3:,.0f} ms, the drive busy {disk_busy * 1e3:,.0f} ms of it (reads and "
-        f"writes share one queue). `planner.offload_time` adds {mro['cpu']['closed_form_s'] * 1e3:,.0f} ms (CPU "
+        f"writes share one queue).\n- `planner.offload_time` adds {mro['cpu']['closed_form_s'] * 1e3:,.0f} ms (CPU "
         f"offload) and {mro['nvme']['closed_form_s'] * 1e3:,.0f} ms (NVMe); the emulated run adds "
         f"{mro['cpu']['extra_s'] * 1e3:,.0f} and {mro['nvme']['extra_s'] * 1e3:,.0f} ms, {ratio['cpu']:.2f}× and "
         f"{ratio['nvme']:.2f}× of it: the closed form's bound "
         + ("holds. " if bound_holds else "does not hold. ")
-        + f"Where they part: its CPU Adam streams 16 bytes per parameter at an assumed "
+        + f"\n- Where they part: its CPU Adam streams 16 bytes per parameter at an assumed "
         f"{EO['cpu_adam_bytes_per_s'] / 1e9:.0f} GB/s, where the emulated CPU reads and writes every fp32 tensor of "
         "torch's single-tensor AdamW at its memory's peak (a roofline, no efficiency below it), and its disk term "
         "moves 16 bytes per parameter each way where this offload moves m and v (8); it also hides none of the "
@@ -305,9 +308,12 @@ if EO is not None:
 #
 # With parameters on disk, a unit's shard is read just before its all-gather, in forward and again in
 # backward, and the unit that the previous step asked for next is read ahead into a free buffer.
+#
+# The step's loop over the pieces (left out above it: `issue`, which starts the next piece's read into a free
+# buffer once that buffer's last write has finished):
 
 # %%
-print(inspect.getsource(DiskAdamW.step))
+print(viz.listing(DiskAdamW.step, start="for k, j in enumerate(pieces)", end="free.append(b)"))
 
 # %%
 disk = off["disk"]
@@ -473,16 +479,16 @@ judged = {"comm": verdict(*([r["side_channel"]["exposed_comm"][m] for r in resul
 said = {what: f"{v.word}, {v.ratio:.2f}× blocking, 95 % interval [{v.low:.2f}, {v.high:.2f}] over {v.rounds} paired "
               "steps" for what, v in judged.items()}
 display(Markdown(
-    f"Per step, worst rank: collecting the values took {exp['blocking'] * 1e3:.2f} ms blocking and "
-    f"{exp['side'] * 1e3:.2f} ms with the side channel; the gradient all-reduce, where a rank that finished early "
-    f"waits for the slowest, took {ar['blocking'] * 1e3:.2f} and {ar['side'] * 1e3:.2f} ms. Together, the "
+    f"Per step, worst rank:\n\n- collecting the values took {exp['blocking'] * 1e3:.2f} ms blocking and "
+    f"{exp['side'] * 1e3:.2f} ms with the side channel;\n- the gradient all-reduce, where a rank that finished early "
+    f"waits for the slowest, took {ar['blocking'] * 1e3:.2f} and {ar['side'] * 1e3:.2f} ms.\n- Together, the "
     f"training thread's time in communication was {comm['blocking'] * 1e3:.2f} ms blocking and "
     f"{comm['side'] * 1e3:.2f} ms side channel (side channel: {said['comm']}), and the step took "
-    f"{step_s['blocking'] * 1e3:.1f} vs {step_s['side'] * 1e3:.1f} ms (side channel: {said['step']}). "
-    "Theory: taking the collect out of the micro-batch loop moves the wait for the slowest rank to the next "
+    f"{step_s['blocking'] * 1e3:.1f} vs {step_s['side'] * 1e3:.1f} ms (side channel: {said['step']}).\n"
+    "- Theory: taking the collect out of the micro-batch loop moves the wait for the slowest rank to the next "
     "blocking collective (here the gradient all-reduce) rather than removing it; what it can save is the "
     "per-micro-batch synchronisation (`sum over micro-batches of the max over ranks` vs `max over ranks of the "
-    "sum`). These are a few steps on a shared machine."))
+    "sum`).\n- These are a few steps on a shared machine."))
 assert sc["all_received_complete"]  # every value of every rank and micro-batch arrived on rank 0, right shape
 assert sc["received_values"] == len(sc["micro_batch_lengths"]) * len(sc["micro_batch_lengths"][0])
 
@@ -565,20 +571,20 @@ if E is not None:
     best_s = steps_v.index(min(steps_v))
     backward_us = E["backward_s"] * 1e6
     display(Markdown(
-        f"**Toy shapes (emulated).** The all-reduce left exposed after backward is least at bucket_cap_mb = "
+        f"**Toy shapes (emulated).**\n\n- The all-reduce left exposed after backward is least at bucket_cap_mb = "
         f"{caps[best_e]} ({bk['rows'][best_e]['buckets']} buckets, {exposed[best_e] * 1e6:.1f} µs) against "
         f"{exposed[0] * 1e6:.1f} µs with the smallest buckets ({bk['rows'][0]['buckets']}) and "
         f"{exposed[-1] * 1e6:.1f} µs with {bk['rows'][-1]['buckets']}: "
         + ("an interior optimum" if interior_e else "the optimum at an end of the sweep")
         + f", with α = {link['latency_s'] * 1e6:.0f} µs per call and a backward of {backward_us:.0f} µs "
-        f"(virtual). The step is fastest at bucket_cap_mb = {caps[best_s]} ({steps_v[best_s] * 1e6:.1f} µs"
+        f"(virtual).\n- The step is fastest at bucket_cap_mb = {caps[best_s]} ({steps_v[best_s] * 1e6:.1f} µs"
         + (")." if best_s == best_e else f"; {steps_v[best_e] * 1e6:.1f} µs at the exposed optimum): every bucket "
            f"also costs the host a kernel launch ({E['launch_s'] * 1e6:.0f} µs on this GPU) for its division by "
            "the world size, on the step's path when the kernels are as short as the toy's.")
-        + f" Within one node, over {E['intra']['name']} (closed form), every bucket size leaves "
+        + f"\n- Within one node, over {E['intra']['name']} (closed form), every bucket size leaves "
         f"{min(r['closed_form_intra_exposed_s'] for r in em) * 1e6:.1f} to "
         f"{max(r['closed_form_intra_exposed_s'] for r in em) * 1e6:.1f} µs exposed (α = "
-        f"{E['intra']['latency_s'] * 1e6:.0f} µs). The closed form assumes gradients at a steady rate; where it "
+        f"{E['intra']['latency_s'] * 1e6:.0f} µs).\n- The closed form assumes gradients at a steady rate; where it "
         "differs from the emulated run, the buckets were not ready at that rate."))
 
 # %% [markdown]
@@ -615,15 +621,15 @@ if E is not None:
     opt = {name: min(cf, key=lambda r: r[key]) for name, key in (("inter", "exposed_s"), ("intra", "intra_exposed_s"))}
     at25 = next(r for r in cf if r["bucket_mb"] >= 25)
     display(Markdown(
-        f"**Matched to {M['stands_for']} (emulated).** Its backward takes {M['backward_s'] * 1e3:.0f} ms on the "
+        f"**Matched to {M['stands_for']} (emulated).**\n\n- Its backward takes {M['backward_s'] * 1e3:.0f} ms on the "
         f"virtual clock ({M['backward_gemm_s'] * 1e3:.0f} ms of GEMMs at the GPU's peak, `4·Ψ·tokens` (formula); "
         "the rest is the toy's memory-bound ops, whose tensors the byte scale enlarges as much as the gradient) "
         f"and the all-reduce of its {M['grad_bytes'] / 1e9:.1f} GB gradient {comm_ms:.0f} ms over {link['name']}. "
-        f"The least exposed all-reduce in the sweep is at bucket_cap_mb = {caps[best_m]} "
+        f"\n- The least exposed all-reduce in the sweep is at bucket_cap_mb = {caps[best_m]} "
         f"({mr[best_m]['real_bucket_mb']:.0f} MB of real gradient per bucket, {mexp[best_m] * 1e3:.1f} ms), "
         + ("inside the sweep" if 0 < best_m < len(mr) - 1 else "at the sweep's small end: the toy's buckets are "
            "too large to reach the optimum")
-        + f". The closed form at the real scale puts it at {opt['inter']['bucket_mb']} MiB "
+        + f".\n- The closed form at the real scale puts it at {opt['inter']['bucket_mb']} MiB "
         f"({opt['inter']['exposed_s'] * 1e3:.1f} ms exposed; {at25['exposed_s'] * 1e3:.1f} ms at "
         f"{at25['bucket_mb']} MiB, near DDP's default 25 MB; {cf[-1]['exposed_s'] * 1e3:.0f} ms in one bucket) "
         f"on {link['name']}, and at {opt['intra']['bucket_mb']} MiB "
@@ -689,7 +695,7 @@ claim_92 = zero3_nvme_claim(w)  # the article's end point: NVMe for both optimiz
 display(Markdown(
     f"The article's starting point, ZeRO-2 at 18 GB per GPU, is below what ZeRO-2 needs before any activation: "
     f"{case[0]['device GB (no activations)']:.1f} GB (every GPU keeps all "
-    f"{w.params / 1e9:.0f}B bf16 weights, {2 * w.params / 1e9:.0f} GB). Its end point (article), 9.2 GB with "
+    f"{w.params / 1e9:.0f}B bf16 weights, {2 * w.params / 1e9:.0f} GB).\n\nIts end point (article), 9.2 GB with "
     f"NVMe for both optimizer and parameters, against the planner: {claim_92['model']}. Verdict (the same in "
     f"lesson 17): **{claim_92['verdict']}**."))
 

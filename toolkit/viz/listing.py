@@ -40,6 +40,7 @@ def listing(obj, start: str | None = None, end: str | None = None, limit: int = 
 
     Raises ``ValueError`` when ``start`` or ``end`` is not in the source, or when the listing would be longer than
     ``limit`` lines (choose a narrower ``start``/``end``)."""
+    obj = inspect.unwrap(obj)  # a decorated function's own source and file (``torch.no_grad()`` wraps it)
     lines, first = inspect.getsourcelines(obj)
     source = textwrap.dedent("".join(lines)).splitlines()
     tree = ast.parse("\n".join(source)).body[0]
