@@ -1,12 +1,14 @@
-"""The emulated cluster checked on real processes: each case runs real ops and reports the virtual times it took.
+"""The emulated cluster's mechanics checked on real processes: each case runs real ops and reports the virtual times.
 
-Lesson 00 shows these next to the closed forms; ``tests/test_emulator.py`` asserts them against closed forms written
-in the test (never against the emulator's own formulas). Every case starts from clocks aligned by a barrier::
+``tests/test_emulator.py`` asserts relations between the times of one run (a late rank delays a collective by its
+lateness; overlap hides the shorter of two and costs the compute some SMs; two transfers share a link), never
+the model's own formulas; ``tests/test_calibration.py`` checks the model's figures against published
+measurements. Every case starts from clocks aligned by a barrier::
 
     ops          send/recv, all_reduce, all_gather, reduce_scatter, all_to_all at 3 sizes, on a group inside a
                  node (intra link) and on the world group, which spans nodes (inter link)
-    skew         one rank computes a known matmul first; the all_reduce completes at its arrival + transfer
-    async        an all_reduce issued before a matmul, waited after it: done at issue + max(transfer, matmul)
+    skew         rank 1 computes a matmul first (its time measured alone); the all_reduce completes that much later
+    async        an all_reduce issued before a matmul, waited after it, beside the matmul alone
     sharing      two all_reduces issued back to back: the second waits for the first on the rank's link
     exchange     a matmul, then a send to and a receive from the other rank of the node, three times: the same
                  virtual time at 2 ranks (one node) and at 4 (two nodes), whatever the machine's load
@@ -114,12 +116,18 @@ def run(ctx, cfg):
     size = SIZES[-1]
     x, y = {n: _operands(n) for n in MATMUL_N}, torch.ones(size // 4)
     # skew: rank 1 computes the large matmul first, then the two ranks of each node all-reduce 4 MiB
+    late = {}
     def skew():
         if rank == 1:
             a, c = x[MATMUL_N[1]]
+            t0 = _now(ctx)
             torch.mm(a, a, out=c)
+            late["s"] = None if t0 is None else _now(ctx) - t0
         dist.all_reduce(y, group=pair)
     out["skew_s"] = _elapsed(ctx, skew)
+    out["late_s"] = late.get("s")
+    # each matmul alone, from aligned clocks
+    out["matmul_s"] = {str(n): _elapsed(ctx, lambda n=n: torch.mm(x[n][0], x[n][0], out=x[n][1])) for n in MATMUL_N}
     # async: an all_reduce issued, then a short or a long matmul, then waited
     out["async_s"] = {}
     for n in MATMUL_N:
@@ -217,3 +225,41 @@ def pipeline(ctx, cfg):
                                for s in rec["spans"] if "vstart" in s],
                      "step_s": rec["bench"]["virtual"]["mean_s"] if rec["bench"].get("virtual") else None}
     return out
+
+
+def replayed(ctx, cfg):
+    """A mixed job (matmuls, an async all_reduce under compute, a send and a receive, a host copy waited for) timed
+    live, then re-timed from every rank's trace at the same figures and on ``cfg["other"]`` (a ``Cluster.to_dict``,
+    or None: the same): the job's span over the ranks, live and replayed (``toolkit.runtime.vclock.replay``)."""
+    from toolkit.runtime.cluster import Cluster
+    from toolkit.runtime.emulator import sensitivity
+    emu = ctx.emulator
+    (a, c), y = _operands(MATMUL_N[1]), torch.ones(SIZES[-1] // 4)
+    dist.barrier()
+    t0 = emu.mark("start")
+    for _ in range(2):
+        work = dist.all_reduce(y, async_op=True)
+        torch.mm(a, a, out=c)
+        work.wait()
+        if ctx.rank == 0:
+            dist.send(y, 1)
+        else:
+            dist.recv(y, 0)
+        copy = emu.host_copy(y.numel() * 4, to_host=True)
+        torch.mm(a, a, out=c)
+        copy.wait()
+    live = torch.tensor([emu.mark("end") - t0], dtype=torch.float64)
+    with ctx.paused():
+        dist.all_reduce(live, op=dist.ReduceOp.MAX)
+
+    def span(clocks) -> float:
+        return max(k.marks_named("end")[0] - k.marks_named("start")[0] for k in clocks)
+    traces = emu.traces()
+    holder = [None]
+    if ctx.rank == 0:
+        other = Cluster.from_dict(cfg["other"]) if cfg.get("other") else emu.cluster
+        got = sensitivity(traces, emu.cluster, span, band={"other": (1.0, 1.0)})
+        holder = [{"same": got["value"], "other": sensitivity(traces, other, span, band={})["value"]}]
+    with ctx.paused():
+        dist.broadcast_object_list(holder, src=0)
+    return {"live": live.item(), "replayed_same": holder[0]["same"], "replayed_other": holder[0]["other"]}
