@@ -75,10 +75,11 @@ knobs = {"preset": preset, "n_head": n_head, "d_model": d_model, "micro_batch": 
 # The ring all-gather + GEMM (`toolkit.parallel.tp_overlap.all_gather_matmul`). Each step posts one
 # `batch_isend_irecv` (send the chunk we hold to the next rank, receive the next one from the previous
 # rank), multiplies the chunk we hold straight into its rows of the output, then waits for the receive.
-# Only the wait is *exposed* communication; the rest of the message's flight overlaps the GEMM.
+# Only the wait is *exposed* communication; the rest of the message's flight overlaps the GEMM. Below, the ring
+# (the `bulk` mode above it, one all-gather then one GEMM, left out):
 
 # %%
-print(inspect.getsource(tp_overlap.all_gather_matmul))
+print(viz.listing(tp_overlap.all_gather_matmul, start="out = x.new_empty", end="return out"))
 
 # %% [markdown]
 # The backward of the column-parallel layer: the input gradient is a GEMM + reduce-scatter (ring or

@@ -64,15 +64,17 @@ timeout_s: int = 600
 # ## The code that matters
 #
 # A micro-batch's forward is a generator: it yields every all-to-all it issues (a `Pending` handle) and gets the
-# result back when the scheduler sends it in. The two schedules differ only in *when* they wait.
+# result back when the scheduler sends it in (below, the part of one MoE layer that does: the dispatch and the
+# combine). The two schedules differ only in *when* they wait.
 
 # %%
 import inspect
 
 from toolkit.moe import overlap
+from toolkit.viz import listing
 
-print(inspect.getsource(overlap.micro_batch_forward))
-print(inspect.getsource(overlap.run_interleaved))
+print(listing(overlap.micro_batch_forward, start="plan = moe.last_plan", end="x = h + y.view_as(h)"), end="\n\n")
+print(listing(overlap.run_interleaved))
 
 # %% [markdown]
 # The backward of a cut forward, for **fb**: segment by segment from the loss down, issuing each backward all-to-all
@@ -289,13 +291,13 @@ miss = ", ".join(f"{k.removesuffix(' (ms)')} {r:.1f}× the model's"  # the large
                  for k, r in sorted(off.items(), key=lambda kv: -max(kv[1], 1 / kv[1])))
 display(Markdown(
     "Measured / cost model on rank 0: " + ", ".join(f"{k.removesuffix(' (ms)')} **{r:.2f}×**" for k, r in vs.items())
-    + ". " + ("The model reproduces this run within 25 % on every column. " if not off else
-              f"The model does **not** predict this run: measured {miss}. ")
-    + f"What the model leaves out: embedding and head ({d['embed_head_step'] * 1e3:.1f} ms per step in the serial "
-    "trace), a backward measured rather than taken as `2 × forward`, and a link that takes no compute core — here "
-    "gloo's transfers run on the same two cores as the computation, so a transfer in flight and the computation can "
-    "slow each other, which a two-resource model cannot show. Read the sweep below as the model's arithmetic, not "
-    "as this machine's behaviour."))
+    + ". " + ("The model reproduces this run within 25 % on every column." if not off else
+              f"The model does **not** predict this run: measured {miss}.")
+    + f"\n\nWhat the model leaves out:\n\n- embedding and head ({d['embed_head_step'] * 1e3:.1f} ms per step in the "
+    "serial trace);\n- a backward measured rather than taken as `2 × forward`;\n- a link that takes no compute core: "
+    "here gloo's transfers run on the same two cores as the computation, so a transfer in flight and the computation "
+    "can slow each other, which a two-resource model cannot show.\n\nRead the sweep below as the model's "
+    "arithmetic, not as this machine's behaviour."))
 sweep = r0["sweep"]
 display(viz.lines({f"speed-up of {s} over serial": [x[f"speedup_{s}"] for x in sweep] for s in ("overlapped", "fb")}
                   | {f"overlap fraction, {s}": [x[f"overlap_fraction_{s}"] for x in sweep] for s in ("overlapped", "fb")},
