@@ -44,8 +44,6 @@ timeout_s: int = 1200
 loss_tolerance: float = 0.02  # EDGC's held-out loss may exceed the baseline's by at most this fraction
 
 # %%
-import inspect
-
 from IPython.display import Markdown, display
 
 from toolkit import launch, viz
@@ -68,11 +66,12 @@ print(f"{world_size} ranks, model {cfg['model']} width with {cfg['n_layer']} blo
 # %% [markdown]
 # ## 1 · The engine: one bucket, step by step
 #
-# `PowerSGDReducer` treats each stage as a bucket. The whole algorithm is this method (read it top to
-# bottom; the shape comments follow one matrix):
+# `PowerSGDReducer` treats each stage as a bucket. The algorithm is this method, read top to bottom (the shape
+# comments follow one matrix); its first lines, left out, flatten the bucket, add the error kept from the last
+# step and send a bucket without a rank in full:
 
 # %%
-print(inspect.getsource(E.PowerSGDReducer._reduce_bucket))
+print(viz.listing(E.PowerSGDReducer._reduce_bucket, start="if self.error_feedback and b.error is None"))
 
 # %% [markdown]
 # ## 2 · Same numbers as torch's `powerSGD_hook`
@@ -330,17 +329,17 @@ if EM is not None:
     m, t = EM["matched"], EM["toy"]
     codec = {run: m[run]["sync_s"] - m[run]["wire_s"] for run in ("baseline", "edgc")}
     display(Markdown(
-        f"**Timed as {EM['stands_for']}** (emulated {EM['gpu']}, {EM['nodes']} nodes over {EM['link']}): EDGC's "
+        f"**Timed as {EM['stands_for']}** (emulated {EM['gpu']}, {EM['nodes']} nodes over {EM['link']}):\n\n- EDGC's "
         f"gradient sync takes {m['edgc']['sync_s'] * 1e3:.0f} ms against the plain all-reduce's "
         f"{m['baseline']['sync_s'] * 1e3:.0f} ms ({sync_m.ratio:.2f}×, {sync_m.word}), and the step "
         f"{m['edgc']['step_s'] * 1e3:.0f} ms against {m['baseline']['step_s'] * 1e3:.0f} ms ({step_m.ratio:.2f}×, "
-        f"{step_m.word}: {step_m.ratio - 1:+.0%}). The wire time fell to "
+        f"{step_m.word}: {step_m.ratio - 1:+.0%}).\n- The wire time fell to "
         f"{m['edgc']['wire_s'] / m['baseline']['wire_s']:.2f}× ({m['edgc']['wire_s'] * 1e3:.0f} ms), but the "
         f"compressor's own compute (the sync less its wire time: flattening, error feedback, P = MQ, "
         f"orthogonalisation, Q = MᵀP, M̂ = PQᵀ, the entropy samples) takes {codec['edgc'] * 1e3:.0f} ms where the "
         f"plain all-reduce's takes {codec['baseline'] * 1e3:.0f} ms: it walks the whole gradient several times "
         f"in HBM, at {EM['codec_s_per_element']['edgc'] * 1e12:.1f} ps per element against "
-        f"{EM['codec_s_per_element']['baseline'] * 1e12:.1f} ps. "
+        f"{EM['codec_s_per_element']['baseline'] * 1e12:.1f} ps.\n\n"
         f"**At the toy's own shapes** every op is about as short as its kernel launch: EDGC's step is "
         f"{step_t.ratio:.2f}× the plain "
         f"one's ({step_t.word}), its sync {judged['toy', 'sync_s'].ratio:.2f}×: with a gradient of "
