@@ -7,7 +7,7 @@ papermill runs of ``tests/test_notebooks.py``.
   a longer one is a table or a list of its figures;
 - a cell that prints source (``viz.listing``, ``inspect.getsource`` or ``getdoc``) prints at most ``LISTING_LINES``
   non-blank lines: the code that matters, and where the rest is;
-- a table shows no ``null`` / ``None`` / ``nan``;
+- a table shows no ``null`` / ``None`` / ``nan`` (a variant named "none" is a name);
 - a figure's title and its axes name no two different time units (a title "(ms)" over an axis "time (cost units)").
 """
 from __future__ import annotations
@@ -73,7 +73,7 @@ def figure_problems(figure: dict) -> list[str]:
     for trace in figure.get("data", []):
         if trace.get("type") == "table":
             cells = trace.get("cells", {}).get("values", [])
-            bad = [v for column in cells for v in column if v is None or str(v).lower() in ("null", "none", "nan")]
+            bad = [v for column in cells for v in column if v is None or str(v) in ("null", "None", "nan", "NaN")]
             if bad:
                 problems.append(f"table {title!r} shows {bad[0]!r} ({len(bad)} cells): a row without a value")
     units = title_units(title)

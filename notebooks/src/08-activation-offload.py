@@ -295,21 +295,21 @@ else:
     hides = M["all"]["d2h_s"] <= M["none"]["step_s"]
     display(Markdown(
         f"Matched to **{E['stands_for']}** ({E['scales']['flops']:,.0f}× the FLOPs, {E['scales']['bytes']:,.0f}× the "
-        f"bytes of the toy), on {E['gpu']} with {E['host_link']}: no offload takes {1e3 * M['none']['step_s']:.2f} ms "
+        f"bytes of the toy), on {E['gpu']} with {E['host_link']}:\n\n- no offload takes {1e3 * M['none']['step_s']:.2f} ms "
         f"per step; `all` takes {M['all']['verdict'].ratio:.3f}× that ({M['all']['verdict'].word}, virtual clock), "
         f"with {M['all']['late']} late reloads that held the backward {1e3 * M['all']['wait_s']:.2f} ms (summed over "
-        f"the ranks). The copy engine is the reason: each step "
+        f"the ranks).\n- The copy engine is the reason: each step "
         f"the busiest rank's D2H engine carries {1e3 * M['all']['d2h_s']:.2f} ms of copies, "
         + ("less than the whole step without offload: they can hide behind its compute. "
            if hides else "more than the whole step without offload: no schedule can hide them. ")
-        + f"`all-budget` copies for {1e3 * M['all-budget']['d2h_s']:.2f} ms and takes "
+        + f"\n- `all-budget` copies for {1e3 * M['all-budget']['d2h_s']:.2f} ms and takes "
         f"{M['all-budget']['verdict'].ratio:.3f}×, `attention` {1e3 * M['attention']['d2h_s']:.2f} ms and "
         f"{M['attention']['verdict'].ratio:.3f}×, `all-long-lived` {M['all-long-lived']['verdict'].ratio:.3f}×. "
-        f"torch's `save_on_cpu` copies every saved tensor, weights included, on the compute stream: "
-        f"{M['save_on_cpu']['verdict'].ratio:.2f}× the step. At the toy's own shapes every op is as short as its "
+        f"\n- torch's `save_on_cpu` copies every saved tensor, weights included, on the compute stream: "
+        f"{M['save_on_cpu']['verdict'].ratio:.2f}× the step.\n- At the toy's own shapes every op is as short as its "
         f"launch and each copy pays the link's latency: `all` takes {T['all']['verdict'].ratio:.3f}× with "
         f"{T['all']['late']} late reloads (every reload waits when a group's backward is shorter than one copy), "
-        f"`save_on_cpu` {T['save_on_cpu']['verdict'].ratio:.2f}×. All times here are the emulated cluster's (a "
+        f"`save_on_cpu` {T['save_on_cpu']['verdict'].ratio:.2f}×.\n\nAll times here are the emulated cluster's (a "
         "model), not measurements of a GPU."))
 
 # %% [markdown]
@@ -373,23 +373,23 @@ rules = ("none", "all", "all-long-lived", "all-budget")
 peak_max = {v: max(rows[v]["resident_peak"] for rows in by_rank) for v in rules}
 copied = {v: sum(rows[v]["offloaded_bytes"] for rows in by_rank) for v in rules}
 display(Markdown(
-    f"Measured, per rank (`all` vs `all-long-lived`): rank 0 copies {first['all']['offloaded_bytes']:,} vs "
+    f"Measured, per rank (`all` vs `all-long-lived`):\n\n- rank 0 copies {first['all']['offloaded_bytes']:,} vs "
     f"{first['all-long-lived']['offloaded_bytes']:,} B to the host, resident peak "
-    f"{first['all']['resident_peak']:,} vs {first['all-long-lived']['resident_peak']:,} B. The last rank copies "
+    f"{first['all']['resident_peak']:,} vs {first['all-long-lived']['resident_peak']:,} B.\n- The last rank copies "
     f"{last['all']['offloaded_bytes']:,} B out (and back) under `all` to lower its resident peak from "
     f"{last['none']['resident_peak']:,} to {last['all']['resident_peak']:,} B within each forward-backward; "
-    f"`all-long-lived` copies nothing there and keeps {last['all-long-lived']['resident_peak']:,} B. The largest "
+    f"`all-long-lived` copies nothing there and keeps {last['all-long-lived']['resident_peak']:,} B.\n- The largest "
     f"resident peak over the ranks, the one that sets the memory a GPU needs: "
     + ", ".join(f"`{v}` {peak_max[v]:,} B" for v in rules)
-    + "; bytes copied to the host by all ranks: " + ", ".join(f"`{v}` {copied[v]:,} B" for v in rules[1:]) + ". "
-    f"`all-budget` brings rank 0's peak from {first['none']['resident_peak']:,} to "
+    + ".\n- Bytes copied to the host by all ranks: " + ", ".join(f"`{v}` {copied[v]:,} B" for v in rules[1:]) + ".\n"
+    f"- `all-budget` brings rank 0's peak from {first['none']['resident_peak']:,} to "
     f"{first['all-budget']['resident_peak']:,} B against the last rank's {last['none']['resident_peak']:,} B, "
     + ("so its largest peak is the last rank's, as with `all-long-lived`, "
        if peak_max["all-budget"] == last["none"]["resident_peak"] else
        f"so its largest peak is {peak_max['all-budget']:,} B (rank "
        f"{max(range(len(by_rank)), key=lambda i: by_rank[i]['all-budget']['resident_peak'])}), ")
     + f"for {copied['all-budget'] / copied['all-long-lived']:.2f}× the copies of `all-long-lived` and "
-    f"{copied['all-budget'] / copied['all']:.2f}× those of `all`. Offloading less than `all` leaves every peak above "
+    f"{copied['all-budget'] / copied['all']:.2f}× those of `all`.\n\nOffloading less than `all` leaves every peak above "
     "`all`'s: the budget buys back copies (and, section 4b, step time) with the memory the last rank needs anyway."))
 
 # %% [markdown]

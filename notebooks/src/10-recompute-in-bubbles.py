@@ -376,29 +376,29 @@ else:
     i_b, i_i = "interleaved-recompute-bubble-cooldown", "interleaved-recompute-inline-cooldown"
     display(Markdown(
         f"Matched to **{E['stands_for']}** ({E['scales']['flops']:,.0f}× the FLOPs, {E['scales']['bytes']:,.0f}× the "
-        f"bytes): one hop between stages takes {1e3 * E['hop_s']['matched']:.3f} ms on {E['link']}, "
+        f"bytes):\n\n- one hop between stages takes {1e3 * E['hop_s']['matched']:.3f} ms on {E['link']}, "
         f"{E['hop_s']['matched'] / chunk_f['1f1b']:.2f} of a 1F1B stage's forward and "
-        f"{E['hop_s']['matched'] / chunk_f['interleaved']:.2f} of an interleaved chunk's. In the bubble against "
+        f"{E['hop_s']['matched'] / chunk_f['interleaved']:.2f} of an interleaved chunk's.\n- In the bubble against "
         f"inline: 1F1B cap (keep = {r0['keep']}) {against('matched', '1f1b-recompute-bubble', '1f1b-recompute-inline').ratio:.4f}× "
         f"({against('matched', '1f1b-recompute-bubble', '1f1b-recompute-inline').word}), interleaved cool-down "
-        f"{against('matched', i_b, i_i).ratio:.4f}× ({against('matched', i_b, i_i).word}). Against no recompute, in the "
+        f"{against('matched', i_b, i_i).ratio:.4f}× ({against('matched', i_b, i_i).word}).\n- Against no recompute, in the "
         f"bubble: 1F1B cap {against('matched', '1f1b-recompute-bubble', '1f1b').ratio:.4f}×, 1F1B cool-down "
         f"{against('matched', '1f1b-recompute-bubble-cooldown', '1f1b').ratio:.4f}×, interleaved cool-down "
         f"{against('matched', i_b, 'interleaved').ratio:.4f}×: the bubble placement hides "
         f"{hidden('1f1b', '1f1b-recompute-inline', '1f1b-recompute-bubble')} (1F1B cap) and "
         f"{hidden('interleaved', i_i, i_b)} (interleaved cool-down) of what the recompute costs inline. "
-        + (f"In 1F1B stage {slowest} has the most work per micro-batch (F + B {1e3 * work[slowest]:.2f} ms against "
+        + (f"\n- In 1F1B stage {slowest} has the most work per micro-batch (F + B {1e3 * work[slowest]:.2f} ms against "
            f"{1e3 * min(work.values()):.2f} ms on the lightest stage), so in the steady state the other ranks wait for "
            "it every step as well: a rank's waits are not only the warm-up and the cool-down. "
-           if work[slowest] > min(work.values()) else "The 1F1B stages carry equal work per micro-batch. ")
-        + "The simulator, "
+           if work[slowest] > min(work.values()) else "\n- The 1F1B stages carry equal work per micro-batch. ")
+        + "\n- The simulator, "
         f"fed the same op times and hop, predicts {1e3 * predicted['matched'][i_b]:.3f} ms for the interleaved "
         f"cool-down in the bubble against {1e3 * em_step['matched'][i_b]:.3f} ms emulated; inline it charges each "
         f"recompute a whole forward ({1e3 * predicted['matched'][i_i]:.3f} against {1e3 * em_step['matched'][i_i]:.3f} "
-        "ms), where torch's checkpoint stops recomputing once the backward has every tensor it needs. At the toy's own "
+        "ms), where torch's checkpoint stops recomputing once the backward has every tensor it needs.\n- At the toy's own "
         f"shapes (a hop of {1e6 * E['hop_s']['toy']:.1f} µs, ops as short as their launches) in the bubble against "
         f"inline: 1F1B cap {against('toy', '1f1b-recompute-bubble', '1f1b-recompute-inline').ratio:.3f}×, interleaved "
-        f"cool-down {against('toy', i_b, i_i).ratio:.3f}×. All of it is the emulated cluster's time (a model)."))
+        f"cool-down {against('toy', i_b, i_i).ratio:.3f}×.\n\nAll of it is the emulated cluster's time (a model)."))
 
 # %% [markdown]
 # ## What we found, and where it disagrees with the source
