@@ -68,9 +68,15 @@ print(f"p={p} stages, m={m} micro-batches of {cfg['micro_batch']}x{cfg['seq_len'
 # by a micro-batch's chunk 0 forward and freed by its chunk 0 backward.
 
 # %%
-print(inspect.getsource(s1.LayerKV.attend))
-print(inspect.getsource(s1.LayerKV._send_back))
-print(inspect.getsource(s1.LayerKV._receive))
+print(viz.listing(s1.LayerKV.attend))
+
+# %% [markdown]
+# The two hooks: `_send_back` files the prefix's slices of dK and dV for the earlier chunks, `_receive` adds them
+# to a chunk's own when its backward comes (and raises if a later chunk has not run its backward yet).
+
+# %%
+print(viz.listing(s1.LayerKV._send_back), end="\n\n")
+print(viz.listing(s1.LayerKV._receive))
 
 # %% [markdown]
 # ## 2 · Where to cut: equal tokens or equal compute

@@ -78,11 +78,14 @@ print(inspect.getsource(dispatcher.dispatch_layout))
 # (b) Dedup: with `dedup=True` the dispatcher sends one row per (token, destination rank) and, beside it, the gate
 # weights of the pairs that rank holds (`_meta`); the expert side multiplies and sums per row before the combine.
 # (c) Two hops: each hop is one `all_to_all_single` — over the *rdma* group (same local index on every node),
-# then over the *nvl* group (the ranks of one node). The proxy forwards the encoded bytes as they came.
+# then over the *nvl* group (the ranks of one node). The proxy forwards the encoded bytes as they came (below, up to
+# the second hop; what follows decodes the rows and lays out the expert input).
 
 # %%
-print(inspect.getsource(dispatcher.TokenDispatcher._meta))
-print(inspect.getsource(deepep.TwoHop.dispatch))
+from toolkit.viz import listing
+
+print(listing(dispatcher.TokenDispatcher._meta), end="\n\n")
+print(listing(deepep.TwoHop.dispatch, end="meta2 = all_to_all"))
 
 # %% [markdown]
 # ## The run
@@ -401,17 +404,17 @@ else:
     n, ll_eager, ll_graph = (em14[(real_rows, m)] for m in ("normal", "low latency", "low latency, one graph replay"))
     toy_n = em14[("toy", "normal")]
     display(Markdown(
-        f"Normal mode's count exchange — from the end of the layer's compute to the plan's end: the counts' "
+        f"Normal mode's count exchange, from the end of the layer's compute to the plan's end (the counts' "
         f"all-gather across the nodes, the host's read of them, and the kernels the host could only launch after "
-        f"it — took {toy_n['count exchange (µs, rank 0)']:.1f} µs of its {toy_n['round trip (µs, slowest rank)']:.1f} µs "
-        f"round trip at the toy's rows ({toy_n['host syncs (rank 0)']} host syncs, one of them the count read), and "
-        f"{n['count exchange (µs, rank 0)']:.1f} of {n['round trip (µs, slowest rank)']:.1f} µs with DeepSeek-V3's "
-        f"rows: the exchange does not grow with the rows, the data does. Low latency, which has no exchange and no "
+        f"it):\n\n- took {toy_n['count exchange (µs, rank 0)']:.1f} µs of its {toy_n['round trip (µs, slowest rank)']:.1f} µs "
+        f"round trip at the toy's rows ({toy_n['host syncs (rank 0)']} host syncs, one of them the count read);\n"
+        f"- took {n['count exchange (µs, rank 0)']:.1f} of {n['round trip (µs, slowest rank)']:.1f} µs with DeepSeek-V3's "
+        f"rows: the exchange does not grow with the rows, the data does.\n\nLow latency, which has no exchange and no "
         f"host sync, took {ll_eager['round trip (µs, slowest rank)']:.1f} µs eager and "
         f"{ll_graph['round trip (µs, slowest rank)']:.1f} µs as one graph replay (the host pays "
         f"{ll_graph['host launches (µs, rank 0)']:.0f} µs of launches instead of "
         f"{ll_eager['host launches (µs, rank 0)']:.0f} µs) with DeepSeek-V3's rows, against "
-        f"{n['round trip (µs, slowest rank)']:.1f} µs for normal mode. These {c['max_tokens']} tokens per rank are "
+        f"{n['round trip (µs, slowest rank)']:.1f} µs for normal mode.\n\nThese {c['max_tokens']} tokens per rank are "
         "a decoding batch: a prefill or training batch carries far more rows, where normal mode's exchange is a small "
         "share and its bandwidth matters more (section c), which is why DeepEP keeps both modes."))
 

@@ -56,15 +56,22 @@ timeout_s: int = 900
 # ## The code that matters
 #
 # The planner is a pure function of the all-gathered counts, in integers, so every rank computes the same plan
-# without another message. The runtime is the dispatcher's placement hook: it maps expert ids to slots.
+# without another message. Below, its core: each overloaded rank's spill over the average load, and the spills
+# laid against the hosts' spare capacity (the checks of its arguments before, and the choice of one expert per
+# slot after, are left out).
 
 # %%
-import inspect
-
 from toolkit.moe import echo
+from toolkit.viz import listing
 
-print(inspect.getsource(echo.plan_clones))
-print(inspect.getsource(echo.Echo.reduce_grads))
+print(listing(echo.plan_clones, start="avg = -(-sum(load)", end="j, c0 = j + 1, c1"))
+
+# %% [markdown]
+# The runtime is the dispatcher's placement hook: it maps expert ids to slots. After the backward each clone's
+# gradient goes home:
+
+# %%
+print(listing(echo.Echo.reduce_grads))
 
 # %% [markdown]
 # A hand-sized example first: 2 ranks, 2 experts each; rank 0's experts get 10 + 80 pairs, rank 1's 10 + 20.
@@ -323,7 +330,7 @@ else:
                   f"{efit['dof']} residual degrees of freedom: here they measure how far the emulated times are "
                   f"from a straight line, not noise); break-even B/A = {efit['B'] / efit['A']:,.0f} pairs")
     display(Markdown(
-        f"Fitted to the emulated steps: {fitted}. The formula (`clone_break_even`, a cost model: a clone's "
+        f"Fitted to the emulated steps: {fitted}.\n\nThe formula (`clone_break_even`, a cost model: a clone's "
         f"{viz.human_bytes(link_be['bytes'])} out and back on {EM['link']}, neither hidden behind compute, "
         f"{link_be['clone_s'] * 1e6:.0f} µs; a pair's expert work forward and backward at the {EM['gpu']}'s peak, "
         f"{link_be['pair_s'] * 1e6:.3f} µs) gives {link_be['break_even_pairs']:,.0f} pairs."
