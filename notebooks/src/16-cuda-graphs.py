@@ -318,14 +318,14 @@ else:
         em["graphed · separated"]["DP wait at the end (µs, worst rank)"]
     toy_wait = {v: em[f"eager · {v}"]["DP wait at the end (µs, worst rank)"] for v in lesson.VARIANTS}
     display(Markdown(
-        f"Eager, the host's launches are {em['eager · plain']['launch share of the step (rank 0)']:.0%} of rank 0's "
-        f"step: the stream idles between kernels that take less than a launch. Replaying each chunk as one graph "
+        f"- Eager, the host's launches are {em['eager · plain']['launch share of the step (rank 0)']:.0%} of rank 0's "
+        f"step: the stream idles between kernels that take less than a launch.\n- Replaying each chunk as one graph "
         f"shortens the step {graph_gain:.1f}× on this model (the host then pays "
-        f"{em['graphed · plain']['host launches (µs, rank 0)']:.0f} µs of launches). The DP all-reduce left for "
+        f"{em['graphed · plain']['host launches (µs, rank 0)']:.0f} µs of launches).\n- The DP all-reduce left for "
         f"the end of the step keeps the step waiting up to {dp_plain:.1f} µs; separated, issued as each stage's "
-        f"gradients are final, {dp_sep:.1f} µs. Eager, bucketed waits up to {toy_wait['bucketed']:.1f} µs against "
+        f"gradients are final, {dp_sep:.1f} µs.\n- Eager, bucketed waits up to {toy_wait['bucketed']:.1f} µs against "
         f"{toy_wait['separated']:.1f} µs separated and {toy_wait['plain']:.1f} µs plain: this toy's gradients are "
-        "a few kilobytes, so every all-reduce costs its latency α and more buckets only add calls. These kernels "
+        "a few kilobytes, so every all-reduce costs its latency α and more buckets only add calls.\n\nThese kernels "
         "are tiny: a real model's chunks are long against a launch, and there the graph's gain shrinks to what "
         "the host cost per op was."))
 
@@ -366,20 +366,20 @@ if E is not None:
     hidden = (f" ({1 - w0['bucketed']['dp_wait_by_stage'][first] / sep_wait:.0%} of the separated wait hidden)"
               if sep_wait > 0 else "")
     display(Markdown(
-        f"**Stage {first} at pp = {r0['pp']}.** Its last gradient op is op {last_op} of {r0['n_ops']} on pipeline "
+        f"**Stage {first} at pp = {r0['pp']}** (emulated, matched to {M['stands_for']}):\n\n- its last gradient op is op {last_op} of {r0['n_ops']} on pipeline "
         f"rank 0, the rank's last: separated per stage, its all-reduce leaves when nothing is left to run, and the "
         f"step waits {w0['separated']['dp_wait_by_stage'][first] * 1e3:.3f} ms for it — as plain waits "
-        f"{w0['plain']['dp_wait_by_stage'][first] * 1e3:.3f} ms for its part (emulated, matched to "
-        f"{M['stands_for']}). Separation only hides stage {max(r0['stages'])}'s reduce, whose chunk finishes first "
+        f"{w0['plain']['dp_wait_by_stage'][first] * 1e3:.3f} ms for its part.\n"
+        f"- Separation only hides stage {max(r0['stages'])}'s reduce, whose chunk finishes first "
         f"(plain: {w0['plain']['dp_wait_by_stage'][str(max(r0['stages']))] * 1e3:.3f} ms of wait, separated "
-        f"{w0['separated']['dp_wait_by_stage'][str(max(r0['stages']))] * 1e3:.3f} ms). Bucketed, stage {first}'s "
+        f"{w0['separated']['dp_wait_by_stage'][str(max(r0['stages']))] * 1e3:.3f} ms).\n- Bucketed, stage {first}'s "
         f"buckets leave inside its last W as its weight gradients come out, and its wait is "
-        f"{w0['bucketed']['dp_wait_by_stage'][first] * 1e3:.3f} ms{hidden}; "
-        f"rank 0's whole DP wait: plain {w0['plain']['dp_wait_s'] * 1e3:.3f}, separated "
-        f"{w0['separated']['dp_wait_s'] * 1e3:.3f}, bucketed {w0['bucketed']['dp_wait_s'] * 1e3:.3f} ms. What is "
+        f"{w0['bucketed']['dp_wait_by_stage'][first] * 1e3:.3f} ms{hidden}.\n"
+        f"- Rank 0's whole DP wait: plain {w0['plain']['dp_wait_s'] * 1e3:.3f}, separated "
+        f"{w0['separated']['dp_wait_s'] * 1e3:.3f}, bucketed {w0['bucketed']['dp_wait_s'] * 1e3:.3f} ms.\n- What is "
         f"left at the end is the last bucket's reduce, less whatever the averaging of the earlier buckets covers "
         f"(here each bucket is flattened and copied back, HBM work that Megatron's contiguous gradient buffer "
-        f"does not have). On {where} the step itself (wall, trimmed mean, slowest rank): "
+        f"does not have).\n\nOn {where} the step itself (wall, trimmed mean, slowest rank): "
         + "; ".join(f"{v}: {wall[v].text('plain', v)}" for v in wall)
         + f" — four ranks on {os.cpu_count()} cores, where the reduce's threads compete with the compute they "
           "are meant to hide behind."))
@@ -398,11 +398,12 @@ display(Markdown(f"""
 - **Overlap.** In the traced step the ranks waited at the end for the DP all-reduce {waits['separated']} ms
   when it was separated per stage, {waits['bucketed']} ms bucket by bucket, {waits['plain']} ms when it was
   issued after the step. Trimmed-mean step (slowest rank): plain {bench['plain']:.1f} ms, separated
-  {bench['separated']:.1f} ms, bucketed {bench['bucketed']:.1f} ms. On rank 0 the stages' last gradient ops are ops
+  {bench['separated']:.1f} ms, bucketed {bench['bucketed']:.1f} ms; these timings come from {where}, so they are
+  noisy.
+  - On rank 0 the stages' last gradient ops are ops
   {', '.join(str(i + 1) for i in sorted(r0['last_grad_op'].values()))} of {r0['n_ops']}: at pp = {r0['pp']} little of
   the schedule is left to hide the reduces behind (the schedule table above shows how that grows with p), and
   nothing after stage {min(r0['stages'])}'s last op: bucket by bucket its reduce starts inside that op (section 5c).
-  These timings come from {where}, so they are noisy.
 - **Graphs.** The host cost measured above is what a replay removes; the cost model turns it into a gain
   that is large only when chunks are launch-bound. The audit shows what a capture cannot hold — the MoE
   dispatch (`nonzero`) and any host read of a value — and what Megatron keeps out by choice: the DP
