@@ -41,6 +41,7 @@ from IPython.display import Markdown, display
 from toolkit import compose, compose_bytes, launch, planner, viz
 from toolkit.compose import LOSS_RTOL, TECHNIQUES, ComposeConfig, Composed, loss_rtol
 from toolkit.lessons import l17_capstone as lesson
+from toolkit.models import catalog, matched
 from toolkit.report import headline
 from toolkit.runtime.cluster import cluster as make_cluster
 
@@ -73,12 +74,18 @@ base = configs[0][1]
 # bf16, and every bf16 configuration of the chain takes the same path. `make run` prints which CPU it ran on.
 
 # %%
-print(inspect.getsource(Composed.build))
-print(inspect.getsource(Composed.step))
+print(viz.listing(Composed.build, start="# 1 model", end="optimizer = _optimizer"))
+
+# %% [markdown]
+# And one training step:
+
+# %%
+print(viz.listing(Composed.step))
 
 # %% [markdown]
 # The chain of this run: each configuration is the one before plus one technique (`TECHNIQUES` says which
-# fields it changes). A branch is measured on the baseline alone.
+# fields it changes), and is named after the technique it adds: `edgc` is the chain up to and including EDGC.
+# A branch is measured on the baseline alone.
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -297,8 +304,8 @@ display(viz.table([{"configuration": n, "step (ms)": 1e3 * step[n], "round sprea
 # Training and section 7's timing ran with the emulator paused (its overhead is not in section 7's times);
 # then the composed configuration (the chain's end) took one more step on the virtual clock at the toy's own
 # shapes (deterministic: one step is the time), and one more **matched** to a real MoE: every op counted with
-# the FLOPs, every tensor with the bytes, of that model's MoE layers (`planner.moe_layer_op`,
-# `planner.matched_scales`).
+# the FLOPs, every tensor with the bytes, of that model's MoE layers (`matched.moe_layer_op`,
+# `matched.matched_scales`).
 # Beside each, the planner's step-time model of the same configuration (`lesson.planner_step`:
 # `planner.configuration_time` for a dense decoder of the active parameters, the schedule's simulated bubble,
 # the DP all-reduce), the model that tunes the 13B case in section 9. Every virtual time is the emulated
@@ -326,22 +333,23 @@ else:
                       title=f"The planner's model of the same step ({E['stands_for']}-sized FLOPs, cost model)",
                       formats={"planner (ms, cost model)": ".1f"}))
     toy_off = toy_step / toy_model
-    kernels = round(matched["launch"] / hw_run.gpu.launch_s)  # every launch costs the host the same
+    host_op = hw_run.gpu.efficiency.host_op_s
+    kernels = round(matched["launch"] / host_op)  # every eager op costs the host the same
     off = matched["step"] / pm["total"]
     display(Markdown(
-        f"At the toy's shapes the emulated {E['gpu']} takes {toy_step * 1e3:.2f} ms for a step of "
+        f"**At the toy's shapes** the emulated {E['gpu']} takes {toy_step * 1e3:.2f} ms for a step of "
         f"{composed_name}, the planner's model {toy_model * 1e6:.2f} µs: the model is off by "
-        f"{toy_off:,.0f}×. The step is {kernels:,} kernels on its busiest rank, each paying "
-        f"{hw_run.gpu.launch_s * 1e6:.0f} µs of launch on the host ({matched['launch'] * 1e3:.1f} ms in all), most "
-        "of them far shorter than their launch, and the planner has no launch term: it is a model for GPU-sized "
-        "work. Matched to "
+        f"{toy_off:,.0f}×. The step is **launch-bound** (the host's cost of issuing its ops, not the GPU's work, "
+        f"sets its time): {kernels:,} ops on its busiest rank, each costing the host "
+        f"{host_op * 1e6:.0f} µs ({matched['launch'] * 1e3:.1f} ms in all), most of their kernels far shorter, "
+        "and the planner has no per-op term: it is a model for GPU-sized work.\n\n**Matched to** "
         f"{E['stands_for']} ({E['scales']['flops']:,.0f}× the FLOPs, {E['scales']['bytes']:,.0f}× the bytes) the "
         f"emulated step is {matched['step'] * 1e3:.0f} ms and the model's {pm['total'] * 1e3:.0f} ms: "
         + (f"{abs(off - 1):.0%} {'above' if off > 1 else 'below'} the model"
            if abs(off - 1) < 0.5 else f"{off:.2f}× the model")
-        + f". The terms do not match one by one: the model's compute at its assumed "
-        f"{planner.Assumptions().mfu:.0%} MFU is {pm['compute'] * 1e3:.0f} ms where the busiest rank's kernels run "
-        f"{matched['kernels'] * 1e3:.0f} ms at the roofline, and its only communication, the exposed DP all-reduce, "
+        + f". The terms do not match one by one:\n\n- the model's compute, the same efficiency model on a dense "
+        f"decoder of those FLOPs, is {pm['compute'] * 1e3:.0f} ms where the busiest rank's kernels run "
+        f"{matched['kernels'] * 1e3:.0f} ms (its experts, its optimizer and its small ops included);\n- its only communication, the exposed DP all-reduce, "
         f"is {pm['dp_comm'] * 1e3:.0f} ms where a rank of the emulated step waits up to "
         f"{matched['exposed'] * 1e3:.0f} ms for communication, mostly the experts' all-to-alls, which the model "
         "does not have (its DP term carries the gradients of a model with those FLOPs; the matched run's all-reduce "
@@ -350,9 +358,8 @@ else:
         pair = {n: max(r["emulated"]["ep_overlap"][n]["step_s"] for r in results) for n in E["ep_overlap"]}
         exposed = {n: max(r["emulated"]["ep_overlap"][n]["exposed_s"] for r in results) for n in E["ep_overlap"]}
         plain, overlapped = pair["dualpipev"], pair["ep_overlap (on baseline)"]
-        real_moe = planner.MODELS[E["stands_for"]]
-        op = planner.op_times(planner.moe_layer_op(real_moe.seq_len, real_moe.hidden, real_moe.ffn_hidden,
-                                                   real_moe.top_k, base.ep), hw_run, "intra")
+        real_moe = catalog.get(E["stands_for"])
+        op = matched.op_times(matched.spec_moe_op(real_moe, real_moe.seq_len, base.ep), hw_run, "intra")
         display(Markdown(
             f"DualPipeV with each F&B pair's expert all-to-alls overlapped (`ep_overlap`), matched the same way, "
             f"against DualPipeV without: {overlapped * 1e3:.1f} ms against {plain * 1e3:.1f} ms per step "
@@ -468,7 +475,10 @@ display(Markdown("\n\n".join(texts)))
 # settings, `torch.compile`, ZeRO-3 with NVMe offload, data loading and layered mixed precision. Here the
 # planner searches the knobs of this course instead: dp / tp / pp, ZeRO stage, micro-batch size, pipeline
 # schedule (bubble and micro-batches in flight from the pipeline simulator), full recomputation and optimizer
-# offload (host or NVMe). Where the article is silent the assumptions are `lesson.case_13b`'s:
+# offload (host or NVMe). A configuration reads `dp 3 · tp 2 · pp 4 · ZeRO-2 · b 1 · dualpipev (m 64) · no
+# recompute · offload none` (`planner.label`): data-, tensor- and pipeline-parallel ranks, the ZeRO stage, b
+# sequences per micro-batch, the pipeline schedule with its m micro-batches per step, recomputation, optimizer
+# offload. Where the article is silent the assumptions are `lesson.case_13b`'s:
 
 # %%
 print(inspect.getdoc(lesson.case_13b))
@@ -479,7 +489,7 @@ print(hw13.describe())
 # **Before the planner chooses: its MFU, checked on the emulated cluster.** The step-time model divides the
 # FLOPs by an assumed MFU (`planner.Assumptions.mfu`). The launch checked it where it can (`lesson.mfu_check`):
 # two dense toy blocks with the 13B layers' sequence-to-hidden and MLP-to-hidden ratios, one sequence forward
-# and backward on the virtual clock, timed as the 13B layers (workload-matched with `planner.dense_layer_op`).
+# and backward on the virtual clock, timed as the 13B layers (workload-matched with `matched.dense_layer_op`).
 # Their MFU is the planner's FLOPs for those layers over the virtual time at the GPU's peak. A roofline runs
 # every GEMM at its peak, so this MFU is the model's upper bound: what it measures is the share of a layer's
 # time that is not GEMMs (attention, normalisations, element-wise ops, launches). The planner then chooses at
@@ -509,10 +519,10 @@ else:
     gpu_note = ("" if E["gpu"] == hw13.gpu.name else f" (the emulated GPU is the {E['gpu']}, the case study's the "
                 f"{hw13.gpu.name}: this is the former's roofline)")
     display(Markdown(
-        f"On the emulated {E['gpu']} the 13B layers reach {C['mfu']:.1%} MFU{gpu_note}: "
-        f"{C['layers']} layers forward and backward in {C['step_s'] * 1e3:.2f} ms of virtual time, "
-        f"{C['kernels_s'] / C['step_s']:.1%} of it kernels on the stream. The assumed {assume13.mfu:.0%} is "
-        f"{assume13.mfu / C['mfu']:.2f}× the roofline's, the article's 892 tokens/s would be {implied_mfu:.2%}. "
+        f"On the emulated {E['gpu']} the 13B layers reach {C['mfu']:.1%} MFU{gpu_note}:\n\n"
+        f"- {C['layers']} layers forward and backward in {C['step_s'] * 1e3:.2f} ms of virtual time, "
+        f"{C['kernels_s'] / C['step_s']:.1%} of it kernels on the stream.\n- The assumed {assume13.mfu:.0%} is "
+        f"{assume13.mfu / C['mfu']:.2f}× the roofline's, the article's 892 tokens/s would be {implied_mfu:.2%}.\n- "
         + (f"The choice does not change: {planner.label(best)}, {best['step_s']:.2f} s per step at the assumed MFU, "
            f"{best_emu['step_s']:.2f} s at the emulated one." if same else
            f"The choice changes: at the emulated MFU the planner picks {planner.label(best_emu)} "
@@ -563,16 +573,16 @@ for cl in claims:
 disagree = [cl for cl in claims if cl["verdict"] == "disagrees"]
 weights_gb = planner.memory_per_gpu(w13, 8, 1, 1, 2)["weights"] / 1e9
 display(Markdown(
-    f"The model disagrees with {len(disagree)} of the article's {len(claims)} checked claims: "
-    + "; ".join(f"{cl['claim']} ({cl['where']}): the article says {cl['article']}, the model {cl['model']}"
-                for cl in disagree)
-    + f". A 13B step at the article's rate moves about {892 * 1.12:.0f} tokens; the planner's choice moves "
+    f"The model disagrees with {len(disagree)} of the article's {len(claims)} checked claims:\n\n"
+    + "".join(f"- {cl['claim']} ({cl['where']}): the article says {cl['article']}, the model {cl['model']}\n"
+              for cl in disagree)
+    + f"\nA 13B step at the article's rate moves about {892 * 1.12:.0f} tokens; the planner's choice moves "
     f"{w13.global_batch * w13.seq_len:,} in {best['step_s']:.2f} s. ZeRO-2 leaves the bf16 weights unsharded "
-    f"({weights_gb:.0f} GB per GPU for 13B). Consistent with the model: "
-    + ("; ".join(f"{cl['claim']} ({cl['article']})" for cl in claims if cl["verdict"] == "agrees") or "none")
-    + ". Not decidable by the model: "
-    + ("; ".join(f"{cl['claim']} ({cl['article']}; the model: {cl['model']})" for cl in claims
-                 if cl["verdict"] == "not decidable") or "none") + "."))
+    f"({weights_gb:.0f} GB per GPU for 13B).\n\nConsistent with the model:\n\n"
+    + ("".join(f"- {cl['claim']} ({cl['article']})\n" for cl in claims if cl["verdict"] == "agrees") or "- none\n")
+    + "\nNot decidable by the model:\n\n"
+    + ("".join(f"- {cl['claim']} ({cl['article']}; the model: {cl['model']})\n" for cl in claims
+               if cl["verdict"] == "not decidable") or "- none\n")))
 
 # %% [markdown]
 # ## 10 · The model on the tiny run
@@ -623,17 +633,18 @@ display(Markdown(f"Worst memory prediction: {worst_mem:.3f} × the measured peak
 # %%
 emulated = ""
 if E is not None:
-    emulated = (f"{E['gpu']} (`{E['cluster']}`): the composed configuration ({composed_name}) steps in "
-                f"{toy_step * 1e3:.2f} ms at the toy's shapes against the planner's model "
-                f"{toy_model * 1e6:.2f} µs ({toy_off:,.0f}×, launch-bound), and matched to "
+    emulated = (f"{E['gpu']} (`{E['cluster']}`): the whole chain (`{composed_name}`, named after its last "
+                f"technique) steps in {toy_step * 1e3:.2f} ms at the toy's shapes against the planner's "
+                f"{toy_model * 1e6:.2f} µs ({toy_off:,.0f}×: launch-bound, kernels shorter than their launch), and "
+                "matched to "
                 f"{E['stands_for']} in {matched['step'] * 1e3:.0f} ms against {pm['total'] * 1e3:.0f} ms "
                 f"({off:.2f}×); the 13B layers reach {C['mfu']:.1%} MFU on the roofline against the assumed "
                 f"{assume13.mfu:.0%}, and the planner's choice "
                 + ("stays " + planner.label(best) if best_emu and planner.label(best_emu) == planner.label(best)
                    else "moves to " + planner.label(best_emu))
                 + f". Not decidable: 892 tokens/s is {implied_mfu:.2%} MFU, {C['mfu'] / implied_mfu:.0f}× below the "
-                "roofline's; the article's step is spent on what neither model has (its tuning knobs: NCCL "
-                "settings, torch.compile, data loading)")
+                "roofline's; the article's step goes to what neither model has (NCCL settings, torch.compile, "
+                "data loading)")
 headline("17", "the techniques composed (pp × dp, MoE experts inside dp)",
          f"{len(chain_names) - 1} techniques stacked on {world_size} ranks: fullest rank's peak "
          f"{peak[chain_names[0]] / 1024:.0f} → {peak[chain_names[-1]] / 1024:.0f} KiB, bytes per step "
