@@ -75,7 +75,7 @@ print(f"p={p} stages, {cfg['n_layer']} layers, d={cfg['d_model']}, V={cfg['vocab
 
 # %%
 for fn in (vp.s_pass, vp.c0, vp.dx_fused, vp.t_pass):
-    print(inspect.getsource(fn))
+    print(viz.listing(fn), end="\n\n")
 
 # %% [markdown]
 # ## 2 · The schedule, and the executor that runs it
@@ -91,12 +91,19 @@ for fn in (vp.s_pass, vp.c0, vp.dx_fused, vp.t_pass):
 # and the collectives around them. It issues every collective asynchronously, one process group per stream of
 # collectives, and in micro-batch order within each group on every rank, so they match although each rank's
 # action order differs. C0 (and Algorithm 2's dX all-reduce) run on a comm thread, the CPU counterpart of the
-# paper's side stream:
+# paper's side stream. Where each piece runs and what it waits for (from its docstring, `help(vx.VocabPasses)`
+# for the whole of it):
 
 # %%
-print(inspect.getdoc(vx.VocabPasses))
-print(inspect.getsource(vx.VocabPasses.vocab_s))
-print(inspect.getsource(vx.VocabPasses.vocab_t))
+doc = inspect.getdoc(vx.VocabPasses)
+print(doc[doc.index("Where each piece runs"):doc.index("The comm thread is")].strip())
+
+# %% [markdown]
+# The S and T passes as the executor's hook runs them:
+
+# %%
+print(viz.listing(vx.VocabPasses.vocab_s), end="\n\n")
+print(viz.listing(vx.VocabPasses.vocab_t))
 
 # %% [markdown]
 # ## 3 · The run
@@ -206,6 +213,10 @@ act = {name: [r["runs"][name]["peak_act_bytes"] for r in results] for name in ru
 state = {name: [r["runs"][name]["peak_vocab_bytes"] for r in results] for name in vocab_runs}
 total = {name: [r["runs"][name].get("peak_total", r["runs"][name]["peak_act_bytes"]) for r in results] for name in runs}
 
+# %% [markdown]
+# The *S→T state* is what a vocabulary S pass keeps for its T pass: this rank's softmax P and its statistics (and
+# Algorithm 2's G and H), from the S of a micro-batch until its T (`VocabPasses.vocab_meter`).
+
 # %%
 viz.bars([{"rank": f"rank {r}", "run": name, "bytes": total[name][r]} for name in runs for r in range(p)],
          x="rank", y="bytes", color="run", title="Peak saved bytes per rank (measured: stage activations, plus the "
@@ -305,7 +316,7 @@ c0_lat = sorted(s["end"] - s["start"] for r in results for s in r["runs"]["vocab
 comm = c0_lat[len(c0_lat) // 2]
 sim = {c: vp.simulate_layouts(base_rows, vocab_rows, m, algorithm=2, comm=c) for c in (0.0, comm)}
 schedule_gantt(sim[0.0]["vocab"], title="Simulated: vocabulary parallel (Algorithm 2) from the measured pass "
-               "times, no comm cost (seconds)").show()
+               "times, no comm cost", unit="s").show()
 
 # %%
 viz.bars([{"variant": name, "ms per step": 1e3 * bench[name]} for name in runs], x="variant", y="ms per step",
@@ -476,8 +487,8 @@ viz.bars([{"rank": f"rank {r}", "layout": lay, "ms": (row["F"] + row["B"] + row[
          title="Compute per micro-batch per rank, cost model (A100, V = 256k; simulated)").show()
 sims = {alg: vp.simulate_layouts(costs["baseline"], vp.stage_costs(paper, P8, a100, "vocab", alg), M24, alg,
                                  comm_a100) for alg in vp.ALGORITHMS}
-schedule_gantt(sims[2]["baseline"], title="Baseline 1F1B at V = 256k, simulated (seconds)").show()
-schedule_gantt(sims[2]["vocab"], title="Vocabulary parallel, Algorithm 2, simulated (seconds)").show()
+schedule_gantt(sims[2]["baseline"], title="Baseline 1F1B at V = 256k, simulated", unit="s").show()
+schedule_gantt(sims[2]["vocab"], title="Vocabulary parallel, Algorithm 2, simulated", unit="s").show()
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -577,7 +588,7 @@ headline("13", "vocabulary parallelism",
              f"matched to the paper's layer (hidden 3072, sequence 4096) at this toy's vocabulary balance: Algorithm 2 "
              f"{1 / mv['vocab-2'].ratio:.2f}× ({mv['vocab-2'].word}), Algorithm 1 {1 / mv['vocab-1'].ratio:.2f}× "
              f"({mv['vocab-1'].word}); at the toy's shapes {1 / tv['vocab-2'].ratio:.2f}×"
-             f"{' (launch-bound)' if launch_bound else ''}; beside "
+             f"{' (launch-bound: its largest GEMM is shorter than a kernel launch)' if launch_bound else ''}; beside "
              f"the paper's 1.85–1.87× (PP = 8, V = 256k) and this lesson's simulated {sims[2]['speedup']:.2f}× "
              "(cost model, p = 8)"),
          emulated_reproduced=None if E is None else mv["vocab-2"].faster)
