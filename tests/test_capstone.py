@@ -16,6 +16,8 @@ import torch
 from toolkit import compose_bytes, launch, planner
 from toolkit.compose import LOSS_RTOL, TECHNIQUES, ComposeConfig, chain, loss_rtol
 from toolkit.lessons import l17_capstone as lesson
+from toolkit.models import matched
+from toolkit.models.catalog import get
 from toolkit.report import MIME, collect, record, results_html, write_results
 from toolkit.runtime.cluster import cluster
 
@@ -114,7 +116,7 @@ def test_each_technique_buys_what_it_should(run):
 def test_dualpipev_with_ep_overlap_is_bitwise_dualpipev(run):
     """EPOverlap interleaves each F&B pair's halves at their all-to-alls: the same ops on the same values, so after
     the training steps every rank's losses and parameters are bitwise those of DualPipeV without it, with the same
-    all-to-all traffic; on the emulated cluster the same kernels (launches), in another order (exposed waits)."""
+    all-to-all traffic; on the emulated cluster the same kernels (host costs), in another order (exposed waits)."""
     _, results = run
     names, runs = _by_name(results)
     plain, overlapped = runs["dualpipev"], runs["ep_overlap (on baseline)"]
@@ -126,7 +128,9 @@ def test_dualpipev_with_ep_overlap_is_bitwise_dualpipev(run):
     for r in results:
         pair = r["emulated"]["ep_overlap"]
         d, o = pair["dualpipev"], pair["ep_overlap (on baseline)"]
-        assert o["launch_s"] == pytest.approx(d["launch_s"]) and o["kernels_s"] == pytest.approx(d["kernels_s"])
+        assert o["launch_s"] == pytest.approx(d["launch_s"])  # the same ops, so the same host costs
+        # the same kernels, but more of them under an all-to-all in flight: they lose the SMs its channels take
+        assert o["kernels_s"] >= d["kernels_s"] * (1 - 1e-9)
         assert o["exposed_s"] != pytest.approx(d["exposed_s"], rel=1e-6)
 
 
@@ -143,8 +147,10 @@ def test_the_composed_step_on_the_emulated_cluster_beside_the_planner(run):
         assert all(run["bench"]["virtual"] is None for run in r["runs"])
     composed = names[len(cfg["techniques"])]  # the chain's end
     assert all(e["configuration"] == composed and e["cluster"] == CLUSTER for e in E)
-    assert E[0]["scales"] == planner.matched_scales(
-        planner.moe_layer_op(2 * 32, 32, 128, 2, 2, 2), planner.moe_layer_op(4096, 4096, 14336, 2, 2))
+    mixtral = get("mixtral-8x7b")
+    assert E[0]["scales"] == matched.matched_scales(matched.moe_layer_op(2 * 32, 32, 128, 2, 2, 2),
+                                                    matched.spec_moe_op(mixtral, 4096, 2))
+    assert E[0]["scales"]["flops"] == 4096 * 4096 * 14336 * 3 / (2 * 32 * 32 * 128 * 2)  # SwiGLU: three matrices
     for e in E:
         for m in (e["toy"], e["matched"]):
             assert m["step_s"] > m["kernels_s"] > 0 and m["launch_s"] == pytest.approx(
@@ -158,8 +164,8 @@ def test_the_composed_step_on_the_emulated_cluster_beside_the_planner(run):
     model = lesson.planner_step(configs[composed], hw, E[0]["scales"]["flops"])
     assert model["total"] == pytest.approx(model["compute"] + model["bubble"] + model["dp_comm"])
     toy = lesson.planner_step(configs[composed], hw)
-    assert model["compute"] == pytest.approx(E[0]["scales"]["flops"] * toy["compute"])
-    # at the toy's shapes the planner, which has no launch term, is far below the launch-bound virtual step
+    assert model["compute"] > 10 * toy["compute"]  # the matched FLOPs, at the same efficiency model
+    # at the toy's shapes the planner, which has no per-op host term, is far below the launch-bound virtual step
     assert E[0]["toy"]["step_s"] > 100 * toy["total"]
 
 
@@ -171,10 +177,12 @@ def test_the_planner_mfu_is_checked_on_the_emulated_gpu(run):
     c, hw = C[0], cluster(CLUSTER)
     w = lesson.case_13b()[0]
     assert c["toy"] == {"seq_len": 32, "d_model": 80}  # 32/80 = 2048/5120: attention weighs as in the 13B layer
-    assert c["scales"] == {"flops": 64 * 64 ** 2, "bytes": 64 * 64}  # tokens × hidden² and tokens × hidden ratios
-    assert c["model_flops"] == 6 * planner.layer_params(w) * 2048 * 2
+    # Llama-2 13B's layer: 4·d² attention + 3·d·13824 SwiGLU; 12·s·d per token for attention (the usual count)
+    assert c["model_flops"] == (6 * (4 * 5120 ** 2 + 3 * 5120 * 13824) + 12 * 2048 * 5120) * 2048 * 2
     assert c["mfu"] == pytest.approx(c["model_flops"] / (c["step_s"] * hw.gpu.bf16_flops))
-    assert 0.5 < c["mfu"] < 1  # a roofline: the GEMMs at peak, the rest (attention, element-wise) below it
+    # a layer's kernels at the calibrated rates: under a large cuBLAS GEMM's 81 % (the roofline said 88 %), above
+    # the 40-60 % published whole steps of a 13B model on 8 GPUs reach (data/published/training.csv)
+    assert 0.6 < c["mfu"] < 0.75
     assert c["step_s"] >= c["kernels_s"] > c["launch_s"] > 0
 
 
@@ -288,7 +296,7 @@ def test_choose_prefers_what_fits_and_says_why():
     why = planner.explain(rows, hw)
     assert planner.label(best) in why[0] and any("recompute True" in line for line in why)
     small = cluster("a100-ib200", gpus_per_node=1, gpu=replace(hw.gpu, memory_bytes=16e9))
-    big = planner.choose(planner.Workload(params=13e9, layers=40, hidden=5120, heads=40, seq_len=2048,
+    big = planner.choose(planner.Workload("llama2-13b", params=13e9, seq_len=2048,
                                           global_batch=8), small, 1)
     assert not big[0]["fits"] and "nothing fits in 90% of 16 GB" in planner.explain(big, small)[0]
 
@@ -299,16 +307,16 @@ def test_planner_reads_the_cluster_and_its_assumptions():
     assert hw.inter.bytes_per_s == 12e9 and hw.intra == cluster("a100-ib200").intra
     t = planner.step_time(w, hw, 8, 1, 3, 0, assume)  # dp spans the 3 nodes: the inter link
     faster_ib = planner.step_time(w, cluster(hw, inter=replace(hw.inter, bytes_per_s=24e9)), 8, 1, 3, 0, assume)
-    assert faster_ib["dp_comm"] == pytest.approx(t["dp_comm"] / 2) and faster_ib["compute"] == t["compute"]
-    assert planner.step_time(w, hw, 8, 1, 3, 0, replace(assume, mfu=0.2))["compute"] == pytest.approx(2 * t["compute"])
+    assert faster_ib["dp_comm"] == pytest.approx(t["dp_comm"] / 2, rel=0.02) and faster_ib["compute"] == t["compute"]
+    slow = planner.step_time(w, hw.perturbed(compute=0.5), 8, 1, 3, 0, assume)  # the GPU's kernels at half the rate
+    assert 1.8 * t["compute"] < slow["compute"] <= 2 * t["compute"] and slow["dp_comm"] == t["dp_comm"]
     one_node = planner.step_time(w, hw, 2, 2, 2, 0, assume)  # 8 GPUs: NVLink
-    assert one_node["dp_comm"] == pytest.approx(2 * (2 - 1) / 2 * 2 * w.params / 4 / hw.intra.bytes_per_s
-                                                 * (1 - assume.dp_overlap))
+    assert 0 < one_node["dp_comm"] < t["dp_comm"] / 5
     shard = w.params / 8
     assert planner.offload_time(w, 8, 1, 1, 1, "nvme", hw, assume) == pytest.approx(
         4 * shard / hw.host.bytes_per_s + 16 * shard / assume.cpu_adam_bytes_per_s
         + 16 * shard / hw.disk.read_bytes_per_s + 16 * shard / hw.disk.write_bytes_per_s)
-    for bad, match in (({"mfu": 0.0}, "mfu=0.0"), ({"dp_overlap": 1.5}, "dp_overlap=1.5"),
+    for bad, match in (({"dp_overlap": 1.5}, "dp_overlap=1.5"),
                        ({"cpu_adam_bytes_per_s": -1}, "cpu_adam_bytes_per_s=-1")):
         with pytest.raises(ValueError, match=match):
             planner.Assumptions(**bad)
@@ -335,7 +343,7 @@ def test_zero3_counts_its_gathered_prefetched_and_bucket_buffers():
     """ZeRO-3's working set (DeepSpeed's defaults): one layer gathered plus the prefetch bucket (capped by the live
     parameters), and the gradient bucket; the gradient partitions go to the host with the optimizer."""
     w, *_ = lesson.case_13b()
-    layer = 4 * 5120 ** 2 + 2 * 5120 * 4 * 5120
+    layer = 4 * 5120 ** 2 + 3 * 5120 * 13824  # Llama-2 13B: attention and a SwiGLU of 13824
     assert planner.layer_params(w) == layer and planner.layer_params(w, 2) == layer / 2
     buf = planner.zero3_buffers(w, 1)
     assert buf == {"gathered": 2 * (layer + 5e7), "reduce_bucket": 2 * 5e8}

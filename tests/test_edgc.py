@@ -10,7 +10,7 @@ from toolkit import launch
 from toolkit.comm.edgc import (EDGCConfig, PowerSGDReducer, error_fraction, histogram_entropy, mp_tail,
                                orthogonalize_, rank_from_entropy, step_elements)
 from toolkit.lessons import l05_edgc
-from toolkit.planner import MODELS
+from toolkit.models.catalog import get
 from toolkit.runtime.cluster import cluster
 
 
@@ -95,9 +95,9 @@ def test_emulated_step_by_phase_timed_as_the_real_model(smoke_run):
         # previous phase's kernels (the phases are read off one clock; nothing lines host and stream up between them)
         assert base["compute_flops"] == edgc["compute_flops"]
         assert abs(base["compute_s"] - edgc["compute_s"]) < 5 * TWO_NODES.gpu.launch_s
-    real = MODELS[smoke_run[0]["cfg"]["stands_for"]]  # forward and backward count the real model's 6·Ψ·T FLOPs
+    real = get(smoke_run[0]["cfg"]["stands_for"])  # forward and backward count the real model's 6·Ψ·T FLOPs
     assert E["scales"]["compute"]["flops"] * E["matched"]["baseline"]["compute_flops"] == \
-        pytest.approx(6 * real.params * real.seq_len)
+        pytest.approx(6 * real.params() * real.seq_len)
     # the plain all-reduce of the real gradient (bf16) between two nodes: α + 2(W−1)/W · 2Ψ / β
     n = smoke_run[0]["n_params"] * E["scales"]["gradient"]["bytes"]
     assert E["matched"]["baseline"]["wire_s"] == pytest.approx(TWO_NODES.inter.seconds(2 * (2 - 1) / 2 * n * 2))

@@ -25,7 +25,9 @@ from toolkit.memory.checkpointing import apply_checkpointing, saved_activation_b
 from toolkit.memory.optim_offload import OffloadAdamW
 from toolkit.memory.spill import ALIGN, DiskSpill, inspect_article_snippet
 from toolkit.models import GPT, preset
-from toolkit.planner import (MODELS, Workload, dp_grad_op, memory_per_gpu, offload_memory, offload_per_gpu,
+from toolkit.models.catalog import get
+from toolkit.models.matched import dp_grad_op
+from toolkit.planner import (Workload, memory_per_gpu, offload_memory, offload_per_gpu,
                              offload_time)
 from toolkit.runtime.cluster import cluster
 
@@ -192,7 +194,7 @@ def test_bucket_link_model():
 
 
 def test_planner_offload_options():
-    w = Workload(params=13e9, layers=40, hidden=5120, heads=40)
+    w = Workload("llama2-13b", params=13e9)
     base = memory_per_gpu(w, 8, 1, 1, 3)
     cpu = memory_per_gpu(w, 8, 1, 1, 3, offload_optimizer="cpu")
     assert cpu["optimizer"] == 0 and base["optimizer"] == pytest.approx(12 * 13e9 / 8)
@@ -324,9 +326,9 @@ def test_offload_on_the_emulated_host_link_and_disk(lesson):
         off = r["offload"]
         E = off["emulated"]
         s = off["memory"]["zero"]["device"]["params"] // 4  # elements of this rank's shards (fp32)
-        real = MODELS["llama2-7b"]
+        real = get("llama2-7b")
         tokens = 2 * preset("smoke").seq_len
-        want = dp_grad_op(real.params, real.seq_len), dp_grad_op(off["numel"], tokens)
+        want = dp_grad_op(real.params(), real.seq_len), dp_grad_op(off["numel"], tokens)
         assert E["matched"]["scales"] == pytest.approx({"flops": want[0]["gemm_flops"] / want[1]["gemm_flops"],
                                                         "bytes": want[0]["wire_bytes"] / want[1]["wire_bytes"]})
         for view, scale, workload in (("toy", 1.0, Workload(params=off["numel"])),
@@ -408,12 +410,12 @@ def test_ddp_buckets_on_the_emulated_cluster_follow_the_link_closed_form(lesson)
     assert one["closed_form_exposed_s"] == pytest.approx(one["exposed_s"])
     assert min(r["exposed_s"] for r in rows) < one["exposed_s"]  # buckets hide part of the transfer
     M = E["matched"]
-    real = MODELS["llama2-7b"]
+    real = get("llama2-7b")
     tokens = 2 * preset("smoke").seq_len  # the smoke preset's batch x seq_len
-    want = dp_grad_op(real.params, real.seq_len), dp_grad_op(lesson[0]["buckets"]["grad_bytes"] / 4, tokens)
+    want = dp_grad_op(real.params(), real.seq_len), dp_grad_op(lesson[0]["buckets"]["grad_bytes"] / 4, tokens)
     assert M["scales"] == pytest.approx({"flops": want[0]["gemm_flops"] / want[1]["gemm_flops"],
                                          "bytes": want[0]["wire_bytes"] / want[1]["wire_bytes"]})
-    assert M["grad_bytes"] == 2 * real.params and M["backward_s"] > 100 * E["backward_s"]
+    assert M["grad_bytes"] == 2 * real.params() and M["backward_s"] > 100 * E["backward_s"]
     assert M["rows"][-1]["exposed_s"] == pytest.approx(ib.seconds(ring_bytes(M["grad_bytes"], n)), rel=1e-6)
     assert M["closed_form_real"][-1]["exposed_s"] == pytest.approx(M["rows"][-1]["exposed_s"], rel=1e-6)
     other = lesson[1]["buckets"]["emulated"]

@@ -12,7 +12,7 @@ from toolkit.pipeline import Action, Costs, interleaved_1f1b, make_schedule, one
 from toolkit.pipeline.recompute import RecomputeQueue
 from toolkit.pipeline.schedule import with_recompute
 from toolkit.pipeline.simulate import MeasuredCosts
-from toolkit.planner import MODELS
+from toolkit.models.catalog import get
 from toolkit.runtime.cluster import cluster
 
 STAGE_PER_NODE = cluster("h100-ib400", ranks_per_node=1)
@@ -52,7 +52,7 @@ def test_emulated_steps_are_the_simulators_fed_the_same_op_times_and_hop(lesson)
     schedule whose recomputes are R actions (or none) takes the simulator's time for its own virtual op times and
     that hop, within 5 % (as tests/test_emulator.py checks the plain schedules)."""
     E = lesson[0]["emulated"]
-    real = MODELS[E["stands_for"]]
+    real = get(E["stands_for"])
     assert E["hop_s"]["matched"] == pytest.approx(STAGE_PER_NODE.inter.seconds(real.seq_len * real.hidden * 2))
     schedules = l10.schedules(l10.WORLD_SIZE, lesson[0])
     for name, schedule in schedules.items():

@@ -17,7 +17,7 @@ from toolkit.pipeline import vocab_passes as vx
 from toolkit.pipeline.executor import PipelineExecutor
 from toolkit.pipeline.schedule import Action, one_f_one_b
 from toolkit.pipeline.simulate import simulate
-from toolkit.planner import dense_layer_op
+from toolkit.models.matched import dense_layer_op
 from toolkit.runtime.cluster import cluster
 
 P = 4

@@ -586,7 +586,7 @@ print(f"gradient all-reduce bytes sent per rank per step: {b['allreduce_sent_byt
 
 # %%
 h100 = make_cluster("h100-ib400")
-top = plan(Workload(params=7e9, layers=32, hidden=4096, heads=32, seq_len=4096), h100, gpus=64)[:8]
+top = plan(Workload("llama2-7b"), h100, gpus=64)[:8]
 viz.table([{k: v for k, v in row.items() if k in ("dp", "tp", "pp", "zero", "memory_gb", "fits", "step_s")}
            for row in top], title="7B, seq 4096, 64 × H100 (cost model): fastest configurations that fit",
           formats={"memory_gb": ".1f", "step_s": ".2f"}).show()

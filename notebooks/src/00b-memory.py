@@ -184,7 +184,7 @@ display(Markdown(
 #
 # - the toy's own shapes;
 # - **matched** to a real model (`stands_for`): every op at the FLOPs of its backward, every tensor, copy and disk
-#   transfer at the bytes of its gradient (`ctx.emulator.scaled`, factors from `toolkit.planner.dp_grad_op`).
+#   transfer at the bytes of its gradient (`ctx.emulator.scaled`, factors from `toolkit.models.matched.dp_grad_op`).
 #
 # Beside each, the planner's closed form of the same cost (`toolkit.planner.offload_time`, what lesson 17's
 # tuning charges for offload): nothing overlapped, no latency term, the CPU's Adam at an assumed rate
@@ -523,7 +523,7 @@ print(f"values received on rank 0: {sc['received_values']}, all complete: {sc['a
 #
 # - the toy's own shapes;
 # - **matched** to a real model (`stands_for`): its ops counted with the FLOPs of the real backward and its tensors
-#   with the bytes of the real gradient (`ctx.emulator.scaled`, factors from `toolkit.planner.dp_grad_op`);
+#   with the bytes of the real gradient (`ctx.emulator.scaled`, factors from `toolkit.models.matched.dp_grad_op`);
 # - the **closed form** of the same link (`toolkit.comm.bucketing.steady_exposed`), with gradients produced at a
 #   steady rate over the virtual backward, beside each; it also goes where the toy cannot, to the real model's
 #   gradient cut into buckets of 1 MiB up to all of it.
@@ -679,7 +679,7 @@ print(f"{len(check)} predictions, largest relative error {worst:.4f}")
 # %%
 from toolkit.lessons.l17_capstone import zero3_nvme_claim
 
-w = Workload(params=13e9, layers=40, hidden=5120, heads=40, seq_len=2048)
+w = Workload("llama2-13b", params=13e9, seq_len=2048)
 case = []
 for name, zero, oo, op in (("ZeRO-2", 2, "none", "none"), ("ZeRO-3", 3, "none", "none"),
                            ("ZeRO-3 + CPU offload", 3, "cpu", "none"), ("ZeRO-3 + NVMe optimizer + params", 3, "nvme",

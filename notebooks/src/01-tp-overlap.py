@@ -220,7 +220,7 @@ else:
         f"**{E['stands_for']}**'s MLP at tp = {world_size} ({E['real_shape']['tokens']} tokens, hidden "
         f"{E['real_shape']['hidden']}, FFN {E['real_shape']['ffn']}): its GEMMs are counted with "
         f"{sc['flops']:,.0f}× their FLOPs and its tensors with {sc['bytes']:,.0f}× their bytes (cost model: "
-        f"`toolkit.planner.tp_mlp_op`). On this cluster the real fc1 GEMM takes {real['gemm_s'] * 1e6:.0f} µs "
+        f"`toolkit.models.matched.tp_mlp_op`). On this cluster the real fc1 GEMM takes {real['gemm_s'] * 1e6:.0f} µs "
         f"against {real['comm_s'] * 1e6:.0f} µs for its all-gather: a ratio of {real['ratio']:.2f}, which the "
         f"matched run reproduces ({E['matched']['AG+GEMM']['ratio']:.2f}, virtual time)."))
     rows = []

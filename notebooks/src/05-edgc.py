@@ -290,7 +290,7 @@ viz.table(rows, title="Communication time per step (rank 0)", formats={"predicte
 # - **The toy's own shapes**: seed 0's training steps after the warm-up, as they ran.
 # - **Workload-matched**: seed 0's two runs go on for one window of steps, timed as `stands_for` on one sequence
 #   per rank: the forward and backward with its FLOPs and activations, the sync, the codec and the optimizer with
-#   its gradient (`toolkit.planner.dp_phase_scales`). What this mode cannot scale is the rank-r factors: they grow
+#   its gradient (`toolkit.models.matched.dp_phase_scales`). What this mode cannot scale is the rank-r factors: they grow
 #   here with the gradient, so the compressed traffic keeps the toy's proportion to the plain one, where at the
 #   real shapes `r·(n+m)` against `n·m` leaves far less (section 8's cost model takes the real shapes).
 

@@ -239,7 +239,7 @@ assert snr["synthetic t(2)"]["TLq-HS"] > snr["synthetic t(2)"]["TLq"] + 2, "H32 
 #
 # - **The toy's own shapes**: seed 0's training steps, as they ran.
 # - **Workload-matched**: one more step of seed 0's baseline and SDP4Bit, timed as `stands_for` on one sequence
-#   per rank (`toolkit.planner.dp_phase_scales`): the forward and backward with its FLOPs and activations, the
+#   per rank (`toolkit.models.matched.dp_phase_scales`): the forward and backward with its FLOPs and activations, the
 #   codecs, the transfers and the optimizer with its gradient. The quantized payloads and their scales grow with
 #   the gradient, as they do at the real size, so this mode scales SDP4Bit's traffic faithfully.
 

@@ -352,7 +352,7 @@ display(Markdown(
 # - at the toy's own shapes;
 # - **matched** to the paper's layer (hidden 3072, sequence 4096; `lesson.PAPER_LAYER`): every op counted at
 #   the FLOPs of that layer's GEMMs and every tensor at its activation's bytes (`ctx.emulator.scaled`, factors
-#   from `toolkit.planner.dense_layer_op`). The toy's balance stays: its output layer weighs against its one
+#   from `toolkit.models.matched.dense_layer_op`). The toy's balance stays: its output layer weighs against its one
 #   layer per stage what the toy's vocabulary and width make it weigh.
 #
 # A pipeline step ends when its slowest rank does: each step's time is the slowest rank's, and the verdict

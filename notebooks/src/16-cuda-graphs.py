@@ -335,7 +335,7 @@ else:
 # Whether a reduce hides depends on how long the gradients take on the link against the compute left after
 # them, which the toy's sizes do not show. So the three variants ran once more on the emulated cluster, eager,
 # **matched** to a real model: every toy layer timed as one layer of the model named below (its GEMM FLOPs
-# and the activations between stages, `planner.matched_scales`; the gradients as that layer's weights) — a
+# and the activations between stages, `matched.matched_scales`; the gradients as that layer's weights) — a
 # model of the real run, labelled, not a measurement. Per rank, the time the step's end waited for the DP
 # all-reduces, per stage.
 

@@ -279,7 +279,7 @@ def emulated(ctx, group, block, tokens: int, cfg: dict, stacks: dict, step) -> d
     D, F = w1.shape[1], w1.shape[0] * tp
     real = catalog.get(cfg["stands_for"])
     toy_op = matched.tp_mlp_op(tokens, D, F, tp, elem=emu.cluster.float_bytes)
-    real_op = matched.tp_mlp_op(real.seq_len, real.hidden, real.ffn, tp)
+    real_op = matched.tp_mlp_op(real.seq_len, real.hidden, real.ffn, tp, gated=real.gated)
     scales = matched.matched_scales(toy_op, real_op)
     out = {"cluster": emu.cluster.name, "gpu": emu.cluster.gpu.name, "link": emu.cluster.intra.name,
            "stands_for": cfg["stands_for"], "real_shape": {"tokens": real.seq_len,

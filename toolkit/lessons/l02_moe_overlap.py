@@ -150,8 +150,7 @@ def emulated(ctx, cfg: dict, mbs, models) -> dict | None:
     mc, real = models["serial"].cfg, catalog.get(cfg["stands_for"])
     tokens = cfg["micro_batch"] * cfg["seq_len"]
     toy_op = matched.moe_layer_op(tokens, mc.d_model, mc.d_ff, mc.top_k, ctx.world_size, emu.cluster.float_bytes)
-    real_op = matched.moe_layer_op(real.seq_len, real.hidden, real.ffn, real.top_k,
-                                   ctx.world_size)
+    real_op = matched.spec_moe_op(real, real.seq_len, ctx.world_size)
     scales = matched.matched_scales(toy_op, real_op)
     link = "intra" if emu.cluster.per_node(ctx.world_size) >= ctx.world_size else "inter"  # what the EP group spans
     out = {"cluster": emu.cluster.name, "gpu": emu.cluster.gpu.name, "link": getattr(emu.cluster, link).name,

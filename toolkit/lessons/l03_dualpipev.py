@@ -82,7 +82,7 @@ def run(ctx, cfg: dict) -> dict:
 
 def emulated(ctx, cfg: dict, setup: PipelineSetup, jobs: list[Job]) -> dict | None:
     """Our schedules once more on the emulated cluster, matched to ``cfg["stands_for"]`` (its layers' GEMMs and
-    its activations between stages; ``toolkit.matched.dense_layer_op``): per job the step time, the time a rank
+    its activations between stages; ``toolkit.models.matched.dense_layer_op``): per job the step time, the time a rank
     waited for its receives (exposed p2p) and each link's busy time, all virtual. The same ops run at the toy's
     own shapes in ``runs`` (their virtual times ride along in ``bench["virtual"]``)."""
     from toolkit.models import catalog, matched

@@ -5,7 +5,7 @@
     run by interleaved 1F1B and by DualPipeV (both 2 x pp stages), one step each after a warm-up, virtual time:
         the step, and per kind of transfer (pipeline p2p, EP all-to-all) the link's busy time and the time
         transfers waited in the rank's queue behind another one (start - issue)
-    at the toy's own shapes and matched to Mixtral 8x7B's expert layers (``toolkit.matched.moe_layer_op``)
+    at the toy's own shapes and matched to Mixtral 8x7B's expert layers (``toolkit.models.matched.moe_layer_op``)
 
 Each rank's p2p and all-to-alls share its NVLink queue on the emulated cluster (``toolkit.runtime.emulator``), so
 two transfers that meet wait for each other: the seed's claim is that DualPipeV's order keeps them apart.
@@ -55,8 +55,7 @@ def run(ctx, cfg: dict) -> dict:
     real = catalog.get(cfg["stands_for"])
     toy_op = matched.moe_layer_op(cfg["micro_batch"] * mc.seq_len, mc.d_model, mc.d_ff, mc.top_k, 2,
                                   emu.cluster.float_bytes)
-    scales = matched.matched_scales(toy_op, matched.moe_layer_op(real.seq_len, real.hidden, real.ffn,
-                                                                 real.top_k, 2))
+    scales = matched.matched_scales(toy_op, matched.spec_moe_op(real, real.seq_len, 2))
     return {"pp_rank": grid.rank_in("pp"), "stands_for": cfg["stands_for"], "scales": scales,
             "cluster": emu.cluster.name, "link": emu.cluster.intra.name,
             "own shapes": _steps(ctx, cfg, mc, grid, inputs, targets, {}),

@@ -195,7 +195,7 @@ def policy_of(variant: str) -> str:
 def emulated(ctx, cfg: dict, setup: PipelineSetup, make, stepper) -> dict | None:
     """The ``TIMED`` variants once more on the emulated cluster's clock, one step each (virtual time is
     deterministic: one step is the time), at the toy's own shapes and matched to ``cfg["stands_for"]`` (its
-    layers' GEMMs and activations, ``toolkit.matched.dense_layer_op``; the copies carry the matched bytes too).
+    layers' GEMMs and activations, ``toolkit.models.matched.dense_layer_op``; the copies carry the matched bytes too).
     Per view and variant: the step, the late reloads (reloads whose wait moved the stream's clock) and their
     wait in all, and the seconds and bytes the host link carried each way (D2H, H2D)."""
     emu = ctx.emulator

@@ -101,7 +101,7 @@ def run(ctx, cfg: dict) -> dict:
 
 def emulated(ctx, cfg: dict, setup: PipelineSetup, jobs: list[Job]) -> dict:
     """Every schedule once more on the emulated cluster, matched to ``cfg["stands_for"]`` (its layers' GEMMs and
-    the activations between stages, ``toolkit.matched.dense_layer_op``): one step each (virtual time is
+    the activations between stages, ``toolkit.models.matched.dense_layer_op``): one step each (virtual time is
     deterministic), its op times and spans on the virtual clock, and the time a rank waited for its receives.
     The toy's own shapes ran on the same clock in ``runs`` (``bench["virtual"]``, ``op_vseconds``). ``hop_s``: one
     activation or gradient on the link between two stages, α + bytes/β, at both shapes (the simulator's comm)."""

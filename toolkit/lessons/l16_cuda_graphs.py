@@ -189,8 +189,7 @@ def emulated(ctx, cfg: dict, mc, executor, inputs, targets) -> dict | None:
     real = catalog.get(STANDS_FOR)
     toy_tokens, real_tokens = cfg["micro_batch"] * mc.seq_len, real.seq_len
     scales = matched.matched_scales(matched.dense_layer_op(toy_tokens, mc.d_model, mc.d_ff, emu.cluster.float_bytes),
-                                    matched.dense_layer_op(real_tokens, real.hidden, real.ffn,
-                                                           emu.cluster.float_bytes))
+                                    matched.layer_op(real, real_tokens, elem=emu.cluster.float_bytes))
     grad_scale = scales["flops"] * toy_tokens / real_tokens  # a layer's weights: its GEMM FLOPs per token, halved
     out = {"cluster": emu.cluster.name, "gpu": emu.cluster.gpu.name, "dp_link": None, "runs": {},
            "matched": {"stands_for": STANDS_FOR, "scales": {**scales, "grads": grad_scale}, "runs": {}}}

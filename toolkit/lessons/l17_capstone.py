@@ -193,8 +193,7 @@ def emulated(ctx, cfg: dict, configs: list, composed: dict[str, Composed], batch
     mc, real = config.model_config(), catalog.get(cfg["stands_for"])
     toy_op = matched.moe_layer_op(config.micro_batch * mc.seq_len, mc.d_model, mc.d_ff, mc.top_k, config.ep,
                                   emu.cluster.float_bytes)
-    real_op = matched.moe_layer_op(real.seq_len, real.hidden, real.ffn, real.top_k,
-                                   config.ep)
+    real_op = matched.spec_moe_op(real, real.seq_len, config.ep)
     scales = matched.matched_scales(toy_op, real_op)
     pair = [n for n in ("dualpipev", "ep_overlap (on baseline)") if n in composed]
     to_match = [name, *pair] if len(pair) == 2 else [name]
@@ -215,15 +214,16 @@ def emulated(ctx, cfg: dict, configs: list, composed: dict[str, Composed], batch
 
 
 def mfu_check(emu, w, toy_seq: int = 32, heads: int = 4) -> dict:
-    """The planner's ``Assumptions.mfu`` checked on the emulated GPU: two dense toy blocks whose sequence-to-hidden
-    and MLP-to-hidden ratios are ``w``'s (so attention and the MLP weigh against each other as in ``w``), forward and backward of one sequence on
-    the virtual clock, timed as ``w``'s layers (``matched.dense_layer_op``, ``matched_scales``). The MFU is the
-    planner's FLOPs for those layers, 6 · ``layer_params(w)`` per token, over virtual time × the GPU's peak. A
-    roofline gives every GEMM its peak, so this is the model's upper bound, not a GPU's measurement."""
+    """The compute model checked on the emulated GPU: two dense toy blocks whose sequence-to-hidden and MLP-to-hidden
+    ratios are ``w``'s (its SwiGLU's three matrices as a two-matrix MLP 1.5x as wide, so attention and the MLP
+    weigh against each other as in ``w``), forward and backward of one sequence on the virtual clock, timed as
+    ``w``'s layers (``matched.layer_op``, ``matched_scales``). The MFU is the usual accounting of those layers'
+    FLOPs (6 x their parameters + 12·s·d per token) over virtual time x the GPU's dense peak: what a layer's
+    kernels reach at the calibrated rates (a whole training step adds communication, the optimizer, bubbles)."""
     from toolkit.models import GPT, matched, preset
     d_model = heads * max(1, round(toy_seq * w.hidden / w.seq_len / heads))
-    ffn = w.ffn_hidden or 4 * w.hidden
-    mcfg = preset("smoke", seq_len=toy_seq, d_model=d_model, d_ff=round(d_model * ffn / w.hidden), n_head=heads,
+    width = w.ffn_hidden * w.model.mlp_matrices / 2  # a two-matrix MLP of the same FLOPs
+    mcfg = preset("smoke", seq_len=toy_seq, d_model=d_model, d_ff=round(d_model * width / w.hidden), n_head=heads,
                   n_layer=2, n_expert=0)
     torch.manual_seed(0)
     blocks = GPT(mcfg).blocks
@@ -261,14 +261,20 @@ def active_params(config: ComposeConfig) -> float:
 
 def planner_step(config: ComposeConfig, hw, flop_scale: float = 1.0, assume=None) -> dict:
     """The planner's step-time model (``planner.configuration_time``) of a composed configuration: a dense decoder
-    with its active parameters (× ``flop_scale``: the workload-matched FLOPs) and its shapes on dp × pp GPUs of
-    ``hw``, its schedule's simulated bubble. The model has no term for kernel launches, the experts' all-to-alls,
-    activation offload or the optimizer's own time; its DP term carries the gradients of those parameters."""
+    of its shapes (``catalog.gpt``) with its active parameters on dp × pp GPUs of ``hw``, its schedule's simulated
+    bubble; ``flop_scale``: the workload-matched FLOPs (its kernels on a GPU of 1/``flop_scale`` the peak: the
+    same efficiency, that many times the work). The model has no term for the host's per-op costs, the experts'
+    all-to-alls, activation offload or the optimizer's own time; its DP term carries the gradients of those
+    parameters."""
+    from dataclasses import replace
+
+    from toolkit.models.catalog import gpt
     from toolkit.planner import Assumptions, Workload, configuration_time
     mc = config.model_config()
-    w = Workload(params=active_params(config) * flop_scale, layers=config.n_layer, hidden=mc.d_model,
-                 heads=mc.n_head, seq_len=mc.seq_len, micro_batch=config.micro_batch,
-                 global_batch=config.dp * config.m * config.micro_batch, ffn_hidden=mc.d_ff)
+    spec = gpt("the composed GPT", config.n_layer, mc.d_model, mc.vocab_size, mc.seq_len, ffn=mc.d_ff, heads=mc.n_head)
+    w = Workload(spec, params=active_params(config) * flop_scale, micro_batch=config.micro_batch,
+                 global_batch=config.dp * config.m * config.micro_batch)
+    hw = replace(hw, gpu=replace(hw.gpu, bf16_flops=hw.gpu.bf16_flops / flop_scale))
     return configuration_time(w, hw, config.dp, 1, config.pp, 0, config.schedule, "none", assume or Assumptions())
 
 
@@ -291,18 +297,18 @@ def case_13b():
     >= 850 tokens/s), with what it leaves out filled by assumptions stated here: a LLaMA-13B shape (40 layers,
     hidden 5120, 40 heads), sequences of 2048 tokens, 192 sequences per step (divisible by the 3 nodes), the
     a100-ib200 preset (A100 80 GB, 312 TFLOP/s bf16, NVLink 3 at 232 GB/s of bus bandwidth inside a node, PCIe
-    Gen4, NVMe) with 40% of the peak achieved, and across nodes the 12 GB/s per GPU the article measured between
-    GPUs (§4.1) in place of the preset's InfiniBand. Returns (workload, cluster, GPUs, assumptions)."""
+    Gen4, NVMe) at its calibrated achieved rates, and across nodes the 12 GB/s per GPU the article measured
+    between GPUs (§4.1) in place of the preset's InfiniBand. Returns (workload, cluster, GPUs, assumptions)."""
     from dataclasses import replace
 
     from toolkit.planner import Assumptions, Workload
     from toolkit.runtime.cluster import cluster
-    w = Workload(params=13e9, layers=40, hidden=5120, heads=40, seq_len=2048, micro_batch=1, global_batch=192)
+    w = Workload("llama2-13b", params=13e9, seq_len=2048, micro_batch=1, global_batch=192)
     a100 = cluster("a100-ib200")
     hw = cluster(a100, name="a100-ib200, the article's inter-node link",
                  inter=replace(a100.inter, name="the article's inter-node link", bytes_per_s=12e9,
                                source="12 GB/s per GPU measured between GPUs across nodes (seed article §4.1)"))
-    return w, hw, 24, Assumptions(mfu=0.40, dp_overlap=0.7)
+    return w, hw, 24, Assumptions(dp_overlap=0.7)
 
 
 ARTICLE_STAGES = 8
@@ -398,9 +404,11 @@ def article_claims(w, hw, assume, best: dict) -> list[dict]:
         f"all-reduce (ZeRO-3: {dp_bytes[3] / dp_bytes[0]:.1f}×, the weights gathered twice)",
         abs(dp_bytes[2] / dp_bytes[0] - 2) < CLAIM_TOLERANCE)
     gpus = best["dp"] * best["tp"] * best["pp"]
-    implied_mfu = 6 * w.params * 892 / (gpus * hw.gpu.bf16_flops)
+    flops_per_token = w.model.flops_per_token(w.seq_len)
+    implied_mfu = flops_per_token * 892 / (gpus * hw.gpu.bf16_flops)
+    model_mfu = flops_per_token * best["tokens_per_s"] / (gpus * hw.gpu.bf16_flops)
     row("§6.3", "13B on 24 A100s: throughput after tuning", "892 tokens/s (1.12 s per step)",
-        f"{best['tokens_per_s']:,.0f} tokens/s at {assume.mfu:.0%} MFU ({best['step_s']:.2f} s for {w.global_batch} × "
+        f"{best['tokens_per_s']:,.0f} tokens/s, {model_mfu:.0%} MFU ({best['step_s']:.2f} s for {w.global_batch} × "
         f"{w.seq_len} tokens); 892 tokens/s is {implied_mfu:.2%} MFU", abs(best["tokens_per_s"] / 892 - 1) < CLAIM_TOLERANCE)
     pp, m = ARTICLE_STAGES, ARTICLE_MICRO_BATCHES
     bubble = simulate(make_schedule("1f1b", pp, m), Costs(F=1, B=2, W=1)).bubble_fraction
