@@ -104,6 +104,40 @@ def write_results(rows: list[dict], out: str | Path, params: dict | None = None,
     return out / "results.json", out / "results.html"
 
 
+GLOSSARY: dict[str, str] = {
+    "emulated cluster, virtual time": "the lesson's real processes ran with every op timed by a model of the named "
+        "GPUs and links (toolkit.runtime.emulator, the notebook's cluster parameter): a model, not a measurement of "
+        "a GPU",
+    "toy shapes": "the tiny model's own sizes, as the lesson ran them",
+    "matched (workload-matched)": "the same ops timed as a real model's: every GEMM at that model's FLOPs and every "
+        "tensor at its bytes (ctx.emulator.scaled), so the toy's step stands for the named model's on the emulated "
+        "cluster",
+    "launch-bound": "the host's cost of issuing each op (a kernel launch), not the GPU's work, sets the step's "
+        "time: the kernels are shorter than their launches, as a toy's are",
+    "within noise / faster / slower": "toolkit.runtime.bench.verdict on paired rounds: faster or slower only when "
+        "the whole 95 % interval of the ratio lies on one side of 1",
+    "reproduced / not reproduced / not testable here / not decidable": "the run's number judged against the "
+        "source's claim; not testable here: this machine cannot run what the claim is about (e.g. a GPU claim on a "
+        "CPU); not decidable: the model or the noise cannot tell",
+    "bubble": "the share of a pipeline step a rank spends idle, waiting for another stage",
+    "F&B": "a forward and a backward of two micro-batches run as one pair, so one's communication hides behind "
+        "the other's compute (DualPipeV)",
+    "exposed communication": "the time a rank waits for a transfer, the part not hidden behind compute",
+    "dp · tp · pp · ZeRO-k · b": "a configuration of the planner (planner.label): data-, tensor- and "
+        "pipeline-parallel ranks, the ZeRO stage, b sequences per micro-batch, then the schedule with its m "
+        "micro-batches, recomputation and offload",
+    "a configuration named after a technique (edgc, bf16_residual, ...)": "lesson 17's chain: each configuration is "
+        "the one before plus the technique it is named after; edgc is every technique of the chain up to EDGC",
+    "S→T state": "what a vocabulary-parallel S pass keeps until its T pass: the rank's softmax and its statistics "
+        "(lesson 13)",
+    "max/mean load": "the busiest rank's work over the average rank's (1 = balanced)",
+    "SNR (dB)": "signal-to-noise ratio of a quantized tensor against the original, in decibels: higher is closer",
+    "MFU": "model FLOPs utilisation: the model's FLOPs per second over the GPU's peak",
+    "B/param": "bytes of storage per model parameter",
+}
+"""Terms the headlines use, each in a sentence (the results page's glossary)."""
+
+
 def results_html(rows: list[dict], params: dict, machine: dict | None = None) -> str:
     """The course results page (self-contained HTML, no scripts)."""
     from toolkit.runtime.machine import describe
@@ -130,21 +164,25 @@ def results_html(rows: list[dict], params: dict, machine: dict | None = None) ->
                     f"<td>{claim}</td><td class='{verdict[1]}'>{verdict[0]}</td><td>{emulated}</td></tr>")
     counts = {k: sum(1 for r in rows if (r.get("headline") or {}).get("reproduced", "x") is k)
               for k in (True, False, None)}
+    glossary = "".join(f"<dt>{esc(term)}</dt><dd>{esc(text)}</dd>" for term, text in GLOSSARY.items())
     return f"""<!doctype html><meta charset="utf-8"><title>llm-scale-toolkit: course results</title>
 <style>body{{font-family:Inter,Helvetica,Arial,sans-serif;margin:2em;color:#222;max-width:75em}}
-table{{border-collapse:collapse}}td,th{{padding:.4em .8em;border-bottom:1px solid #ddd;text-align:left;
+table{{border-collapse:collapse}}dt{{font-weight:600;margin-top:.5em}}dd{{margin-left:1.5em;color:#444}}td,th{{padding:.4em .8em;border-bottom:1px solid #ddd;text-align:left;
 vertical-align:top}}.yes{{color:#109618}}.no{{color:#dc3912}}.none{{color:#777}}.src{{color:#777;font-size:.85em}}
 </style>
 <h1>Course results</h1>
 <p>One row per lesson: the headline its run measured, the source's claim, and whether the run reproduces it —
-read from each executed notebook's <code>toolkit.report.headline</code> output, never typed in. Parameters:
+read from each executed notebook's <code>toolkit.report.headline</code> output, never typed in; the terms they use
+are in the <a href="#glossary">glossary</a> below. Parameters:
 {esc(json.dumps(params))}. Reproduced: {counts[True]}, not reproduced: {counts[False]}, not testable here:
 {counts[None]}.</p>
 <p>Machine: {esc(describe(machine)) if machine else "not recorded"}. Times and timing verdicts are this machine's.</p>
 <table><tr><th>lesson</th><th>technique</th><th>measured (this run)</th><th>source's claim</th>
 <th>reproduced</th><th>time effect on the emulated cluster (virtual time: a model of the named GPUs and links,
 fed this run's real ops)</th></tr>
-{chr(10).join(body)}</table>"""
+{chr(10).join(body)}</table>
+<h2 id="glossary">Glossary</h2>
+<dl>{glossary}</dl>"""
 
 
-__all__ = ["headline", "record", "collect", "write_results", "results_html", "MIME"]
+__all__ = ["headline", "record", "collect", "write_results", "results_html", "MIME", "GLOSSARY"]
