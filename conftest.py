@@ -13,6 +13,8 @@
   worker and notebook kernel inherits it), so a test module's fixture and a notebook that launch the same lesson
   (or the same emulator check) with the same resolved configuration share one real launch
   (``toolkit.runtime.launch.session_cache``).
+- What a learner reads: every cell nbval runs also passes ``tests/reading.py``'s checks (a headline shown once,
+  paragraphs of at most 120 words, listings of at most 40 lines, no "null" in a table, one time unit per figure).
 - One launcher imported once for the session (``toolkit.runtime.launch_server``), started by the session's first
   process; every launch whose environment matches forks it (tests that change the environment start their own).
   The session's last line says how many it served.
@@ -48,6 +50,31 @@ def pytest_unconfigure(config):
     _SERVER.close()
     if _OWN_CACHE:
         shutil.rmtree(_OWN_CACHE, ignore_errors=True)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    """nbval's runs (every notebook at its defaults, emulated clusters included): each cell that ran also passes
+    ``tests/reading.py``'s checks of what a learner reads (a headline shown once, paragraphs, listings, tables,
+    units)."""
+    result = yield
+    outputs = getattr(item, "test_outputs", None)
+    if outputs is not None and item.path.suffix == ".ipynb":
+        problems = _reading().cell_problems(item.cell.source, outputs)
+        if problems:
+            raise AssertionError("what a learner reads in this cell:\n" + "\n".join(problems))
+    return result
+
+
+def _reading():
+    import importlib.util
+    import sys
+    if "reading" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("reading", os.path.join(os.path.dirname(__file__), "tests",
+                                                                             "reading.py"))
+        sys.modules["reading"] = module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    return sys.modules["reading"]
 
 
 def pytest_collection_modifyitems(config, items):

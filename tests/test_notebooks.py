@@ -26,6 +26,7 @@ from typing import Callable
 
 import nbformat
 import pytest
+from reading import notebook_problems  # tests/reading.py: what a learner reads, cell by cell
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
@@ -301,6 +302,8 @@ def test_notebook_runs_at_smoke_preset(notebook, tmp_path):
         print(f"{notebook.stem} {params}: {time.monotonic() - start:.1f} s at smoke")
     assert not (tried and tried.refused), f"the Try item predicts a refusal ({tried.refused!r}); the run went on"
     out = nbformat.read(executed, as_version=4)
+    problems = notebook_problems(out)  # what a learner reads (tests/reading.py)
+    assert not problems, "\n".join(problems)
     text = rendered(out)
     headline = collect(executed)
     if headline is not None:
