@@ -76,8 +76,8 @@ def test_cp_size_is_the_smallest_power_of_two_under_the_cap():
 
 
 CASES = [(32, 4, 128, 2, 128), (32, 4, 256, 2, 64), (64, 4, 256, 2, 64), (64, 8, 512, 4, 16), (256, 8, 8192, 8, 1)]
-MATCHED = dcp_sim.CostModel(dcp_sim.LLAMA_13B, cluster("h100-ib400"), 2, False, dcp_sim.ROOFLINE, 160.0)
-"""The smoke lesson's kind of cost: two Llama-13B layers at 160x the lengths, on H100s at their peak."""
+MATCHED = dcp_sim.CostModel(dcp_sim.LLAMA_13B, cluster("h100-ib400"), 2, False, 160.0)
+"""The smoke lesson's kind of cost: two Llama-13B layers at 160x the lengths, on H100s at their achieved rates."""
 
 
 @pytest.mark.parametrize("n, world, cap, static_cp, scale", CASES)
@@ -235,30 +235,24 @@ def test_equal_micro_batches_give_the_1f1b_closed_form():
     plan = dcp.schedule_static([128] * 16, 2, 2, 64)  # 16 equal micro-batches of one cp-2 group
     shape, hw = dcp_sim.LLAMA_13B, dcp_sim.CLUSTER
     sim = dcp_sim.step_time(plan, shape, hw, pp=4)
-    t = dcp_sim.group_times(64, 128 ** 2 / 2, 2, shape.n_layer // 4, shape, hw)
+    t = dcp_sim.group_times(64, 128 ** 2 / 2, 2, shape.layers // 4, shape, hw)
     ideal = 16 * (t["F"] + t["B"]) + closed_form_bubble("1f1b", 4, Costs(t["F"], t["B"], t["B"] / 2))
     assert sim["m"] == 16 and sim["step_s"] == pytest.approx(ideal)
 
 
-def test_the_cost_model_reads_the_cluster_and_the_efficiency():
-    """GEMMs and attention at the efficiencies of the GPU's peak, a ring hop at α + bytes/β of the link the CP
-    group spans: hand-computed from the same figures."""
-    shape, hw, eff = dcp_sim.LLAMA_13B, dcp_sim.CLUSTER, dcp_sim.Efficiency()
+def test_the_cost_model_reads_the_cluster_and_its_gpus_efficiency():
+    """The kernels at the GPU's achieved rates (its efficiency model: slower kernels, a slower layer), a ring of c
+    ranks exposing its hops where they do not hide behind the attention, and more so across nodes."""
+    shape, hw = dcp_sim.LLAMA_13B, dcp_sim.CLUSTER
     assert hw.intra is dcp_sim.RING_HOP and hw.gpu == cluster("h100-ib400").gpu
-    tokens, cp, d, dkv = 1024, 1, shape.d_model, shape.d_kv
-    t = dcp_sim.group_times(tokens, tokens ** 2 / 2, cp, 1, shape, hw, recompute=False)
-    linear = 2 * tokens * (2 * d * d + 2 * d * dkv + 3 * d * shape.d_ff) / (hw.gpu.bf16_flops * eff.gemm)
-    attention = 2 * d * tokens ** 2 / 2 / (hw.gpu.bf16_flops * eff.attention)
-    assert t["F"] == pytest.approx(linear + attention) and t["exposed_comm"] == 0  # cp = 1: no ring
-    slow_attention = dcp_sim.group_times(tokens, tokens ** 2 / 2, cp, 1, shape, hw, False, replace(eff, attention=0.225))
-    assert slow_attention["F"] == pytest.approx(linear + 2 * attention)
-    # a ring of c ranks: c - 1 hops, each exposed but for 1/c of the attention (here far too short to hide one)
-    kv_bytes, tiny = 2 * tokens * dkv * shape.elem_bytes, 2 * d / (hw.gpu.bf16_flops * eff.attention)
-    for c, link in ((2, hw.intra), (16, hw.inter)):  # 16 ranks span two nodes of 8
-        ring = dcp_sim.group_times(tokens, 1.0, c, 1, shape, hw, recompute=False)
-        assert ring["F"] == pytest.approx(linear + tiny + (c - 1) * (link.seconds(kv_bytes) - tiny / c))
-    with pytest.raises(ValueError, match="Efficiency gemm=0"):
-        dcp_sim.Efficiency(gemm=0)
+    tokens = 1024
+    t = dcp_sim.group_times(tokens, tokens ** 2 / 2, 1, 1, shape, hw, recompute=False)
+    assert t["exposed_comm"] == 0 and t["F"] + t["B"] == pytest.approx(t["compute"])  # cp = 1: no ring
+    slow = dcp_sim.group_times(tokens, tokens ** 2 / 2, 1, 1, shape, hw.perturbed(compute=0.5), recompute=False)
+    assert 1.8 * t["F"] < slow["F"] <= 2 * t["F"]  # every kernel at half the rate (their fixed costs kept)
+    two, sixteen = (dcp_sim.group_times(tokens, 1.0, c, 1, shape, hw, recompute=False) for c in (2, 16))
+    assert 0 < two["exposed_comm"] < sixteen["exposed_comm"]  # 16 ranks span two nodes of 8: the slower link
+    assert two["compute"] == pytest.approx(sixteen["compute"])  # the same work per rank
 
 
 def test_short_sequences_cost_static_cp_exposed_ring_time():
@@ -278,7 +272,7 @@ def test_without_a_pipeline_each_rank_keeps_its_own_clock():
     shape, hw = dcp_sim.LLAMA_13B, dcp_sim.CLUSTER
 
     def ft(tokens: int, cp: int) -> float:  # one sequence of ``tokens`` on a group of ``cp``
-        t = dcp_sim.group_times(tokens / cp, tokens ** 2 / cp, cp, shape.n_layer, shape, hw)
+        t = dcp_sim.group_times(tokens / cp, tokens ** 2 / cp, cp, shape.layers, shape, hw)
         return t["F"] + t["B"]
 
     plan = dcp.Plan("dynamic", [4096, 1024, 8192], 2, 4096, [
@@ -299,11 +293,11 @@ def test_the_output_layer_and_the_matched_scale():
     shape, hw = dcp_sim.LLAMA_13B, dcp_sim.CLUSTER
     plain = dcp_sim.group_times(1000, 1e6, 1, 2, shape, hw, recompute=False)
     head = dcp_sim.group_times(1000, 1e6, 1, 2, shape, hw, recompute=False, output_layer=True)
-    gemm = 2 * 1000 * shape.d_model * shape.vocab / (hw.gpu.bf16_flops * dcp_sim.Efficiency().gemm)
-    assert head["F"] == pytest.approx(plain["F"] + gemm) and head["B"] == pytest.approx(plain["B"] + 2 * gemm)
-    assert dcp_sim.matched_scales(32) == {"scale": 160.0, "flops": 160.0 ** 3, "bytes": 160.0 ** 2}
-    cost = dcp_sim.CostModel(shape, hw, 2, False, dcp_sim.ROOFLINE, scale=160.0)
-    t = dcp_sim.group_times(160 * 100, 160 ** 2 * 5e3, 2, 2, shape, hw, False, dcp_sim.ROOFLINE)
+    extra_f, extra_b = head["F"] - plain["F"], head["B"] - plain["B"]
+    assert extra_f > 0 and 1.5 * extra_f < extra_b < 2.5 * extra_f  # the head's backward: dX and dW
+    assert dcp_sim.stretch_scales(32) == {"scale": 160.0, "flops": 160.0 ** 3, "bytes": 160.0 ** 2}
+    cost = dcp_sim.CostModel(shape, hw, 2, False, scale=160.0)
+    t = dcp_sim.group_times(160 * 100, 160 ** 2 * 5e3, 2, 2, shape, hw, False)
     assert cost(100, 5e3, 2) == pytest.approx(t["F"] + t["B"])
 
 
@@ -395,9 +389,11 @@ def test_emulated_attention_is_timed_as_the_causal_pairs_of_the_plan(run):
             assert r["emulated"]["attention_flops"][name] == n_layer * (4 + 10) * d * pairs, (name, rank)
 
 
-def test_emulated_ring_link_time_is_alpha_beta_of_the_ring_bytes(run):
-    """Each ring send on NVLink: α + bytes/β, the bytes the ledger counted at the target's 2-byte floats and the
-    matched scale r² (forward: cp - 1 sends per layer and micro-batch; backward: cp - 1 of K/V and cp of dK/dV)."""
+def test_emulated_ring_link_time_follows_the_ring_bytes(run):
+    """Each rank's ring sends on NVLink hold the link at least as long as their bytes take at its bus bandwidth
+    (the bytes the ledger counted at the target's 2-byte floats and the matched scale r²), and longer by at most
+    one call's latency per send (forward: cp - 1 sends per layer and micro-batch; backward: cp - 1 of K/V and cp
+    of dK/dV); a rank that sends nothing holds it for nothing."""
     world, results = run
     if world != 4:
         return
@@ -414,13 +410,17 @@ def test_emulated_ring_link_time_is_alpha_beta_of_the_ring_bytes(run):
             for direction, n in sends.items():
                 wire = r["ring_bytes"][name][direction]["ledger"] / 4 * 2 * scale
                 busy = r["emulated"]["ring_link_s"][name][direction].get(link.name, 0.0)
-                assert busy == pytest.approx(n * link.latency_s + wire / link.bytes_per_s, rel=1e-9), (name, direction)
+                assert (busy > 0) == (n > 0), (name, direction)
+                slowest = min(p.bytes_per_s for p in link.all_protocols())
+                assert wire / link.bytes_per_s * (1 - 1e-9) <= busy <= n * link.latency_s + wire / slowest, \
+                    (name, direction, busy)
 
 
 def test_emulated_steps_are_deterministic_and_follow_the_cost_model(run):
     """Virtual step times repeat round after round, and the cost model's prediction (rank clocks, ring
-    included) is the emulated step up to one factor for every plan: the per-element ops it leaves out
-    (LayerNorms, activations, the loss) add about the same share to every plan."""
+    included) is the emulated step up to about one factor for every plan: what it leaves out (the host's cost of
+    each eager op of the toy's Python ring attention, LayerNorms, activations, the loss) adds a like share to
+    every plan (within 10 %: plans closer than that may rank otherwise)."""
     world, results = run
     if world != 4:
         return
@@ -430,8 +430,8 @@ def test_emulated_steps_are_deterministic_and_follow_the_cost_model(run):
             assert max(v["round_means_s"]) == pytest.approx(min(v["round_means_s"]), rel=1e-9)
     predicted = lesson.predicted(results[0])
     factor = {k: verdict(per_rank, per_rank).a_s / predicted[k]["step_s"] for k, per_rank in virtual.items()}
-    assert all(1 < f < 1.3 for f in factor.values()), factor
-    assert max(factor.values()) / min(factor.values()) < 1.02, factor
+    assert all(1 < f < 4 for f in factor.values()), factor
+    assert max(factor.values()) / min(factor.values()) < 1.1, factor
 
 
 # ---- bad input, before any process starts ------------------------------------------------------------------------

@@ -188,23 +188,27 @@ def test_stage_balance_in_the_cost_model():
 
 
 def test_cost_model_reads_the_cluster_and_the_efficiency():
-    """The GPU's peaks at the assumed efficiencies, a launch per op; the vocabulary passes' collectives on the
-    link the stages span; a CPU's achieved rates at efficiency 1."""
-    ops = [(2e12, 1e9), (1e9, 8e9)]  # one compute-bound, one memory-bound op
-    flops, hbm = 312e12 * 0.7, 2.04e12 * 0.8
-    assert vp.op_time(ops, A100) == pytest.approx(2e12 / flops + 8e9 / hbm + 2 * A100.gpu.launch_s)
+    """The passes' kernels timed by the GPU's efficiency model (the emulated cluster's); the vocabulary passes'
+    collectives on the link the stages span; a CPU described by its achieved rates: a roofline of them plus its
+    fixed cost per op."""
+    from toolkit.runtime.efficiency import Kernel, kernel_seconds, memory
+    ops = [Kernel("gemm", 2e12, 1e9), memory(8e9)]  # one compute-bound op (no shape: the plateau), one memory-bound
+    g = A100.gpu
+    assert vp.op_time(ops, A100) == sum(kernel_seconds(k, g.bf16_flops, g.hbm_bytes_per_s, g.sms, g.efficiency)
+                                        for k in ops)
+    assert vp.op_time(ops, A100) > 2e12 / g.bf16_flops + 8e9 / g.hbm_bytes_per_s  # below the datasheet's peaks
     cpu = vp.from_rates("cpu", matmul_flops=1e11, mem_bw=1e10, op_overhead_s=1e-5, link_bytes_per_s=1e9)
-    assert vp.op_time(ops, cpu, vp.ACHIEVED) == pytest.approx(2e12 / 1e11 + 8e9 / 1e10 + 2e-5)
+    assert vp.op_time(ops, cpu) == pytest.approx(2e12 / 1e11 + 8e9 / 1e10 + 2e-5)
     slow = cluster(A100, intra=replace(A100.intra, bytes_per_s=A100.intra.bytes_per_s / 4))
     fast_rows, slow_rows = (vp.stage_costs(PAPER, 8, hw, "vocab") for hw in (A100, slow))
-    nbytes = PAPER.tokens * PAPER.d_model * PAPER.act_bytes
+    nbytes = PAPER.seq_len * PAPER.hidden * 2
     assert fast_rows[0]["bcast_x"] == pytest.approx(A100.intra.seconds(nbytes))
     assert slow_rows[0]["bcast_x"] == pytest.approx(slow.intra.seconds(nbytes))
     assert [r["F"] for r in slow_rows] == [r["F"] for r in fast_rows]  # compute does not read the link
     two_nodes = vp.stage_costs(PAPER, 16, cluster(A100, gpus_per_node=8), "vocab")  # 16 stages: across nodes
     assert two_nodes[0]["bcast_x"] == pytest.approx(A100.inter.seconds(nbytes))
-    with pytest.raises(ValueError, match="Efficiency matmul=1.5"):
-        vp.Efficiency(matmul=1.5)
+    with pytest.raises(ValueError, match="Efficiency gemm=1.5"):
+        replace(g.efficiency, gemm=1.5)
 
 
 def test_paper_setting_speedup_at_least_1_3():

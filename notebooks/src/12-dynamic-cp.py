@@ -352,7 +352,7 @@ display(Markdown(
 # the same processes, ops and bytes, and beside the wall clock a virtual clock per rank that times every ATen op
 # by the roofline of the target GPU (the host pays a launch per kernel) and every ring send by α + bytes/β of
 # the link the CP group spans; a receive completes when the sender's bytes arrive, so a rank waits for its ring
-# as it would on GPUs. The checked and timed steps ran **workload-matched** (`dcp_sim.matched_scales`): every
+# as it would on GPUs. The checked and timed steps ran **workload-matched** (`dcp_sim.stretch_scales`): every
 # length and width of the toy times r = 5120 / d_model, so each op is timed as the same op of Llama-13B's layers
 # on sequences r times as long — attention and linear work, compute and ring bytes in the real model's
 # proportions. Ring attention's blocks are timed as fused flash-attention kernels (section 1). Beside the

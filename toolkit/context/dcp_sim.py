@@ -81,7 +81,7 @@ class Setup:
     recompute: bool = True
 
 
-def matched_scales(d_model: int, shape: ModelSpec = LLAMA_13B) -> dict[str, float]:
+def stretch_scales(d_model: int, shape: ModelSpec = LLAMA_13B) -> dict[str, float]:
     """The emulator's ``scaled(flops=, bytes=)`` factors that time a toy GPT of width ``d_model`` as ``shape``'s
     layers: every width and every length times r = shape.d_model / d_model. Attention's FLOPs (∝ d·L²) and the
     linear layers' (∝ d²·L) then both grow as r³, activations, K/V blocks and weights as r², so the toy keeps

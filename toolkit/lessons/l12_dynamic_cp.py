@@ -15,7 +15,7 @@
     selfcheck    ring attention on random packed sequences over the whole world, against one-process attention
 
 On an emulated cluster (``launch(..., cluster=)``) the checked and timed steps run workload-matched
-(``dcp_sim.matched_scales``): every length and width of the toy times r = 5120 / d_model, i.e. the layers of
+(``dcp_sim.stretch_scales``): every length and width of the toy times r = 5120 / d_model, i.e. the layers of
 Llama-13B on sequences r times as long, so the timed steps' virtual times are that step on the cluster's GPUs,
 ring attention's sends and receives on its links. The toolkit's scheduler plans for that cluster and workload.
 """
@@ -133,7 +133,7 @@ def cost_model(model_cfg: GPTConfig, hw: Cluster) -> dcp_sim.CostModel:
     layer timed as Llama-13B's at r = 5120 / d_model times the lengths (the workload-matched run: the output
     layer's vocabulary r times the toy's), every kernel at ``hw``'s achieved rates as the emulated cluster times
     them, no recompute (the lesson recomputes nothing)."""
-    r = dcp_sim.matched_scales(model_cfg.d_model)["scale"]
+    r = dcp_sim.stretch_scales(model_cfg.d_model)["scale"]
     shape = replace(dcp_sim.LLAMA_13B, vocab=round(model_cfg.vocab_size * r))
     return dcp_sim.CostModel(shape, hw, model_cfg.n_layer, recompute=False, scale=r, output_layer=True)
 
@@ -189,7 +189,7 @@ def run(ctx, cfg: dict) -> dict:
 
     torch.manual_seed(cfg["seed"])
     model = GPT(model_cfg).to(dev)
-    scales = dcp_sim.matched_scales(model_cfg.d_model)
+    scales = dcp_sim.stretch_scales(model_cfg.d_model)
 
     def matched():
         """The measured steps on the emulated cluster: the toy's ops timed as Llama-13B's (lengths, widths x r)."""
