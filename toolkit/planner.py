@@ -226,17 +226,6 @@ def validate_offload_model(unit_numels: list[int], dp: int, stage: int, measured
     return rows
 
 
-def group_seconds(hw: Cluster, op: str, n: int, wire_bytes: float, stride: int = 1) -> float:
-    """One collective among ``n`` GPUs ``stride`` apart (a TP group: 1; a DP group: tp·pp) on ``hw``, its nodes
-    filled in rank order (``toolkit.runtime.collectives``)."""
-    if n <= 1:
-        return 0.0
-    world = n * stride
-    per = min(world, hw.gpus_per_node)
-    placed = make_cluster(hw, ranks_per_node=per) if world > per else hw
-    return collectives.seconds(placed, op, range(0, world, stride), world, wire_bytes)[0]
-
-
 def step_time(w: Workload, hw: Cluster, dp: int, tp: int, pp: int, zero: int,
               assume: Assumptions = Assumptions()) -> dict[str, float]:
     """Seconds per optimizer step on dp·tp·pp GPUs of ``hw``, split into compute (each GPU's kernels at the
@@ -248,9 +237,9 @@ def step_time(w: Workload, hw: Cluster, dp: int, tp: int, pp: int, zero: int,
     bubble = (pp - 1) / (micro_batches + pp - 1)
     act = w.seq_len * w.micro_batch * w.hidden * 2  # one activation, bf16
     calls = 4 * (w.layers / pp) * micro_batches  # an all-gather and a reduce-scatter per layer, each way
-    tp_comm = calls * group_seconds(hw, "all_gather", tp, (tp - 1) / tp * act) if tp > 1 else 0.0
+    tp_comm = calls * collectives.group_seconds(hw, "all_gather", tp, (tp - 1) / tp * act) if tp > 1 else 0.0
     grad = 2 * w.params / (tp * pp) * (1.5 if zero == 3 else 1.0)
-    dp_comm = group_seconds(hw, "all_reduce", dp, 2 * (dp - 1) / dp * grad, tp * pp) * (1 - assume.dp_overlap)
+    dp_comm = collectives.group_seconds(hw, "all_reduce", dp, 2 * (dp - 1) / dp * grad, tp * pp) * (1 - assume.dp_overlap)
     busy = compute + tp_comm
     return {"compute": compute, "bubble": busy / (1 - bubble) - busy, "tp_comm": tp_comm, "dp_comm": dp_comm,
             "total": busy / (1 - bubble) + dp_comm, "micro_batches": micro_batches}

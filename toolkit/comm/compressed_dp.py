@@ -6,7 +6,8 @@ computes, then synchronises its gradients with its dp peers. Per GPU and per ste
     step     = compute + DP traffic + codec + optimizer        (nothing overlapped: the lessons' runs overlap nothing)
     compute  = the GPU's kernels for this replica's tokens per step, at their achieved rates (bubble left out;
                ``toolkit.models.catalog.train_seconds``)
-    traffic  = Σ over calls of α + bytes / β                   (toolkit.runtime.cluster.Link.seconds)
+    traffic  = Σ over calls of NCCL's time for the call        (toolkit.runtime.collectives.group_seconds: its op,
+                                                                bytes and the ranks of the group it spans)
       plain all-reduce        1 call      2(dp−1)/dp · Ψ' · g
       PowerSGD at rank r      3 calls     2(dp−1)/dp · g · (vectors | Σ n·r | Σ m·r)   over this GPU's matrices
       sharded, baseline       RS  intra (L−1)/L · Ψ' · g,  inter (A−1)/A · Ψ'/L · g;  AG (dp−1)/dp · Ψ' · 2
@@ -35,6 +36,7 @@ from typing import Callable
 from toolkit.comm.edgc import step_elements
 from toolkit.comm.sdp4bit import SDPConfig
 from toolkit.models.catalog import Workload, train_seconds
+from toolkit.runtime.collectives import group_seconds
 from toolkit.runtime.cluster import Cluster, Link
 
 
@@ -92,9 +94,20 @@ def allreduce_bytes(elements: float, dp: int, g: float) -> float:
     return 2 * (dp - 1) / dp * elements * g
 
 
-def traffic_s(calls: list[tuple[float, Link]]) -> float:
-    """Seconds on the wire of a sequence of calls (bytes, link), one after the other."""
-    return sum(link.seconds(b) for b, link in calls if b > 0)
+@dataclass(frozen=True)
+class Call:
+    """One collective of a DP step: its op, the bytes one rank sends, and its group (``n`` ranks ``stride``
+    apart in the job's rank order)."""
+
+    op: str
+    bytes: float
+    n: int
+    stride: int
+
+
+def traffic_s(calls: list[Call], hw: Cluster) -> float:
+    """Seconds on the wire of a sequence of calls, one after the other, each at NCCL's time on ``hw``."""
+    return sum(group_seconds(hw, c.op, c.n, c.bytes, c.stride) for c in calls if c.bytes > 0)
 
 
 def compute_s(w: Workload, lay: Layout, hw: Cluster) -> float:
@@ -104,32 +117,34 @@ def compute_s(w: Workload, lay: Layout, hw: Cluster) -> float:
 
 
 def dp_calls(scheme: str, w: Workload, lay: Layout, hw: Cluster, rank: int | None = None, g: float = 2.0,
-             sdp: SDPConfig = SDPConfig()) -> list[tuple[float, Link]]:
-    """(bytes, link) of every DP call of one step on one GPU, for ``scheme``: "allreduce", "powersgd" (at
-    ``rank``), "sharded" (bf16 weights, gradients at ``g`` bytes) or "sdp4bit"."""
-    dp, link = lay.dp, lay.dp_link(hw)
+             sdp: SDPConfig = SDPConfig()) -> list[Call]:
+    """Every DP call of one step on one GPU, for ``scheme``: "allreduce", "powersgd" (at ``rank``), "sharded"
+    (bf16 weights, gradients at ``g`` bytes) or "sdp4bit". Megatron's placement: tp innermost, then dp."""
+    dp, tp = lay.dp, lay.tp
     elements = w.params / (lay.tp * lay.pp)
     if dp == 1:
         return []
     if scheme == "allreduce":
-        return [(allreduce_bytes(elements, dp, g), link)]
+        return [Call("all_reduce", allreduce_bytes(elements, dp, g), dp, tp)]
     if scheme == "powersgd":
         if rank is None:
             raise ValueError("scheme='powersgd' needs the rank")
         shapes, vectors = gpu_matrices(w, lay.tp, lay.pp)
         unc, p, q = step_elements(shapes, rank)
-        return [(allreduce_bytes(e, dp, g), link) for e in (unc + vectors, p, q)]
+        return [Call("all_reduce", allreduce_bytes(e, dp, g), dp, tp) for e in (unc + vectors, p, q)]
     L = lay.per_node(hw)
     A = dp // L
     if scheme == "sharded":
-        grads = [((L - 1) / L * elements * g, hw.intra), ((A - 1) / A * elements / L * g, hw.inter)]
-        return grads + [((dp - 1) / dp * elements * 2, link)]
+        return [Call("reduce_scatter", (L - 1) / L * elements * g, L, tp),
+                Call("reduce_scatter", (A - 1) / A * elements / L * g, A, tp * L),
+                Call("all_gather", (dp - 1) / dp * elements * 2, dp, tp)]
     if scheme == "sdp4bit":
         intra = sdp.intra_bits / 8 + 4 / sdp.intra_group
         inter = sdp.inter_bits / 8 + 4 / sdp.inter_group
         weights = 4 / 8 + 4 / sdp.weight_group
-        return [((L - 1) / L * elements * intra, hw.intra), ((A - 1) / A * elements / L * inter, hw.inter),
-                ((dp - 1) / dp * elements * weights, link)]
+        return [Call("reduce_scatter", (L - 1) / L * elements * intra, L, tp),
+                Call("reduce_scatter", (A - 1) / A * elements / L * inter, A, tp * L),
+                Call("all_gather", (dp - 1) / dp * elements * weights, dp, tp)]
     raise ValueError(f"scheme={scheme!r} is not allowed; allowed: allreduce, powersgd, sharded, sdp4bit")
 
 
@@ -144,7 +159,7 @@ def step(scheme: str, w: Workload, lay: Layout, hw: Cluster, codec: float, rank:
             raise ValueError(f"{name} (seconds per element) must be a finite number >= 0, got {v!r}")
     elements = w.params / (lay.tp * lay.pp)
     out = {"compute_s": compute_s(w, lay, hw) if compute is None else compute,
-           "traffic_s": traffic_s(dp_calls(scheme, w, lay, hw, rank, g)),
+           "traffic_s": traffic_s(dp_calls(scheme, w, lay, hw, rank, g), hw),
            "codec_s": codec * elements, "optimizer_s": optimizer * elements}
     out["sync_s"] = out["traffic_s"] + out["codec_s"]
     out["step_s"] = out["compute_s"] + out["sync_s"] + out["optimizer_s"]

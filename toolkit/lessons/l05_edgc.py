@@ -395,7 +395,7 @@ def emulated(ctx, cfg: dict, n_params: int, toy_steps: dict[str, list], going_on
     optimizer = statistics.fmean(m["optimizer_s"] for m in matched.values()) / real_elements
     here = cost.Layout(world, 1, 1, cfg["batch"] * cfg["seq_len"])  # the cost model at this run's own size
     check = {"cost_model_s": cost.traffic_s(cost.dp_calls("allreduce", catalog.Workload(params=real_elements), here,
-                                                          hw)),
+                                                          hw), hw),
              "emulated_s": matched["baseline"]["wire_s"]}
     rank = round(statistics.fmean(r for rk in ranks[warm:] for r in rk))
     paper_hw, job = make_cluster(hw.name), catalog.Workload(real)

@@ -288,7 +288,7 @@ def emulated(ctx, cfg: dict, toy_steps: dict[str, list], going_on: dict, progres
     schemes = {"baseline": "sharded", "sdp4bit": "sdp4bit"}
     here = cost.Layout(world, 1, 1, tokens)
     check = {mode: {"cost_model_s": cost.traffic_s(cost.dp_calls(schemes[mode], catalog.Workload(params=elements),
-                                                                  here, hw)),
+                                                                  here, hw), hw),
                     "emulated_s": matched[mode]["wire_s"]} for mode in going_on}
     paper_hw = make_cluster(hw.name)
     w = catalog.Workload(PAPER["model"], seq_len=PAPER["seq_len"])

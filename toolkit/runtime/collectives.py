@@ -131,3 +131,15 @@ def transfer(cluster, op: str, ranks, world_size: int, wire_bytes: float):
     """(seconds, link) of a transfer the emulated cluster queues (``seconds`` without the protocol)."""
     t, _, link = seconds(cluster, op, ranks, world_size, wire_bytes)
     return t, link
+
+
+def group_seconds(cluster, op: str, n: int, wire_bytes: float, stride: int = 1) -> float:
+    """One collective among ``n`` GPUs ``stride`` apart (a TP group: 1; a DP group: tp·pp), the job's ranks
+    filling nodes of ``cluster.ranks_per_node`` (all of a node's GPUs when None) in rank order: a placement's
+    model, no launch needed."""
+    if n <= 1:
+        return 0.0
+    world = n * stride
+    per = min(world, cluster.ranks_per_node or cluster.gpus_per_node)
+    placed = dataclasses.replace(cluster, ranks_per_node=per)
+    return seconds(placed, op, range(0, world, stride), world, wire_bytes)[0]

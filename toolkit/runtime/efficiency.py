@@ -157,15 +157,17 @@ def kernel_seconds(k: Kernel, peak_flops: float, hbm_bytes_per_s: float, sms: in
                    flop_scale: float = 1.0, byte_scale: float = 1.0) -> float:
     """Seconds of one ``Kernel`` entry on a device (module docstring). ``flop_scale`` / ``byte_scale``: the
     entry stands for one that many times larger (the emulator's workload-matched mode); its shape then grows
-    by the cube root of the FLOP factor in each dimension, which keeps the toy's aspect ratios."""
+    by the cube root of the FLOP factor in each dimension (to multiples of 8, as a real model's are), which keeps
+    the toy's aspect ratios."""
     work_s = 0.0
     flops = k.flops * flop_scale
     if flops > 0:
         if k.kind == "gemm" and k.dims:
             m, n, kk, batch = k.dims
-            g = flop_scale ** (1 / 3)
-            fraction = eff.gemm_fraction(max(1, round(m * g)), max(1, round(n * g)), max(1, round(kk * g)), sms,
-                                         batch)
+            if flop_scale != 1.0:  # the shape it stands for: each side x the cube root, aligned as a real one is
+                g = flop_scale ** (1 / 3)
+                m, n, kk = (max(8, 8 * round(x * g / 8)) for x in (m, n, kk))
+            fraction = eff.gemm_fraction(m, n, kk, sms, batch)
         elif k.kind == "attention" and k.dims:
             batch_heads, seq, head_dim, causal, backward = k.dims
             g = flop_scale ** (1 / 3)
