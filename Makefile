@@ -21,6 +21,7 @@ $(VENV)/.installed: pyproject.toml $(wildcard */__init__.py) | $(BIN)/activate
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH)"
 	$(BIN)/python -m pip install -q -e '.[dev]'
 	$(BIN)/python -m ipykernel install --sys-prefix --name python3 --display-name "Python 3" >/dev/null
+	$(BIN)/python -m toolkit.jupyter install >/dev/null  # saved notebooks keep live plotly figures
 	touch $@
 
 env: $(VENV)/.installed
@@ -43,8 +44,8 @@ notebooks: env          ## rebuild notebooks/*.ipynb from notebooks/src/*.py
 refresh: env            ## re-execute at smoke and store the outputs nbval checks
 	$(BIN)/python tools/nb.py refresh
 
-lab: env
-	$(BIN)/jupyter lab notebooks
+lab: env                ## JupyterLab on notebooks/ (saving drops plotly's PNG snapshots: toolkit/jupyter.py)
+	$(BIN)/jupyter lab notebooks --ContentsManager.pre_save_hook=toolkit.jupyter.drop_plotly_snapshots
 
 bench: env
 	for b in benchmarks/bench_*.py; do $(BIN)/python $$b || exit 1; done

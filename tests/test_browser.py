@@ -1,9 +1,14 @@
 """The course as a learner meets it, in a real browser (headless Chromium through Playwright).
 
-1. JupyterLab on 127.0.0.1 (random port and token, ``--LabApp.expose_app_in_browser=True``) opens lessons
-   00 and 03 at the smoke preset and runs all their cells. Checks: no error output, every plotly figure a
-   cell emitted is drawn, each explorer (live ipywidgets and precomputed plotly) changes its figure when a
-   control changes, no console errors.
+1. JupyterLab on 127.0.0.1 (random port and token, ``--LabApp.expose_app_in_browser=True``) opens lesson 03
+   at the smoke preset and runs all its cells. Checks: no error output, every plotly figure a cell emitted is
+   drawn, each explorer (live ipywidgets and precomputed plotly) changes its figure when a control changes, no
+   console errors, and the kernel says busy for the whole of each launch cell (the server's ``/api/kernels``
+   polled every 0.25 s, and JupyterLab's own kernel status, against the cells' recorded execution times).
+   The saved notebook, opened again, still has working precomputed explorers: the server runs, as ``make lab``
+   does, ``toolkit.jupyter``'s pre-save hook, which drops the PNG snapshot the plotly extension stores beside each
+   figure (reopened, the extension shows that snapshot instead of the figure). A copy that keeps its snapshots
+   comes back as static images: the check can fail.
 2. The HTML book built from those executed notebooks (``tools/book.py``) opened from ``file://`` with every
    other request blocked: the same checks, plus page titles, navigation links and rendered math.
 
@@ -21,8 +26,10 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
+from datetime import datetime
 from pathlib import Path
 
 import nbformat
@@ -37,6 +44,7 @@ FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-
 LESSONS = ["03-dualpipev"]  # figures, a Gantt chart and an explorer; lesson 00 costs the suite 80 s more
 PLOTLY = "application/vnd.plotly.v1+json"
 RUN_TIMEOUT_S = 600
+PNG_1PX = ("iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8BQDwAEhQGAhKmMIQAAAABJRU5ErkJggg==")
 
 if not Path(CHROMIUM).exists():
     pytest.skip(f"no Chromium at {CHROMIUM}: install one with `apt-get install -y chromium` (Playwright's own "
@@ -66,7 +74,7 @@ def lab(workdir):
     # every cell stays in the DOM (JupyterLab 4 virtualises long notebooks by default)
     tracker = settings / "@jupyterlab" / "notebook-extension" / "tracker.jupyterlab-settings"
     tracker.parent.mkdir(parents=True)
-    tracker.write_text(json.dumps({"windowingMode": "none"}))
+    tracker.write_text(json.dumps({"windowingMode": "none", "recordTiming": True}))  # cells' execution times
     news = settings / "@jupyterlab" / "apputils-extension" / "notification.jupyterlab-settings"
     news.parent.mkdir(parents=True)
     news.write_text(json.dumps({"fetchNews": "false", "checkForUpdates": False}))
@@ -78,11 +86,13 @@ def lab(workdir):
     port, token = _free_port(), secrets.token_hex(16)
     env = {k: v for k, v in os.environ.items()  # the learner's bar, from a launch of its own
            if k not in ("TOOLKIT_PLAIN_PROGRESS", "CI", "TOOLKIT_LAUNCH_CACHE")}
-    env.update(TOOLKIT_PRESET="smoke", JUPYTER_CONFIG_DIR=str(config), JUPYTER_RUNTIME_DIR=str(workdir / "runtime"))
+    env.update(TOOLKIT_PRESET="smoke", JUPYTER_CONFIG_DIR=str(config), JUPYTER_RUNTIME_DIR=str(workdir / "runtime"),
+               JUPYTER_DATA_DIR=str(workdir / "data"))  # its own notebook secret and signature store
     cmd = [sys.executable, "-m", "jupyter", "lab", "--no-browser", "--allow-root", "--ip=127.0.0.1", f"--port={port}",
            f"--IdentityProvider.token={token}", "--LabApp.expose_app_in_browser=True",
            f"--ServerApp.root_dir={nbdir}", f"--LabApp.user_settings_dir={settings}",
-           f"--LabApp.workspaces_dir={workdir / 'workspaces'}"]
+           f"--LabApp.workspaces_dir={workdir / 'workspaces'}",
+           "--ContentsManager.pre_save_hook=toolkit.jupyter.drop_plotly_snapshots"]  # as `make lab` runs it
     log = open(workdir / "lab.log", "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=nbdir, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
@@ -128,8 +138,9 @@ FIGURE_STATE = """g => JSON.stringify([(g.data || []).map(t => [t.visible, (t.x 
                                      g.layout && g.layout.title && g.layout.title.text])"""
 
 
-def precomputed_explorers_change(page) -> list[dict]:
-    """Click a control of every precomputed explorer (plotly figure with layout.meta.explorer); did it redraw?"""
+def precomputed_explorers_change(page, prefer: str = "dropdown") -> list[dict]:
+    """Change a control of every precomputed explorer (plotly figure with layout.meta.explorer); did it redraw?
+    ``prefer="slider"``: drag the first slider's handle to the end of its rail where the figure has one."""
     results = []
     found = page.evaluate("""() => { let n = 0;   // mark them: other figures may be redrawn meanwhile
         for (const g of document.querySelectorAll('.js-plotly-plot'))
@@ -139,7 +150,16 @@ def precomputed_explorers_change(page) -> list[dict]:
         plot = page.locator(f".js-plotly-plot[data-precomputed='{i}']")
         plot.scroll_into_view_if_needed()
         before = plot.evaluate(FIGURE_STATE)
-        if plot.locator("g.updatemenu-header-group").count():           # a dropdown: open it, pick the last item
+        grip = plot.locator("g.slider-group rect.slider-grip-rect")
+        if prefer == "slider" and grip.count():                           # drag the handle along the rail
+            rail = plot.locator("g.slider-group rect.slider-rail-touch-rect").first.bounding_box()
+            handle = grip.first.bounding_box()
+            page.mouse.move(handle["x"] + handle["width"] / 2, handle["y"] + handle["height"] / 2)
+            page.mouse.down()
+            page.mouse.move(rail["x"] + rail["width"] - 4, handle["y"] + handle["height"] / 2, steps=8)
+            page.mouse.up()
+            control = "slider (dragged)"
+        elif plot.locator("g.updatemenu-header-group").count():          # a dropdown: open it, pick the last item
             plot.locator("g.updatemenu-header-group").first.click()
             plot.locator("g.updatemenu-dropdown-button").last.click()
             control = "dropdown"
@@ -197,10 +217,116 @@ NOTEBOOK_STATE = """path => {
   if (!w || !w.content || !w.sessionContext || !w.sessionContext.session || w.context.path !== path) return null;
   const kernel = w.sessionContext.session.kernel;
   const cells = w.content.widgets.filter(c => c.model.type === 'code').map(c => c.model.toJSON());
-  return {kernel: kernel ? kernel.status : null, cells: cells.map(c => ({count: c.execution_count,
+  return {kernel: kernel ? kernel.status : null, kernel_id: kernel ? kernel.id : null,
+          cells: cells.map(c => ({count: c.execution_count, source: String(c.source).slice(0, 300),
+          timing: (c.metadata && c.metadata.execution) || null,
           errors: (c.outputs || []).filter(o => o.output_type === 'error').map(o => o.ename + ': ' + o.evalue),
           plotly: (c.outputs || []).filter(o => o.data && o.data['%s']).length}))};
 }""" % PLOTLY
+
+
+class KernelPolls:
+    """The server's view of a kernel while a notebook runs: ``/api/kernels`` every ``every`` seconds on a thread,
+    ``(time.time(), execution_state)`` of the kernel ``kernel_id`` (what JupyterLab's status bar shows too)."""
+
+    def __init__(self, url: str, token: str, kernel_id: str, every: float = 0.25):
+        self.url, self.token, self.kernel_id, self.every = url, token, kernel_id, every
+        self.samples: list[tuple[float, str]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                kernels = json.loads(urllib.request.urlopen(f"{self.url}/api/kernels?token={self.token}",
+                                                            timeout=5).read())
+                state = next((k["execution_state"] for k in kernels if k["id"] == self.kernel_id), None)
+                self.samples.append((time.time(), state))
+            except OSError:
+                pass
+            self._stop.wait(self.every)
+
+    def __enter__(self) -> "KernelPolls":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+
+def _seconds(stamp: str) -> float:
+    return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
+
+
+def launch_windows(cells: list[dict], margin: float = 0.3):
+    """``(first line, start, end)`` of each code cell that calls ``launch(``: from its execute_input to its
+    execute_reply as JupyterLab recorded them, less ``margin`` at both ends."""
+    for cell in cells:
+        timing = cell.get("timing") or {}
+        if "launch(" in cell["source"] and {"iopub.execute_input", "shell.execute_reply"} <= set(timing):
+            yield (cell["source"].splitlines()[0][:60], _seconds(timing["iopub.execute_input"]) + margin,
+                   _seconds(timing["shell.execute_reply"]) - margin)
+
+
+def busy_during_launches(cells: list[dict], samples: list[tuple[float, str]]) -> list[dict]:
+    """The server's polls taken while each launch cell ran, how many said busy, and the longest run of idle
+    polls in a row."""
+    out = []
+    for cell, lo, hi in launch_windows(cells):
+        states = [state for t, state in samples if lo <= t <= hi]
+        run = longest = 0
+        for state in states:
+            run = run + 1 if state != "busy" else 0
+            longest = max(longest, run)
+        out.append({"cell": cell, "seconds": round(hi - lo, 1), "polls": len(states),
+                    "busy": sum(s == "busy" for s in states), "idle_in_a_row": longest})
+    return out
+
+
+def idle_during_launches(cells: list[dict], changes: list[tuple[float, str]]) -> list[dict]:
+    """JupyterLab's kernel status (what its status bar shows), from its status changes: the seconds it said
+    anything but busy while each launch cell ran, and its longest such spell."""
+    out = []
+    for cell, lo, hi in launch_windows(cells):
+        spells, ends = [], [t for t, _ in changes[1:]] + [float("inf")]
+        for (t, state), end in zip(changes, ends):
+            if state != "busy" and min(end, hi) > max(t, lo):
+                spells.append(min(end, hi) - max(t, lo))
+        out.append({"cell": cell, "seconds": round(hi - lo, 1), "idle_s": round(sum(spells), 4),
+                    "longest_idle_s": round(max(spells, default=0.0), 4)})
+    return out
+
+
+PRECOMPUTED = """() => Array.from(document.querySelectorAll('.jp-Notebook .js-plotly-plot'))
+                       .filter(g => g.layout && g.layout.meta && g.layout.meta.explorer).length"""
+
+
+def reopened_explorers(browser, url: str, token: str, path: str, workspace: str, shots: Path) -> dict:
+    """Open a saved notebook afresh (its outputs as the file has them): does dragging a slider of each precomputed
+    explorer redraw it? (``static``: plotly outputs drawn as images.) Widget views of the kernel that ran it are
+    gone; their console errors ("widget model not found") are left out."""
+    context = browser.new_context(viewport={"width": 1400, "height": 1000})
+    page = context.new_page()
+    console = Console(page)
+    page.goto(f"{url}/lab/workspaces/{workspace}/tree/{path}?reset&token={token}")
+    page.wait_for_function(f"p => {{ const s = ({NOTEBOOK_STATE})(p); return s && s.kernel === 'idle'; }}",
+                           arg=path, timeout=180_000)
+    figures = page.locator(".jp-Notebook .jp-RenderedPlotly")
+    for i in range(figures.count()):  # plotly draws a figure once it is in view
+        figures.nth(i).scroll_into_view_if_needed()
+    try:
+        page.wait_for_function(f"() => ({PRECOMPUTED})() > 0", timeout=30_000)
+    except sync_api.TimeoutError:
+        pass
+    static = page.evaluate("() => document.querySelectorAll('.jp-RenderedPlotly img.plot-img').length && "
+                           "Array.from(document.querySelectorAll('.jp-RenderedPlotly img.plot-img'))"
+                           ".filter(i => i.style.display !== 'none').length")
+    result = {"static": static, "precomputed": precomputed_explorers_change(page, prefer="slider")}
+    page.screenshot(path=str(shots / f"{workspace}.png"))
+    result["console"] = [e for e in console.errors if "widget model not found" not in e]
+    context.close()
+    return result
 
 
 @pytest.fixture(scope="module")
@@ -216,15 +342,21 @@ def lab_runs(lab, browser, workdir):
         page.goto(f"{url}/lab/workspaces/{name}/tree/{path}?reset&token={token}")
         page.wait_for_function(f"p => {{ const s = ({NOTEBOOK_STATE})(p); return s && s.kernel === 'idle'; }}",
                                arg=path, timeout=180_000)
+        kernel_id = page.evaluate(NOTEBOOK_STATE, path)["kernel_id"]
+        page.evaluate("""() => { const k = window.jupyterapp.shell.currentWidget.sessionContext.session.kernel;
+            window.__status = [[Date.now() / 1000, k.status]];
+            k.statusChanged.connect((_, status) => window.__status.push([Date.now() / 1000, status])); }""")
         start = time.monotonic()
-        page.evaluate("""async () => { await window.jupyterapp.commands.execute('notebook:clear-all-cell-outputs');
-                                      await window.jupyterapp.commands.execute('notebook:run-all-cells'); }""")
-        page.wait_for_function(  # every code cell ran, or one failed (run-all stops there); the kernel is idle
-            f"""p => {{ const s = ({NOTEBOOK_STATE})(p); if (!s || s.kernel !== 'idle') return false;
-                return s.cells.every(c => c.count !== null) || s.cells.some(c => c.errors.length); }}""",
-            arg=path, timeout=RUN_TIMEOUT_S * 1000, polling=1000)
+        with KernelPolls(url, token, kernel_id) as polls:
+            page.evaluate("""async () => { await window.jupyterapp.commands.execute('notebook:clear-all-cell-outputs');
+                                          await window.jupyterapp.commands.execute('notebook:run-all-cells'); }""")
+            page.wait_for_function(  # every code cell ran, or one failed (run-all stops there); the kernel is idle
+                f"""p => {{ const s = ({NOTEBOOK_STATE})(p); if (!s || s.kernel !== 'idle') return false;
+                    return s.cells.every(c => c.count !== null) || s.cells.some(c => c.errors.length); }}""",
+                arg=path, timeout=RUN_TIMEOUT_S * 1000, polling=1000)
         seconds = time.monotonic() - start
         state = page.evaluate(NOTEBOOK_STATE, path)
+        lab_status = [(t, s) for t, s in page.evaluate("() => window.__status")]
         expected = sum(c["plotly"] for c in state["cells"])
         drawn = "() => document.querySelectorAll('.jp-Notebook .jp-OutputArea-output .js-plotly-plot').length"
         outside = ("() => Array.from(document.querySelectorAll('.jp-Notebook .js-plotly-plot'))"
@@ -236,13 +368,27 @@ def lab_runs(lab, browser, workdir):
         run = {"seconds": seconds, "errors": [e for c in state["cells"] for e in c["errors"]],
                "unrun": sum(c["count"] is None for c in state["cells"]), "expected_figures": expected,
                "figures": page.evaluate(outside), "all_figures": page.evaluate(drawn),
+               "busy": busy_during_launches(state["cells"], polls.samples),
+               "lab_idle": idle_during_launches(state["cells"], lab_status),
                "live": live_explorers_change(page), "precomputed": precomputed_explorers_change(page)}
         page.evaluate("() => window.jupyterapp.commands.execute('docmanager:save')")
         page.wait_for_function("() => !window.jupyterapp.shell.currentWidget.context.model.dirty", timeout=60_000)
         page.screenshot(path=str(workdir / f"lab-{name}.png"))
         run["console"] = list(console.errors)
-        runs[name] = run
         context.close()
+        # opened again as JupyterLab saved it; and a copy with the plotly extension's PNG snapshots kept
+        saved = nbformat.read(nbdir / path, as_version=4)
+        run["snapshots_saved"] = sum("image/png" in o.get("data", {}) for c in saved.cells
+                                     for o in c.get("outputs", []) if PLOTLY in o.get("data", {}))
+        run["reopened"] = reopened_explorers(browser, url, token, path, f"{name}-reopened", workdir)
+        for cell in saved.cells:
+            for out in cell.get("outputs", []):
+                if PLOTLY in out.get("data", {}):
+                    out["data"]["image/png"] = PNG_1PX
+        nbformat.write(saved, nbdir / f"{name}-snapshots.ipynb")
+        run["snapshots"] = reopened_explorers(browser, url, token, f"{name}-snapshots.ipynb", f"{name}-snapshots",
+                                              workdir)
+        runs[name] = run
     return runs
 
 
@@ -261,6 +407,34 @@ def test_lesson_runs_in_jupyterlab(lab_runs, name):
     assert run["precomputed"] and all(r["changed"] for r in run["precomputed"]), \
         f"precomputed explorers: {run['precomputed']}"
     assert not run["console"], "console errors:\n" + "\n".join(run["console"])
+
+
+@pytest.mark.parametrize("name", LESSONS)
+def test_the_kernel_says_busy_for_the_whole_of_a_launch_cell(lab_runs, name):
+    """JupyterLab asks the kernel for a subshell when the launch's bar opens the first widget comm; ipykernel's
+    idle status for that control request made the server and the status bar say "Idle" for the rest of the
+    launch (5 of 48 polls busy in a 13 s launch). Now it says busy again at once: no idle spell of 0.1 s."""
+    run = lab_runs[name]
+    print(f"{name}: server {run['busy']}, JupyterLab {run['lab_idle']}")
+    assert run["busy"] and all(c["polls"] >= 3 for c in run["busy"]), run["busy"]
+    # a poll can fall between the subshell's idle and the cell's busy, sent one after the other: never two
+    assert all(c["idle_in_a_row"] <= 1 and c["busy"] >= 0.9 * c["polls"] for c in run["busy"]), run["busy"]
+    assert run["lab_idle"] and all(c["longest_idle_s"] < 0.1 for c in run["lab_idle"]), run["lab_idle"]
+
+
+@pytest.mark.parametrize("name", LESSONS)
+def test_a_saved_notebook_reopens_with_working_explorers(lab_runs, name):
+    """Saved by JupyterLab (with the pre-save hook `make lab` runs) and opened again: no PNG snapshot was saved
+    beside a figure, and a dragged slider of each precomputed explorer redraws it. The same notebook with the
+    snapshots kept comes back as static images (what a learner met before the hook)."""
+    run = lab_runs[name]
+    print(f"{name}: snapshots saved {run['snapshots_saved']}; reopened {run['reopened']}; with snapshots "
+          f"{run['snapshots']}")
+    got = run["reopened"]
+    assert run["snapshots_saved"] == 0 and not got["static"] and got["precomputed"], got
+    assert all(r["changed"] and r["control"].startswith("slider") for r in got["precomputed"]), got
+    assert not got["console"], got["console"]
+    assert run["snapshots"]["static"] and not run["snapshots"]["precomputed"], run["snapshots"]
 
 
 # ------------------------------------------------------------------------------------------ the HTML book

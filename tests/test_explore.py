@@ -112,3 +112,23 @@ def test_a_kernel_draws_a_figure_without_plotlys_renderer_registry():
         assert printed.strip() == "[] plotly_mimetype"
     finally:
         km.shutdown_kernel(now=True)
+
+
+def test_saving_drops_the_plotly_png_snapshot_that_would_replace_the_figure(tmp_path):
+    """toolkit.jupyter's pre-save hook (make lab): an output with a plotly figure loses the PNG snapshot JupyterLab's
+    plotly extension stored beside it (reopened, the extension shows that image instead of the figure); an image
+    of its own stays; the config `make env` installs names the hook."""
+    import json
+
+    from toolkit import jupyter
+    figure = {"output_type": "display_data", "data": {jupyter.PLOTLY_MIME: {"data": []}, "image/png": "iVBO..."}}
+    image = {"output_type": "display_data", "data": {"image/png": "iVBO..."}}
+    model = {"type": "notebook", "content": {"cells": [{"cell_type": "code", "outputs": [figure, image]},
+                                                       {"cell_type": "markdown", "source": "x"}]}}
+    assert jupyter.drop_plotly_snapshots(model, path="x.ipynb") == 1
+    assert figure["data"] == {jupyter.PLOTLY_MIME: {"data": []}} and "image/png" in image["data"]
+    assert jupyter.drop_plotly_snapshots({"type": "file", "content": "text"}) == 0
+    path = jupyter.install(tmp_path)
+    hook = "toolkit.jupyter.drop_plotly_snapshots"
+    assert json.loads(path.read_text()) == {"ContentsManager": {"pre_save_hook": hook}}
+    assert path.parent == tmp_path / "etc" / "jupyter" / "jupyter_server_config.d"

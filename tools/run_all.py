@@ -3,8 +3,8 @@
     python tools/run_all.py --preset default --out out        # (what `make run` does)
     python tools/run_all.py --preset full --backend nccl -p world_size=8 --only 03 16
 
-Writes out/notebooks/NN-name.ipynb (executed, and signed as trusted on this machine: ``sign``), out/summary.json
-(status and seconds per notebook, and its longest cells: where its time went),
+Writes out/notebooks/NN-name.ipynb (executed), out/summary.json (status and seconds per notebook, and its
+longest cells: where its time went),
 out/html/NN-name.html (one offline page per lesson), out/index.html (with each notebook's time) and
 out/results.html + out/results.json (the course results page: each lesson's headline measurement beside its
 source's claim, collected from the executed notebooks' ``toolkit.report.headline`` outputs) and out/machine.json
@@ -54,20 +54,6 @@ def slowest_cells(executed: Path, n: int = 3) -> list[dict]:
     return sorted(rows, key=lambda r: -r["seconds"])[:n]
 
 
-def sign(executed: Path) -> bool:
-    """Mark an executed notebook trusted on this machine (nbformat's ``NotebookNotary``: its secret and signature
-    database in the Jupyter data folder, which JupyterLab reads when it opens a notebook). Unsigned, JupyterLab
-    shows its plotly figures as static images and the precomputed explorers do not respond; signed, they run as
-    in the HTML book. JupyterLab signs what it saves itself. False when there is no notebook to sign."""
-    import nbformat
-    from nbformat.sign import NotebookNotary
-
-    if not executed.exists():
-        return False
-    NotebookNotary().sign(nbformat.read(executed, as_version=4))
-    return True
-
-
 def run_notebooks(notebooks: list[Path], out: Path, params: dict, preset: str, rows: list, nb_tool) -> None:
     """Execute each notebook into ``out/notebooks``, appending its row (status, seconds, slowest cells) to ``rows``."""
     for i, nb in enumerate(notebooks, 1):
@@ -79,7 +65,6 @@ def run_notebooks(notebooks: list[Path], out: Path, params: dict, preset: str, r
         except Exception as exc:  # noqa: BLE001 - report and go on with the other lessons
             status, error = "failed", str(exc).strip().splitlines()[-1][:300] if str(exc).strip() else repr(exc)
         seconds = time.monotonic() - start
-        sign(target)  # its explorers run when it is opened in JupyterLab on this machine
         longest = slowest_cells(target)
         print(f"    {status} in {seconds:.1f} s {error}", flush=True)
         if longest:
