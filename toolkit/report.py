@@ -21,12 +21,12 @@ from pathlib import Path
 
 MIME = "application/vnd.llm-scale-toolkit.headline+json"
 FIELDS = ("lesson", "technique", "measured", "value", "unit", "claim", "source", "reproduced", "note", "emulated",
-          "emulated_reproduced")
+          "emulated_reproduced", "emulated_band")
 
 
 def record(lesson: str, technique: str, measured: str, value: float | int | None = None, unit: str = "",
            claim: str = "", source: str = "", reproduced: bool | None = None, note: str = "", emulated: str = "",
-           emulated_reproduced: bool | None = None) -> dict:
+           emulated_reproduced: bool | None = None, emulated_band: dict | None = None) -> dict:
     """The headline as a JSON-able dict; ValueError for a missing lesson/technique/measurement or a bad value.
 
     ``measured``: the run's headline in words with its number ("int8 all-to-all: 1.94x fewer bytes"); ``value``
@@ -34,7 +34,9 @@ def record(lesson: str, technique: str, measured: str, value: float | int | None
     True / False computed by the notebook from its run against that claim, None when the run cannot tell
     (e.g. a GPU-only claim on a CPU). ``emulated``: the time effect measured on the emulated cluster, naming its
     preset and the workload the run stands for (empty when the lesson has none); ``emulated_reproduced``: the
-    verdict of that measurement against the source's time claim (None: not decidable, or no time claim)."""
+    verdict of that measurement against the source's time claim (None: not decidable, or no time claim);
+    ``emulated_band``: its sensitivity (``band(...)``): the emulated quantity's ``low`` and ``high`` over the
+    calibration's band, and whether the verdict ``holds`` across it."""
     for name, v in (("lesson", lesson), ("technique", technique), ("measured", measured)):
         if not isinstance(v, str) or not v.strip():
             raise ValueError(f"headline needs a non-empty {name} (a string), got {v!r}")
@@ -47,18 +49,36 @@ def record(lesson: str, technique: str, measured: str, value: float | int | None
             raise ValueError(f"{name} must be True, False or None (computed from the run), got {v!r}")
     if emulated_reproduced is not None and not emulated:
         raise ValueError("emulated_reproduced needs the emulated measurement it judges (emulated=...)")
+    if emulated_band is not None and (not emulated or not {"quantity", "value", "low", "high", "holds"}
+                                      <= set(emulated_band)):
+        raise ValueError("emulated_band needs the emulated measurement (emulated=...) and band(...)'s keys")
     return {"lesson": lesson, "technique": technique, "measured": measured, "value": value, "unit": unit,
             "claim": claim, "source": source, "reproduced": reproduced, "note": note, "emulated": emulated,
-            "emulated_reproduced": emulated_reproduced}
+            "emulated_reproduced": emulated_reproduced, "emulated_band": emulated_band}
+
+
+def band(quantity: str, sensitivity: dict, verdict, key: str | None = None) -> dict:
+    """The sensitivity of an emulated verdict, for ``headline(emulated_band=...)``: ``sensitivity`` is what
+    ``Emulator.sensitivity`` returned (the quantity replayed at the calibrated figures and across the band of
+    achieved compute x0.7-1.3 and link bandwidth x0.8-1.2), ``key`` the number of it the headline quotes (a key,
+    a function of a point, or None: it is a number), ``verdict(point)`` the verdict the lesson reaches from one replayed point (True, False or
+    None). ``holds``: the verdict is the same at every point of the band, else None: it depends on the
+    calibration (not decidable on the emulated cluster)."""
+    pick = key if callable(key) else (lambda v: v[key]) if key else (lambda v: v)
+    points = [sensitivity["value"], *sensitivity["band"].values()]
+    verdicts = {verdict(p) for p in points}
+    numbers = [pick(p) for p in points]
+    return {"quantity": quantity, "value": numbers[0], "low": min(numbers), "high": max(numbers),
+            "holds": verdicts.pop() if len(verdicts) == 1 else None, "replays": len(points)}
 
 
 def headline(lesson: str, technique: str, measured: str, value: float | int | None = None, unit: str = "",
              claim: str = "", source: str = "", reproduced: bool | None = None, note: str = "", emulated: str = "",
-             emulated_reproduced: bool | None = None) -> None:
+             emulated_reproduced: bool | None = None, emulated_band: dict | None = None) -> None:
     """Record and display this lesson's headline (see the module docstring). Returns None, so a cell that ends
     with it shows the headline once, not its record again as the cell's value (``record`` gives the dict)."""
     rec = record(lesson, technique, measured, value, unit, claim, source, reproduced, note, emulated,
-                 emulated_reproduced)
+                 emulated_reproduced, emulated_band)
     try:
         from IPython.display import display
     except ImportError:  # plain Python: nothing to attach the record to
@@ -70,12 +90,21 @@ def headline(lesson: str, technique: str, measured: str, value: float | int | No
 VERDICTS = {True: "reproduced", False: "not reproduced", None: "not testable here"}
 
 
+def _band_text(b: dict) -> str:
+    where = {True: "holds across the band", False: "holds across the band",
+             None: "depends on calibration: not decidable on the emulated cluster"}[b["holds"]]
+    return (f"{b['quantity']} {b['value']:.3g}, {b['low']:.3g} to {b['high']:.3g} with the achieved compute x0.7-1.3 "
+            f"and the links x0.8-1.2: {where}")
+
+
 def _markdown(rec: dict) -> str:
     claim = f" — source: {rec['claim']}" + (f" ({rec['source']})" if rec["source"] else "") if rec["claim"] else ""
     text = f"**Headline ({rec['lesson']}, {rec['technique']}).** {rec['measured']}{claim}. *{VERDICTS[rec['reproduced']]}*"
     if rec.get("emulated"):
         verdict = {True: "reproduced", False: "not reproduced", None: "not decidable"}[rec["emulated_reproduced"]]
         text += f"\n\n**Time on the emulated cluster.** {rec['emulated']}. *{verdict}*"
+        if rec.get("emulated_band"):
+            text += f" — {_band_text(rec['emulated_band'])}"
     return text
 
 
@@ -157,13 +186,18 @@ def results_html(rows: list[dict], params: dict, machine: dict | None = None) ->
         note = f"<div class='src'>{esc(h['note'])}</div>" if h.get("note") else ""
         if h.get("emulated"):
             ev = {True: ("yes", "yes"), False: ("no", "no"), None: ("not decidable", "none")}[h.get("emulated_reproduced")]
-            emulated = f"{esc(h['emulated'])}<div class='{ev[1]}'>{ev[0]}</div>"
+            b = h.get("emulated_band")
+            sens = (f"<div class='src'>{esc(_band_text(b))}</div>" if b else
+                    "<div class='src'>sensitivity not computed</div>")
+            emulated = f"{esc(h['emulated'])}<div class='{ev[1]}'>{ev[0]}</div>{sens}"
         else:
             emulated = "<span class='none'>-</span>"
         body.append(f"<tr><td>{link}</td><td>{esc(h['technique'])}</td><td>{esc(h['measured'])}{note}</td>"
                     f"<td>{claim}</td><td class='{verdict[1]}'>{verdict[0]}</td><td>{emulated}</td></tr>")
     counts = {k: sum(1 for r in rows if (r.get("headline") or {}).get("reproduced", "x") is k)
               for k in (True, False, None)}
+    bands = [(r.get("headline") or {}).get("emulated_band") for r in rows]
+    across = {k: sum(1 for b in bands if b and (b["holds"] is None) == k) for k in (False, True)}
     glossary = "".join(f"<dt>{esc(term)}</dt><dd>{esc(text)}</dd>" for term, text in GLOSSARY.items())
     return f"""<!doctype html><meta charset="utf-8"><title>llm-scale-toolkit: course results</title>
 <style>body{{font-family:Inter,Helvetica,Arial,sans-serif;margin:2em;color:#222;max-width:75em}}
@@ -175,7 +209,8 @@ vertical-align:top}}.yes{{color:#109618}}.no{{color:#dc3912}}.none{{color:#777}}
 read from each executed notebook's <code>toolkit.report.headline</code> output, never typed in; the terms they use
 are in the <a href="#glossary">glossary</a> below. Parameters:
 {esc(json.dumps(params))}. Reproduced: {counts[True]}, not reproduced: {counts[False]}, not testable here:
-{counts[None]}.</p>
+{counts[None]}. Emulated verdicts that hold across the calibration's sensitivity band: {across[False]}; that
+depend on it (not decidable on the emulated cluster): {across[True]}.</p>
 <p>Machine: {esc(describe(machine)) if machine else "not recorded"}. Times and timing verdicts are this machine's.</p>
 <table><tr><th>lesson</th><th>technique</th><th>measured (this run)</th><th>source's claim</th>
 <th>reproduced</th><th>time effect on the emulated cluster (virtual time: a model of the named GPUs and links,

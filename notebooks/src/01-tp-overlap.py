@@ -382,11 +382,26 @@ display(Markdown(f"""
 - **Tiles on gloo.** {tiles_text}
 """))
 
+# %% [markdown]
+# **What if the cluster were otherwise?** The emulated run left a trace of every op and transfer; the explorer
+# replays it with the achieved compute (× the calibrated efficiency) and the links' bandwidth changed, without
+# running anything again (`Emulator.sensitivity`: ASTRA-sim and Chakra re-time traces the same way). The time
+# verdict below holds only if it holds across the calibration's band: compute ×0.7–1.3, links ×0.8–1.2.
+
 # %%
-from toolkit.report import headline
+if E is not None:
+    S = E["sensitivity"]
+    display(viz.what_if(S, {"bulk": "bulk_s", "ring+keep": "ring+keep_s"},
+                        f"Whole matched step, emulated {E['gpu']}", note=lambda v: f"ring+keep {v['ratio']:.3f}× bulk"))
+
+# %%
+from toolkit.report import band, headline
 
 kept = r0["kept_bytes_closed_form"]
 per_layer = tp_overlap.kept_bytes_per_layer(M, mc.d_model, world_size)
+# the claim's "about 5 %" read as 2.5 to 10 % saved, judged at every point of the calibration's band
+sens = None if E is None else band("ring+keep / bulk step", E["sensitivity"],
+                                   lambda v: 0.025 <= 1 - v["ratio"] <= 0.10, key="ratio")
 emulated = "" if E is None else (
     f"{E['gpu']} over {E['link']} (`{E['cluster']}`), the toy timed as {E['stands_for']}'s MLP at tp = {world_size}: "
     f"AG+GEMM ring hides {E['matched']['AG+GEMM']['overlap']['ring']:.2f} of the all-gather, GEMM+RS ring "
@@ -403,7 +418,8 @@ headline("01", "TP communication overlapped with the GEMMs (flux-style ring AG+G
          reproduced=(saved == kept == r0["n_layer"] * per_layer
                      and all(r["grads_bitwise_keep_vs_regather"] == {"bulk": True, "ring": True} for r in results)),
          emulated=emulated,
-         emulated_reproduced=None if E is None else bool(0.025 <= 1 - keep_ratio <= 0.10),
+         emulated_reproduced=None if E is None else sens["holds"],
+         emulated_band=sens,
          note="the time claim is judged on the emulated cluster (\"about 5 %\" read as 2.5 to 10 % saved); gloo "
               "moves the bytes on the cores that run the GEMMs")
 

@@ -39,7 +39,7 @@ import inspect
 from IPython.display import Markdown, display
 
 from toolkit import launch, viz
-from toolkit.report import headline
+from toolkit.report import band, headline
 from toolkit.lessons import l10_recompute_bubbles as lesson
 from toolkit.pipeline import Costs, interleaved_1f1b, one_f_one_b, simulate
 from toolkit.pipeline.recompute import RecomputeQueue
@@ -435,7 +435,7 @@ display(Markdown(f"""
 # %%
 ratio = worst["interleaved-recompute-bubble-cooldown"]
 exact = all(r["bitwise_equal_to_no_recompute"][n] for r in results for n in names if "recompute" in n)
-emulated, emulated_ok = "", None
+emulated, emulated_ok, sens = "", None, None
 if E is not None:
     vb, vi = against("matched", i_b, "interleaved"), against("matched", i_b, i_i)
     emulated = (f"{E['gpu']}, one pipeline stage per node over {E['link']} (`{E['cluster']}`), the toy timed as "
@@ -445,7 +445,11 @@ if E is not None:
                 f"{predicted['matched'][i_b] / predicted['matched']['interleaved']:.4f}×); 1F1B cap keep = {r0['keep']} "
                 f"in the bubble {against('matched', '1f1b-recompute-bubble', '1f1b').ratio:.4f}× no recompute, inline "
                 f"{against('matched', '1f1b-recompute-inline', '1f1b').ratio:.4f}×")
-    emulated_ok = bool(vi.faster and vb.ratio <= 1.01)  # hidden: faster than inline, within 1 % of no recompute
+    # hidden: faster than inline and within 1 % of no recompute, at every point of the calibration's band
+    judge = lambda v: bool(v[i_b] < v[i_i] and v[i_b] / v["interleaved"] <= 1.01)  # noqa: E731
+    sens = band("interleaved cool-down in the bubble / no recompute", E["sensitivity"], judge,
+                key=lambda v: v[i_b] / v["interleaved"])
+    emulated_ok = sens["holds"]
 headline("10", "recompute in the pipeline bubble (cool-down policy, interleaved 1F1B)",
          f"the worst rank's peak saved activations {ratio:.2f}x of interleaved 1F1B without recompute (measured; rank "
          f"0's own {peak['interleaved-recompute-bubble-cooldown'][0] / peak['interleaved'][0]:.2f}x; 1F1B cap keep = "
@@ -461,7 +465,7 @@ headline("10", "recompute in the pipeline bubble (cool-down policy, interleaved 
          note="memory and gradients measured, on the worst rank's peak; the hidden cost is judged on the emulated "
               "cluster (\"hiding its cost\" read as faster than inline and within 1 % of no recompute) and by the "
               "simulator (section 3): the ranks here share CPU cores, so a waiting rank is not idle hardware",
-         emulated=emulated, emulated_reproduced=emulated_ok)
+         emulated=emulated, emulated_reproduced=emulated_ok, emulated_band=sens)
 
 # %% [markdown]
 # ## Try this

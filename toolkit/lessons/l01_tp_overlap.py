@@ -28,7 +28,8 @@ from toolkit.parallel.tp_overlap import (SequenceParallelStack, all_gather_matmu
                                          shard_tokens)
 from toolkit.pipeline.executor import ActivationMeter
 from toolkit.runtime import compat
-from toolkit.runtime.bench import compare
+from toolkit.runtime.bench import compare, replayed
+from toolkit.runtime.emulator import WHAT_IF
 from toolkit.runtime.config import Param, common, resolve
 
 PARAMS = {**common("model", "n_layer", "micro_batch", "seed", "warmup", "bench_steps", "rounds"),
@@ -304,7 +305,7 @@ def emulated(ctx, group, block, tokens: int, cfg: dict, stacks: dict, step) -> d
                 step(stack, name="matched")
             return one
         bench = compare({name: timed(st) for name, st in stacks.items()}, warmup=0, steps=1, rounds=1,
-                        sync=ctx.barrier, clock="virtual")
+                        sync=ctx.barrier, clock="virtual", label="matched step")
         out["step_s"] = {name: b.mean_s for name, b in bench.items()}
         spans = {}
         for name in ("bulk", "ring+keep"):
@@ -316,7 +317,14 @@ def emulated(ctx, group, block, tokens: int, cfg: dict, stacks: dict, step) -> d
             stacks[name].configure(timeline=None)
             spans[name] = [asdict(s) for s in ctx.timeline.spans[mark:]]
         out["spans"] = spans
+    out["sensitivity"] = emu.sensitivity(step_ratio, grid=WHAT_IF)
     return out
+
+
+def step_ratio(clocks) -> dict[str, float]:
+    """The matched step of ring+keep over bulk's, from a replay of the run (``Emulator.sensitivity``), and both."""
+    bulk, keep = (replayed(clocks, f"matched step/{name}") for name in ("bulk", "ring+keep"))
+    return {"ratio": keep / bulk, "bulk_s": bulk, "ring+keep_s": keep}
 
 
 OPS = ("AG+GEMM", "GEMM+RS")

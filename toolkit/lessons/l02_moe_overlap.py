@@ -26,6 +26,7 @@ from toolkit.data import batches
 from toolkit.models import GPT, preset
 from toolkit.moe import expert_parallel
 from toolkit.moe.overlap import SCHEDULES, Tracer, activation_bytes, ratio_sweep, simulate, step
+from toolkit.runtime.emulator import WHAT_IF
 from toolkit.runtime.bench import compare
 from toolkit.runtime.config import Param, common, require_divisible, resolve
 
@@ -163,10 +164,23 @@ def emulated(ctx, cfg: dict, mbs, models) -> dict | None:
                 ctx.barrier()
                 tracer = Tracer(s, clock=emu.now)
                 t0 = emu.now()
-                step(models[s], mbs, s, tracer)
-                emu.synchronize()
+                with emu.window(f"{view}/{s}"):
+                    step(models[s], mbs, s, tracer)
                 out[view][s] = {"step_s": emu.now() - t0, "exposed": dict(tracer.exposed)}
         ctx.progress(1 if view == "own shapes" else 2, 2, f"emulated: {view}")
+    out["sensitivity"] = emu.sensitivity(matched_shares, grid=WHAT_IF)
+    return out
+
+
+def matched_shares(clocks) -> dict[str, float]:
+    """From a replay of the run (``Emulator.sensitivity``): each schedule's matched step (slowest rank) and the
+    all-to-all time it exposes (worst rank), and fb's exposed share of its step."""
+    out = {}
+    for s in SCHEDULES:
+        w = [c.window(f"matched/{s}", ops={"all_to_all_single"}) for c in clocks]
+        out[f"{s}_s"], out[f"{s}_exposed_s"] = max(x["s"] for x in w), max(x["exposed_s"] for x in w)
+    out["fb_share"] = out["fb_exposed_s"] / out["fb_s"]
+    out["serial_share"] = out["serial_exposed_s"] / out["serial_s"]
     return out
 
 

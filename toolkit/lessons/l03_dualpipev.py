@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import contextlib
 
-from toolkit.pipeline.harness import Job, PipelineSetup, measure_schedules
+from toolkit.pipeline.harness import Job, PipelineSetup, measure_schedules, replayed_steps
 from toolkit.pipeline.schedule import make_schedule, torch_order_missing
 from toolkit.pipeline.torch_compare import compare_orders, runtime_missing
 from toolkit.runtime.config import Param, common, require_divisible, resolve
+from toolkit.runtime.emulator import WHAT_IF
 
 SCHEDULES = ("1f1b", "zb-h1", "interleaved", "dualpipev")
 PARAMS = {**common("model", "n_layer", "m", "micro_batch", "warmup", "bench_steps", "rounds"),
@@ -92,9 +93,11 @@ def emulated(ctx, cfg: dict, setup: PipelineSetup, jobs: list[Job]) -> dict | No
     real = catalog.get(cfg["stands_for"])
     scales = matched.matched_scales(setup.layer_op(emu.cluster.float_bytes), matched.layer_op(real, real.seq_len))
     with emu.scaled(**scales):
-        records, _ = measure_schedules(ctx, setup, jobs, warmup=0, steps=1, rounds=1, trim=0)
+        records, _ = measure_schedules(ctx, setup, jobs, warmup=0, steps=1, rounds=1, trim=0, label="matched")
+    labels = [job.label for job in jobs]
     out = {"cluster": emu.cluster.name, "gpu": emu.cluster.gpu.name, "link": emu.cluster.intra.name,
-           "stands_for": cfg["stands_for"], "scales": scales, "jobs": []}
+           "stands_for": cfg["stands_for"], "scales": scales, "jobs": [],
+           "sensitivity": emu.sensitivity(lambda clocks: replayed_steps(clocks, labels, "matched"), grid=WHAT_IF)}
     for job, rec in zip(jobs, records):
         out["jobs"].append({"schedule": rec["schedule"], "fb_overlap": rec["fb_overlap"], "meta": rec["meta"],
                             "step_s": rec["bench"]["virtual"]["mean_s"], "exposed_recv_s": rec["exposed_recv_vs"],

@@ -15,6 +15,7 @@ runs the checks of the technique on random gradients (used by the tests).
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import statistics
 
@@ -28,7 +29,7 @@ from toolkit.comm.edgc import (EDGC, CommTimeModel, EDGCConfig, PowerSGDReducer,
 from toolkit.data import batches, held_out_loss
 from toolkit.models.gpt import GPT, count_params, preset, split_stages
 from toolkit.runtime.config import Param, common, require_ranks, resolve
-from toolkit.runtime.emulator import metered
+from toolkit.runtime.emulator import WHAT_IF, metered
 from toolkit.runtime.spread import paired
 
 PARAMS = {
@@ -122,12 +123,16 @@ def _adamw(model: GPT, cfg: dict) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=cfg["lr"], weight_decay=0.0, foreach=True)
 
 
-def _step(ctx, model: GPT, opt, x, y, tag: str, sync, step: int, scales: dict | None = None):
+def _step(ctx, model: GPT, opt, x, y, tag: str, sync, step: int, scales: dict | None = None,
+          window: str | None = None):
     """One training step: forward and backward, ``sync(step)`` under ledger ``tag``, the optimizer. Returns the
     loss, what ``sync`` returned and, on an emulated cluster, the step's virtual seconds by phase (``compute``,
     ``sync`` and its ``wire`` part, ``optimizer``; the barrier that lines the ranks up before the sync left out)
-    and the FLOPs of its forward and backward, its ops timed under ``scales`` (``matched.dp_phase_scales``)."""
+    and the FLOPs of its forward and backward, its ops timed under ``scales`` (``matched.dp_phase_scales``).
+    ``window``: the sync is the emulator window ``{window}/sync`` a replay reads back."""
     emu = ctx.emulator
+    marked = (lambda name: emu.window(f"{window}/{name}")) if emu is not None and window else \
+        (lambda name: contextlib.nullcontext())
     scale = scales or {"compute": None, "gradient": None}
     with metered(emu, scale["gradient"]) as zero:
         opt.zero_grad(set_to_none=False)
@@ -136,7 +141,7 @@ def _step(ctx, model: GPT, opt, x, y, tag: str, sync, step: int, scales: dict | 
         loss.backward()
     with ctx.ledger.tag("metrics"):
         dist.barrier()  # line the ranks up, so comm seconds measure the transfer, not the wait for a peer
-    with ctx.ledger.tag(tag), metered(emu, scale["gradient"]) as synced:
+    with ctx.ledger.tag(tag), metered(emu, scale["gradient"]) as synced, marked("sync"):
         info = sync(step)
     with metered(emu, scale["gradient"]) as optimizer:
         opt.step()
@@ -383,7 +388,8 @@ def emulated(ctx, cfg: dict, n_params: int, toy_steps: dict[str, list], going_on
     for name, (model, opt, sync, steps) in going_on.items():
         phases = []
         for i, (x, y) in enumerate(data[:steps]):
-            phases.append(_step(ctx, model, opt, x, y, f"{name}/matched", sync, cfg["steps"] + i, scales)[2])
+            phases.append(_step(ctx, model, opt, x, y, f"{name}/matched", sync, cfg["steps"] + i, scales,
+                                window=f"matched/{name}#{i}")[2])
             progress()
         matched[name] = _mean_phases(phases)
         matched_ops[name] = {op: statistics.fmean(p["sync_ops"].get(op, 0.0) for p in phases)
@@ -412,12 +418,26 @@ def emulated(ctx, cfg: dict, n_params: int, toy_steps: dict[str, list], going_on
                          "step_cut": 1 - low["step_s"] / plain["step_s"]})
     bench = {scale: {name: {k: summarize([m[k]], 1, 0, "virtual").to_dict() for k in ("sync_s", "step_s")}
                      for name, m in got.items()} for scale, got in (("toy", toy), ("matched", matched))}
+    windows = {name: len(data[:steps]) for name, (_, _, _, steps) in going_on.items()}
+    sensitivity = emu.sensitivity(lambda clocks: matched_syncs(clocks, windows), grid=WHAT_IF)
     return {"cluster": hw.name, "gpu": hw.gpu.name, "link": hw.link_between(list(range(world)), world).name,
             "nodes": world // hw.per_node(world), "stands_for": cfg["stands_for"], "real_params": real.params(),
             "scales": scales, "toy": toy, "matched": matched, "bench": bench, "matched_steps": cfg["window"],
             "codec_s_per_element": codec, "codec_ops": codec_ops, "optimizer_s_per_element": optimizer, "rank": rank,
             "check": check,
-            "paper": {"tp": PAPER_TP, "pp": PAPER_PP, "mfu": mfu, "cluster": paper_hw.name}, "extrapolation": rows}
+            "paper": {"tp": PAPER_TP, "pp": PAPER_PP, "mfu": mfu, "cluster": paper_hw.name}, "extrapolation": rows,
+            "sensitivity": sensitivity}
+
+
+def matched_syncs(clocks, windows: dict[str, int]) -> dict[str, float]:
+    """From a replay of the run (``Emulator.sensitivity``): each scheme's matched gradient sync, mean over its
+    steps of the slowest rank's, and EDGC's against the plain all-reduce's."""
+    out = {}
+    for name, n in windows.items():
+        out[f"{name}_sync_s"] = statistics.fmean(max(c.window(f"matched/{name}#{i}/sync")["s"] for c in clocks)
+                                                 for i in range(n))
+    out["sync_ratio"] = out["edgc_sync_s"] / out["baseline_sync_s"]
+    return out
 
 
 # ---- invariants on random gradients (the tests launch this) ----------------------------------------

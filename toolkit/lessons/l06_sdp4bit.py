@@ -28,7 +28,7 @@ from toolkit.quant import dequantize_blockwise, hadamard32, qsnr_db, quantize_bl
 from toolkit.runtime import compat
 from toolkit.runtime.cluster import Cluster
 from toolkit.runtime.config import Param, common, require_ranks, resolve
-from toolkit.runtime.emulator import metered
+from toolkit.runtime.emulator import WHAT_IF, metered
 from toolkit.runtime.spread import paired
 
 MODES = {
@@ -278,8 +278,13 @@ def emulated(ctx, cfg: dict, toy_steps: dict[str, list], going_on: dict, progres
                         device=ctx.device))
     matched = {}
     for mode, (model, sdp) in going_on.items():
-        matched[mode] = _step(ctx, model, sdp, x, y, f"{mode}/matched", cfg["steps"], scales=scales)[2]
+        ctx.barrier()
+        with emu.window(f"matched/{mode}"):
+            matched[mode] = _step(ctx, model, sdp, x, y, f"{mode}/matched", cfg["steps"], scales=scales)[2]
         progress()
+    modes = list(going_on)
+    sensitivity = emu.sensitivity(lambda clocks: {m: max(c.window(f"matched/{m}")["s"] for c in clocks) for m in modes},
+                                  grid=WHAT_IF)
     toy = {mode: _mean_phases(toy_steps[mode]) for mode in going_on}
     elements = padded * scales["gradient"]["bytes"]  # the real gradient the matched step stands for
     codec = {mode: (m["grads_s"] + m["weights_s"] - m["wire_s"]) / elements for mode, m in matched.items()}
@@ -324,7 +329,7 @@ def emulated(ctx, cfg: dict, toy_steps: dict[str, list], going_on: dict, progres
             "optimizer_s_per_shard_element": optimizer, "check": check,
             "paper": {**PAPER, "mfu": mfu, "cluster": paper_hw.name, "inter": paper_hw.inter.name,
                       "inter_bytes_per_s": paper_hw.inter.bytes_per_s},
-            "extrapolation": extrapolation}
+            "extrapolation": extrapolation, "sensitivity": sensitivity}
 
 
 # ---- invariants on random tensors (the tests launch this) -------------------------------------------

@@ -32,8 +32,9 @@ from toolkit.models import lm_loss, preset
 from toolkit.pipeline.executor import ExecutorHook, PipelineExecutor
 from toolkit.pipeline.harness import PipelineSetup
 from toolkit.pipeline.schedule import one_f_one_b
-from toolkit.runtime.bench import compare
+from toolkit.runtime.bench import compare, replayed
 from toolkit.runtime.config import Param, common, require_divisible, require_ranks, resolve
+from toolkit.runtime.emulator import WHAT_IF
 from toolkit.runtime.memory import MemoryTracker
 
 DEFAULT_POLICIES = ["all", "attention", "mlp", "norms", "qkv", "core", "proj", "ln1", "ln2", "fc1", "act", "fc2"]
@@ -221,7 +222,7 @@ def emulated(ctx, cfg: dict, setup: PipelineSetup, make, stepper) -> dict | None
 
         with emu.scaled(**factors):
             bench = compare({v: on_link(v, stepper(model, ex)) for v, (model, _, ex, _) in runs.items()}, warmup=0,
-                            steps=1, rounds=1, trim=0, sync=ctx.barrier, clock="virtual")
+                            steps=1, rounds=1, trim=0, sync=ctx.barrier, clock="virtual", label=f"emulated {view}")
         out[view] = {}
         for v, (_, _, _, off) in runs.items():
             out[view][v] = {"bench": bench[v].to_dict(), "step_s": bench[v].mean_s, "link_s": link_s[v],
@@ -231,4 +232,6 @@ def emulated(ctx, cfg: dict, setup: PipelineSetup, make, stepper) -> dict | None
             if off is not None:
                 off.remove()
         ctx.progress(i + 1, 2, f"emulated: {view}")
+    out["sensitivity"] = emu.sensitivity(
+        lambda clocks: {v: replayed(clocks, f"emulated matched/{v}") for v in TIMED}, grid=WHAT_IF)
     return out

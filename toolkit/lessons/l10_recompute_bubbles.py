@@ -25,10 +25,11 @@ import torch
 import torch.nn as nn
 
 from toolkit.models import catalog, matched
-from toolkit.pipeline.harness import Job, PipelineSetup, grads_bitwise_equal, measure_schedules
+from toolkit.pipeline.harness import Job, PipelineSetup, grads_bitwise_equal, measure_schedules, replayed_steps
 from toolkit.pipeline.recompute import RecomputeQueue
 from toolkit.pipeline.schedule import interleaved_1f1b, one_f_one_b
 from toolkit.runtime.config import Param, common, require_divisible, resolve
+from toolkit.runtime.emulator import WHAT_IF
 
 WORLD_SIZE = 4
 PARAMS = {**common("model", "n_layer", "m", "micro_batch", "warmup", "bench_steps", "rounds"),
@@ -110,8 +111,13 @@ def emulated(ctx, cfg: dict, setup: PipelineSetup, jobs: list[Job]) -> dict:
     scales = matched.matched_scales(toy, real_op)
     link = emu.cluster.link_between([0, 1], ctx.world_size)  # between neighbouring stages
     with emu.scaled(**scales):
-        records, _ = measure_schedules(ctx, setup, jobs, warmup=0, steps=1, rounds=1, trim=0)
+        records, _ = measure_schedules(ctx, setup, jobs, warmup=0, steps=1, rounds=1, trim=0, label="matched")
+    names = {job.label: job.schedule.name for job in jobs}
+
+    def steps(clocks) -> dict[str, float]:  # each schedule's matched step, from a replay of the run
+        return {names[k]: v for k, v in replayed_steps(clocks, list(names), "matched").items()}
     return {"cluster": emu.cluster.name, "gpu": emu.cluster.gpu.name, "link": link.name,
+            "sensitivity": emu.sensitivity(steps, grid=WHAT_IF),
             "stands_for": cfg["stands_for"], "scales": scales,
             "hop_s": {"toy": link.seconds(toy["wire_bytes"]), "matched": link.seconds(real_op["wire_bytes"])},
             "runs": {job.schedule.name: {"step_s": rec["bench"]["virtual"]["mean_s"], "bench": rec["bench"]["virtual"],

@@ -35,7 +35,8 @@ from toolkit.context.dynamic_cp import (Plan, cp_size_for, pad_length, prebuilt_
 from toolkit.data import corpus
 from toolkit.models import GPT, GPTConfig, preset
 from toolkit.runtime import compat
-from toolkit.runtime.bench import compare
+from toolkit.runtime.bench import compare, replayed
+from toolkit.runtime.emulator import WHAT_IF
 from toolkit.runtime.cluster import Cluster, cluster
 from toolkit.runtime.config import Param, common, require_ranks, resolve
 
@@ -248,7 +249,10 @@ def run(ctx, cfg: dict) -> dict:
     ctx.phase("timing")
     with matched():  # wall times as they are; the virtual ones beside them are the matched workload's
         bench = compare({name: (lambda name=name: step(name)) for name in plans}, warmup=cfg["warmup"],
-                        steps=cfg["bench_steps"], rounds=cfg["rounds"], sync=ctx.barrier, on_round=ctx.progress)
+                        steps=cfg["bench_steps"], rounds=cfg["rounds"], sync=ctx.barrier, on_round=ctx.progress,
+                        label="timing")
+    sensitivity = None if emu is None else emu.sensitivity(
+        lambda clocks: {name: replayed(clocks, f"timing/{name}") for name in plans}, grid=WHAT_IF)
     ctx.phase("selfcheck")
     selfcheck = ring_selfcheck(ctx, [8 * world, 2 * world, 12 * world], cfg["seed"])
     return {"rank": rank, "world": world, "cfg": cfg, "model": vars(model_cfg), "n_tokens": n_tokens,
@@ -258,7 +262,7 @@ def run(ctx, cfg: dict) -> dict:
             "reroute_bytes": {k: ctx.ledger.total("sent_bytes", tag=f"reroute:{k}") for k in plans},
             "gather_bytes": ctx.ledger.total("sent_bytes", tag="gather-lengths"),
             "tokens_per_mb": {k: [len(mb["rows"]) for mb in shards[k]] for k in plans},
-            "bench": {k: v.to_dict() for k, v in bench.items()},
+            "bench": {k: v.to_dict() for k, v in bench.items()}, "sensitivity": sensitivity,
             "spans": [s for s in ctx.timeline.to_json() if s["kind"] in plans], "selfcheck": selfcheck,
             "scheduler": {"cluster": hw.to_dict(), "scale": scales["scale"], "stands_for": dcp_sim.LLAMA_13B.name},
             "emulated": None if emu is None else {

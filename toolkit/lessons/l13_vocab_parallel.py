@@ -32,8 +32,9 @@ from toolkit.pipeline import vocab_passes as vx
 from toolkit.pipeline.executor import PipelineExecutor
 from toolkit.pipeline.harness import Job, PipelineSetup, check_stage_per_rank, check_step
 from toolkit.pipeline.schedule import one_f_one_b
-from toolkit.runtime.bench import compare, measure
+from toolkit.runtime.bench import compare, measure, replayed
 from toolkit.runtime.config import Param, common, resolve
+from toolkit.runtime.emulator import WHAT_IF
 from toolkit.runtime.timeline import Timeline
 
 WORLD_SIZE = 4
@@ -176,7 +177,7 @@ def _emulated(ctx, cfg: dict, setup: PipelineSetup, groups, timed: dict, stepper
         matched.dense_layer_op(cfg["micro_batch"] * cfg["seq_len"], cfg["d_model"], 4 * cfg["d_model"], hw.float_bytes),
         matched.dense_layer_op(PAPER_LAYER["tokens"], PAPER_LAYER["hidden"], PAPER_LAYER["ffn"], hw.float_bytes))
     link = hw.link_between(list(range(p)), p)
-    out = {"cluster": hw.name, "gpu": hw.gpu.name, "link": link.name, "launch_s": hw.gpu.launch_s,
+    out = {"cluster": hw.name, "gpu": hw.gpu.name, "link": link.name, "host_op_s": hw.gpu.efficiency.host_op_s,
            "scales": scales, "paper_layer": PAPER_LAYER}
     for view, factors in (("toy", {}), ("matched", scales)):
         with emu.scaled(**factors), ctx.ledger.tag(f"emulated/{view}"):
@@ -192,12 +193,15 @@ def _emulated(ctx, cfg: dict, setup: PipelineSetup, groups, timed: dict, stepper
                                                            timeline=timeline())
                 runs[f"vocab-{alg}"] = (model, ex, stage, passes)
             bench = compare({name: stepper(*run[:3]) for name, run in runs.items()}, warmup=0, steps=1, rounds=1,
-                            sync=ctx.barrier, clock="virtual")
+                            sync=ctx.barrier, clock="virtual", label=f"emulated {view}")
         out[view] = {"times": mine, "schedules": {name: s.to_strings() for name, s in schedules.items()}, "runs": {}}
         for name, run in runs.items():
             ex, passes = run[1], (run[3] if len(run) > 3 else None)
             out[view]["runs"][name] = {"bench": bench[name].to_dict(), "spans": ex.timeline.to_json(),
                                        "waits": ex.waits, "comm_spans": passes.comm_spans if passes else []}
+    names = list(out["matched"]["runs"])
+    out["sensitivity"] = emu.sensitivity(
+        lambda clocks: {name: replayed(clocks, f"emulated matched/{name}") for name in names}, grid=WHAT_IF)
     return out
 
 

@@ -34,6 +34,7 @@ from toolkit.moe import CODECS, Codec, TokenDispatcher, dispatch_layout, route, 
 from toolkit.moe.deepep import LowLatency, TwoHop, dyadic, layout_brute_force, node_limited_route
 from toolkit.quant import qsnr_db
 from toolkit.runtime.bench import compare
+from toolkit.runtime.emulator import WHAT_IF
 from toolkit.runtime.config import Param, common, require_divisible, require_ranks, resolve
 
 WORLD_SIZE = 4  # two emulated nodes of two ranks
@@ -425,8 +426,8 @@ def emulated(ctx, cfg: dict, x, ids, w) -> dict | None:
 
     ctx.barrier()
     t0 = emu.now()
-    before_dispatch()
-    emu.synchronize()
+    with emu.window("compute"):
+        before_dispatch()
     compute_s = emu.now() - t0  # the compute alone
 
     def plain_round_trip():
@@ -439,18 +440,18 @@ def emulated(ctx, cfg: dict, x, ids, w) -> dict | None:
     def host_syncs() -> int:
         return sum(row["calls"] for name, row in emu.ops.items() if name in HOST_SYNC)
 
-    def timed(fn, rows: float, graph: bool = False) -> dict:
+    def timed(fn, rows: float, name: str, graph: bool = False) -> dict:
         normal.phase = lambda name: emu.scaled(bytes=1.0 if name == "routing" else rows)
         ll.phase = lambda name: emu.scaled(bytes={"counts": 1.0, "dispatch": rows * written,
                                                   "combine": rows * written}.get(name, rows))
         ctx.barrier()  # clocks aligned, hosts synchronized
         t0 = emu.now()
-        before_dispatch()  # launched: the host runs ahead of the stream
-        syncs, launches = host_syncs(), emu.totals()["launch_s"]
-        marks.clear()
-        with emu.scaled(bytes=rows), emu.graph_replay() if graph else nullcontext():
-            fn()
-        emu.synchronize()
+        with emu.window(name):
+            before_dispatch()  # launched: the host runs ahead of the stream
+            syncs, launches = host_syncs(), emu.totals()["launch_s"]
+            marks.clear()
+            with emu.scaled(bytes=rows), emu.graph_replay() if graph else nullcontext():
+                fn()
         return {"round_trip_s": emu.now() - t0 - compute_s, "host_syncs": host_syncs() - syncs,
                 "launch_s": emu.totals()["launch_s"] - launches,
                 "plan_s": marks["plan_end"] - marks["plan_start"] if marks else None}
@@ -461,10 +462,17 @@ def emulated(ctx, cfg: dict, x, ids, w) -> dict | None:
            "link": emu.cluster.link_between(list(range(ctx.world_size)), ctx.world_size).name, "runs": {}}
     for shapes, rows in (("toy", 1.0), (STANDS_FOR, real.hidden / H)):
         out["runs"][shapes] = {"rows_scale": rows,
-                               "normal": timed(plain_round_trip, rows),
-                               "low latency": timed(lambda: ll_round_trip(ll, x, ids, w), rows),
+                               "normal": timed(plain_round_trip, rows, f"{shapes}/normal"),
+                               "low latency": timed(lambda: ll_round_trip(ll, x, ids, w), rows,
+                                                    f"{shapes}/low latency"),
                                "low latency, one graph replay": timed(lambda: ll_round_trip(ll, x, ids, w), rows,
-                                                                      graph=True)}
+                                                                      f"{shapes}/graph", graph=True)}
+
+    def round_trips(clocks) -> dict[str, float]:  # the real rows' round trips (slowest rank), from a replay
+        compute = max(c.window("compute")["s"] for c in clocks)
+        return {m: max(c.window(f"{STANDS_FOR}/{m}")["s"] for c in clocks) - compute
+                for m in ("normal", "low latency", "graph")}
+    out["sensitivity"] = emu.sensitivity(round_trips, grid=WHAT_IF)
     return out
 
 

@@ -31,6 +31,7 @@ from toolkit.pipeline.executor import PipelineExecutor
 from toolkit.pipeline.harness import PipelineSetup, grads_bitwise_equal
 from toolkit.pipeline.schedule import make_schedule
 from toolkit.runtime.bench import compare
+from toolkit.runtime.emulator import WHAT_IF
 from toolkit.runtime.config import Param, common, require_divisible, resolve
 from toolkit.runtime.timeline import Timeline
 
@@ -199,9 +200,9 @@ def emulated(ctx, cfg: dict, mc, executor, inputs, targets) -> dict | None:
         model, ex, sep = executor(variant, graphs=graphs, grad_context=grad_context)
         ctx.barrier()  # clocks aligned, hosts synchronized
         launches, t0 = emu.totals()["launch_s"], emu.now()
-        with emu.scaled(**scales) if matched else contextlib.nullcontext():
-            ex.step(inputs, targets)
-        emu.synchronize()
+        with emu.window(f"{'matched' if matched else 'graphed' if graphs else 'eager'} · {variant}"):
+            with emu.scaled(**scales) if matched else contextlib.nullcontext():
+                ex.step(inputs, targets)
         return {"graphs": graphs, "dp": variant, "step_s": emu.now() - t0,
                 "launch_s": emu.totals()["launch_s"] - launches,
                 "dp_wait_s": sum(x.get("waited_vs", 0.0) for x in sep.reduces),
@@ -215,6 +216,9 @@ def emulated(ctx, cfg: dict, mc, executor, inputs, targets) -> dict | None:
     for name in VARIANTS:
         out["matched"]["runs"][name] = one(name, matched=True)
     out["dp_link"] = next((c["link"] for c in emu.comms if c["op"] == "all_reduce" and c["link"]), None)
+    runs = list(out["runs"]) + [f"matched · {name}" for name in VARIANTS]
+    out["sensitivity"] = emu.sensitivity(lambda clocks: {r: max(c.window(r)["s"] for c in clocks) for r in runs},
+                                         grid=WHAT_IF)
     return out
 
 

@@ -31,7 +31,8 @@ from toolkit.parallel.zero import ZeroDataParallel, adamw, default_units
 from toolkit import planner
 from toolkit.models import catalog, matched
 from toolkit.planner import offload_memory, validate_offload_model
-from toolkit.runtime.bench import compare, verdict
+from toolkit.runtime.bench import compare, replayed, verdict
+from toolkit.runtime.emulator import WHAT_IF
 from toolkit.runtime.memory import MemoryTracker
 
 OFFLOAD_VARIANTS = ("zero", "cpu", "stream", "nvme", "nvme_params", "fsdp2", "fsdp2_offload")
@@ -268,14 +269,14 @@ def _emulated(ctx, cfg: dict, out: dict, trainers: dict, stepper, last: dict) ->
                                             if name in CLOSED_FORM else None)}
         return rows
 
-    def one_step_each() -> dict:
+    def one_step_each(label: str) -> dict:
         """Each variant's step on the virtual clock, started from clocks a barrier aligned (compare's sync):
         deterministic, so one stands for every round."""
         return compare({name: stepper(name) for name in names}, warmup=0, steps=1, rounds=1, sync=ctx.barrier,
-                       clock="virtual")
+                       clock="virtual", label=label)
 
     with ctx.ledger.tag("offload/toy"):
-        toy_bench = one_step_each()
+        toy_bench = one_step_each("offload toy")
     E = {"cluster": hw.name, "gpu": hw.gpu.name, "cpu": hw.cpu.name, "float_bytes": hw.float_bytes,
          "host_link": {"name": hw.host.name, "bytes_per_s": hw.host.bytes_per_s, "latency_s": hw.host.latency_s},
          "disk": {"name": hw.disk.name, "read_bytes_per_s": hw.disk.read_bytes_per_s,
@@ -284,9 +285,11 @@ def _emulated(ctx, cfg: dict, out: dict, trainers: dict, stepper, last: dict) ->
          "toy": {"params": out["numel"], "tokens": tokens,
                  "rows": view(toy_bench, toy)}}
     with emu.scaled(**scales), ctx.ledger.tag("offload/matched"):
-        bench = one_step_each()
+        bench = one_step_each("offload matched")
     E["matched"] = {"stands_for": cfg["stands_for"], "scales": scales, "params": real.params(),
-                    "tokens": real.seq_len, "rows": view(bench, real)}
+                    "tokens": real.seq_len, "rows": view(bench, planner.Workload(real))}
+    E["sensitivity"] = emu.sensitivity(
+        lambda clocks: {name: replayed(clocks, f"offload matched/{name}") for name in names}, grid=WHAT_IF)
     return E
 
 

@@ -328,7 +328,7 @@ class _Candidate:
 
 
 def measure_schedules(ctx, setup: PipelineSetup, jobs: list[Job], *, warmup: int = 1, steps: int = 3,
-                      rounds: int = 3, trim: int = 1) -> tuple[list[dict], list[nn.Module]]:
+                      rounds: int = 3, trim: int = 1, label: str = "schedules") -> tuple[list[dict], list[nn.Module]]:
     """Check and time ``jobs`` on every rank (collectively; all ranks pass the same jobs).
 
     Per job, one checked step (``check_step``); then all jobs timed side by side with
@@ -343,7 +343,8 @@ def measure_schedules(ctx, setup: PipelineSetup, jobs: list[Job], *, warmup: int
     therefore run paused (``ctx.paused()``: wall time without the emulator's Python on every op), and one more
     step per job, after a barrier, runs on the emulated cluster's clock for the virtual fields (``bench["virtual"]``,
     ``op_vseconds``, ``exposed_recv_vs``, ``exposed_wire_vs``), as the lessons' emulated sections time theirs; a
-    single timed step carries both clocks.
+    single timed step carries both clocks. Each job's steps on the clock are the emulator windows
+    ``{label}/{job.label}#i`` (``replayed_steps`` reads them back from a replay of the run).
 
     - ``bench``: ``BenchResult`` fields (trimmed mean of the round means, median, std, stability, ...);
     - ``p2p``: per timed step, from the ledger: ``calls``, ``sent_bytes``, ``recv_bytes``, ``recv_open_s``
@@ -377,11 +378,11 @@ def measure_schedules(ctx, setup: PipelineSetup, jobs: list[Job], *, warmup: int
                          f"timing every schedule, round {done}/{total}")
 
         results = compare(candidates, warmup=warmup, steps=steps, rounds=rounds, trim=trim, sync=ctx.barrier,
-                          on_round=timed)
+                          on_round=timed, label=None if split else label)
     if split:  # one step per job on the emulated cluster's clock
         for candidate in candidates.values():
             candidate.virtual_pass = True
-        virtual = compare(candidates, warmup=0, steps=1, rounds=1, trim=0, sync=ctx.barrier)
+        virtual = compare(candidates, warmup=0, steps=1, rounds=1, trim=0, sync=ctx.barrier, label=label)
         ctx.progress(units, units, "one step per schedule on the emulated cluster")
     for record, (label, candidate) in zip(records, candidates.items()):
         record["bench"] = results[label].to_dict()
@@ -389,6 +390,13 @@ def measure_schedules(ctx, setup: PipelineSetup, jobs: list[Job], *, warmup: int
             record["bench"]["virtual"] = virtual[label].virtual.to_dict()
         record.update(candidate.summary())
     return records, models
+
+
+def replayed_steps(clocks, jobs, label: str = "schedules") -> dict[str, float]:
+    """Each job's step (its slowest rank) in a replay of the run (``Emulator.sensitivity``), as
+    ``measure_schedules(..., label=label)`` timed it on the emulated cluster's clock."""
+    from toolkit.runtime.bench import replayed
+    return {job: replayed(clocks, f"{label}/{job}") for job in jobs}
 
 
 def wait_spans(waits: list[dict], rank: int) -> list[dict]:

@@ -30,6 +30,7 @@ both ran back to back, so a slow phase of the machine hits both) and works on lo
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import statistics
 import time
@@ -100,21 +101,25 @@ def _emulator():
 
 
 class _Clocks:
-    """Reads the requested clock, and the virtual one beside a wall clock when an emulator runs."""
+    """Reads the requested clock, and the virtual one beside a wall clock when an emulator runs. With an emulator
+    (and a ``label``) each timed step is an emulator window ``{label}#{i}``, which a replay of the run reads back
+    (``replayed``)."""
 
-    def __init__(self, clock: str):
+    def __init__(self, clock: str, label: str | None = None):
         self.clock = clock
         emu = _emulator()
         self.virtual = emu.now if emu is not None else None
         self.read = {"wall": time.perf_counter, "cpu": time.thread_time, "virtual": self.virtual}[clock]
         self.beside = self.virtual if clock != "virtual" and self.virtual is not None else None
+        self.window = (lambda i: emu.window(f"{label}#{i}")) if emu is not None and label else None
         self.times: list[float] = []
         self.vtimes: list[float] = []
 
     def timed(self, step: Callable[[], object]) -> None:
         t0, v0 = self.read(), self.beside() if self.beside else 0.0
-        step()
-        _sync()
+        with self.window(len(self.times)) if self.window else contextlib.nullcontext():
+            step()
+            _sync()
         self.times.append(self.read() - t0)
         if self.beside:
             self.vtimes.append(self.beside() - v0)
@@ -127,16 +132,18 @@ class _Clocks:
 
 
 def measure(step: Callable[[], object], warmup: int = 2, steps: int = 5, rounds: int = 3, trim: int = 1,
-            on_step: Callable[[int, int], None] | None = None, clock: str = "wall") -> BenchResult:
+            on_step: Callable[[int, int], None] | None = None, clock: str = "wall",
+            label: str | None = None) -> BenchResult:
     """Time ``step()``: ``warmup`` untimed calls, then ``rounds`` rounds of ``steps`` timed calls.
 
     ``trim`` rounds are dropped from each end before averaging (needs ``rounds > 2*trim``; with fewer
     rounds nothing is trimmed). ``on_step(done, total)`` is called after each call, e.g. ``ctx.progress``.
-    ``clock``: "wall", "cpu" or "virtual" (module docstring). To time several variants against each other
-    use ``compare`` (they then share the machine's load).
+    ``clock``: "wall", "cpu" or "virtual" (module docstring); ``label``: on an emulated cluster, the name a replay
+    reads the steps back by (``replayed``). To time several variants against each other use ``compare`` (they
+    then share the machine's load).
     """
     _check_procedure(warmup, steps, rounds, trim, clock)
-    total, clocks = warmup + steps * rounds, _Clocks(clock)
+    total, clocks = warmup + steps * rounds, _Clocks(clock, label)
     for i in range(total):
         if i < warmup:
             step()
@@ -149,7 +156,8 @@ def measure(step: Callable[[], object], warmup: int = 2, steps: int = 5, rounds:
 
 def compare(candidates: dict[str, Callable[[], object]], warmup: int = 1, steps: int = 3, rounds: int = 5,
             trim: int = 1, sync: Callable[[], None] | None = None,
-            on_round: Callable[[int, int], None] | None = None, clock: str = "wall") -> dict[str, BenchResult]:
+            on_round: Callable[[int, int], None] | None = None, clock: str = "wall",
+            label: str | None = None) -> dict[str, BenchResult]:
     """Time several candidates side by side, round-robin, so that they all see the same machine load::
 
         warm-up   A x warmup, B x warmup, C x warmup                       (untimed)
@@ -162,13 +170,14 @@ def compare(candidates: dict[str, Callable[[], object]], warmup: int = 1, steps:
     instead of on whichever ran during it. ``sync()`` runs before each candidate's block (``ctx.barrier``
     in a multi-rank run, so every rank times the same candidate at once); ``on_round(done, total)``
     after each round (``ctx.progress``). ``clock``: "wall", "cpu" or "virtual" (module docstring). On CUDA
-    every step ends with a device synchronize. Judge two of the results with ``verdict``.
+    every step ends with a device synchronize. Judge two of the results with ``verdict``. ``label``: on an
+    emulated cluster, candidate ``n``'s steps are the windows ``{label}/{n}#i`` a replay reads back (``replayed``).
     """
     if not candidates:
         raise ValueError("compare needs at least one candidate")
     _check_procedure(warmup, steps, rounds, trim, clock)
     names = list(candidates)
-    clocks = {n: _Clocks(clock) for n in names}
+    clocks = {n: _Clocks(clock, f"{label}/{n}" if label else None) for n in names}
     for rnd in range(-1, rounds):  # round -1 is the warm-up
         shift = max(rnd, 0) % len(names)
         for name in names[shift:] + names[:shift]:
@@ -182,6 +191,23 @@ def compare(candidates: dict[str, Callable[[], object]], warmup: int = 1, steps:
         on_round and on_round(rnd + 1, rounds)
     sync and sync()
     return {n: clocks[n].result(steps, trim) for n in names}
+
+
+def replayed(clocks, label: str) -> float:
+    """The mean step time of a virtual-clock ``measure``/``compare`` candidate (``label``, or ``label/name``) in a
+    replay of the run (``toolkit.runtime.vclock.replay``: one clock per rank): each step its slowest rank, as
+    ``verdict`` counts a round."""
+    steps = []
+    i = 0
+    while True:
+        try:
+            steps.append(max(c.window(f"{label}#{i}")["s"] for c in clocks))
+        except KeyError:
+            break
+        i += 1
+    if not steps:
+        raise KeyError(f"no timed step {label!r} in the replayed run")
+    return statistics.fmean(steps)
 
 
 # ---- one way to judge "is B faster than A" -----------------------------------------------------------------------

@@ -66,6 +66,8 @@ BAND = {"compute x0.7": (0.7, 1.0), "compute x1.3": (1.3, 1.0), "links x0.8": (1
         "compute x0.7, links x0.8": (0.7, 0.8), "compute x1.3, links x1.2": (1.3, 1.2)}
 """The sensitivity band: (achieved compute factor, link bandwidth factor) of each perturbed replay — the axes and
 the corners of efficiency x0.7..x1.3 and bandwidth x0.8..x1.2."""
+WHAT_IF = {"compute": [0.5, 0.7, 1.0, 1.3, 2.0], "bandwidth": [0.25, 0.5, 1.0, 2.0, 4.0]}
+"""A what-if explorer's grid: the achieved compute and the links' bandwidth, each x these factors."""
 
 
 class ComputeTimer(TorchDispatchMode):
@@ -177,6 +179,15 @@ class Emulator:
         """This thread's time, recorded under ``name`` so that a replay reads it back (``vclock.RankClock.marks``)."""
         with self._lock:
             return self.clock.mark(self._tid(), name)
+
+    @contextlib.contextmanager
+    def window(self, name: str):
+        """Mark the block as ``name`` (its start and end, after a synchronize: the stream's work inside counts),
+        so that a replay reads its time back (``vclock.RankClock.window``); yields nothing."""
+        self.mark(f"{name}:start")
+        yield
+        self.synchronize()
+        self.mark(f"{name}:end")
 
     def label(self, prefix: str) -> str:
         """A fresh name for a group of marks (``prefix#1``, ``prefix#2``, ...): the same on every rank that makes
@@ -564,6 +575,7 @@ def sensitivity(traces: list[dict], cluster: Cluster, quantity, band: dict[str, 
                 grid: dict[str, list[float]] | None = None) -> dict:
     """``Emulator.sensitivity`` from traces already gathered (any process)."""
     band = BAND if band is None else band
+    t0 = time.perf_counter()
 
     def value(compute: float, bandwidth: float):
         return quantity(vclock.replay(traces, cluster.perturbed(compute, bandwidth)))
@@ -579,6 +591,9 @@ def sensitivity(traces: list[dict], cluster: Cluster, quantity, band: dict[str, 
     if grid:
         out["grid"] = {"compute": list(grid.get("compute", [1.0])), "bandwidth": list(grid.get("bandwidth", [1.0]))}
         out["grid"]["values"] = [[value(c, b) for b in out["grid"]["bandwidth"]] for c in out["grid"]["compute"]]
+    out["replays"] = 1 + len(band) + (len(out["grid"]["compute"]) * len(out["grid"]["bandwidth"]) if grid else 0)
+    out["events"] = sum(len(t["events"]) for t in traces)
+    out["wall_s"] = time.perf_counter() - t0
     return out
 
 

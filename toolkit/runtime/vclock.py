@@ -311,6 +311,17 @@ class RankClock:
     def marks_named(self, name: str) -> list[float]:
         return [t for _, n, t in self.marks if n == name]
 
+    def window(self, name: str, ops=None) -> dict[str, float]:
+        """The last block marked ``name`` (``Emulator.window``): ``s``, its virtual seconds, and ``exposed_s``, the
+        time clocks waited for transfers and copies issued inside it (of the ``ops`` named, or all)."""
+        start, end = self.marks_named(f"{name}:start"), self.marks_named(f"{name}:end")
+        if not start or not end:
+            raise KeyError(f"no window {name!r} on rank {self.rank}")
+        t0, t1 = start[-1], end[-1]
+        exposed = sum(c["exposed"] or 0.0 for c in self.comms
+                      if t0 <= c["issue"] <= t1 and (ops is None or c["op"] in ops))
+        return {"s": t1 - t0, "exposed_s": exposed}
+
 
 def _ref(stamp) -> tuple | float | None:
     """How a trace names a time handed between threads: a stamp's origin, else the number itself."""

@@ -242,11 +242,11 @@ def human_bytes(n: float) -> str:
     return f"{n:.2f} TiB"
 
 
-from .explore import Explorer, explore, precompute  # noqa: E402  (needs theme above)
+from .explore import Explorer, explore, precompute, what_if  # noqa: E402  (needs theme above)
 from .listing import listing  # noqa: E402
 
 __all__ = ["Figure", "mime_bundle", "in_kernel", "theme", "gantt", "memory_over_time", "bars", "lines", "heatmap", "table", "waterfall", "human_bytes",
-           "COLORS", "PALETTE", "color_of", "explore", "precompute", "Explorer", "listing", "EMPTY"]
+           "COLORS", "PALETTE", "color_of", "explore", "precompute", "Explorer", "what_if", "listing", "EMPTY"]
 
 
 def _use_notebook_renderer() -> None:

@@ -26,7 +26,7 @@ from typing import Any, Callable, Mapping, Sequence
 import plotly.graph_objects as go
 import plotly.io as pio
 
-from . import Figure, mime_bundle, theme
+from . import PALETTE, Figure, mime_bundle, theme
 
 DROPDOWN_PX, SLIDER_PX, AXIS_PX = 46, 90, 64   # vertical room each control takes below the plot
 
@@ -230,3 +230,25 @@ def explore(draw: Callable[..., go.Figure], controls: Mapping[str, Sequence],
     (the first string, the middle number otherwise). Bad controls or defaults raise ``ValueError``.
     """
     return Explorer(draw, controls, defaults)
+
+
+def what_if(sensitivity: dict, bars: Mapping[str, str], title: str, unit: str = "ms", scale: float = 1e3,
+            note: Callable[[dict], str] | None = None) -> Explorer:
+    """A what-if explorer over an emulated run replayed on other figures (``Emulator.sensitivity(..., grid=)``):
+    sliders for the achieved compute (x the calibrated efficiency) and the links' bandwidth, bars of the
+    replayed quantities ``bars`` ({label: key of the quantity's dict}) in ``unit`` (seconds x ``scale``), and
+    ``note(values)`` in the title (e.g. the ratio the verdict reads). Every point is a replay of the same run."""
+    grid = sensitivity["grid"]
+    cells = {(c, b): grid["values"][i][j] for i, c in enumerate(grid["compute"])
+             for j, b in enumerate(grid["bandwidth"])}
+
+    def draw(compute: float, bandwidth: float) -> go.Figure:
+        v = cells[(compute, bandwidth)]
+        fig = Figure(go.Bar(x=list(bars), y=[v[k] * scale for k in bars], text=[f"{v[k] * scale:.3g}" for k in bars],
+                            textposition="outside", marker_color=[PALETTE[i % len(PALETTE)] for i in range(len(bars))]))
+        extra = f": {note(v)}" if note else ""
+        fig.update_layout(yaxis_title=f"virtual time ({unit})", showlegend=False)
+        return theme(fig, f"{title} at compute x{compute:g}, links x{bandwidth:g} (replayed){extra}")
+
+    return explore(draw, {"compute": list(grid["compute"]), "bandwidth": list(grid["bandwidth"])},
+                   defaults={"compute": 1.0, "bandwidth": 1.0})
