@@ -310,3 +310,35 @@ def test_the_session_cache_shares_one_launch_of_an_identical_lesson_job(tmp_path
     monkeypatch.delenv("TOOLKIT_LAUNCH_CACHE")
     monkeypatch.delenv("TOOLKIT_BF16_COMPUTE")
     assert cached() is None  # no cache outside the suite
+
+
+def test_a_launch_keeps_a_jupyter_kernel_busy_after_a_control_request(monkeypatch):
+    """JupyterLab asks for a subshell (control channel) when the bar's widget opens its first comm; ipykernel's idle
+    status for that request made JupyterLab and /api/kernels say "Idle" for the rest of the cell. Inside
+    kernel_stays_busy a control idle is followed by busy for the running cell; outside it nothing changes
+    (tests/test_browser.py checks it in JupyterLab)."""
+    import IPython
+
+    from toolkit.runtime.launch import kernel_stays_busy
+
+    class Kernel:
+        def __init__(self):
+            self.sent = []
+
+        def _publish_status(self, status, channel, parent=None):
+            self.sent.append((status, channel, parent))
+
+        def get_parent(self, channel="shell"):
+            return {"msg_type": "execute_request"}
+
+    kernel = Kernel()
+    monkeypatch.setattr(IPython, "get_ipython", lambda: types.SimpleNamespace(kernel=kernel))
+    with kernel_stays_busy():
+        kernel._publish_status("busy", "control")
+        kernel._publish_status("idle", "control")
+        kernel._publish_status("idle", "shell")  # another shell request's idle is left alone
+    kernel._publish_status("idle", "control")  # restored after the launch
+    cell = {"msg_type": "execute_request"}
+    assert kernel.sent == [("busy", "control", None), ("idle", "control", None), ("busy", "shell", cell),
+                           ("idle", "shell", None), ("idle", "control", None)]
+    assert "_publish_status" not in vars(kernel)

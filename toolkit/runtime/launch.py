@@ -674,9 +674,9 @@ def kernel_stays_busy():
         yield
         return
 
-    def publish_then_busy(status, channel, parent=None):
-        publish(status, channel, parent)
-        if channel == "control" and status == "idle":
+    def publish_then_busy(status, *args, **kwargs):  # ipykernel's (status, channel, parent=None)
+        publish(status, *args, **kwargs)
+        if status == "idle" and (args[0] if args else kwargs.get("channel")) == "control":
             publish("busy", "shell", cell)
 
     kernel._publish_status = publish_then_busy
