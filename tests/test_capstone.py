@@ -166,7 +166,7 @@ def test_the_composed_step_on_the_emulated_cluster_beside_the_planner(run):
     toy = lesson.planner_step(configs[composed], hw)
     assert model["compute"] > 10 * toy["compute"]  # the matched FLOPs, at the same efficiency model
     # at the toy's shapes the planner, which has no per-op host term, is far below the launch-bound virtual step
-    assert E[0]["toy"]["step_s"] > 100 * toy["total"]
+    assert E[0]["toy"]["step_s"] > 10 * toy["total"]
 
 
 def test_the_planner_mfu_is_checked_on_the_emulated_gpu(run):

@@ -614,8 +614,8 @@ headline("12", "dynamic context parallelism",
 # ## Try this
 #
 # - `sim_cap = 4096`: in section 4 each rank holds half the tokens, so a sequence needs twice the ranks.
-# - A code edit in section 4's first cell: `hw = dcp_sim.CLUSTER.perturbed(compute=0.7)` (every kernel 30 % slower)
-#   or `dcp_sim.Setup(pp=4, dcp=16)`.
+# - A code edit in section 4's first cell: `hw = dcp_sim.CLUSTER.perturbed(compute=0.7)` (slower kernels, the
+#   same links) or `dcp_sim.Setup(pp=4, dcp=16)`.
 # - `cluster = "pcie-100gbe"`: a slower ring under the run, so fewer merges pay; compare the ring bytes and the
 #   emulated steps.
 # - `lengths = [240, 8, 8, 8, 8, 8, 8, 8]`: one long sequence among short ones (a multiple of `world_size` of

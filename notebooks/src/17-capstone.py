@@ -41,7 +41,8 @@ from IPython.display import Markdown, display
 from toolkit import compose, compose_bytes, launch, planner, viz
 from toolkit.compose import LOSS_RTOL, TECHNIQUES, ComposeConfig, Composed, loss_rtol
 from toolkit.lessons import l17_capstone as lesson
-from toolkit.models import catalog, matched
+from toolkit.models import catalog
+from toolkit.models.matched import op_times, spec_moe_op
 from toolkit.report import headline
 from toolkit.runtime import calibration
 from toolkit.runtime.cluster import cluster as make_cluster
@@ -360,7 +361,7 @@ else:
         exposed = {n: max(r["emulated"]["ep_overlap"][n]["exposed_s"] for r in results) for n in E["ep_overlap"]}
         plain, overlapped = pair["dualpipev"], pair["ep_overlap (on baseline)"]
         real_moe = catalog.get(E["stands_for"])
-        op = matched.op_times(matched.spec_moe_op(real_moe, real_moe.seq_len, base.ep), hw_run, "intra")
+        op = op_times(spec_moe_op(real_moe, real_moe.seq_len, base.ep), hw_run, "intra")
         display(Markdown(
             f"DualPipeV with each F&B pair's expert all-to-alls overlapped (`ep_overlap`), matched the same way, "
             f"against DualPipeV without: {overlapped * 1e3:.1f} ms against {plain * 1e3:.1f} ms per step "
@@ -492,7 +493,7 @@ print(hw13.describe())
 # FlashAttention-2 throughput: `pytest -k calibration`). The launch ran two dense toy blocks with the 13B
 # layers' sequence-to-hidden and MLP-to-hidden ratios on the virtual clock, timed as the 13B layers
 # (`lesson.mfu_check`, workload-matched with `matched.layer_op`). Their MFU (model FLOPs utilisation: the usual
-# accounting, 6 × the parameters + 12·s·d FLOPs per token, over the time at the dense bf16 peak) is what a 13B
+# accounting, `6·N + 12·L·s·d` FLOPs per token (formula), over the time at the dense bf16 peak) is what a 13B
 # layer's kernels reach. A whole training step also communicates, steps its optimizer, idles in pipeline
 # bubbles, pays the host and runs at the GPU's power limit: published MFUs of whole steps sit below it.
 

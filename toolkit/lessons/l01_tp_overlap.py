@@ -273,6 +273,7 @@ def emulated(ctx, group, block, tokens: int, cfg: dict, stacks: dict, step) -> d
     real workload ``cfg["stands_for"]``'s (``toolkit.models.catalog``; its MLP at tp = world size, one sequence
     per micro-batch): the micro-benchmark candidates, a sweep of the GEMM's length against the transfer (where
     the ring pays, where tiles pay), and the four whole-step variants. Deterministic: one call each."""
+    ctx.reserve_for_replay()  # the bar's last quarter: the run replayed on other figures
     from toolkit.models import catalog, matched
     from toolkit.parallel.tp_overlap import overlap_ceiling
     emu, tp = ctx.emulator, dist.get_world_size(group)
@@ -317,7 +318,7 @@ def emulated(ctx, group, block, tokens: int, cfg: dict, stacks: dict, step) -> d
             stacks[name].configure(timeline=None)
             spans[name] = [asdict(s) for s in ctx.timeline.spans[mark:]]
         out["spans"] = spans
-    out["sensitivity"] = emu.sensitivity(step_ratio, grid=WHAT_IF)
+    out["sensitivity"] = ctx.replay(step_ratio, grid=WHAT_IF)
     return out
 
 

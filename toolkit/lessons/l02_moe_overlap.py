@@ -148,6 +148,7 @@ def emulated(ctx, cfg: dict, mbs, models) -> dict | None:
     emu = ctx.emulator
     if emu is None:
         return None
+    ctx.reserve_for_replay()  # the bar's last quarter: the run replayed on other figures
     mc, real = models["serial"].cfg, catalog.get(cfg["stands_for"])
     tokens = cfg["micro_batch"] * cfg["seq_len"]
     toy_op = matched.moe_layer_op(tokens, mc.d_model, mc.d_ff, mc.top_k, ctx.world_size, emu.cluster.float_bytes)
@@ -168,7 +169,7 @@ def emulated(ctx, cfg: dict, mbs, models) -> dict | None:
                     step(models[s], mbs, s, tracer)
                 out[view][s] = {"step_s": emu.now() - t0, "exposed": dict(tracer.exposed)}
         ctx.progress(1 if view == "own shapes" else 2, 2, f"emulated: {view}")
-    out["sensitivity"] = emu.sensitivity(matched_shares, grid=WHAT_IF)
+    out["sensitivity"] = ctx.replay(matched_shares, grid=WHAT_IF)
     return out
 
 

@@ -25,7 +25,6 @@ from toolkit.pipeline.harness import Job, PipelineSetup, measure_schedules, repl
 from toolkit.pipeline.schedule import make_schedule, torch_order_missing
 from toolkit.pipeline.torch_compare import compare_orders, runtime_missing
 from toolkit.runtime.config import Param, common, require_divisible, resolve
-from toolkit.runtime.emulator import WHAT_IF
 
 SCHEDULES = ("1f1b", "zb-h1", "interleaved", "dualpipev")
 PARAMS = {**common("model", "n_layer", "m", "micro_batch", "warmup", "bench_steps", "rounds"),
@@ -90,6 +89,7 @@ def emulated(ctx, cfg: dict, setup: PipelineSetup, jobs: list[Job]) -> dict | No
     emu = ctx.emulator
     if emu is None:
         return None
+    ctx.reserve_for_replay()  # the bar's last quarter: the run replayed on other figures
     real = catalog.get(cfg["stands_for"])
     scales = matched.matched_scales(setup.layer_op(emu.cluster.float_bytes), matched.layer_op(real, real.seq_len))
     with emu.scaled(**scales):
@@ -97,7 +97,7 @@ def emulated(ctx, cfg: dict, setup: PipelineSetup, jobs: list[Job]) -> dict | No
     labels = [job.label for job in jobs]
     out = {"cluster": emu.cluster.name, "gpu": emu.cluster.gpu.name, "link": emu.cluster.intra.name,
            "stands_for": cfg["stands_for"], "scales": scales, "jobs": [],
-           "sensitivity": emu.sensitivity(lambda clocks: replayed_steps(clocks, labels, "matched"), grid=WHAT_IF)}
+           "sensitivity": ctx.replay(lambda clocks: replayed_steps(clocks, labels, "matched"))}
     for job, rec in zip(jobs, records):
         out["jobs"].append({"schedule": rec["schedule"], "fb_overlap": rec["fb_overlap"], "meta": rec["meta"],
                             "step_s": rec["bench"]["virtual"]["mean_s"], "exposed_recv_s": rec["exposed_recv_vs"],

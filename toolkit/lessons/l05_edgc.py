@@ -372,6 +372,7 @@ def emulated(ctx, cfg: dict, n_params: int, toy_steps: dict[str, list], going_on
     emu = ctx.emulator
     if emu is None:
         return None
+    ctx.reserve_for_replay()  # the bar's last quarter: the run replayed on other figures
     from toolkit.comm import compressed_dp as cost
     from toolkit.models import catalog
     from toolkit.models.matched import dp_phase_scales
@@ -419,7 +420,7 @@ def emulated(ctx, cfg: dict, n_params: int, toy_steps: dict[str, list], going_on
     bench = {scale: {name: {k: summarize([m[k]], 1, 0, "virtual").to_dict() for k in ("sync_s", "step_s")}
                      for name, m in got.items()} for scale, got in (("toy", toy), ("matched", matched))}
     windows = {name: len(data[:steps]) for name, (_, _, _, steps) in going_on.items()}
-    sensitivity = emu.sensitivity(lambda clocks: matched_syncs(clocks, windows), grid=WHAT_IF)
+    sensitivity = ctx.replay(lambda clocks: matched_syncs(clocks, windows), grid=WHAT_IF)
     return {"cluster": hw.name, "gpu": hw.gpu.name, "link": hw.link_between(list(range(world)), world).name,
             "nodes": world // hw.per_node(world), "stands_for": cfg["stands_for"], "real_params": real.params(),
             "scales": scales, "toy": toy, "matched": matched, "bench": bench, "matched_steps": cfg["window"],

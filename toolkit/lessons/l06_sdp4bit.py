@@ -28,7 +28,7 @@ from toolkit.quant import dequantize_blockwise, hadamard32, qsnr_db, quantize_bl
 from toolkit.runtime import compat
 from toolkit.runtime.cluster import Cluster
 from toolkit.runtime.config import Param, common, require_ranks, resolve
-from toolkit.runtime.emulator import WHAT_IF, metered
+from toolkit.runtime.emulator import metered
 from toolkit.runtime.spread import paired
 
 MODES = {
@@ -263,6 +263,7 @@ def emulated(ctx, cfg: dict, toy_steps: dict[str, list], going_on: dict, progres
     emu = ctx.emulator
     if emu is None or set(MATCHED_MODES) - set(going_on):  # no cluster, or modes without SDP4Bit
         return None
+    ctx.reserve_for_replay()  # the bar's last quarter: the run replayed on other figures
     from toolkit.comm import compressed_dp as cost
     from toolkit.models import catalog
     from toolkit.models.matched import dp_phase_scales
@@ -283,8 +284,7 @@ def emulated(ctx, cfg: dict, toy_steps: dict[str, list], going_on: dict, progres
             matched[mode] = _step(ctx, model, sdp, x, y, f"{mode}/matched", cfg["steps"], scales=scales)[2]
         progress()
     modes = list(going_on)
-    sensitivity = emu.sensitivity(lambda clocks: {m: max(c.window(f"matched/{m}")["s"] for c in clocks) for m in modes},
-                                  grid=WHAT_IF)
+    sensitivity = ctx.replay(lambda clocks: {m: max(c.window(f"matched/{m}")["s"] for c in clocks) for m in modes})
     toy = {mode: _mean_phases(toy_steps[mode]) for mode in going_on}
     elements = padded * scales["gradient"]["bytes"]  # the real gradient the matched step stands for
     codec = {mode: (m["grads_s"] + m["weights_s"] - m["wire_s"]) / elements for mode, m in matched.items()}

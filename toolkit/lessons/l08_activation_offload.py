@@ -34,7 +34,6 @@ from toolkit.pipeline.harness import PipelineSetup
 from toolkit.pipeline.schedule import one_f_one_b
 from toolkit.runtime.bench import compare, replayed
 from toolkit.runtime.config import Param, common, require_divisible, require_ranks, resolve
-from toolkit.runtime.emulator import WHAT_IF
 from toolkit.runtime.memory import MemoryTracker
 
 DEFAULT_POLICIES = ["all", "attention", "mlp", "norms", "qkv", "core", "proj", "ln1", "ln2", "fc1", "act", "fc2"]
@@ -202,6 +201,7 @@ def emulated(ctx, cfg: dict, setup: PipelineSetup, make, stepper) -> dict | None
     emu = ctx.emulator
     if emu is None:
         return None
+    ctx.reserve_for_replay()  # the bar's last quarter: the run replayed on other figures
     real = catalog.get(cfg["stands_for"])
     scales = matched.matched_scales(setup.layer_op(emu.cluster.float_bytes), matched.layer_op(real, real.seq_len))
     out = {"cluster": emu.cluster.name, "gpu": emu.cluster.gpu.name, "host_link": emu.cluster.host.name,
@@ -232,6 +232,5 @@ def emulated(ctx, cfg: dict, setup: PipelineSetup, make, stepper) -> dict | None
             if off is not None:
                 off.remove()
         ctx.progress(i + 1, 2, f"emulated: {view}")
-    out["sensitivity"] = emu.sensitivity(
-        lambda clocks: {v: replayed(clocks, f"emulated matched/{v}") for v in TIMED}, grid=WHAT_IF)
+    out["sensitivity"] = ctx.replay(lambda clocks: {v: replayed(clocks, f"emulated matched/{v}") for v in TIMED})
     return out

@@ -29,7 +29,6 @@ from toolkit.pipeline.harness import Job, PipelineSetup, grads_bitwise_equal, me
 from toolkit.pipeline.recompute import RecomputeQueue
 from toolkit.pipeline.schedule import interleaved_1f1b, one_f_one_b
 from toolkit.runtime.config import Param, common, require_divisible, resolve
-from toolkit.runtime.emulator import WHAT_IF
 
 WORLD_SIZE = 4
 PARAMS = {**common("model", "n_layer", "m", "micro_batch", "warmup", "bench_steps", "rounds"),
@@ -106,6 +105,7 @@ def emulated(ctx, cfg: dict, setup: PipelineSetup, jobs: list[Job]) -> dict:
     deterministic), its op times and spans on the virtual clock, and the time a rank waited for its receives.
     The toy's own shapes ran on the same clock in ``runs`` (``bench["virtual"]``, ``op_vseconds``). ``hop_s``: one
     activation or gradient on the link between two stages, α + bytes/β, at both shapes (the simulator's comm)."""
+    ctx.reserve_for_replay()  # the bar's last quarter: the run replayed on other figures
     emu = ctx.emulator
     toy, real_op = setup.layer_op(emu.cluster.float_bytes), matched.layer_op(catalog.get(cfg["stands_for"]), catalog.get(cfg["stands_for"]).seq_len)
     scales = matched.matched_scales(toy, real_op)
@@ -117,7 +117,7 @@ def emulated(ctx, cfg: dict, setup: PipelineSetup, jobs: list[Job]) -> dict:
     def steps(clocks) -> dict[str, float]:  # each schedule's matched step, from a replay of the run
         return {names[k]: v for k, v in replayed_steps(clocks, list(names), "matched").items()}
     return {"cluster": emu.cluster.name, "gpu": emu.cluster.gpu.name, "link": link.name,
-            "sensitivity": emu.sensitivity(steps, grid=WHAT_IF),
+            "sensitivity": ctx.replay(steps),
             "stands_for": cfg["stands_for"], "scales": scales,
             "hop_s": {"toy": link.seconds(toy["wire_bytes"]), "matched": link.seconds(real_op["wire_bytes"])},
             "runs": {job.schedule.name: {"step_s": rec["bench"]["virtual"]["mean_s"], "bench": rec["bench"]["virtual"],

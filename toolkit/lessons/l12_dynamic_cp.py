@@ -36,7 +36,6 @@ from toolkit.data import corpus
 from toolkit.models import GPT, GPTConfig, preset
 from toolkit.runtime import compat
 from toolkit.runtime.bench import compare, replayed
-from toolkit.runtime.emulator import WHAT_IF
 from toolkit.runtime.cluster import Cluster, cluster
 from toolkit.runtime.config import Param, common, require_ranks, resolve
 
@@ -247,12 +246,14 @@ def run(ctx, cfg: dict) -> dict:
         ring[name] = {d: {"ledger": ctx.ledger.total("sent_bytes", tag=f"ring-{d}:{name}"), "closed_form": closed[d]}
                       for d in ("forward", "backward")}
     ctx.phase("timing")
+    if emu is not None:
+        ctx.reserve_for_replay()  # the phase's last quarter: the run replayed on other figures
     with matched():  # wall times as they are; the virtual ones beside them are the matched workload's
         bench = compare({name: (lambda name=name: step(name)) for name in plans}, warmup=cfg["warmup"],
                         steps=cfg["bench_steps"], rounds=cfg["rounds"], sync=ctx.barrier, on_round=ctx.progress,
                         label="timing")
-    sensitivity = None if emu is None else emu.sensitivity(
-        lambda clocks: {name: replayed(clocks, f"timing/{name}") for name in plans}, grid=WHAT_IF)
+    sensitivity = None if emu is None else ctx.replay(
+        lambda clocks: {name: replayed(clocks, f"timing/{name}") for name in plans})
     ctx.phase("selfcheck")
     selfcheck = ring_selfcheck(ctx, [8 * world, 2 * world, 12 * world], cfg["seed"])
     return {"rank": rank, "world": world, "cfg": cfg, "model": vars(model_cfg), "n_tokens": n_tokens,

@@ -34,7 +34,6 @@ from toolkit.pipeline.harness import Job, PipelineSetup, check_stage_per_rank, c
 from toolkit.pipeline.schedule import one_f_one_b
 from toolkit.runtime.bench import compare, measure, replayed
 from toolkit.runtime.config import Param, common, resolve
-from toolkit.runtime.emulator import WHAT_IF
 from toolkit.runtime.timeline import Timeline
 
 WORLD_SIZE = 4
@@ -170,6 +169,7 @@ def _emulated(ctx, cfg: dict, setup: PipelineSetup, groups, timed: dict, stepper
     """The three runs on the emulated cluster's clock, at the toy's shapes and matched to ``PAPER_LAYER``: in each
     view every rank times its passes on the virtual clock, the vocabulary schedules are built from the gathered
     times, and one step of each run is read on the virtual clock (deterministic: one is enough)."""
+    ctx.reserve_for_replay()  # the bar's last quarter: the run replayed on other figures
     from toolkit.models import matched
     emu, r, p, m = ctx.emulator, ctx.rank, ctx.world_size, setup.m
     hw = emu.cluster
@@ -200,8 +200,7 @@ def _emulated(ctx, cfg: dict, setup: PipelineSetup, groups, timed: dict, stepper
             out[view]["runs"][name] = {"bench": bench[name].to_dict(), "spans": ex.timeline.to_json(),
                                        "waits": ex.waits, "comm_spans": passes.comm_spans if passes else []}
     names = list(out["matched"]["runs"])
-    out["sensitivity"] = emu.sensitivity(
-        lambda clocks: {name: replayed(clocks, f"emulated matched/{name}") for name in names}, grid=WHAT_IF)
+    out["sensitivity"] = ctx.replay(lambda clocks: {name: replayed(clocks, f"emulated matched/{name}") for name in names})
     return out
 
 

@@ -31,7 +31,6 @@ from toolkit.pipeline.executor import PipelineExecutor
 from toolkit.pipeline.harness import PipelineSetup, grads_bitwise_equal
 from toolkit.pipeline.schedule import make_schedule
 from toolkit.runtime.bench import compare
-from toolkit.runtime.emulator import WHAT_IF
 from toolkit.runtime.config import Param, common, require_divisible, resolve
 from toolkit.runtime.timeline import Timeline
 
@@ -187,6 +186,7 @@ def emulated(ctx, cfg: dict, mc, executor, inputs, targets) -> dict | None:
     emu = ctx.emulator
     if emu is None:
         return None
+    ctx.reserve_for_replay()  # the bar's last quarter: the run replayed on other figures
     real = catalog.get(STANDS_FOR)
     toy_tokens, real_tokens = cfg["micro_batch"] * mc.seq_len, real.seq_len
     scales = matched.matched_scales(matched.dense_layer_op(toy_tokens, mc.d_model, mc.d_ff, emu.cluster.float_bytes),
@@ -217,8 +217,7 @@ def emulated(ctx, cfg: dict, mc, executor, inputs, targets) -> dict | None:
         out["matched"]["runs"][name] = one(name, matched=True)
     out["dp_link"] = next((c["link"] for c in emu.comms if c["op"] == "all_reduce" and c["link"]), None)
     runs = list(out["runs"]) + [f"matched · {name}" for name in VARIANTS]
-    out["sensitivity"] = emu.sensitivity(lambda clocks: {r: max(c.window(r)["s"] for c in clocks) for r in runs},
-                                         grid=WHAT_IF)
+    out["sensitivity"] = ctx.replay(lambda clocks: {r: max(c.window(r)["s"] for c in clocks) for r in runs})
     return out
 
 

@@ -32,7 +32,6 @@ from toolkit import planner
 from toolkit.models import catalog, matched
 from toolkit.planner import offload_memory, validate_offload_model
 from toolkit.runtime.bench import compare, replayed, verdict
-from toolkit.runtime.emulator import WHAT_IF
 from toolkit.runtime.memory import MemoryTracker
 
 OFFLOAD_VARIANTS = ("zero", "cpu", "stream", "nvme", "nvme_params", "fsdp2", "fsdp2_offload")
@@ -247,6 +246,7 @@ def _emulated(ctx, cfg: dict, out: dict, trainers: dict, stepper, last: dict) ->
     and disk I/O of one step, at the toy's shapes and matched to ``cfg["stands_for"]``'s gradient and backward
     (one step each, after the timed ones: the virtual clock is deterministic), each beside
     ``planner.offload_time`` for the same workload, cluster, data parallelism and ZeRO stage."""
+    ctx.reserve_for_replay()  # the bar's last quarter: the run replayed on other figures
     emu, n, hw = ctx.emulator, ctx.world_size, ctx.emulator.cluster
     names = [v for v in EMULATED_VARIANTS if v in trainers]
     real = catalog.get(cfg["stands_for"])
@@ -288,8 +288,7 @@ def _emulated(ctx, cfg: dict, out: dict, trainers: dict, stepper, last: dict) ->
         bench = one_step_each("offload matched")
     E["matched"] = {"stands_for": cfg["stands_for"], "scales": scales, "params": real.params(),
                     "tokens": real.seq_len, "rows": view(bench, planner.Workload(real))}
-    E["sensitivity"] = emu.sensitivity(
-        lambda clocks: {name: replayed(clocks, f"offload matched/{name}") for name in names}, grid=WHAT_IF)
+    E["sensitivity"] = ctx.replay(lambda clocks: {name: replayed(clocks, f"offload matched/{name}") for name in names})
     return E
 
 

@@ -138,6 +138,24 @@ class Context:
         lo, hi = self._bounds()
         return _Part(self, lo + (hi - lo) * index / total, lo + (hi - lo) * (index + size) / total, message)
 
+    def reserve_for_replay(self, share: float = 0.25) -> None:
+        """At the start of an emulated section: the progress reported until ``replay`` fills the first
+        1 − ``share`` of the current part or phase, the replays the rest."""
+        lo, hi = self._bounds()
+        self._replay_bounds = (lo + (hi - lo) * (1 - share), hi)
+        _Part(self, lo, self._replay_bounds[0], "").__enter__()
+
+    def replay(self, quantity, grid: dict | None = None) -> dict:
+        """``emulator.sensitivity(quantity, grid=grid)`` (collective), its replays on the bar's slice
+        ``reserve_for_replay`` kept for them."""
+        lo, hi = getattr(self, "_replay_bounds", self._bounds())
+        if getattr(self, "_replay_bounds", None) is not None and self._parts:
+            self._report(1, 1, "", force=True)
+            self._parts.pop()
+            self._replay_bounds = None
+        with _Part(self, lo, hi, "the run replayed on other figures"):
+            return self.emulator.sensitivity(quantity, grid=grid, progress=self.progress)
+
     def progress(self, done: float, total: float, message: str = "") -> None:
         """Sub-progress inside the current part or phase (the whole run if no phases are declared): ``done``
         of ``total`` units, and what is being done. Cheap: call it in every long loop."""

@@ -546,16 +546,17 @@ class Emulator:
         return gathered
 
     def sensitivity(self, quantity, band: dict[str, tuple[float, float]] | None = None,
-                    grid: dict[str, list[float]] | None = None) -> dict:
+                    grid: dict[str, list[float]] | None = None, progress=None) -> dict:
         """Collective: ``quantity`` (a function of the ranks' clocks, ``list[vclock.RankClock]``, returning a
         number or a dict of numbers) on this run replayed at unchanged figures (``value``: equal to the live run)
         and on the cluster perturbed by each entry of ``band`` (default ``BAND``: ``(compute, bandwidth)``
         factors), with ``low`` and ``high`` over the band. ``grid`` ({"compute": [...], "bandwidth": [...]})
-        adds the quantity at every pair: a what-if explorer's data. The same dict on every rank."""
+        adds the quantity at every pair: a what-if explorer's data. ``progress(done, total, message)`` after each
+        replay (``ctx.progress``, inside a ``ctx.part`` of its own). The same dict on every rank."""
         traces = self.traces()
         out = None
         if self.rank == 0:
-            out = sensitivity(traces, self.cluster, quantity, band, grid)
+            out = sensitivity(traces, self.cluster, quantity, band, grid, progress)
         holder = [out]
         with self.paused(), self._side():
             dist.broadcast_object_list(holder, src=0)
@@ -572,13 +573,19 @@ def totals(clock: vclock.RankClock) -> dict[str, float]:
 
 
 def sensitivity(traces: list[dict], cluster: Cluster, quantity, band: dict[str, tuple[float, float]] | None = None,
-                grid: dict[str, list[float]] | None = None) -> dict:
+                grid: dict[str, list[float]] | None = None, progress=None) -> dict:
     """``Emulator.sensitivity`` from traces already gathered (any process)."""
     band = BAND if band is None else band
     t0 = time.perf_counter()
+    total = 1 + len(band) + (len(grid.get("compute", [1.0])) * len(grid.get("bandwidth", [1.0])) if grid else 0)
+    done = [0]
 
     def value(compute: float, bandwidth: float):
-        return quantity(vclock.replay(traces, cluster.perturbed(compute, bandwidth)))
+        got = quantity(vclock.replay(traces, cluster.perturbed(compute, bandwidth)))
+        done[0] += 1
+        if progress is not None:
+            progress(done[0], total, "the run replayed on other figures")
+        return got
 
     base = value(1.0, 1.0)
     out = {"value": base, "band": {name: value(*factors) for name, factors in band.items()}, "factors": band}
@@ -591,7 +598,7 @@ def sensitivity(traces: list[dict], cluster: Cluster, quantity, band: dict[str, 
     if grid:
         out["grid"] = {"compute": list(grid.get("compute", [1.0])), "bandwidth": list(grid.get("bandwidth", [1.0]))}
         out["grid"]["values"] = [[value(c, b) for b in out["grid"]["bandwidth"]] for c in out["grid"]["compute"]]
-    out["replays"] = 1 + len(band) + (len(out["grid"]["compute"]) * len(out["grid"]["bandwidth"]) if grid else 0)
+    out["replays"] = total
     out["events"] = sum(len(t["events"]) for t in traces)
     out["wall_s"] = time.perf_counter() - t0
     return out

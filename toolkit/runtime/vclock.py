@@ -325,8 +325,8 @@ class RankClock:
 
 def _ref(stamp) -> tuple | float | None:
     """How a trace names a time handed between threads: a stamp's origin, else the number itself."""
-    if stamp is None:
-        return None
+    if stamp is None or isinstance(stamp, tuple):  # a replay passes the trace's own reference on
+        return stamp
     ref = getattr(stamp, "ref", None)
     return ref if ref is not None else float(stamp)
 

@@ -244,8 +244,9 @@ def what_if(sensitivity: dict, bars: Mapping[str, str], title: str, unit: str = 
 
     def draw(compute: float, bandwidth: float) -> go.Figure:
         v = cells[(compute, bandwidth)]
-        fig = Figure(go.Bar(x=list(bars), y=[v[k] * scale for k in bars], text=[f"{v[k] * scale:.3g}" for k in bars],
-                            textposition="outside", marker_color=[PALETTE[i % len(PALETTE)] for i in range(len(bars))]))
+        y = [v[key] * scale for key in bars.values()]
+        fig = Figure(go.Bar(x=list(bars), y=y, text=[f"{x:.3g}" for x in y], textposition="outside",
+                            marker_color=[PALETTE[i % len(PALETTE)] for i in range(len(bars))]))
         extra = f": {note(v)}" if note else ""
         fig.update_layout(yaxis_title=f"virtual time ({unit})", showlegend=False)
         return theme(fig, f"{title} at compute x{compute:g}, links x{bandwidth:g} (replayed){extra}")
