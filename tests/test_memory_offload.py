@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from toolkit import launch
-from toolkit.comm.bucketing import ring_bytes, simulate, steady_exposed
+from toolkit.comm.bucketing import alpha_beta, ring_bytes, simulate, steady_exposed
+from toolkit.runtime import collectives
 from toolkit.lessons import l00b_memory, memory_offload
 from toolkit.memory import nvme
 from toolkit.memory.checkpointing import apply_checkpointing, saved_activation_bytes
@@ -183,13 +184,13 @@ def test_spill_writes_exactly_the_checkpointed_bytes_and_the_article_snippet_doe
 def test_bucket_link_model():
     # one bucket waits for the end of backward; many pay the latency each; a few hide behind backward
     ready = [0.1 * i for i in range(1, 11)]  # ten equal gradients ready during a 1 s backward
-    one = simulate([1.0], [1000], 2, alpha_s=0.01, beta=1000.0)[-1] - 1.0  # ring bytes = 2(n-1)/n x 1000 = 1000
-    ten = simulate(ready, [100] * 10, 2, alpha_s=0.01, beta=1000.0)[-1] - 1.0
-    two = simulate([0.5, 1.0], [500, 500], 2, alpha_s=0.01, beta=1000.0)[-1] - 1.0
+    one = simulate([1.0], [1000], 2, alpha_beta(0.01, 1000.0))[-1] - 1.0  # ring bytes = 2(n-1)/n x 1000 = 1000
+    ten = simulate(ready, [100] * 10, 2, alpha_beta(0.01, 1000.0))[-1] - 1.0
+    two = simulate([0.5, 1.0], [500, 500], 2, alpha_beta(0.01, 1000.0))[-1] - 1.0
     assert one == pytest.approx(1.01) and two == pytest.approx(0.52) and ten == pytest.approx(0.2)
-    ten_slow = simulate(ready, [100] * 10, 2, alpha_s=0.3, beta=1000.0)[-1] - 1.0
-    two_slow = simulate([0.5, 1.0], [500, 500], 2, alpha_s=0.3, beta=1000.0)[-1] - 1.0
-    one_slow = simulate([1.0], [1000], 2, alpha_s=0.3, beta=1000.0)[-1] - 1.0
+    ten_slow = simulate(ready, [100] * 10, 2, alpha_beta(0.3, 1000.0))[-1] - 1.0
+    two_slow = simulate([0.5, 1.0], [500, 500], 2, alpha_beta(0.3, 1000.0))[-1] - 1.0
+    one_slow = simulate([1.0], [1000], 2, alpha_beta(0.3, 1000.0))[-1] - 1.0
     assert two_slow < min(one_slow, ten_slow)  # the interior optimum when calls cost
 
 
@@ -332,7 +333,7 @@ def test_offload_on_the_emulated_host_link_and_disk(lesson):
         assert E["matched"]["scales"] == pytest.approx({"flops": want[0]["gemm_flops"] / want[1]["gemm_flops"],
                                                         "bytes": want[0]["wire_bytes"] / want[1]["wire_bytes"]})
         for view, scale, workload in (("toy", 1.0, Workload(params=off["numel"])),
-                                      ("matched", E["matched"]["scales"]["bytes"], real)):
+                                      ("matched", E["matched"]["scales"]["bytes"], Workload(real))):
             rows = E[view]["rows"]
             assert rows["zero"]["traffic"] == {}
             cpu, stream, nv = rows["cpu"]["traffic"], rows["stream"]["traffic"], rows["nvme"]["traffic"]
@@ -387,10 +388,13 @@ def test_spill_side_channel_and_buckets(lesson):
 
 def test_ddp_buckets_on_the_emulated_cluster_follow_the_link_closed_form(lesson):
     """DDP through ``ctx.emulator.ddp_hook``: each bucket's all-reduce ends where ``bucketing.simulate`` puts it
-    (fed the virtual times the buckets were ready and the preset's InfiniBand α, β), a single bucket is exposed
-    in full (α + bytes/β), matched to Llama-2-7B as well, and both ranks read the same virtual times."""
+    (fed the virtual times the buckets were ready and the cluster's all-reduce across two nodes), a single bucket
+    is exposed in full, matched to Llama-2-7B as well, and both ranks read the same virtual times."""
     E = lesson[0]["buckets"]["emulated"]
     ib, n = TWO_NODES.inter, 2
+
+    def all_reduce_s(wire: float) -> float:
+        return collectives.seconds(TWO_NODES, "all_reduce", range(n), n, wire)[0]
     assert E["link"] == {"name": ib.name, "bytes_per_s": ib.bytes_per_s, "latency_s": ib.latency_s}
     assert E["nodes"] == 2 and E["float_bytes"] == 2 and E["backward_s"] > 0
     rows, toy = E["rows"], lesson[0]["buckets"]["rows"]
@@ -399,14 +403,14 @@ def test_ddp_buckets_on_the_emulated_cluster_follow_the_link_closed_form(lesson)
         assert len(spans) == sizes["buckets"]
         bf16 = [b / 2 for b in sizes["bucket_bytes"]]  # fp32 buckets timed at the target's bf16
         assert [s["bytes"] for s in spans] == pytest.approx([ring_bytes(b, n) for b in bf16])
-        ends = simulate([s["ready"] for s in spans], bf16, n, ib.latency_s, ib.bytes_per_s)
+        ends = simulate([s["ready"] for s in spans], bf16, n, all_reduce_s)
         assert [s["end"] for s in spans] == pytest.approx(ends, rel=1e-9, abs=1e-12)
         assert row["exposed_s"] == pytest.approx(max(ends) - row["backward_end_s"], rel=1e-9, abs=1e-12)
         assert row["step_s"] >= row["backward_end_s"] + row["exposed_s"] - 1e-12
     one = rows[-1]
     assert toy[-1]["buckets"] == 1
     whole = lesson[0]["buckets"]["grad_bytes"] / 2
-    assert one["exposed_s"] == pytest.approx(ib.seconds(ring_bytes(whole, n)))
+    assert one["exposed_s"] == pytest.approx(all_reduce_s(ring_bytes(whole, n)))
     assert one["closed_form_exposed_s"] == pytest.approx(one["exposed_s"])
     assert min(r["exposed_s"] for r in rows) < one["exposed_s"]  # buckets hide part of the transfer
     M = E["matched"]
@@ -416,7 +420,7 @@ def test_ddp_buckets_on_the_emulated_cluster_follow_the_link_closed_form(lesson)
     assert M["scales"] == pytest.approx({"flops": want[0]["gemm_flops"] / want[1]["gemm_flops"],
                                          "bytes": want[0]["wire_bytes"] / want[1]["wire_bytes"]})
     assert M["grad_bytes"] == 2 * real.params() and M["backward_s"] > 100 * E["backward_s"]
-    assert M["rows"][-1]["exposed_s"] == pytest.approx(ib.seconds(ring_bytes(M["grad_bytes"], n)), rel=1e-6)
+    assert M["rows"][-1]["exposed_s"] == pytest.approx(all_reduce_s(ring_bytes(M["grad_bytes"], n)), rel=1e-6)
     assert M["closed_form_real"][-1]["exposed_s"] == pytest.approx(M["rows"][-1]["exposed_s"], rel=1e-6)
     other = lesson[1]["buckets"]["emulated"]
     assert [r["exposed_s"] for r in other["rows"]] == [r["exposed_s"] for r in rows]
@@ -424,7 +428,7 @@ def test_ddp_buckets_on_the_emulated_cluster_follow_the_link_closed_form(lesson)
 
 
 def test_steady_rate_link_exposes_one_bucket_in_full_and_hides_small_ones():
-    one = steady_exposed([1000], 1.0, 2, 0.01, 1e4)
+    one = steady_exposed([1000], 1.0, 2, alpha_beta(0.01, 1e4))
     assert one == pytest.approx(0.01 + ring_bytes(1000, 2) / 1e4)  # ready when backward ends: all exposed
-    many = steady_exposed([100] * 10, 1.0, 2, 0.01, 1e4)
+    many = steady_exposed([100] * 10, 1.0, 2, alpha_beta(0.01, 1e4))
     assert many < one  # the first nine all-reduce while backward runs

@@ -520,7 +520,7 @@ for V in (32_000, 64_000, 128_000):
     w = vp.Workload(vp.gpt("the paper's 4B GPT", layers=32, hidden=3072, vocab=V, seq_len=4096))
     sweep[V] = vp.simulate_layouts(vp.stage_costs(w, P8, a100, "baseline"), vp.stage_costs(w, P8, a100, "vocab", 2),
                                    M24, 2, comm_a100)["speedup"]
-sweep[paper.vocab_size] = sims[2]["speedup"]
+sweep[paper.model.vocab] = sims[2]["speedup"]
 viz.lines({"speedup": list(sweep.values())}, x=[f"{v // 1000}k" for v in sweep], title="Simulated speedup vs vocabulary",
           xaxis_title="vocabulary", yaxis_title="x baseline").show()
 

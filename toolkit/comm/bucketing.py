@@ -7,7 +7,9 @@ them) and all-reduces a bucket as soon as its last gradient is ready, while back
     link           [ b0 ]      [  b1  ]    [  b2  ]    [  b3  ]    [  b4  ] [ b5 ]───┤ exposed
                                                                                       ▼ step can go on
 
-    one bucket's time on the link = α + 2(n-1)/n · S_b / β        (latency per call + ring bytes / bandwidth)
+    one bucket's time on the link = its all-reduce's time: α + 2(n-1)/n · S_b / β in the simplest model
+    (``alpha_beta``: latency per call + ring bytes / bandwidth); the emulated cluster's is NCCL's, calibrated
+    (``toolkit.runtime.collectives.seconds``)
     it starts at max(its gradients ready, the previous bucket done): the link carries one at a time
 
 Small buckets pay α (and DDP's per-bucket work) once per bucket: many calls, the link busy with
@@ -25,6 +27,10 @@ the same link, fed the times at which buckets became ready; ``steady_exposed`` a
 from __future__ import annotations
 
 import itertools
+from typing import Callable
+
+TransferTime = Callable[[float], float]
+"""Seconds of one all-reduce on the link, from the bytes each rank puts on it (``ring_bytes``)."""
 
 
 def ring_bytes(nbytes: int, n: int) -> float:
@@ -32,16 +38,21 @@ def ring_bytes(nbytes: int, n: int) -> float:
     return 2 * (n - 1) / n * nbytes
 
 
-def simulate(ready_s: list[float], nbytes: list[int], n: int, alpha_s: float, beta: float) -> list[float]:
+def alpha_beta(alpha_s: float, beta: float) -> TransferTime:
+    """The simplest link: ``alpha_s`` per call plus the bytes over ``beta`` (bytes per second)."""
+    return lambda wire_bytes: alpha_s + wire_bytes / beta
+
+
+def simulate(ready_s: list[float], nbytes: list[float], n: int, transfer_s: TransferTime) -> list[float]:
     """End time of each bucket's all-reduce on a link that carries one at a time (same clock as ``ready_s``)."""
     ends, free = [], float("-inf")
     for ready, b in zip(ready_s, nbytes):
-        free = max(ready, free) + alpha_s + ring_bytes(b, n) / beta
+        free = max(ready, free) + transfer_s(ring_bytes(b, n))
         ends.append(free)
     return ends
 
 
-def steady_exposed(bucket_bytes: list[int], backward_s: float, n: int, alpha_s: float, beta: float) -> float:
+def steady_exposed(bucket_bytes: list[float], backward_s: float, n: int, transfer_s: TransferTime) -> float:
     """Exposed all-reduce time (after backward ends) of ``simulate``'s link, gradients produced at a steady rate.
 
     Bucket ``i`` (in ready order) is ready once backward has produced its bytes and those of the buckets before
@@ -49,4 +60,4 @@ def steady_exposed(bucket_bytes: list[int], backward_s: float, n: int, alpha_s: 
     """
     total = sum(bucket_bytes)
     ready = list(itertools.accumulate(b / total * backward_s for b in bucket_bytes))
-    return max(simulate(ready, bucket_bytes, n, alpha_s, beta)) - backward_s
+    return max(simulate(ready, bucket_bytes, n, transfer_s)) - backward_s

@@ -196,6 +196,7 @@ def buckets(ctx, cfg: dict) -> dict:
     # ---- on the emulated cluster: the toy's own shapes, then matched to the real model's gradient and backward --
     from toolkit.models import catalog, matched
     from toolkit.comm.bucketing import steady_exposed
+    from toolkit.runtime import collectives
     hw = emu.cluster
     link = hw.link_between(list(range(n)), n)
     real = catalog.get(cfg["stands_for"])
@@ -207,8 +208,14 @@ def buckets(ctx, cfg: dict) -> dict:
         """The bucket's bytes on the target: its elements at ``float_bytes`` (bf16), times the byte scale."""
         return [b / elem * hw.float_bytes * byte_scale for b in sizes[cap]]
 
-    def closed_form(cap: float, backward_s: float, byte_scale: float, on: Link) -> float:
-        return steady_exposed(target_bytes(cap, byte_scale), backward_s, n, on.latency_s, on.bytes_per_s)
+    def on_link(wire: float) -> float:  # the world's all-reduce, as the emulated cluster times it
+        return collectives.seconds(hw, "all_reduce", range(n), n, wire)[0]
+
+    def in_node(wire: float) -> float:  # the same ranks inside one node
+        return collectives.fastest(hw.intra, "all_reduce", n, wire)[0]
+
+    def closed_form(cap: float, backward_s: float, byte_scale: float, transfer) -> float:
+        return steady_exposed(target_bytes(cap, byte_scale), backward_s, n, transfer)
 
     # one step each on the virtual clock, started from clocks a barrier aligned (compare's sync): deterministic,
     # so one stands for every round (as the matched steps below)
@@ -217,13 +224,13 @@ def buckets(ctx, cfg: dict) -> dict:
                       clock="virtual")
     backward = _virtual_backward(ctx, emu, models[cfg["bucket_mb"][0]], *data[0])
     E = {"cluster": hw.name, "gpu": hw.gpu.name, "link": _link(link), "intra": _link(hw.intra),
-         "nodes": n // hw.per_node(n), "float_bytes": hw.float_bytes, "launch_s": hw.gpu.launch_s,
+         "nodes": n // hw.per_node(n), "float_bytes": hw.float_bytes, "host_op_s": hw.gpu.efficiency.host_op_s,
          "backward_s": backward, "rows": []}
     for cap in models:
         v = last[cap]
         E["rows"].append({"bucket_mb": cap, "step_s": toy[cap].mean_s, "exposed_s": v["exposed_s"],
-                          "closed_form_exposed_s": closed_form(cap, backward, 1.0, link),
-                          "closed_form_intra_exposed_s": closed_form(cap, backward, 1.0, hw.intra),
+                          "closed_form_exposed_s": closed_form(cap, backward, 1.0, on_link),
+                          "closed_form_intra_exposed_s": closed_form(cap, backward, 1.0, in_node),
                           "spans": v["spans"], "backward_end_s": v["backward_end_s"]})
     with emu.scaled(**scales), ctx.ledger.tag("buckets/matched"):
         backward_m = _virtual_backward(ctx, emu, models[cfg["bucket_mb"][0]], *data[0])
@@ -233,12 +240,12 @@ def buckets(ctx, cfg: dict) -> dict:
             stepper(cap)()
             matched.append({"bucket_mb": cap, "real_bucket_mb": max(target_bytes(cap, scales["bytes"])) / 2**20,
                             "step_s": last[cap]["step_s"], "exposed_s": last[cap]["exposed_s"],
-                            "closed_form_exposed_s": closed_form(cap, backward_m, scales["bytes"], link),
-                            "closed_form_intra_exposed_s": closed_form(cap, backward_m, scales["bytes"], hw.intra)})
+                            "closed_form_exposed_s": closed_form(cap, backward_m, scales["bytes"], on_link),
+                            "closed_form_intra_exposed_s": closed_form(cap, backward_m, scales["bytes"], in_node)})
     grad = real_op["wire_bytes"]
     E["matched"] = {"stands_for": cfg["stands_for"], "scales": scales, "backward_s": backward_m,
-                    "backward_gemm_s": real_op["gemm_flops"] / hw.gpu.bf16_flops, "grad_bytes": grad,
-                    "rows": matched, "closed_form_real": _closed_form_sweep(grad, backward_m, n, link, hw.intra)}
+                    "backward_gemm_s": real_op["gemm_flops"] / (hw.gpu.bf16_flops * hw.gpu.efficiency.gemm), "grad_bytes": grad,
+                    "rows": matched, "closed_form_real": _closed_form_sweep(grad, backward_m, n, on_link, in_node)}
     out["emulated"] = E
     return out
 
@@ -247,17 +254,17 @@ REAL_BUCKET_MB = [2 ** i for i in range(0, 19)]
 """Bucket sizes (MiB) of the closed form at the real model's scale: 1 MiB up to one bucket for the gradient."""
 
 
-def _closed_form_sweep(grad_bytes: float, backward_s: float, n: int, link: Link, intra: Link) -> list[dict]:
+def _closed_form_sweep(grad_bytes: float, backward_s: float, n: int, on_link, in_node) -> list[dict]:
     """``steady_exposed`` of a ``grad_bytes`` gradient cut into equal buckets of each ``REAL_BUCKET_MB`` (the last
-    one smaller), on ``link`` and on ``intra``, up to the first size that holds the whole gradient."""
+    one smaller), with the all-reduce times ``on_link`` and ``in_node`` (``bucketing.TransferTime``), up to the
+    first size that holds the whole gradient."""
     from toolkit.comm.bucketing import steady_exposed
     rows = []
     for mb in REAL_BUCKET_MB:
         full, rest = divmod(grad_bytes, mb * 2**20)
         sizes = [mb * 2**20] * int(full) + ([rest] if rest else [])
-        rows.append({"bucket_mb": mb, "exposed_s": steady_exposed(sizes, backward_s, n, link.latency_s,
-                                                                  link.bytes_per_s),
-                     "intra_exposed_s": steady_exposed(sizes, backward_s, n, intra.latency_s, intra.bytes_per_s)})
+        rows.append({"bucket_mb": mb, "exposed_s": steady_exposed(sizes, backward_s, n, on_link),
+                     "intra_exposed_s": steady_exposed(sizes, backward_s, n, in_node)})
         if len(sizes) == 1:
             break
     return rows
