@@ -433,11 +433,11 @@ assert repeated == ["NCCL_IB_DISABLE"]
 # the target hardware:
 #
 # ```
-# any ATen op   host += host time per eager op; the stream runs the kernel when host and stream are both there:
-#               kernel floor + max(FLOPs / (peak × achieved share at this shape), bytes / (HBM × achieved share))
-# a collective  NCCL's fastest protocol (LL, LL128, Simple, NVLS) for its size on the link its group spans,
-#               hierarchical across nodes; it completes at the latest arrival over its ranks, and while it runs
-#               it takes its channels' SMs from the kernels beside it
+# any ATen op   host += its time per eager op; the kernel starts when host and stream are both there:
+#               floor + max(FLOPs / (peak × achieved share), bytes / (HBM × achieved share))
+# a collective  NCCL's fastest protocol (LL, LL128, Simple, NVLS) for its size, on the link its
+#               group spans, hierarchical across nodes; done at the latest arrival over its ranks;
+#               while it runs it takes its channels' SMs from the kernels beside it
 # ```
 #
 # None of those figures is a datasheet peak: the achieved shares, the kernel floor and the protocol curves are

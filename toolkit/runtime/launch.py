@@ -632,13 +632,19 @@ def _unfinished(tmp: Path, world_size: int) -> list[int]:
 
 
 def _read_stacks(tmp: Path, world_size: int, wait_s: float = 5.0) -> str:
-    """Stacks the watchdogs of unfinished ranks dumped just before the deadline."""
+    """Stacks the watchdogs of unfinished ranks dumped just before the deadline. A dump is read once its file has
+    stopped growing: faulthandler writes the header before the threads' frames."""
     deadline = time.monotonic() + wait_s
     out = []
     for r in _unfinished(tmp, world_size):
         path = tmp / f"rank{r}.stack.txt"
-        while time.monotonic() < deadline and not (path.exists() and path.stat().st_size):
-            time.sleep(0.1)
+        seen = 0
+        while time.monotonic() < deadline:
+            size = path.stat().st_size if path.exists() else 0
+            if size and size == seen:
+                break
+            seen = size
+            time.sleep(0.2)
         text = path.read_text() if path.exists() else ""
         out.append(f"--- stack of rank {r} at the deadline ---\n{text.strip() or '(no stack dumped)'}")
     return "\n".join(out)
