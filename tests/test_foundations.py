@@ -9,7 +9,8 @@ import torch
 from toolkit.comm.bandwidth import bus_factor, check_nccl_settings, parse_exports
 from toolkit.data import batches
 from toolkit.lessons import l00_foundations
-from toolkit.memory.checkpointing import POLICIES, apply_checkpointing, saved_activation_bytes
+from toolkit.memory.checkpointing import POLICIES, apply_checkpointing
+from toolkit.runtime.memory import saved_activation_bytes
 from toolkit.models import GPT, preset
 from toolkit.planner import Workload, memory_per_gpu, plan, validate_memory_model
 from toolkit.precision import train

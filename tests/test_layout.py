@@ -1,11 +1,28 @@
-"""The package's layering, read from the sources (no imports run): techniques and the runtime never import the
-lesson programs, and no two toolkit modules import each other (also through others, also inside functions)."""
+"""The package's layering, read from the sources (no imports run): every toolkit module imports only its own package
+and the floors below it (``FLOORS``), techniques and the runtime never import the lesson programs, and no two
+toolkit modules import each other (also through others, also inside functions)."""
 from __future__ import annotations
 
 import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+
+FLOORS = (
+    ("runtime",),                                   # processes, clocks, the emulated cluster, measurement
+    ("data", "quant"),                              # batches; quantisers
+    ("models",),                                    # the GPT, the model catalog, workload matching
+    ("comm", "parallel"),                           # collectives' techniques; DP / TP / ZeRO
+    ("moe",),                                       # experts, dispatch, overlap of two micro-batches
+    ("pipeline",),                                  # schedules, executor, simulator, vocabulary parallelism
+    ("memory", "context", "graphs", "precision", "viz"),  # offload, context parallelism, CUDA graphs, figures
+    ("planner", "report", "jupyter"),               # cost models over all of the above; results; the lab hook
+    ("compose", "compose_bytes"),                   # techniques composed
+    ("api",),                                       # the public surface: what ``import toolkit`` offers
+    ("toolkit",),
+    ("lessons",),                                   # the programs the notebooks launch
+)
+"""Packages of ``toolkit`` (first name after ``toolkit.``; ``toolkit`` is its ``__init__``), lowest first."""
 
 
 def _imports() -> dict[str, set[str]]:
@@ -26,9 +43,25 @@ def _imports() -> dict[str, set[str]]:
                 if node.level:
                     up = package.split(".")[:len(package.split(".")) - node.level + 1]
                     base = ".".join(up + ([base] if base else []))
-                found |= {base} | {f"{base}.{a.name}" for a in node.names}
+                # ``from pkg import mod`` imports the module; ``from pkg import name`` imports the package
+                found |= {f"{base}.{a.name}" if f"{base}.{a.name}" in files else base for a in node.names}
         graph[name] = {m for m in found if m in files and m != name}
     return graph
+
+
+def _package(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def test_every_module_imports_its_own_package_and_lower_floors_only():
+    floor = {pkg: i for i, names in enumerate(FLOORS) for pkg in names}
+    graph = _imports()
+    undeclared = sorted({_package(m) for m in graph} - set(floor))
+    assert not undeclared, f"packages with no floor in FLOORS (declare them): {undeclared}"
+    upward = sorted((m, t) for m, ts in graph.items() for t in ts
+                    if _package(m) != _package(t) and floor[_package(t)] >= floor[_package(m)])
+    assert not upward, f"imports of a package on the same floor or above (FLOORS): {upward}"
 
 
 def test_only_lessons_import_lessons():

@@ -22,7 +22,8 @@ from toolkit.comm.bucketing import alpha_beta, ring_bytes, simulate, steady_expo
 from toolkit.runtime import collectives
 from toolkit.lessons import l00b_memory, memory_offload
 from toolkit.memory import nvme
-from toolkit.memory.checkpointing import apply_checkpointing, saved_activation_bytes
+from toolkit.memory.checkpointing import apply_checkpointing
+from toolkit.runtime.memory import saved_activation_bytes
 from toolkit.memory.optim_offload import OffloadAdamW
 from toolkit.memory.spill import ALIGN, DiskSpill, inspect_article_snippet
 from toolkit.models import GPT, preset

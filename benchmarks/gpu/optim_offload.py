@@ -107,7 +107,8 @@ def check() -> list[dict]:
 
 
 def _spill(tmp: str) -> list[dict]:
-    from toolkit.memory.checkpointing import apply_checkpointing, saved_activation_bytes
+    from toolkit.memory.checkpointing import apply_checkpointing
+    from toolkit.runtime.memory import saved_activation_bytes
     from toolkit.memory.spill import ALIGN, DiskSpill
     from toolkit.models import GPT, preset
     torch.manual_seed(0)

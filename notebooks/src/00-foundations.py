@@ -296,7 +296,9 @@ assert abs(pp["1f1b"]["peak_act_bytes"] / pp["gpipe"]["peak_act_bytes"] - pp["p"
 # are excluded, and each storage is counted once (q, k and v are views of one qkv buffer).
 
 # %%
-print(inspect.getsource(checkpointing.saved_activation_bytes))
+from toolkit.runtime.memory import saved_activation_bytes
+
+print(inspect.getsource(saved_activation_bytes))
 
 # %%
 ckpt = sorted((row for r in results for row in r["checkpointing"]), key=lambda row: checkpointing.POLICIES.index(row["policy"]))

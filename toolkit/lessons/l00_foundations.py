@@ -24,7 +24,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from toolkit.comm.bandwidth import environment_report, probe
 from toolkit.data import batches
-from toolkit.memory.checkpointing import POLICIES, apply_checkpointing, saved_activation_bytes
+from toolkit.memory.checkpointing import POLICIES, apply_checkpointing
+from toolkit.runtime.memory import saved_activation_bytes
 from toolkit.lessons import foundations_parallel as parallel
 from toolkit.models import GPT, preset
 from toolkit.precision import MODES, train

@@ -22,7 +22,8 @@ import torch.nn as nn
 
 from toolkit.data import batches
 from toolkit.memory import nvme
-from toolkit.memory.checkpointing import apply_checkpointing, saved_activation_bytes
+from toolkit.memory.checkpointing import apply_checkpointing
+from toolkit.runtime.memory import saved_activation_bytes
 from toolkit.memory.optim_offload import OffloadAdamW, adamw_
 from toolkit.memory.spill import ALIGN, DiskSpill, article_custom_checkpoint_saved_bytes, inspect_article_snippet
 from toolkit.models import GPT, preset

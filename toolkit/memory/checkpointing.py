@@ -9,14 +9,13 @@
     mlp           mlp (fc1 -> act -> fc2)                   block input of mlp          the MLP
     block         the whole block                           block inputs only           the whole block
 
-``saved_activation_bytes`` counts, with ``saved_tensors_hooks``, every tensor autograd
+``toolkit.runtime.memory.saved_activation_bytes`` counts, with ``saved_tensors_hooks``, every tensor autograd
 keeps for backward during a forward pass: parameters excluded, each storage once
 (views of one buffer, e.g. q/k/v of one qkv tensor, are one storage). It is exact and
 deterministic, so it can be compared between policies and against a formula.
 """
 from __future__ import annotations
 
-from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -50,22 +49,3 @@ def apply_checkpointing(model: nn.Module, policy: str) -> nn.Module:
         elif policy == "block":
             model.blocks[i] = Checkpointed(block)
     return model
-
-
-def saved_activation_bytes(forward: Callable[[], torch.Tensor], params: list[torch.Tensor]) -> tuple[int, object]:
-    """Run ``forward()`` and return (bytes autograd saved for backward, forward's output).
-
-    Parameters are not activations and are excluded; each storage is counted once.
-    """
-    param_storages = {p.untyped_storage().data_ptr() for p in params}
-    seen: dict[int, int] = {}
-
-    def pack(t: torch.Tensor):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in param_storages:
-            seen[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = forward()
-    return sum(seen.values()), out

@@ -25,7 +25,7 @@ graph intact, so no activation is dropped either. ``inspect_article_snippet`` me
 With ``torch.utils.checkpoint`` (non-reentrant) around each block, what autograd saves outside the
 recomputation is the checkpointed segments' inputs (plus what non-checkpointed modules save, e.g. the
 loss), so the file receives exactly the bytes plain checkpointing would keep in memory
-(``toolkit.memory.checkpointing.saved_activation_bytes`` counts them the same way), and the
+(``toolkit.runtime.memory.saved_activation_bytes`` counts them the same way), and the
 recomputation in backward reads them back. The mapping is ``MAP_SHARED`` on the file: its pages are the
 file's page cache, written back to the disk by the kernel, and can be dropped from RAM under pressure;
 on a GPU the bytes leave the device at pack time, which is the saving.
@@ -125,7 +125,7 @@ def article_custom_checkpoint_saved_bytes(func, x: torch.Tensor, params: list[to
     vs ``torch.utils.checkpoint`` around the same ``func``."""
     from torch.utils.checkpoint import checkpoint
 
-    from .checkpointing import saved_activation_bytes
+    from toolkit.runtime.memory import saved_activation_bytes
     article, _ = saved_activation_bytes(lambda: func(x), params)
     real, _ = saved_activation_bytes(lambda: checkpoint(func, x, use_reentrant=False), params)
     return {"article_custom_checkpoint": article, "torch_checkpoint": real}

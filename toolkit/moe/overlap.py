@@ -349,7 +349,7 @@ def _both(a, b):
 
 
 def _step(model, micro_batches, schedule: str, tracer: Tracer, saved: dict | None) -> list[float]:
-    from toolkit.memory.checkpointing import saved_activation_bytes
+    from toolkit.runtime.memory import saved_activation_bytes
     m, params = len(micro_batches), list(model.parameters())
     fwd = [micro_batch_forward(model, x, y, i, tracer, 1.0 / m) for i, (x, y) in enumerate(micro_batches)]
     held = []

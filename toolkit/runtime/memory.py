@@ -38,6 +38,7 @@ import collections
 import contextlib
 import weakref
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -279,3 +280,22 @@ class MemoryTracker(TorchDispatchMode):
         if force or total != self._last_total:
             self.samples.append({"t": len(self.samples), "label": self.label, **self.counters, "total": total})
             self._last_total = total
+
+
+def saved_activation_bytes(forward: Callable[[], torch.Tensor], params: list[torch.Tensor]) -> tuple[int, object]:
+    """Run ``forward()`` and return (bytes autograd saved for backward, forward's output).
+
+    Parameters are not activations and are excluded; each storage is counted once.
+    """
+    param_storages = {p.untyped_storage().data_ptr() for p in params}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in param_storages:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = forward()
+    return sum(seen.values()), out
