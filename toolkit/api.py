@@ -99,12 +99,29 @@ ENTRIES: list[Entry] = [
           'c = cluster("h100-ib400", ranks_per_node=2)  # two nodes for a 4-rank launch\nprint(c.describe())\n'
           'launch("my_module:exp", 4, cluster=c)'),
     Entry("Emulator", "toolkit.runtime.emulator:Emulator", AREAS[0],
-          "A rank's virtual clock on an emulated cluster: ops timed by the GPU's roofline, transfers by α-β.",
+          "A rank's virtual clock on an emulated cluster: ops timed at the GPU's calibrated kernel rates, "
+          "collectives as NCCL times them.",
           "ctx.emulator.now() in seconds; scaled(flops=, bytes=) times ops as a bigger model's; graph_replay(); "
           "paused() for sections that measure the real run only; report() per op and per transfer",
           "built on every rank by launch(..., cluster=); results stay bitwise those of the run without it",
           'def exp(ctx, cfg):\n    t0 = ctx.emulator.now(); step()\n'
           '    return {"step_on_h100_s": ctx.emulator.now() - t0}'),
+    Entry("sensitivity", "toolkit.runtime.emulator:sensitivity", AREAS[0],
+          "Re-time a recorded emulated run on other cluster figures by replay, without running it again: its value, "
+          "the band over compute x0.7-1.3 and links x0.8-1.2, and a what-if grid.",
+          "traces (Emulator.traces()), a Cluster, quantity(clocks) -> number or dict; grid {compute: [...], "
+          "bandwidth: [...]}; returns value, band, low, high, grid, replays, wall_s",
+          "any process, from the traces rank 0 gathered; inside a launch ctx.replay(quantity) runs it with progress",
+          'traces = ctx.emulator.traces()  # on rank 0: every rank\'s ops and transfers\n'
+          'out = sensitivity(traces, ctx.emulator.cluster, lambda clocks: replayed(clocks, "step"))\n'
+          'print(out["low"], out["value"], out["high"])'),
+    Entry("calibration_checks", "toolkit.runtime.calibration:checks", AREAS[0],
+          "The cluster presets against published measurements (data/published/): per row, the model's figure and "
+          "the measured one, within its bound, or why the row is not checked.",
+          "returns list[Check] (table, what, hardware, measured, model, unit, bound, checked, reason, source); "
+          "calibration.summary() per table",
+          "anywhere, no launch; pytest -k calibration asserts every checked row",
+          'rows = calibration_checks()\nprint(sum(r.checked for r in rows), "rows checked against", len(rows))'),
     Entry("Param", "toolkit.runtime.config:Param", AREAS[0],
           "One configuration knob: type, meaning, allowed range or choices; drives validation and bad-input tests.",
           "-", "used in the launching process by validate(cfg, world_size), before any rank starts",
@@ -348,6 +365,14 @@ ENTRIES: list[Entry] = [
           "The toolkit's tiny pre-norm GPT (attention split into qkv/core/proj, optional MoE).",
           "idx [B, T] (, targets [B, T]) -> logits [B, T, V] (or the loss)", "local",
           'model = GPT(preset("smoke"))\nloss = model(x, y)\nloss.backward()'),
+    Entry("model_spec", "toolkit.models.catalog:get", AREAS[5],
+          "A real model's shapes by name (Llama 2 and 3, Mixtral, DeepSeek-V3, GPT-3): SwiGLU, GQA and experts "
+          "counted in its parameters and FLOPs.",
+          "model_spec('llama2-13b') -> ModelSpec: layers, hidden, heads, kv_heads, ffn, vocab, experts, top_k; "
+          "params(), flops_per_token(seq_len)",
+          "anywhere, no launch; the planner, the cost models and the workload-matched runs read the same catalog",
+          'spec = model_spec("llama2-13b")\nprint(spec.params() / 1e9, "B parameters,", '
+          'spec.flops_per_token(4096) / 1e9, "GFLOP per token")'),
     Entry("batches", "toolkit.data:batches", AREAS[5],
           "Real byte-level text (Python's standard library source), shipped with the project: (inputs, targets).",
           "yields x [batch_size, seq_len], y [batch_size, seq_len] (next bytes), vocabulary 256",

@@ -200,9 +200,10 @@ display(viz.table(table, title="Rank 0: overlap = (T_comm + T_gemm − T_fused) 
 # them with threads on the two cores that run the GEMMs, so section 4 measures a contest for cores as much as
 # an overlap. The launch above also ran on an **emulated cluster** (the `cluster` parameter,
 # `toolkit.runtime.emulator`): the same processes, the same ops and bytes, and beside the wall clock a
-# virtual clock per rank that times every ATen op by the roofline of the target GPU (the host pays a launch
-# per kernel and runs ahead of the stream) and every transfer by `α + bytes/β` of the link its group spans.
-# Lesson 00 checks it against closed forms and against the pipeline simulator. Two views of the same ops:
+# virtual clock per rank that times every ATen op at what the target GPU's kernels achieve (the host pays its
+# time per eager op and runs ahead of the stream; a transfer's channels take SMs from the GEMM beside it) and
+# every transfer as NCCL times it on the link its group spans. Lesson 00 checks those figures against published
+# measurements. Two views of the same ops:
 #
 # - the toy's **own shapes** on the target: GEMMs of a few microseconds, as long as a kernel launch;
 # - the **workload-matched** run: every GEMM counted with the FLOPs and every tensor with the bytes of the

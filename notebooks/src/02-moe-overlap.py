@@ -218,8 +218,9 @@ display(Markdown(
 #
 # gloo moves the bytes on the cores that compute, so the wall-clock numbers above mix an overlap with a contest
 # for cores. The launch also ran on an **emulated cluster** (the `cluster` parameter, `toolkit.runtime.emulator`;
-# lesson 00 checks it against closed forms): the same ops and bytes, timed by the target GPU's roofline and the
-# link's `α + S/β` on a virtual clock per rank, each EP rank on its own node (the all-to-alls cross InfiniBand, as
+# lesson 00 checks it against published measurements): the same ops and bytes, timed at what the target GPU's
+# kernels achieve and as NCCL times each transfer on its link, on a virtual clock per rank, each EP rank on its
+# own node (the all-to-alls cross InfiniBand, as
 # expert parallelism over 64 GPUs does). Two views of one step each way: the toy's own shapes, and matched to a
 # real MoE — every op counted with the FLOPs and every tensor with the bytes of its expert layers — so that the
 # experts' GEMMs and the all-to-alls have the real ratio. The project's target for the form training uses (fb):

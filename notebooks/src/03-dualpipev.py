@@ -215,8 +215,8 @@ display(viz.bars([r for r in table], x="schedule", y="bench step (ms)",
 #
 # On this CPU the time between actions (Python, gloo's latency) weighs on every bubble. The launch also ran on
 # an **emulated cluster** (the `cluster` parameter; `toolkit.runtime.emulator`, checked in lesson 00 against
-# closed forms and against this simulator): each op timed by the target GPU's roofline, each activation or
-# gradient by `α + S/β` of its link, on a virtual clock per rank. Our schedules ran once more there, **matched**
+# published measurements and against this simulator): each op timed at what the target GPU's kernels achieve,
+# each activation or gradient as NCCL sends it on its link, on a virtual clock per rank. Our schedules ran once more there, **matched**
 # to a real model (every op counted with the FLOPs, every tensor with the bytes, of its transformer layers at
 # pp = world size), so that a stage's compute and its messages have the real ratio. For every schedule: the
 # step, the bubble from the virtual timeline, the time a rank waited for its receives, and the part of those

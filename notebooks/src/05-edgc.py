@@ -282,7 +282,7 @@ viz.table(rows, title="Communication time per step (rank 0)", formats={"predicte
 # Section 6's timings are this CPU's, whose loopback links are latency-bound. To judge the paper's time claims
 # the launch ran on an **emulated cluster** (the `cluster` parameter, `toolkit.runtime.emulator`, checked in
 # lesson 00): every rank on a node of its own, so each all-reduce crosses the inter-node link; every op of the
-# real run timed by the target GPU's roofline, every transfer by α + bytes/β of its link. The lesson reads each
+# real run timed at what the target GPU's kernels achieve, every transfer as NCCL times it on its link. The lesson reads each
 # step on the virtual clock in three phases: forward and backward, the gradient sync (the codec's compute and
 # the transfers; its *wire* part is the transfers alone), the optimizer (the barrier that lines the ranks up is
 # left out).
@@ -352,7 +352,8 @@ if EM is not None:
 # the stand-in model on that many GPUs of the same cluster, split as `tp = 4` inside a node and `pp = 2`, the
 # rest data parallel (our assumption: the abstract does not give the split), with the real matrix shapes of one
 # GPU's share: the plain all-reduce sends its whole gradient, EDGC three thin all-reduces at the rank its
-# controller settled on in this run. The compute is `6·Ψ·tokens / (tp·pp · peak · mfu)` with the planner's MFU;
+# controller settled on in this run. The compute is the model's layers at the preset's calibrated kernel rates
+# (`catalog.train_seconds`; the MFU those kernels reach is in the table's title);
 # the codec and the optimizer cost what the workload-matched run measured per gradient element. A step hides its
 # sync behind nothing here, so what it saves depends on how much compute a step holds: the table sweeps the
 # global batch.
@@ -366,7 +367,7 @@ if EM is not None:
                 "plain step ms": row["plain"]["step_s"] * 1e3, "EDGC step ms": row["edgc"]["step_s"] * 1e3,
                 "step cut": row["step_cut"]} for row in X],
               title=f"Cost model (extrapolation): {EM['stands_for']} on {EM['paper']['cluster']}, tp {EM['paper']['tp']}"
-                    f" x pp {EM['paper']['pp']} x dp, rank {EM['rank']}, MFU {EM['paper']['mfu']:.0%}",
+                    f" x pp {EM['paper']['pp']} x dp, rank {EM['rank']}, kernels' MFU {EM['paper']['mfu']:.0%}",
               formats={"plain sync ms": ".1f", "EDGC sync ms": ".1f", "sync cut": ".0%", "plain step ms": ".0f",
                        "EDGC step ms": ".0f", "step cut": ".0%"}).show()
     big = [row for row in X if row["gpus"] == max(r["gpus"] for r in X)]

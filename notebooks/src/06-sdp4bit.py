@@ -230,7 +230,8 @@ assert snr["synthetic t(2)"]["TLq-HS"] > snr["synthetic t(2)"]["TLq"] + 2, "H32 
 # Bytes are what the ledger counts; time needs a network. The launch ran on an **emulated cluster** (the
 # `cluster` parameter, `toolkit.runtime.emulator`, checked in lesson 00) whose nodes hold the lesson's nodes:
 # the intra-node all-to-alls ride NVLink, the inter-node ones and the weights' all-gather (it spans every rank)
-# ride InfiniBand. Every op of the real run is timed by the GPU's roofline, every transfer by α + bytes/β. A
+# ride InfiniBand. Every op of the real run is timed at what the GPU's kernels achieve, every transfer as NCCL
+# times it. A
 # quantize, dequantize or Hadamard call is timed as the Triton kernel the toolkit runs on a GPU
 # (`kernels/quant_triton.py`: one launch, its input read and its output written once), not as the torch
 # reference's op-by-op passes that compute the same bits on this CPU. The step is read in phases: forward and
@@ -300,8 +301,9 @@ if EM is not None:
 # The paper's fastest run is an 18B GPT on 128 H800 (16 nodes of 8), tensor parallel inside each node, so a
 # data-parallel group has one GPU per node and all its traffic crosses nodes; one micro-batch per step, whose
 # size the README does not give. `toolkit.comm.compressed_dp` (a cost model, not a measurement) puts that job on
-# the same cluster: compute `6·Ψ·tokens / (tp · peak · mfu)` with the planner's MFU, each GPU's reduce-scatter and
-# all-gather of its `Ψ/tp` shard by `α + bytes/β`, the codec and the optimizer at what the workload-matched run
+# the same cluster: compute the model's layers at the preset's calibrated kernel rates (`catalog.train_seconds`),
+# each GPU's reduce-scatter and all-gather of its `Ψ/tp` shard as the emulated cluster times them
+# (`collectives.group_seconds`), the codec and the optimizer at what the workload-matched run
 # measured per element. Two baselines: bf16 gradients, as this lesson's, and fp32 gradients, which Megatron-LM
 # reduces for a bf16 model (`accumulate_allreduce_grads_in_fp32`, set by the paper's Megatron fork for `--bf16`).
 
@@ -312,7 +314,7 @@ if EM is not None:
                 "baseline step ms": row["baseline"]["step_s"] * 1e3, "SDP4Bit step ms": row["sdp4bit"]["step_s"] * 1e3,
                 "speed-up": row["speedup"], "speed-up, codec free": row["speedup_free_codec"]} for row in X["rows"]],
               title=f"Cost model (extrapolation): {P['params'] / 1e9:.0f}B on {P['gpus']} GPUs of {P['cluster']}, tp "
-                    f"{P['tp']}, dp {X['dp']} over {X['link']}, MFU {P['mfu']:.0%}",
+                    f"{P['tp']}, dp {X['dp']} over {X['link']}, kernels' MFU {P['mfu']:.0%}",
               formats={"baseline step ms": ".0f", "SDP4Bit step ms": ".0f", "speed-up": ".2f",
                        "speed-up, codec free": ".2f"}).show()
     viz.lines({f"baseline grads {'fp32' if g == 4 else 'bf16'}": [row[f"g{g}"] for row in X["sweep"]]

@@ -250,8 +250,8 @@ display(Markdown("Measured on this machine, all ranks, against no offload: " + "
 #
 # On this CPU a copy is a memcpy on the cores that compute, so section 4 measures what copying costs a CPU, not
 # whether a GPU's copy engines hide it. The launch also ran on an **emulated cluster** (the `cluster` parameter,
-# `toolkit.runtime.emulator`): every op timed by the target GPU's roofline, and each group's D2H and H2D by
-# `α + bytes/β` of the host link (PCIe) on a copy engine per direction, which works while the stream computes,
+# `toolkit.runtime.emulator`): every op timed at what the target GPU's kernels achieve, and each group's D2H and
+# H2D by `α + bytes/β` of the host link (PCIe) on a copy engine per direction, which works while the stream computes,
 # issued exactly where the offloader issues them. A reload is **late** when the backward's wait for it moved the
 # stream's clock: it was issued ahead (one group ahead, or when the previous backward ended) but was not back in
 # time; the wait column adds up by how much. `save_on_cpu`'s copies run on the compute stream, as torch runs them

@@ -315,8 +315,9 @@ display(viz.lines(series, x=comms, title=f"Simulated step, p = 4, m = 16, keep =
 #
 # Section 6 cannot answer the question of this lesson: here a waiting rank hands its core to another rank. The
 # launch also ran on an **emulated cluster** (the `cluster` parameter, `toolkit.runtime.emulator`, checked in
-# lesson 00 against closed forms and against the simulator): every op timed by the target GPU's roofline, every
-# activation and gradient by `α + bytes/β` of its link, on a virtual clock per rank, where a rank that waits for a
+# lesson 00 against published measurements and against the simulator): every op timed at what the target GPU's
+# kernels achieve, every activation and gradient as NCCL sends it on its link, on a virtual clock per rank, where
+# a rank that waits for a
 # gradient is idle. Each pipeline stage sits on its own node, so every hop crosses the network and a gradient in
 # flight is a real wait. Every schedule ran once more there **matched** to a real model (every op counted with the
 # FLOPs, every tensor with the bytes, of its transformer layers), so compute and hops have that model's ratio;

@@ -117,7 +117,8 @@ print(f"{n} documents, median {lengths_all[n // 2]} tokens, longest {lengths_all
 # its K/V round a longer ring. The toolkit adds two steps, taken only where a **cost model** says they pay
 # (`schedule_dynamic(..., cost=)`; without one, Megatron's rules as they are). The cost of a group is its
 # modelled forward and backward time, ring hops included (`dcp_sim.CostModel`: the GEMMs and attention at the
-# GPU's FLOP/s, each hop at α + bytes/β of the link, exposed where it outlasts the attention it hides behind);
+# GPU's calibrated rates, each hop as NCCL sends it on the link, exposed where it outlasts the attention it hides
+# behind);
 # the scheduler keeps a clock per rank, and a group starts once all its ranks are free. **Refill** keeps
 # placing the longest sequence that fits where Megatron closes the micro-batch, into a group that still ends no
 # later than the micro-batch's last; **merge** joins the group that ends last with its neighbouring block
@@ -350,8 +351,8 @@ display(Markdown(
 #
 # The launch above also ran on an **emulated cluster** (the `cluster` parameter, `toolkit.runtime.emulator`):
 # the same processes, ops and bytes, and beside the wall clock a virtual clock per rank that times every ATen op
-# by the roofline of the target GPU (the host pays a launch per kernel) and every ring send by α + bytes/β of
-# the link the CP group spans; a receive completes when the sender's bytes arrive, so a rank waits for its ring
+# at what the target GPU's kernels achieve (the host pays its time per eager op) and every ring send as NCCL
+# times it on the link the CP group spans; a receive completes when the sender's bytes arrive, so a rank waits for its ring
 # as it would on GPUs. The checked and timed steps ran **workload-matched** (`dcp_sim.stretch_scales`): every
 # length and width of the toy times r = 5120 / d_model, so each op is timed as the same op of Llama-13B's layers
 # on sequences r times as long — attention and linear work, compute and ring bytes in the real model's

@@ -342,8 +342,8 @@ display(Markdown(
 #
 # On this machine the four processes share the cores, and gloo's collectives run on them too: the wall clock
 # above is no GPU's. The launch therefore also ran on an **emulated cluster** (the `cluster` parameter;
-# `toolkit.runtime.emulator`, checked in lesson 00): every op of every rank is timed by the roofline of the
-# cluster's GPU, every transfer by α + bytes/β on the link the ranks share (one node: its NVLink), each rank on
+# `toolkit.runtime.emulator`, checked in lesson 00): every op of every rank is timed at what the cluster GPU's
+# kernels achieve, every transfer as NCCL times it on the link the ranks share (one node: its NVLink), each rank on
 # its own virtual clock. The comm thread carries the time it was handed (`emu.fork()` when the S pass hands C0
 # over, `Emulator.worker` on the thread, its collectives on its own clock), and a T pass that waits for C0 moves
 # to C0's end, as the CUDA code's wait does. The schedules there are `vocab_1f1b`'s from pass costs read on the

@@ -287,7 +287,8 @@ display(Markdown(
 # ## (c') What a clone costs and buys, on an emulated cluster
 #
 # The launch also ran on an **emulated cluster** (the `cluster` parameter, `toolkit.runtime.emulator`: every op timed
-# by the target GPU's roofline, every transfer by α + bytes/β on its link; the four ranks on one node). The layer's
+# at what the target GPU's kernels achieve, every transfer as NCCL times it on its link; the four ranks on one
+# node). The layer's
 # step ran there once per clone budget, at the run's tokens per rank and at half as many — so the busiest rank's
 # pairs and the clone count do not move together — in virtual time, which is deterministic: one step each.
 # **Matched to DeepSeek-V3's experts**, phase by phase: each pair's expert work timed as one of its SwiGLU experts'

@@ -286,8 +286,9 @@ assert "aten._local_scalar_dense" in r0["audit"]["the loss read on the host (.it
 # ## 5b · On an emulated H100 cluster: the launches a graph removes, and the DP reduce
 #
 # The launch also ran on an **emulated cluster** (the `cluster` parameter; `toolkit.runtime.emulator`,
-# checked in lesson 00): every ATen op timed by the target GPU's roofline, on a stream that runs what a host
-# issues — and the host pays one kernel launch per op. With kernels as small as this model's, the host is
+# checked in lesson 00): every ATen op timed at what the target GPU's kernels achieve (a floor per kernel), on a
+# stream that runs what a host issues — and the host pays its time per eager op. With kernels as small as this
+# model's, the host is
 # the bottleneck: the stream waits for the next launch. Each variant ran one more DualPipeV step there,
 # eager and with every op (each F, B, I, W chunk) replayed as one CUDA graph (the `GraphReplay` executor hook:
 # one launch per chunk), and the DP all-reduce plain, separated or bucketed (bucketed eager only: inside one

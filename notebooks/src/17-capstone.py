@@ -301,8 +301,9 @@ display(viz.table([{"configuration": n, "step (ms)": 1e3 * step[n], "round sprea
 # ## 7b · The composed step on an emulated cluster, beside the planner's model
 #
 # On shared CPU cores the step time says little about a GPU cluster. The launch also ran on an **emulated
-# cluster** (the `cluster` parameter; `toolkit.runtime.emulator`): every op of every rank timed by the target
-# GPU's roofline, every transfer by `α + S/β` of its link, on a virtual clock per rank, the run itself unchanged.
+# cluster** (the `cluster` parameter; `toolkit.runtime.emulator`): every op of every rank timed at what the target
+# GPU's kernels achieve, every transfer as NCCL times it on its link, on a virtual clock per rank, the run itself
+# unchanged.
 # Training and section 7's timing ran with the emulator paused (its overhead is not in section 7's times);
 # then the composed configuration (the chain's end) took one more step on the virtual clock at the toy's own
 # shapes (deterministic: one step is the time), and one more **matched** to a real MoE: every op counted with

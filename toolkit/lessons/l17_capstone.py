@@ -170,7 +170,7 @@ def run(ctx, cfg: dict) -> dict:
 
 def virtual_step(emu, step) -> dict:
     """``step()`` once on the emulated cluster's clock: its virtual seconds (host and stream both done) and what
-    filled them on this rank: kernels' roofline time, launches, link time of the transfers, exposed waits."""
+    filled them on this rank: kernels' time, launches, link time of the transfers, exposed waits."""
     emu.synchronize()
     t0, before = emu.now(), emu.totals()
     step()

@@ -128,8 +128,8 @@ def launch(lesson, world_size: int, cfg: dict | None = None, *, backend: str = "
         oversubscribe: allow far more ranks than this machine has cores or memory for (refused otherwise).
         cluster: run on an emulated cluster (``toolkit.runtime.emulator``): a preset name ("h100-ib400",
             "a100-ib200", "pcie-100gbe") or a ``toolkit.runtime.cluster.Cluster``. Every rank then also keeps a
-            virtual clock: its compute timed by the target GPU's roofline, its communication by the links' α–β.
-            Results and real times are unchanged. None or "none" (default): real time only. With backend
+            virtual clock: its compute timed at the target GPU's calibrated kernel rates, its collectives as NCCL
+            times them. Results and real times are unchanged. None or "none" (default): real time only. With backend
             "nccl" (real GPUs) it is set aside with a warning: there the real time is the measurement.
 
     Raises:
