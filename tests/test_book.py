@@ -125,3 +125,28 @@ def test_results_page_collects_each_lessons_headline(out):
     assert "<a href='results.html'>" in index
     for text in (page, index):  # the times and verdicts say which machine they are from
         assert f"Machine: {html.escape(describe(machine))}" in text
+
+
+def test_results_page_says_whether_each_emulated_verdict_holds_across_the_band(out):
+    from toolkit import report
+    sens = {"value": 0.9, "band": {"compute x0.7": 0.95, "links x0.8": 1.02}}  # the last point flips the verdict
+    flips = report.band("step ratio", sens, lambda v: v < 1)
+    holds = report.band("step ratio", {"value": 0.9, "band": {"compute x0.7": 0.95}}, lambda v: v < 1)
+    assert flips["holds"] is None and (flips["low"], flips["high"]) == (0.9, 1.02) and holds["holds"] is True
+    for name, b in (("00-x", holds), ("03-x", flips)):
+        rec = report.record(name[:2], "overlap", "hidden 40 %", emulated="step 0.90x on h100-ib400",
+                            emulated_reproduced=None if b["holds"] is None else True, emulated_band=b)
+        path = out / "notebooks" / f"{name}.ipynb"
+        nb = nbformat.read(path, as_version=4)
+        nb.cells[-1].outputs.append(nbformat.v4.new_output("display_data", data={report.MIME: rec, "text/markdown": "h"}))
+        nbformat.write(nb, path)
+    book.build(out, [{"name": "00-x", "status": "ok", "seconds": 1.0}, {"name": "03-x", "status": "ok",
+                                                                         "seconds": 2.0}])
+    page = html.unescape((out / "results.html").read_text())
+    assert "Emulated verdicts that hold across the calibration's sensitivity band: 1; that\ndepend on it" in page
+    assert "(not decidable on the emulated cluster): 1." in page
+    assert "step ratio 0.9, 0.9 to 1.02 with the achieved compute x0.7-1.3 and the links x0.8-1.2: depends on " \
+           "calibration: not decidable on the emulated cluster" in page
+    assert "step ratio 0.9, 0.9 to 0.95" in page and "holds across the band" in page
+    with pytest.raises(ValueError, match="emulated_band needs the emulated measurement"):
+        report.record("03", "overlap", "hidden", emulated_band=flips)
