@@ -315,13 +315,13 @@ def reopened_explorers(browser, url: str, token: str, path: str, workspace: str,
     figures = page.locator(".jp-Notebook .jp-RenderedPlotly")
     for i in range(figures.count()):  # plotly draws a figure once it is in view
         figures.nth(i).scroll_into_view_if_needed()
-    try:
-        page.wait_for_function(f"() => ({PRECOMPUTED})() > 0", timeout=30_000)
+    shown = ("() => Array.from(document.querySelectorAll('.jp-RenderedPlotly img.plot-img'))"
+             ".filter(i => i.style.display !== 'none').length")
+    try:  # explorers drawn, or their snapshots shown instead (then they never will be)
+        page.wait_for_function(f"() => ({PRECOMPUTED})() > 0 || ({shown})() > 0", timeout=30_000)
     except sync_api.TimeoutError:
         pass
-    static = page.evaluate("() => document.querySelectorAll('.jp-RenderedPlotly img.plot-img').length && "
-                           "Array.from(document.querySelectorAll('.jp-RenderedPlotly img.plot-img'))"
-                           ".filter(i => i.style.display !== 'none').length")
+    static = page.evaluate(shown)
     result = {"static": static, "precomputed": precomputed_explorers_change(page, prefer="slider")}
     page.screenshot(path=str(shots / f"{workspace}.png"))
     result["console"] = [e for e in console.errors if "widget model not found" not in e]

@@ -155,9 +155,16 @@ class CostModel:
     output_layer: bool = False
 
     def __call__(self, tokens: float, attn_work: float, cp: int) -> float:
-        t = group_times(tokens * self.scale, attn_work * self.scale ** 2, cp, self.layers, self.shape,
-                        self.hw, self.recompute, self.output_layer)
-        return t["F"] + t["B"]
+        return _group_seconds(tokens * self.scale, attn_work * self.scale ** 2, cp, self.layers, self.shape,
+                              self.hw, self.recompute, self.output_layer)
+
+
+@lru_cache(maxsize=1 << 16)
+def _group_seconds(tokens: float, attn_work: float, cp: int, layers: int, shape: ModelSpec, hw: Cluster,
+                   recompute: bool, output_layer: bool) -> float:
+    """``group_times``' F + B, remembered: a scheduler asks for the same groups many times."""
+    t = group_times(tokens, attn_work, cp, layers, shape, hw, recompute, output_layer)
+    return t["F"] + t["B"]
 
 
 def group_inputs(group: Group, lengths: list[int], scale: float = 1.0) -> tuple[float, float]:

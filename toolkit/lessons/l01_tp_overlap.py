@@ -29,7 +29,7 @@ from toolkit.parallel.tp_overlap import (SequenceParallelStack, all_gather_matmu
 from toolkit.pipeline.executor import ActivationMeter
 from toolkit.runtime import compat
 from toolkit.runtime.bench import compare, replayed
-from toolkit.runtime.emulator import WHAT_IF
+from toolkit.runtime.emulator import what_if
 from toolkit.runtime.config import Param, common, resolve
 
 PARAMS = {**common("model", "n_layer", "micro_batch", "seed", "warmup", "bench_steps", "rounds"),
@@ -318,7 +318,7 @@ def emulated(ctx, group, block, tokens: int, cfg: dict, stacks: dict, step) -> d
             stacks[name].configure(timeline=None)
             spans[name] = [asdict(s) for s in ctx.timeline.spans[mark:]]
         out["spans"] = spans
-    out["sensitivity"] = ctx.replay(step_ratio, grid=WHAT_IF)
+    out["sensitivity"] = ctx.replay(step_ratio, grid=what_if(cfg["preset"]))
     return out
 
 

@@ -26,7 +26,7 @@ from toolkit.data import batches
 from toolkit.models import GPT, preset
 from toolkit.moe import expert_parallel
 from toolkit.moe.overlap import SCHEDULES, Tracer, activation_bytes, ratio_sweep, simulate, step
-from toolkit.runtime.emulator import WHAT_IF
+from toolkit.runtime.emulator import what_if
 from toolkit.runtime.bench import compare
 from toolkit.runtime.config import Param, common, require_divisible, resolve
 
@@ -169,7 +169,7 @@ def emulated(ctx, cfg: dict, mbs, models) -> dict | None:
                     step(models[s], mbs, s, tracer)
                 out[view][s] = {"step_s": emu.now() - t0, "exposed": dict(tracer.exposed)}
         ctx.progress(1 if view == "own shapes" else 2, 2, f"emulated: {view}")
-    out["sensitivity"] = ctx.replay(matched_shares, grid=WHAT_IF)
+    out["sensitivity"] = ctx.replay(matched_shares, grid=what_if(cfg["preset"]))
     return out
 
 

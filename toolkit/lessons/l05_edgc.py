@@ -29,7 +29,7 @@ from toolkit.comm.edgc import (EDGC, CommTimeModel, EDGCConfig, PowerSGDReducer,
 from toolkit.data import batches, held_out_loss
 from toolkit.models.gpt import GPT, count_params, preset, split_stages
 from toolkit.runtime.config import Param, common, require_ranks, resolve
-from toolkit.runtime.emulator import WHAT_IF, metered
+from toolkit.runtime.emulator import metered, what_if
 from toolkit.runtime.spread import paired
 
 PARAMS = {
@@ -420,7 +420,7 @@ def emulated(ctx, cfg: dict, n_params: int, toy_steps: dict[str, list], going_on
     bench = {scale: {name: {k: summarize([m[k]], 1, 0, "virtual").to_dict() for k in ("sync_s", "step_s")}
                      for name, m in got.items()} for scale, got in (("toy", toy), ("matched", matched))}
     windows = {name: len(data[:steps]) for name, (_, _, _, steps) in going_on.items()}
-    sensitivity = ctx.replay(lambda clocks: matched_syncs(clocks, windows), grid=WHAT_IF)
+    sensitivity = ctx.replay(lambda clocks: matched_syncs(clocks, windows), grid=what_if(cfg["preset"]))
     return {"cluster": hw.name, "gpu": hw.gpu.name, "link": hw.link_between(list(range(world)), world).name,
             "nodes": world // hw.per_node(world), "stands_for": cfg["stands_for"], "real_params": real.params(),
             "scales": scales, "toy": toy, "matched": matched, "bench": bench, "matched_steps": cfg["window"],

@@ -23,6 +23,7 @@ MFU is reported against the datasheet peak, as published MFUs are.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 
@@ -153,6 +154,7 @@ class Efficiency:
         return plateau * waves * seq / (seq + self.attention_half_seq) * min(1.0, head_dim / 64)
 
 
+@functools.lru_cache(maxsize=1 << 14)  # cost models ask for the same kernels again and again
 def kernel_seconds(k: Kernel, peak_flops: float, hbm_bytes_per_s: float, sms: int, eff: Efficiency,
                    flop_scale: float = 1.0, byte_scale: float = 1.0) -> float:
     """Seconds of one ``Kernel`` entry on a device (module docstring). ``flop_scale`` / ``byte_scale``: the

@@ -70,6 +70,12 @@ WHAT_IF = {"compute": [0.5, 0.7, 1.0, 1.3, 2.0], "bandwidth": [0.25, 0.5, 1.0, 2
 """A what-if explorer's grid: the achieved compute and the links' bandwidth, each x these factors."""
 
 
+def what_if(preset: str) -> dict[str, list[float]]:
+    """The what-if grid a lesson replays at ``preset``: ``WHAT_IF``, or its corners and centre at ``smoke``
+    (9 replays instead of 25, for the test suite)."""
+    return {axis: values[::2] for axis, values in WHAT_IF.items()} if preset == "smoke" else WHAT_IF
+
+
 class ComputeTimer(TorchDispatchMode):
     """Sees every ATen op a rank runs (forward and backward) and advances the emulator's clock by its kernel's
     time; runs the op unchanged and measures its real CPU time beside it."""
