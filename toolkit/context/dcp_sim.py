@@ -47,7 +47,7 @@ from functools import lru_cache
 from toolkit.models.catalog import ModelSpec, get, layer_kernels
 from toolkit.pipeline.schedule import one_f_one_b
 from toolkit.pipeline.simulate import simulate
-from toolkit.runtime.cluster import Cluster, Link, cluster
+from toolkit.runtime.cluster import GPU, Cluster, Link, cluster
 from toolkit.runtime.efficiency import kernel_seconds
 
 from .dynamic_cp import Group, Plan, advance, cp_size_for, pad_length, schedule_dynamic, schedule_static
@@ -109,11 +109,18 @@ def lognormal_lengths(n: int, max_len: int, median: float = 800.0, sigma: float 
     return [min(max(1, round(median * math.exp(sigma * rng.gauss(0.0, 1.0)))), max_len) for _ in range(n)]
 
 
-def _seconds(hw: Cluster, kernels) -> tuple[float, float]:
-    """(all the kernels' seconds, the attention kernels' share of them) on ``hw``'s GPU."""
-    g = hw.gpu
-    t = [(kernel_seconds(k, g.bf16_flops, g.hbm_bytes_per_s, g.sms, g.efficiency), k.kind) for k in kernels]
+def _seconds(gpu: GPU, kernels) -> tuple[float, float]:
+    """(all the kernels' seconds, the attention kernels' share of them) on ``gpu``."""
+    t = [(kernel_seconds(k, gpu.bf16_flops, gpu.hbm_bytes_per_s, gpu.sms, gpu.efficiency), k.kind) for k in kernels]
     return sum(x for x, _ in t), sum(x for x, kind in t if kind == "attention")
+
+
+@lru_cache(maxsize=1 << 16)
+def _layer_seconds(shape: ModelSpec, gpu: GPU, batch: float, length: int, elem: int) -> tuple[float, ...]:
+    """One layer's (forward, its attention, backward, its attention) seconds: remembered, as a scheduler times
+    the same groups on many links."""
+    return (*_seconds(gpu, layer_kernels(shape, batch, length, elem=elem)),
+            *_seconds(gpu, layer_kernels(shape, batch, length, backward=True, elem=elem)))
 
 
 def group_times(tokens: float, attn_work: float, cp: int, layers: int, shape: ModelSpec, hw: Cluster,
@@ -126,15 +133,14 @@ def group_times(tokens: float, attn_work: float, cp: int, layers: int, shape: Mo
         return {"F": 0.0, "B": 0.0, "compute": 0.0, "exposed_comm": 0.0}
     length = max(1.0, attn_work / tokens)  # the token-weighted mean sequence length
     batch = tokens / length
-    fwd_s, attention = _seconds(hw, layer_kernels(shape, batch, round(length), elem=elem))
-    bwd_s, attention_b = _seconds(hw, layer_kernels(shape, batch, round(length), backward=True, elem=elem))
+    fwd_s, attention, bwd_s, attention_b = _layer_seconds(shape, hw.gpu, batch, round(length), elem)
     link = hw.intra if cp <= hw.gpus_per_node else hw.inter
     hop = link.seconds(2 * tokens * shape.kv_dim * elem)
     exposed_f = (cp - 1) * max(0.0, hop - attention / cp) if cp > 1 else 0.0
     hop_b = link.seconds(4 * tokens * shape.kv_dim * elem)  # K/V and dK/dV in flight together
     exposed_b = ((cp - 1) * max(0.0, hop_b - attention_b / cp) + hop) if cp > 1 else 0.0
-    head_f = _seconds(hw, head_kernels(shape, round(tokens)))[0] if output_layer else 0.0
-    head_b = _seconds(hw, head_kernels(shape, round(tokens), backward=True))[0] if output_layer else 0.0
+    head_f = _seconds(hw.gpu, head_kernels(shape, round(tokens)))[0] if output_layer else 0.0
+    head_b = _seconds(hw.gpu, head_kernels(shape, round(tokens), backward=True))[0] if output_layer else 0.0
     fwd = layers * (fwd_s + exposed_f) + head_f
     bwd = layers * (bwd_s + exposed_b) + head_b + (layers * fwd_s if recompute else 0.0)
     compute = layers * (fwd_s * (2 if recompute else 1) + bwd_s) + head_f + head_b
@@ -154,17 +160,17 @@ class CostModel:
     scale: float = 1.0
     output_layer: bool = False
 
+    def __post_init__(self):
+        object.__setattr__(self, "_memo", {})  # groups already timed (not a field): a scheduler asks again and again
+
     def __call__(self, tokens: float, attn_work: float, cp: int) -> float:
-        return _group_seconds(tokens * self.scale, attn_work * self.scale ** 2, cp, self.layers, self.shape,
-                              self.hw, self.recompute, self.output_layer)
-
-
-@lru_cache(maxsize=1 << 16)
-def _group_seconds(tokens: float, attn_work: float, cp: int, layers: int, shape: ModelSpec, hw: Cluster,
-                   recompute: bool, output_layer: bool) -> float:
-    """``group_times``' F + B, remembered: a scheduler asks for the same groups many times."""
-    t = group_times(tokens, attn_work, cp, layers, shape, hw, recompute, output_layer)
-    return t["F"] + t["B"]
+        key = (tokens, attn_work, cp)
+        seconds = self._memo.get(key)
+        if seconds is None:
+            t = group_times(tokens * self.scale, attn_work * self.scale ** 2, cp, self.layers, self.shape,
+                            self.hw, self.recompute, self.output_layer)
+            seconds = self._memo[key] = t["F"] + t["B"]
+        return seconds
 
 
 def group_inputs(group: Group, lengths: list[int], scale: float = 1.0) -> tuple[float, float]:

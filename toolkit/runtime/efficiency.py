@@ -23,7 +23,6 @@ MFU is reported against the datasheet peak, as published MFUs are.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from dataclasses import dataclass
 
@@ -108,6 +107,8 @@ class Efficiency:
     source: str = ""
 
     def __post_init__(self):
+        object.__setattr__(self, "_gemm_memo", {})  # shapes already placed on tiles: not a field (cost models
+        # time the same GEMMs many times)
         for name in ("gemm", "gemm_misaligned", "attention", "attention_causal", "attention_backward", "hbm"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 1:
@@ -132,6 +133,13 @@ class Efficiency:
         """Of the dense peak, what a [m, k] @ [k, n] GEMM (``batch`` of them) reaches on ``sms`` SMs: the best
         tile's share of the plateau times the useful part of its waves (partial tiles and a last, partial wave
         leave SMs idle), times the K loop against its prologue and epilogue."""
+        key = (m, n, k, sms, batch)
+        got = self._gemm_memo.get(key)
+        if got is None:
+            got = self._gemm_memo[key] = self._gemm_fraction(m, n, k, sms, batch)
+        return got
+
+    def _gemm_fraction(self, m: int, n: int, k: int, sms: int, batch: int) -> float:
         best = 0.0
         for t in self.tiles:
             tiles = math.ceil(m / t.m) * math.ceil(n / t.n) * batch
@@ -154,7 +162,6 @@ class Efficiency:
         return plateau * waves * seq / (seq + self.attention_half_seq) * min(1.0, head_dim / 64)
 
 
-@functools.lru_cache(maxsize=1 << 14)  # cost models ask for the same kernels again and again
 def kernel_seconds(k: Kernel, peak_flops: float, hbm_bytes_per_s: float, sms: int, eff: Efficiency,
                    flop_scale: float = 1.0, byte_scale: float = 1.0) -> float:
     """Seconds of one ``Kernel`` entry on a device (module docstring). ``flop_scale`` / ``byte_scale``: the
