@@ -273,7 +273,7 @@ def test_notebook_runs_at_smoke_preset(notebook, tmp_path):
     if tried:  # a last cell prints what the check reads
         nb.cells.append(nbformat.v4.new_code_cell(
             f"import json as _json\nprint({DUMP!r} + _json.dumps({{_n: globals().get(_n) for _n in {tried.reads!r}}}, "
-            "default=lambda o: getattr(o, '__dict__', repr(o))))"))
+            "default=lambda o: o.to_dict() if hasattr(o, 'to_dict') else getattr(o, '__dict__', repr(o))))"))
     source = tmp_path / notebook.name
     nbformat.write(nb, source)
 
