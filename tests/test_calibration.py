@@ -2,7 +2,8 @@
 
 ``pytest -k calibration`` runs these. Each published row is a check of the preset for its hardware: bus bandwidth
 of nccl-tests (within 15 % from 1 MB, 30 % below), cuBLAS GEMM throughput (15 % from 1 GFLOP, 30 % below),
-FlashAttention-2 throughput and copy bandwidth (15 %). A row the presets do not describe is shown with its reason
+FlashAttention-2 throughput and copy bandwidth (15 %), whole training steps' MFU (35 %, ``toolkit.models.
+throughput``). A row the presets do not describe is shown with its reason
 (``toolkit.runtime.calibration``). The last test runs the ops on real processes through the emulator's clock, as
 a lesson would, and puts those times beside the same published rows.
 """
@@ -13,10 +14,11 @@ import math
 import pytest
 
 from toolkit import launch
+from toolkit.models import throughput
 from toolkit.runtime import calibration
-from toolkit.runtime.cluster import cluster
+from toolkit.runtime.cluster import PRESETS, cluster
 
-ROWS = calibration.checks()
+ROWS = calibration.checks() + throughput.checks()
 CHECKED = [c for c in ROWS if c.checked]
 
 
@@ -32,6 +34,7 @@ def test_calibration_tables_are_checked_broadly_and_every_other_row_says_why():
     # enough rows of each kind are checks, not shown aside
     assert counts["collectives"]["checked"] >= 60 and counts["gemm"]["checked"] >= 15
     assert counts["attention"]["checked"] >= 4 and counts["overheads"]["checked"] >= 4
+    assert counts["training"]["checked"] >= 100
     for c in ROWS:
         assert c.source.startswith("http"), c
         assert c.checked or c.reason, c
@@ -54,6 +57,22 @@ def test_calibration_sources_that_disagree_are_kept_and_the_preset_follows_one()
         assert nvidia.measured / azure.measured > 1.15
 
 
+def test_calibration_a_training_step_keeps_the_fitted_share_of_its_kernels_rates():
+    """Each GPU's ``Efficiency.step`` is the median of its published runs' MFU over their kernels' MFU (not a
+    figure typed in), it lowers a step's MFU by that much, and a kernel benchmarked alone keeps its full rate."""
+    from toolkit.models import catalog
+    for name in ("a100-ib200", "h100-ib400"):
+        c = cluster(name)
+        assert abs(c.gpu.efficiency.step - throughput.fit_step(name)) < 0.005, name
+        spec = catalog.get("llama2-13b", seq_len=2048)
+        step = catalog.train_seconds(spec, c.gpu, 2, 2048)["mfu"]
+        alone = catalog.train_seconds(spec, c.isolated().gpu, 2, 2048)["mfu"]
+        assert step == pytest.approx(alone * c.gpu.efficiency.step, rel=0.01) and step <= 0.65
+    assert all(p.isolated().gpu.efficiency.step == 1.0 for p in PRESETS.values())
+    with pytest.raises(ValueError, match="no published training run"):
+        throughput.fit_step("pcie-100gbe")
+
+
 def test_calibration_the_model_is_not_its_datasheet():
     """What the presets achieve sits well under the datasheet: a large GEMM at 75-85 % of the bf16 peak, causal
     flash attention at 25-35 % (FlashAttention-2 on H100), NVLink all_gather at 80-84 % of the line rate."""
@@ -74,8 +93,8 @@ def test_calibration_the_emulated_clock_on_real_processes_times_the_published_ru
     sizes = [int(c.what.split()[1]) for c in sweep]
     shapes = [[int(x) for x in c.what.split()[2].split("x")] for c in gemms]
     assert len(sizes) >= 20 and len(shapes) >= 3
-    got = launch("toolkit.lessons.calibration_check", 8, {"sizes": sizes, "gemms": shapes}, cluster="h100-ib400",
-                 progress="none", timeout_s=300, oversubscribe=True)
+    got = launch("toolkit.lessons.calibration_check", 8, {"sizes": sizes, "gemms": shapes},
+                 cluster=cluster("h100-ib400").isolated(), progress="none", timeout_s=300, oversubscribe=True)
     for c, row in zip(sweep, got[0]["all_reduce"]):
         busbw = 2 * 7 / 8 * row["bytes"] / row["virtual_s"] / 1e9
         assert abs(busbw / c.measured - 1) <= c.bound, (row, c.measured)

@@ -161,10 +161,8 @@ def test_the_composed_step_on_the_emulated_cluster_beside_the_planner(run):
     for key in ("toy", "matched"):  # the step ends in an all-reduce: the ranks meet there
         step = [e[key]["step_s"] for e in E]
         assert max(step) == pytest.approx(min(step), rel=1e-3)
-    model = lesson.planner_step(configs[composed], hw, E[0]["scales"]["flops"])
-    assert model["total"] == pytest.approx(model["compute"] + model["bubble"] + model["dp_comm"])
     toy = lesson.planner_step(configs[composed], hw)
-    assert model["compute"] > 10 * toy["compute"]  # the matched FLOPs, at the same efficiency model
+    assert toy["total"] == pytest.approx(toy["compute"] + toy["bubble"] + toy["dp_comm"])
     # at the toy's shapes the planner, which has no per-op host term, is far below the launch-bound virtual step
     assert E[0]["toy"]["step_s"] > 10 * toy["total"]
 
@@ -180,9 +178,9 @@ def test_the_planner_mfu_is_checked_on_the_emulated_gpu(run):
     # Llama-2 13B's layer: 4·d² attention + 3·d·13824 SwiGLU; 12·s·d per token for attention (the usual count)
     assert c["model_flops"] == (6 * (4 * 5120 ** 2 + 3 * 5120 * 13824) + 12 * 2048 * 5120) * 2048 * 2
     assert c["mfu"] == pytest.approx(c["model_flops"] / (c["step_s"] * hw.gpu.bf16_flops))
-    # a layer's kernels at the calibrated rates: under a large cuBLAS GEMM's 81 % (the roofline said 88 %), above
-    # the 40-60 % published whole steps of a 13B model on 8 GPUs reach (data/published/training.csv)
-    assert 0.6 < c["mfu"] < 0.75
+    # a layer's kernels at a training step's calibrated rates (fitted to published whole steps: the roofline said
+    # 88 %): at most 65 %, within 35 % of MPT-13B's 59.6 % on 8 A100s (data/published/training.csv)
+    assert 0.596 / 1.35 < c["mfu"] <= 0.65
     assert c["step_s"] >= c["kernels_s"] > c["launch_s"] > 0
 
 

@@ -235,3 +235,20 @@ def test_figures_build_from_simulated_and_measured_spans():
     box = explorer("1f1b", p=2, m=4).widget()
     box.children[1].children[1].value = 8  # m below p: the explorer reports instead of raising
     assert box.children[1].children[0].value == "1f1b"
+
+
+def test_measured_costs_that_contradict_a_backward_are_noted_never_fatal():
+    """On a loaded machine a measured W can come out as long as its whole B: the costs say so and still
+    simulate (W taken as ``W_CAP`` of B), as lesson 03 does with its measured chunk costs."""
+    from toolkit.pipeline.simulate import MeasuredCosts
+    rows = [{"op": "F", "stage": s, "seconds": 1.0e-3} for s in range(8)]
+    rows += [{"op": "B", "stage": s, "seconds": 1.58e-3} for s in range(8)]
+    rows += [{"op": "W", "stage": s, "seconds": 1.68e-3 if s == 3 else 0.7e-3} for s in range(8)]
+    noisy = MeasuredCosts(rows)
+    assert noisy.noisy() == ["stage 3: W 1.680 ms >= B 1.580 ms"]
+    assert noisy.seconds("I", 3) == pytest.approx(0.05 * 1.58e-3)
+    assert simulate(dualpipev(4, 8), noisy).makespan > 0
+    worse = MeasuredCosts([r if r["op"] != "W" else {**r, "seconds": 1.7e-3} for r in rows])
+    c = worse.mean()
+    assert c.W == pytest.approx(MeasuredCosts.W_CAP * c.B) and len(worse.noisy()) == 9
+    assert MeasuredCosts([r for r in rows if r["stage"] != 3]).noisy() == []

@@ -209,6 +209,12 @@ display(viz.table(table, title="Step and bubble: simulated from measured op time
                   formats={k: ".2f" for k in table[0] if k != "schedule"}))
 display(viz.bars([r for r in table], x="schedule", y="bench step (ms)",
                  title="Step time (trimmed mean over rounds), this machine", text_format=".1f"))
+noise = {name: m.noisy() for name, m in measured.items() if m.noisy()}
+if noise:  # wall-clock op times on a loaded machine: drawn as measured, said here
+    display(Markdown("**Noisy measurement.** A weight-gradient half W took as long as its whole backward B: "
+                     + "; ".join(f"{name}: {', '.join(x)}" for name, x in noise.items())
+                     + f". The simulator takes such a W as {MeasuredCosts.W_CAP:.0%} of B; rerun on an idle "
+                       "machine for figures that follow the model of a backward."))
 
 # %% [markdown]
 # ## 5b · On an emulated H100 node: the schedules where the ops are GPU-sized

@@ -309,7 +309,7 @@ display(viz.table([{"configuration": n, "step (ms)": 1e3 * step[n], "round sprea
 # shapes (deterministic: one step is the time), and one more **matched** to a real MoE: every op counted with
 # the FLOPs, every tensor with the bytes, of that model's MoE layers (`matched.moe_layer_op`,
 # `matched.matched_scales`).
-# Beside each, the planner's step-time model of the same configuration (`lesson.planner_step`:
+# Beside the toy's step, the planner's step-time model of the same configuration (`lesson.planner_step`:
 # `planner.configuration_time` for a dense decoder of the active parameters, the schedule's simulated bubble,
 # the DP all-reduce), the model that tunes the 13B case in section 9. Every virtual time is the emulated
 # cluster's, a model of the hardware.
@@ -327,18 +327,13 @@ else:
     per_rank = [r["emulated"]["matched"] for r in results]
     matched = {"step": max(x["step_s"] for x in per_rank), "kernels": max(x["kernels_s"] for x in per_rank),
                "exposed": max(x["exposed_s"] for x in per_rank), "launch": max(x["launch_s"] for x in per_rank)}
-    pm = lesson.planner_step(cfg_of[composed_name], hw_run, E["scales"]["flops"])
     display(viz.table([{"rank": i, **{k: 1e3 * v for k, v in x.items()}} for i, x in enumerate(per_rank)],
                       title=f"{composed_name} matched to {E['stands_for']} on the emulated {E['gpu']}: the step and "
                             "what filled it, per rank (ms, virtual time)",
                       formats={k: ".1f" for k in per_rank[0]}))
-    display(viz.table([{"term": k, "planner (ms, cost model)": 1e3 * v} for k, v in pm.items() if k != "bubble_fraction"],
-                      title=f"The planner's model of the same step ({E['stands_for']}-sized FLOPs, cost model)",
-                      formats={"planner (ms, cost model)": ".1f"}))
     toy_off = toy_step / toy_model
     host_op = hw_run.gpu.efficiency.host_op_s
     kernels = round(matched["launch"] / host_op)  # every eager op costs the host the same
-    off = matched["step"] / pm["total"]
     display(Markdown(
         f"**At the toy's shapes** the emulated {E['gpu']} takes {toy_step * 1e3:.2f} ms for a step of "
         f"{composed_name}, the planner's model {toy_model * 1e6:.2f} µs: the model is off by "
@@ -347,16 +342,13 @@ else:
         f"{host_op * 1e6:.0f} µs ({matched['launch'] * 1e3:.1f} ms in all), most of their kernels far shorter, "
         "and the planner has no per-op term: it is a model for GPU-sized work.\n\n**Matched to** "
         f"{E['stands_for']} ({E['scales']['flops']:,.0f}× the FLOPs, {E['scales']['bytes']:,.0f}× the bytes) the "
-        f"emulated step is {matched['step'] * 1e3:.0f} ms and the model's {pm['total'] * 1e3:.0f} ms: "
-        + (f"{abs(off - 1):.0%} {'above' if off > 1 else 'below'} the model"
-           if abs(off - 1) < 0.5 else f"{off:.2f}× the model")
-        + f". The terms do not match one by one:\n\n- the model's compute, the same efficiency model on a dense "
-        f"decoder of those FLOPs, is {pm['compute'] * 1e3:.0f} ms where the busiest rank's kernels run "
-        f"{matched['kernels'] * 1e3:.0f} ms (its experts, its optimizer and its small ops included);\n- its only communication, the exposed DP all-reduce, "
-        f"is {pm['dp_comm'] * 1e3:.0f} ms where a rank of the emulated step waits up to "
-        f"{matched['exposed'] * 1e3:.0f} ms for communication, mostly the experts' all-to-alls, which the model "
-        "does not have (its DP term carries the gradients of a model with those FLOPs; the matched run's all-reduce "
-        "carries the toy's gradients at the activations' byte scale)."))
+        f"emulated step is {matched['step'] * 1e3:.0f} ms: {matched['kernels'] * 1e3:.0f} ms of kernels on the "
+        f"busiest rank (its experts, its optimizer and its small ops included) and up to "
+        f"{matched['exposed'] * 1e3:.0f} ms of exposed communication, mostly the experts' all-to-alls. The planner "
+        "is not put beside it: the matched step is the toy's ops with their FLOPs and bytes multiplied, the "
+        "planner's input is a real model's shapes, and they share no term one by one (the planner has no "
+        "all-to-all, and the matched all-reduce carries the toy's gradients at the activations' byte scale). Any "
+        "agreement between the two totals would be errors cancelling, not a check."))
     if E["ep_overlap"]:
         pair = {n: max(r["emulated"]["ep_overlap"][n]["step_s"] for r in results) for n in E["ep_overlap"]}
         exposed = {n: max(r["emulated"]["ep_overlap"][n]["exposed_s"] for r in results) for n in E["ep_overlap"]}
@@ -490,13 +482,14 @@ print(hw13.describe())
 
 # %% [markdown]
 # **Before the planner chooses: its compute model, checked.** The planner times each GPU's kernels with the same
-# efficiency model the emulated cluster uses (`toolkit.runtime.efficiency`, fitted to published cuBLAS and
-# FlashAttention-2 throughput: `pytest -k calibration`). The launch ran two dense toy blocks with the 13B
-# layers' sequence-to-hidden and MLP-to-hidden ratios on the virtual clock, timed as the 13B layers
+# efficiency model the emulated cluster uses (`toolkit.runtime.efficiency`): each kernel at its rate in
+# published cuBLAS and FlashAttention-2 benchmarks, times the share of that rate a kernel keeps inside a whole
+# training step (`Efficiency.step`: the median of published whole-step MFU over the same steps' kernels, 61 runs
+# on A100s and 70 on H100s; `pytest -k calibration` checks every run). The launch ran two dense toy blocks with
+# the 13B layers' sequence-to-hidden and MLP-to-hidden ratios on the virtual clock, timed as the 13B layers
 # (`lesson.mfu_check`, workload-matched with `matched.layer_op`). Their MFU (model FLOPs utilisation: the usual
-# accounting, `6·N + 12·L·s·d` FLOPs per token (formula), over the time at the dense bf16 peak) is what a 13B
-# layer's kernels reach. A whole training step also communicates, steps its optimizer, idles in pipeline
-# bubbles, pays the host and runs at the GPU's power limit: published MFUs of whole steps sit below it.
+# accounting, `6·N + 12·L·s·d` FLOPs per token (formula), over the time at the dense bf16 peak) is then what a
+# 13B step reaches on one GPU, and a published run of a 13B model is its measurement.
 
 # %%
 C = None if E is None else E["mfu_check"]
@@ -512,19 +505,22 @@ if C is None:
 else:
     run_gpu = make_cluster(E["cluster"]).gpu
     layer_model = catalog.train_seconds(w13.model, run_gpu, 1, w13.seq_len)["mfu"]
-    rows = [{"what": f"13B layers on the emulated {E['gpu']} (kernels only, virtual time)", "MFU": C["mfu"]},
-            {"what": f"one 13B layer in the planner's model, {E['gpu']} (kernels only)", "MFU": layer_model}]
+    alone = catalog.train_seconds(w13.model, make_cluster(E["cluster"]).isolated().gpu, 1, w13.seq_len)["mfu"]
+    rows = [{"what": f"13B layers on the emulated {E['gpu']} (virtual time, a model)", "MFU": C["mfu"]},
+            {"what": f"one 13B layer in the planner's model, {E['gpu']}", "MFU": layer_model},
+            {"what": "the same layer's kernels each at its isolated rate (benchmarks of one kernel)", "MFU": alone}]
     rows += [{"what": f"MPT-13B training, 8 × {r['hardware'].split(' ')[0]}, FSDP, seq 2048 (published: "
                       f"{r['framework']})", "MFU": float(r["mfu"]) / 100} for r in published]
-    display(viz.table(rows, title="MFU of a 13B model: its layers' kernels (model) and whole training steps "
-                                  "(published)", formats={"MFU": ".1%"}))
+    display(viz.table(rows, title="MFU of a 13B model: the emulated and planned steps (models) beside whole "
+                                  "training steps (published)", formats={"MFU": ".1%"}))
     same_gpu = [float(r["mfu"]) / 100 for r in published if r["hardware"].startswith(E["gpu"].split(" ")[0])]
     display(Markdown(
-        f"On the emulated {E['gpu']} the 13B layers' kernels reach **{C['mfu']:.1%} MFU**: {C['layers']} layers "
+        f"On the emulated {E['gpu']} the 13B layers reach **{C['mfu']:.1%} MFU**: {C['layers']} layers "
         f"forward and backward in {C['step_s'] * 1e3:.2f} ms of virtual time, {C['kernels_s'] / C['step_s']:.1%} "
-        "of it kernels on the stream. "
-        + (f"A whole step of MPT-13B on 8 of these GPUs measured {same_gpu[0]:.1%} (llm-foundry): the layers' "
-           f"kernels are {C['mfu'] / same_gpu[0]:.2f}× the whole step's. " if same_gpu else "")
+        f"of it kernels on the stream. Each kernel alone would give {alone:.1%}. "
+        + (f"A whole step of MPT-13B on 8 of these GPUs measured {same_gpu[0]:.1%} (llm-foundry): the emulated "
+           f"layers are {C['mfu'] / same_gpu[0]:.2f}× the measured step (the model has no embedding, loss or "
+           "optimizer here, the measured run checkpoints nothing and shards with FSDP). " if same_gpu else "")
         + f"The article's 892 tokens/s on 24 A100s would be {implied_mfu:.1%}."))
 print(f"\n{len(plan_rows)} configurations, {sum(r['fits'] for r in plan_rows)} fit. The choice (model):")
 for line in planner.explain(plan_rows, hw13):
@@ -544,8 +540,8 @@ display(viz.bars([{"part": k.removeprefix("mem_").removesuffix("_gb"), "GB": bes
 # NBVAL_CHECK_OUTPUT
 print("choice:", planner.label(best))
 print(f"memory {best['memory_gb']:.1f} GB, step {best['step_s']:.2f} s, {best['tokens_per_s']:,.0f} tokens/s (model)")
-if C is not None:  # a layer's kernels: under a large cuBLAS GEMM's 81 % of the peak (the old roofline said 88 %)
-    assert C["mfu"] < 0.75, C["mfu"]
+if C is not None:  # a 13B layer at a step's calibrated rates: at most 65 % (the old roofline said 88 %), within
+    assert 0.596 / 1.35 < C["mfu"] <= 0.65, C["mfu"]  # the bound of MPT-13B's 59.6 % on 8 A100s
 
 # %% [markdown]
 # **The article's claims against the model.** Each row: what the article states, what the planner's memory and
@@ -630,10 +626,9 @@ if E is not None:
     emulated = (f"{E['gpu']} (`{E['cluster']}`): the whole chain (`{composed_name}`, named after its last "
                 f"technique) steps in {toy_step * 1e3:.2f} ms at the toy's shapes against the planner's "
                 f"{toy_model * 1e6:.2f} µs ({toy_off:,.0f}×: launch-bound, kernels shorter than their launch), and "
-                "matched to "
-                f"{E['stands_for']} in {matched['step'] * 1e3:.0f} ms against {pm['total'] * 1e3:.0f} ms "
-                f"({off:.2f}×); the 13B layers' kernels reach {C['mfu']:.1%} MFU (published whole steps of a "
-                f"13B model on 8 GPUs: {published_mfu}). "
+                f"matched to {E['stands_for']} in {matched['step'] * 1e3:.0f} ms (a model, not compared with the "
+                f"planner: no common terms); the 13B layers reach {C['mfu']:.1%} MFU at a training step's "
+                f"calibrated kernel rates (published whole steps of a 13B model on 8 GPUs: {published_mfu}). "
                 f"Not decidable: 892 tokens/s is {implied_mfu:.2%} MFU, far below either; the article's step goes "
                 "to what no model here has (NCCL settings, data loading)")
 headline("17", "the techniques composed (pp × dp, MoE experts inside dp)",

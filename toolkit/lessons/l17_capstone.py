@@ -259,22 +259,17 @@ def active_params(config: ComposeConfig) -> float:
     return total - experts + experts * config.top_k / config.n_expert if config.n_expert else float(total)
 
 
-def planner_step(config: ComposeConfig, hw, flop_scale: float = 1.0, assume=None) -> dict:
+def planner_step(config: ComposeConfig, hw, assume=None) -> dict:
     """The planner's step-time model (``planner.configuration_time``) of a composed configuration: a dense decoder
     of its shapes (``catalog.gpt``) with its active parameters on dp × pp GPUs of ``hw``, its schedule's simulated
-    bubble; ``flop_scale``: the workload-matched FLOPs (its kernels on a GPU of 1/``flop_scale`` the peak: the
-    same efficiency, that many times the work). The model has no term for the host's per-op costs, the experts'
-    all-to-alls, activation offload or the optimizer's own time; its DP term carries the gradients of those
-    parameters."""
-    from dataclasses import replace
-
+    bubble. The model has no term for the host's per-op costs, the experts' all-to-alls, activation offload or
+    the optimizer's own time; its DP term carries the gradients of those parameters."""
     from toolkit.models.catalog import gpt
     from toolkit.planner import Assumptions, Workload, configuration_time
     mc = config.model_config()
     spec = gpt("the composed GPT", config.n_layer, mc.d_model, mc.vocab_size, mc.seq_len, ffn=mc.d_ff, heads=mc.n_head)
-    w = Workload(spec, params=active_params(config) * flop_scale, micro_batch=config.micro_batch,
+    w = Workload(spec, params=active_params(config), micro_batch=config.micro_batch,
                  global_batch=config.dp * config.m * config.micro_batch)
-    hw = replace(hw, gpu=replace(hw.gpu, bf16_flops=hw.gpu.bf16_flops / flop_scale))
     return configuration_time(w, hw, config.dp, 1, config.pp, 0, config.schedule, "none", assume or Assumptions())
 
 

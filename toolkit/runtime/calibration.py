@@ -171,7 +171,7 @@ def _statement_model(c: Cluster, r: dict) -> float | None:
 
 # ---- GEMMs, attention, memory --------------------------------------------------------------------------------
 def _device_seconds(c: Cluster, k: Kernel) -> float:
-    g = c.gpu
+    g = c.isolated().gpu  # the tables time one kernel at a time
     return kernel_seconds(k, g.bf16_flops, g.hbm_bytes_per_s, g.sms, g.efficiency)
 
 

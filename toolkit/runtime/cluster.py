@@ -153,6 +153,13 @@ class Cluster:
             self, name=name, gpu=dataclasses.replace(self.gpu, efficiency=self.gpu.efficiency.scaled(compute)),
             intra=self.intra.scaled(bandwidth), inter=self.inter.scaled(bandwidth))
 
+    def isolated(self) -> "Cluster":
+        """The same cluster as a benchmark of one kernel at a time sees it (``Efficiency.step`` = 1): what the
+        published GEMM and attention throughput tables are compared with."""
+        return dataclasses.replace(self, name=f"{self.name} (kernels alone)",
+                                   gpu=dataclasses.replace(self.gpu, efficiency=dataclasses.replace(
+                                       self.gpu.efficiency, step=1.0)))
+
     # ---- serialisation (the launch spec carries it to every rank) --------------------------------------------
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -203,7 +210,7 @@ _NCCL_CONST = "NCCL src/graph/tuning.cc (baseLat Ring Simple 8.4 µs, hwLat NVLi
 _H100_EFF = Efficiency(
     gemm=0.81, gemm_misaligned=0.72, gemm_k_half=128, tiles=(Tile(128, 256, 1.0), Tile(128, 128, 0.93), Tile(64, 128, 0.78), Tile(128, 128, 0.85, True)),
     attention=0.374, attention_causal=0.287, attention_backward=0.293, attention_half_seq=64, hbm=0.87,
-    kernel_min_s=2.0e-6, host_op_s=12e-6,
+    kernel_min_s=2.0e-6, host_op_s=12e-6, step=0.706,
     source="GEMMs: cuBLAS bf16 on H100 SXM, 797 TFLOP/s at 8192^3 (fast.cu README; zzc0721/torch-performance-test-"
            "data#79), 676 at 2048^3, 794 best (stas00/ml-engineering MAMF table); tiles of 128x256, 128x128, "
            "64x128 and a stream-K kernel, shares fitted to those rows; a dimension not a multiple of 8: x0.72, "
@@ -213,15 +220,18 @@ _H100_EFF = Efficiency(
            "copy 2.90 TB/s (Azure ND_H100_v5); host per eager op: 8-17.7 µs measured back to back (NVIDIA "
            "dgxc-benchmarking cpu_overhead, flagos-ai/Torch-FL#27), 12 µs fitted to torch.matmul at 1024^3; "
            "kernel: a graph of no-op kernels replays at 0.58 µs each (ahrefs/ocannl#488), 2 µs assumed for a "
-           "kernel that reads and writes memory")
+           "kernel that reads and writes memory; in a training step: 0.706 of those rates, the median of 70 "
+           "llm-foundry FSDP runs on H100 SXM 80GB (MPT-760m to 70b, 512-65536 tokens; toolkit.models.throughput)")
 _A100_EFF = Efficiency(
     gemm=0.86, gemm_misaligned=0.72, gemm_k_half=128, tiles=(Tile(128, 256, 1.0), Tile(128, 128, 0.93), Tile(64, 128, 0.78), Tile(128, 128, 0.85, True)),
     attention=0.62, attention_causal=0.55, attention_backward=0.55, attention_half_seq=64, hbm=0.81,
-    kernel_min_s=2.0e-6, host_op_s=12e-6,
+    kernel_min_s=2.0e-6, host_op_s=12e-6, step=0.786,
     source="GEMMs: cuBLASLt fp16 on A100 SXM 80GB, 253.7 TFLOP/s at 8192^3, 119.4 at 1024^3 (Azure ND_A100_v4), "
            "271 best (stas00/ml-engineering MAMF table); attention: FlashAttention-2 paper (Dao 2023: 50-73 % of "
            "peak forward, 225 TFLOP/s in training), 179.5 TFLOP/s at s=8192, d=64 (Azure ND_A100_v4); HBM: "
-           "BabelStream copy 1.61-1.70 TB/s (Azure ND_A100_v4); fixed costs as the H100's")
+           "BabelStream copy 1.61-1.70 TB/s (Azure ND_A100_v4); fixed costs as the H100's; in a training step: "
+           "0.786 of those rates, the median of 61 llm-foundry FSDP runs on A100 SXM 80GB (MPT-125m to 70b, "
+           "512-65536 tokens; toolkit.models.throughput)")
 _LAUNCH = "cudaLaunchKernel: 1.3-3 µs of host (meta-pytorch/tritonbench#1017); 3 µs"
 
 _XEON = GPU("2x Xeon 8480+ (per GPU: 1/8)", 1.8e12, 77e9, 0.0, 256e9, "56 cores x 2 FMA x 16 fp32 lanes x 2 x 2.0 GHz "

@@ -3,8 +3,9 @@
 A datasheet peak is what no training run reaches. Each kernel here runs at a measured fraction of it, which
 depends on its kind and shape, and pays fixed costs a roofline leaves out::
 
-    kernel time = kernel_min_s + max(FLOPs / (peak · e(kind, shape)),  bytes / (HBM · hbm))
+    kernel time = kernel_min_s + max(FLOPs / (peak · e(kind, shape)),  bytes / (HBM · hbm)) / step
                   └ the device's fixed cost of a kernel (a CUDA graph replay pays it too)
+                                                              in a training step; 1 for one kernel alone ┘
 
     e(gemm, M, N, K)      = gemm · max over tile shapes t of  t.share · used(t) · K / (K + gemm_k_half)
                             (· gemm_misaligned when a dimension is not a multiple of 8)
@@ -14,10 +15,12 @@ depends on its kind and shape, and pays fixed costs a roofline leaves out::
                             · s / (s + attention_half_seq) · (d / 64 for heads narrower than 64)
     e(memory)             = 0 FLOPs: bytes / (HBM · hbm) alone
     host, per eager op    = host_op_s (Python, the dispatcher and the launch; ``graph_replay``: one launch)
+    step                  = what a kernel keeps of its isolated rate inside a whole training step
 
 The figures of each preset (``toolkit.runtime.cluster``) are fitted to published measurements
 (``data/published/``: cuBLAS GEMM throughput by shape, FlashAttention-2 throughput by sequence length, copy
-bandwidth, kernel and launch overheads), and ``tests/test_calibration.py`` checks the model against every row.
+bandwidth, kernel and launch overheads, whole training steps), and ``tests/test_calibration.py`` checks the
+model against every row.
 MFU is reported against the datasheet peak, as published MFUs are.
 """
 from __future__ import annotations
@@ -104,12 +107,18 @@ class Efficiency:
     shortest a kernel takes, in a CUDA graph too."""
     host_op_s: float
     """The host's cost of one eager PyTorch op: Python, the dispatcher, the allocator and the launch."""
+    step: float = 1.0
+    """Of a kernel's isolated rate (the fractions above, fitted to single-kernel benchmarks), what it keeps inside
+    a whole training step: the median of published whole-step MFU over this model's kernel MFU for the same runs
+    (``data/published/training.csv``, ``toolkit.runtime.calibration.fit_step``). It stands for what a benchmark
+    of one kernel leaves out: gaps between kernels, the optimizer, embeddings and loss, communication a framework
+    does not hide, clocks under sustained load."""
     source: str = ""
 
     def __post_init__(self):
         object.__setattr__(self, "_gemm_memo", {})  # shapes already placed on tiles: not a field (cost models
         # time the same GEMMs many times)
-        for name in ("gemm", "gemm_misaligned", "attention", "attention_causal", "attention_backward", "hbm"):
+        for name in ("gemm", "gemm_misaligned", "attention", "attention_causal", "attention_backward", "hbm", "step"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 1:
                 raise ValueError(f"Efficiency {name}={v!r} is not allowed; allowed: a fraction in (0, 1]")
@@ -164,10 +173,10 @@ class Efficiency:
 
 def kernel_seconds(k: Kernel, peak_flops: float, hbm_bytes_per_s: float, sms: int, eff: Efficiency,
                    flop_scale: float = 1.0, byte_scale: float = 1.0) -> float:
-    """Seconds of one ``Kernel`` entry on a device (module docstring). ``flop_scale`` / ``byte_scale``: the
-    entry stands for one that many times larger (the emulator's workload-matched mode); its shape then grows
-    by the cube root of the FLOP factor in each dimension (to multiples of 8, as a real model's are), which keeps
-    the toy's aspect ratios."""
+    """Seconds of one ``Kernel`` entry on a device (module docstring), in a training step (``eff.step``; 1: alone,
+    as a benchmark of one kernel times it). ``flop_scale`` / ``byte_scale``: the entry stands for one that many
+    times larger (the emulator's workload-matched mode); its shape then grows by the cube root of the FLOP factor
+    in each dimension (to multiples of 8, as a real model's are), which keeps the toy's aspect ratios."""
     work_s = 0.0
     flops = k.flops * flop_scale
     if flops > 0:
@@ -185,7 +194,8 @@ def kernel_seconds(k: Kernel, peak_flops: float, hbm_bytes_per_s: float, sms: in
         else:  # a GEMM-like kernel of unknown shape (a factorisation, a fused kernel): the plateau
             fraction = eff.gemm
         work_s = flops / (peak_flops * fraction)
-    return k.count * eff.kernel_min_s + max(work_s, k.bytes * byte_scale / (hbm_bytes_per_s * eff.hbm))
+    work_s = max(work_s, k.bytes * byte_scale / (hbm_bytes_per_s * eff.hbm))
+    return k.count * eff.kernel_min_s + work_s / eff.step
 
 
 PEAK = Efficiency(gemm=1.0, gemm_misaligned=1.0, gemm_k_half=0.0, tiles=(Tile(1, 1, 1.0),), attention=1.0, attention_causal=1.0,
