@@ -101,8 +101,9 @@ def test_cli_says_what_is_missing(tmp_path, capsys):
 
 def test_results_page_collects_each_lessons_headline(out):
     from toolkit import report
+    from toolkit.runtime.bench import Claim, judge
     rec = report.record("03", "DualPipeV", "bubble 0.21 vs 0.38", value=0.55, unit="ratio", claim="fewer bubbles",
-                        source="DeepSeek-V3", reproduced=True)
+                        source="DeepSeek-V3", reproduced=judge(Claim.ratio("bubble ratio", 0.5), 0.55))
     path = out / "notebooks" / "03-x.ipynb"
     nb = nbformat.read(path, as_version=4)
     nb.cells[-1].outputs.append(nbformat.v4.new_output("display_data", data={report.MIME: rec,
@@ -127,26 +128,35 @@ def test_results_page_collects_each_lessons_headline(out):
         assert f"Machine: {html.escape(describe(machine))}" in text
 
 
-def test_results_page_says_whether_each_emulated_verdict_holds_across_the_band(out):
+def test_results_page_counts_the_four_words_and_names_each_band(out):
+    """One rule judges every claim: the results page counts reproduced, direction only, not reproduced and not
+    decidable (and checks apart), and each judged row names the band that would have reproduced it. On the
+    emulated cluster the interval is the model's sensitivity band: a ratio whose band straddles 1 is not
+    decidable, never "faster"."""
     from toolkit import report
-    sens = {"value": 0.9, "band": {"compute x0.7": 0.95, "links x0.8": 1.02}}  # the last point flips the verdict
-    flips = report.band("step ratio", sens, lambda v: v < 1)
-    holds = report.band("step ratio", {"value": 0.9, "band": {"compute x0.7": 0.95}}, lambda v: v < 1)
-    assert flips["holds"] is None and (flips["low"], flips["high"]) == (0.9, 1.02) and holds["holds"] is True
-    for name, b in (("00-x", holds), ("03-x", flips)):
-        rec = report.record(name[:2], "overlap", "hidden 40 %", emulated="step 0.90x on h100-ib400",
-                            emulated_reproduced=None if b["holds"] is None else True, emulated_band=b)
+    from toolkit.runtime.bench import Claim, check, judge
+    claim = Claim.ratio("static / dynamic step", 1.48)
+    sens = {"value": 1.05, "band": {"compute x0.7": 1.02, "links x0.8": 0.98}}  # the last point flips the sign
+    flips = report.band("static / dynamic step", sens)
+    assert (flips["value"], flips["low"], flips["high"]) == (1.05, 0.98, 1.05)
+    straddles = judge(claim, flips["value"], flips["low"], flips["high"], report.SENSITIVITY)
+    assert straddles.word == "not decidable" and "contains no effect" in straddles.why
+    rows = {"00-x": judge(claim, 1.4, 1.3, 1.5, report.SENSITIVITY), "03-x": straddles,
+            "05-x": judge(claim, 1.02), "06-x": judge(claim, 0.9)}
+    assert [j.word for j in rows.values()] == ["reproduced", "not decidable", "direction only", "not reproduced"]
+    for name, j in rows.items():
+        rec = report.record(name[:2], "overlap", "hidden 40 %", reproduced=check("bitwise", True),
+                            emulated="step on h100-ib400", emulated_reproduced=j)
         path = out / "notebooks" / f"{name}.ipynb"
-        nb = nbformat.read(path, as_version=4)
+        nb = nbformat.read(path, as_version=4) if path.exists() else _lesson(name[:2], "A lesson", 1)
         nb.cells[-1].outputs.append(nbformat.v4.new_output("display_data", data={report.MIME: rec, "text/markdown": "h"}))
         nbformat.write(nb, path)
-    book.build(out, [{"name": "00-x", "status": "ok", "seconds": 1.0}, {"name": "03-x", "status": "ok",
-                                                                         "seconds": 2.0}])
+    book.build(out, [{"name": n, "status": "ok", "seconds": 1.0} for n in rows])
     page = html.unescape((out / "results.html").read_text())
-    assert "Emulated verdicts that hold across the calibration's sensitivity band: 1; that\ndepend on it" in page
-    assert "(not decidable on the emulated cluster): 1." in page
-    assert "step ratio 0.9, 0.9 to 1.02 with the achieved compute x0.7-1.3 and the links x0.8-1.2: depends on " \
-           "calibration: not decidable on the emulated cluster" in page
-    assert "step ratio 0.9, 0.9 to 0.95" in page and "holds across the band" in page
-    with pytest.raises(ValueError, match="emulated_band needs the emulated measurement"):
-        report.record("03", "overlap", "hidden", emulated_band=flips)
+    assert ("On the emulated cluster: reproduced: 1 (within ±25% of the claimed 1.48×); direction only: 1 (within "
+            "±25% of the claimed 1.48×); not reproduced: 1 (within ±25% of the claimed 1.48×); not decidable: 1 "
+            "(within ±25% of the claimed 1.48×).") in page
+    assert "The runs: reproduced: 0; direction only: 0; not reproduced: 0; not decidable: 0; check holds: 4" in page
+    assert "the interval [0.98, 1.05] contains no effect (1)" in page
+    with pytest.raises(ValueError, match="emulated_reproduced needs the emulated measurement"):
+        report.record("03", "overlap", "hidden", reproduced=check("bitwise", True), emulated_reproduced=straddles)

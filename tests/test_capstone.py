@@ -19,6 +19,7 @@ from toolkit.lessons import l17_capstone as lesson
 from toolkit.models import matched
 from toolkit.models.catalog import get
 from toolkit.report import MIME, collect, record, results_html, write_results
+from toolkit.runtime.bench import Claim, check, judge
 from toolkit.runtime.cluster import cluster
 
 WORLD = 4
@@ -431,18 +432,20 @@ def test_offload_host_buffers_reused_in_a_later_step_count_as_host():
 
 # ---- the results page ----------------------------------------------------------------------------------------------
 def test_headline_record_checks_its_fields():
-    rec = record("04", "int8 all-to-all", "1.94x fewer bytes", 1.94, "x", "2x (DeepSeek)", "paper", True)
-    assert rec["value"] == 1.94 and rec["reproduced"] is True
-    for bad in ({"lesson": ""}, {"value": float("nan")}, {"reproduced": "yes"}, {"value": True}):
-        args = {"lesson": "04", "technique": "t", "measured": "m", **bad}
+    j = judge(Claim.ratio("int8 bytes / bf16's", 0.5, tolerance=0.04), 0.516)
+    rec = record("04", "int8 all-to-all", "1.94x fewer bytes", 1.94, "x", "2x (DeepSeek)", "paper", j)
+    assert rec["value"] == 1.94 and rec["reproduced"]["word"] == "reproduced"
+    for bad in ({"lesson": ""}, {"value": float("nan")}, {"reproduced": "yes"}, {"reproduced": True},
+                {"reproduced": None}, {"value": True}, {"emulated_reproduced": j}):
+        args = {"lesson": "04", "technique": "t", "measured": "m", "reproduced": j, **bad}
         with pytest.raises(ValueError):
             record(**args)
 
 
 def test_collect_reads_the_last_headline_of_an_executed_notebook(tmp_path):
     import nbformat
-    first = record("05", "EDGC", "first run")
-    last = record("05", "EDGC", "second run", reproduced=False)
+    first = record("05", "EDGC", "first run", reproduced=check("bitwise", True))
+    last = record("05", "EDGC", "second run", reproduced=judge(Claim.saving("bytes cut", 0.46), -0.1))
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("headline(...)", outputs=[
         nbformat.v4.new_output("display_data", data={"text/markdown": "x", MIME: first}),
         nbformat.v4.new_output("display_data", data={"text/markdown": "y", MIME: last})])])

@@ -19,24 +19,38 @@ import json
 import math
 from pathlib import Path
 
+from toolkit.runtime.bench import CHECK_WORDS, CLAIM_WORDS
+
 MIME = "application/vnd.llm-scale-toolkit.headline+json"
 FIELDS = ("lesson", "technique", "measured", "value", "unit", "claim", "source", "reproduced", "note", "emulated",
-          "emulated_reproduced", "emulated_band")
+          "emulated_reproduced")
+SENSITIVITY = "the model's sensitivity band: achieved compute x0.7-1.3, links x0.8-1.2"
+"""What an emulated judgement's interval is (``band``)."""
+
+
+def _judgement(name: str, v) -> dict | None:
+    from toolkit.runtime.bench import CHECK_WORDS, CLAIM_WORDS, Judgement
+    if v is None:
+        return None
+    d = v.to_dict() if isinstance(v, Judgement) else v
+    if not isinstance(d, dict) or d.get("word") not in CLAIM_WORDS + CHECK_WORDS:
+        raise ValueError(f"{name} must be a judgement of the run (toolkit.runtime.bench.judge(claim, ...) for a "
+                         f"source's claim, bench.check(...) for a property), got {v!r}")
+    return d
 
 
 def record(lesson: str, technique: str, measured: str, value: float | int | None = None, unit: str = "",
-           claim: str = "", source: str = "", reproduced: bool | None = None, note: str = "", emulated: str = "",
-           emulated_reproduced: bool | None = None, emulated_band: dict | None = None) -> dict:
+           claim: str = "", source: str = "", reproduced=None, note: str = "", emulated: str = "",
+           emulated_reproduced=None) -> dict:
     """The headline as a JSON-able dict; ValueError for a missing lesson/technique/measurement or a bad value.
 
     ``measured``: the run's headline in words with its number ("int8 all-to-all: 1.94x fewer bytes"); ``value``
-    the number itself (for sorting and plots); ``claim``: the source's number or statement; ``reproduced``:
-    True / False computed by the notebook from its run against that claim, None when the run cannot tell
-    (e.g. a GPU-only claim on a CPU). ``emulated``: the time effect measured on the emulated cluster, naming its
-    preset and the workload the run stands for (empty when the lesson has none); ``emulated_reproduced``: the
-    verdict of that measurement against the source's time claim (None: not decidable, or no time claim);
-    ``emulated_band``: its sensitivity (``band(...)``): the emulated quantity's ``low`` and ``high`` over the
-    calibration's band, and whether the verdict ``holds`` across it."""
+    the number itself (for sorting and plots); ``claim``: the source's number or statement; ``reproduced``: the
+    run's judgement of that claim (``bench.judge``: reproduced, direction only, not reproduced, not decidable;
+    ``bench.check`` where the headline is a property the setup guarantees, not a reproduction). ``emulated``:
+    the time effect measured on the emulated cluster, naming its preset and the workload the run stands for
+    (empty when the lesson has none); ``emulated_reproduced``: its judgement against the source's time claim,
+    over the model's sensitivity band (``band``)."""
     for name, v in (("lesson", lesson), ("technique", technique), ("measured", measured)):
         if not isinstance(v, str) or not v.strip():
             raise ValueError(f"headline needs a non-empty {name} (a string), got {v!r}")
@@ -44,41 +58,38 @@ def record(lesson: str, technique: str, measured: str, value: float | int | None
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(float(value)):
             raise ValueError(f"headline value must be a finite number or None, got {value!r}")
         value = float(value) if isinstance(value, float) else int(value)
-    for name, v in (("reproduced", reproduced), ("emulated_reproduced", emulated_reproduced)):
-        if v is not None and not isinstance(v, bool):
-            raise ValueError(f"{name} must be True, False or None (computed from the run), got {v!r}")
+    if reproduced is None:
+        raise ValueError("headline needs reproduced: bench.judge(claim, ...) or bench.check(...), computed from "
+                         "the run (bench.judge(claim, None, undecidable='why') where the run cannot tell)")
+    reproduced = _judgement("reproduced", reproduced)
+    emulated_reproduced = _judgement("emulated_reproduced", emulated_reproduced)
     if emulated_reproduced is not None and not emulated:
         raise ValueError("emulated_reproduced needs the emulated measurement it judges (emulated=...)")
-    if emulated_band is not None and (not emulated or not {"quantity", "value", "low", "high", "holds"}
-                                      <= set(emulated_band)):
-        raise ValueError("emulated_band needs the emulated measurement (emulated=...) and band(...)'s keys")
     return {"lesson": lesson, "technique": technique, "measured": measured, "value": value, "unit": unit,
             "claim": claim, "source": source, "reproduced": reproduced, "note": note, "emulated": emulated,
-            "emulated_reproduced": emulated_reproduced, "emulated_band": emulated_band}
+            "emulated_reproduced": emulated_reproduced}
 
 
-def band(quantity: str, sensitivity: dict, verdict, key: str | None = None) -> dict:
-    """The sensitivity of an emulated verdict, for ``headline(emulated_band=...)``: ``sensitivity`` is what
-    ``Emulator.sensitivity`` returned (the quantity replayed at the calibrated figures and across the band of
-    achieved compute x0.7-1.3 and link bandwidth x0.8-1.2), ``key`` the number of it the headline quotes (a key,
-    a function of a point, or None: it is a number), ``verdict(point)`` the verdict the lesson reaches from one replayed point (True, False or
-    None). ``holds``: the verdict is the same at every point of the band, else None: it depends on the
-    calibration (not decidable on the emulated cluster)."""
+def band(quantity: str, sensitivity: dict, key=None) -> dict:
+    """The sensitivity of an emulated number: ``sensitivity`` is what ``Emulator.sensitivity`` returned (the
+    quantity replayed at the calibrated figures and across the band of achieved compute x0.7-1.3 and link
+    bandwidth x0.8-1.2), ``key`` the number of it the headline judges (a key, a function of a point, or None: it
+    is a number). Returns its ``value`` at the calibrated figures and its ``low`` and ``high`` over the band:
+    ``bench.judge(claim, b["value"], b["low"], b["high"], SENSITIVITY)`` judges it."""
     pick = key if callable(key) else (lambda v: v[key]) if key else (lambda v: v)
     points = [sensitivity["value"], *sensitivity["band"].values()]
-    verdicts = {verdict(p) for p in points}
     numbers = [pick(p) for p in points]
     return {"quantity": quantity, "value": numbers[0], "low": min(numbers), "high": max(numbers),
-            "holds": verdicts.pop() if len(verdicts) == 1 else None, "replays": len(points)}
+            "replays": len(points)}
 
 
 def headline(lesson: str, technique: str, measured: str, value: float | int | None = None, unit: str = "",
-             claim: str = "", source: str = "", reproduced: bool | None = None, note: str = "", emulated: str = "",
-             emulated_reproduced: bool | None = None, emulated_band: dict | None = None) -> None:
+             claim: str = "", source: str = "", reproduced=None, note: str = "", emulated: str = "",
+             emulated_reproduced=None) -> None:
     """Record and display this lesson's headline (see the module docstring). Returns None, so a cell that ends
     with it shows the headline once, not its record again as the cell's value (``record`` gives the dict)."""
     rec = record(lesson, technique, measured, value, unit, claim, source, reproduced, note, emulated,
-                 emulated_reproduced, emulated_band)
+                 emulated_reproduced)
     try:
         from IPython.display import display
     except ImportError:  # plain Python: nothing to attach the record to
@@ -87,24 +98,21 @@ def headline(lesson: str, technique: str, measured: str, value: float | int | No
     display({"text/markdown": _markdown(rec), "text/plain": _markdown(rec), MIME: rec}, raw=True)
 
 
-VERDICTS = {True: "reproduced", False: "not reproduced", None: "not testable here"}
-
-
-def _band_text(b: dict) -> str:
-    where = {True: "holds across the band", False: "holds across the band",
-             None: "depends on calibration: not decidable on the emulated cluster"}[b["holds"]]
-    return (f"{b['quantity']} {b['value']:.3g}, {b['low']:.3g} to {b['high']:.3g} with the achieved compute x0.7-1.3 "
-            f"and the links x0.8-1.2: {where}")
+def judgement_text(j: dict) -> str:
+    """A judgement in words: its word, the measured value with its interval, the band that reproduces the
+    claim, and why (``bench.Judgement.text``)."""
+    from toolkit.runtime.bench import Judgement
+    return Judgement(**j).text()
 
 
 def _markdown(rec: dict) -> str:
     claim = f" — source: {rec['claim']}" + (f" ({rec['source']})" if rec["source"] else "") if rec["claim"] else ""
-    text = f"**Headline ({rec['lesson']}, {rec['technique']}).** {rec['measured']}{claim}. *{VERDICTS[rec['reproduced']]}*"
+    text = (f"**Headline ({rec['lesson']}, {rec['technique']}).** {rec['measured']}{claim}.\n\n"
+            f"**Verdict.** *{judgement_text(rec['reproduced'])}*")
     if rec.get("emulated"):
-        verdict = {True: "reproduced", False: "not reproduced", None: "not decidable"}[rec["emulated_reproduced"]]
-        text += f"\n\n**Time on the emulated cluster.** {rec['emulated']}. *{verdict}*"
-        if rec.get("emulated_band"):
-            text += f" — {_band_text(rec['emulated_band'])}"
+        text += f"\n\n**Time on the emulated cluster.** {rec['emulated']}."
+        if rec.get("emulated_reproduced"):
+            text += f"\n\n**Verdict on the emulated cluster.** *{judgement_text(rec['emulated_reproduced'])}*"
     return text
 
 
@@ -145,9 +153,12 @@ GLOSSARY: dict[str, str] = {
         "time: the kernels are shorter than their launches, as a toy's are",
     "within noise / faster / slower": "toolkit.runtime.bench.verdict on paired rounds: faster or slower only when "
         "the whole 95 % interval of the ratio lies on one side of 1",
-    "reproduced / not reproduced / not testable here / not decidable": "the run's number judged against the "
-        "source's claim; not testable here: this machine cannot run what the claim is about (e.g. a GPU claim on a "
-        "CPU); not decidable: the model or the noise cannot tell",
+    "reproduced / direction only / not reproduced / not decidable": "the run's number judged against the "
+        "source's claimed magnitude (toolkit.runtime.bench.judge): reproduced when the number and its interval lie "
+        "in the band the claim states, direction only when only the sign holds, not decidable when the interval "
+        "contains no effect or the run cannot measure it (e.g. a GPU claim on a CPU), with the number that shows why",
+    "check holds / check fails": "a property the setup guarantees (an identity, a closed form, bitwise equality): "
+        "it confirms the implementation, it does not reproduce a claim",
     "bubble": "the share of a pipeline step a rank spends idle, waiting for another stage",
     "F&B": "a forward and a backward of two micro-batches run as one pair, so one's communication hides behind "
         "the other's compute (DualPipeV)",
@@ -167,6 +178,17 @@ GLOSSARY: dict[str, str] = {
 """Terms the headlines use, each in a sentence (the results page's glossary)."""
 
 
+def _cell(j: dict) -> str:
+    cls = "yes" if j["word"] in ("reproduced", "check holds") else "no" if j["word"] in (
+        "not reproduced", "check fails") else "none"
+    return f"<div class='{cls}'>{html.escape(j['word'])}</div><div class='src'>{html.escape(judgement_text(j))}</div>"
+
+
+def _bands(judged: list, word: str) -> str:
+    rules = sorted({j["rule"] for j in judged if j and j["word"] == word and j["word"] in CLAIM_WORDS})
+    return f" ({' | '.join(rules)})" if rules else ""
+
+
 def results_html(rows: list[dict], params: dict, machine: dict | None = None) -> str:
     """The course results page (self-contained HTML, no scripts)."""
     from toolkit.runtime.machine import describe
@@ -181,23 +203,22 @@ def results_html(rows: list[dict], params: dict, machine: dict | None = None) ->
             body.append(f"<tr><td>{link}</td><td colspan='3' class='none'>{why}</td><td class='none'>-</td>"
                         "<td class='none'>-</td></tr>")
             continue
-        verdict = {True: ("yes", "yes"), False: ("no", "no"), None: ("not testable here", "none")}[h["reproduced"]]
+        verdict = _cell(h["reproduced"])
         claim = esc(h["claim"]) + (f"<div class='src'>{esc(h['source'])}</div>" if h["source"] else "")
         note = f"<div class='src'>{esc(h['note'])}</div>" if h.get("note") else ""
         if h.get("emulated"):
-            ev = {True: ("yes", "yes"), False: ("no", "no"), None: ("not decidable", "none")}[h.get("emulated_reproduced")]
-            b = h.get("emulated_band")
-            sens = (f"<div class='src'>{esc(_band_text(b))}</div>" if b else
-                    "<div class='src'>sensitivity not computed</div>")
-            emulated = f"{esc(h['emulated'])}<div class='{ev[1]}'>{ev[0]}</div>{sens}"
+            emulated = f"{esc(h['emulated'])}" + (_cell(h["emulated_reproduced"]) if h.get("emulated_reproduced")
+                                                   else "<div class='none'>no time claim judged</div>")
         else:
             emulated = "<span class='none'>-</span>"
         body.append(f"<tr><td>{link}</td><td>{esc(h['technique'])}</td><td>{esc(h['measured'])}{note}</td>"
-                    f"<td>{claim}</td><td class='{verdict[1]}'>{verdict[0]}</td><td>{emulated}</td></tr>")
-    counts = {k: sum(1 for r in rows if (r.get("headline") or {}).get("reproduced", "x") is k)
-              for k in (True, False, None)}
-    bands = [(r.get("headline") or {}).get("emulated_band") for r in rows]
-    across = {k: sum(1 for b in bands if b and (b["holds"] is None) == k) for k in (False, True)}
+                    f"<td>{claim}</td><td>{verdict}</td><td>{emulated}</td></tr>")
+    judged = [(r.get("headline") or {}).get("reproduced") for r in rows]
+    emulated = [(r.get("headline") or {}).get("emulated_reproduced") for r in rows]
+    counts = "; ".join(f"{w}: {sum(1 for j in judged if j and j['word'] == w)}" + _bands(judged, w)
+                       for w in CLAIM_WORDS + CHECK_WORDS)
+    emulated_counts = "; ".join(f"{w}: {sum(1 for j in emulated if j and j['word'] == w)}" + _bands(emulated, w)
+                                for w in CLAIM_WORDS)
     glossary = "".join(f"<dt>{esc(term)}</dt><dd>{esc(text)}</dd>" for term, text in GLOSSARY.items())
     return f"""<!doctype html><meta charset="utf-8"><title>llm-scale-toolkit: course results</title>
 <style>body{{font-family:Inter,Helvetica,Arial,sans-serif;margin:2em;color:#222;max-width:75em}}
@@ -208,9 +229,14 @@ vertical-align:top}}.yes{{color:#109618}}.no{{color:#dc3912}}.none{{color:#777}}
 <p>One row per lesson: the headline its run measured, the source's claim, and whether the run reproduces it —
 read from each executed notebook's <code>toolkit.report.headline</code> output, never typed in; the terms they use
 are in the <a href="#glossary">glossary</a> below. Parameters:
-{esc(json.dumps(params))}. Reproduced: {counts[True]}, not reproduced: {counts[False]}, not testable here:
-{counts[None]}. Emulated verdicts that hold across the calibration's sensitivity band: {across[False]}; that
-depend on it (not decidable on the emulated cluster): {across[True]}.</p>
+{esc(json.dumps(params))}.</p>
+<p>Each claim is judged by one rule (<code>toolkit.runtime.bench.judge</code>): <b>reproduced</b> when the
+measured value and its whole interval lie in the band the claim states, <b>direction only</b> when the sign
+holds and the magnitude does not, <b>not reproduced</b>, or <b>not decidable</b> with the number that shows
+why; a property the setup guarantees is a <b>check</b>, not a reproduction. On the emulated cluster the interval
+is {esc(SENSITIVITY)}.</p>
+<p>The runs: {esc(counts)}.</p>
+<p>On the emulated cluster: {esc(emulated_counts)}.</p>
 <p>Machine: {esc(describe(machine)) if machine else "not recorded"}. Times and timing verdicts are this machine's.</p>
 <table><tr><th>lesson</th><th>technique</th><th>measured (this run)</th><th>source's claim</th>
 <th>reproduced</th><th>time effect on the emulated cluster (virtual time: a model of the named GPUs and links,
@@ -220,4 +246,4 @@ fed this run's real ops)</th></tr>
 <dl>{glossary}</dl>"""
 
 
-__all__ = ["headline", "record", "collect", "write_results", "results_html", "MIME", "GLOSSARY"]
+__all__ = ["headline", "record", "band", "collect", "write_results", "results_html", "MIME", "GLOSSARY", "SENSITIVITY"]

@@ -223,8 +223,8 @@ display(Markdown(
 # own node (the all-to-alls cross InfiniBand, as
 # expert parallelism over 64 GPUs does). Two views of one step each way: the toy's own shapes, and matched to a
 # real MoE — every op counted with the FLOPs and every tensor with the bytes of its expert layers — so that the
-# experts' GEMMs and the all-to-alls have the real ratio. The project's target for the form training uses (fb):
-# exposed all-to-all `≤ 0.3 × serial` (a target, not a measurement).
+# experts' GEMMs and the all-to-alls have the real ratio. The source's figure for the form training uses (fb,
+# Megatron's combined 1F1B): 30–40 % of the step exposed falls under 5 %, at most 5/30 of the serial exposure.
 
 # %%
 E = r0["emulated"]
@@ -254,8 +254,8 @@ else:
         f"Matched to **{E['stands_for']}** (its experts' GEMMs {E['scales']['flops']:,.0f}× the toy's FLOPs, its "
         f"tokens {E['scales']['bytes']:,.0f}× the bytes; on this cluster one real expert layer computes "
         f"{E['real_op']['gemm_s'] * 1e6:.0f} µs against {E['real_op']['comm_s'] * 1e6:.0f} µs for one dispatch over "
-        f"{E['link']}): fb leaves **{em['fb']:.2f}×** the serial schedule's exposed all-to-all time, against the "
-        f"target of 0.3× ({'met' if em['fb'] <= 0.3 else 'missed'}); overlapped {em['overlapped']:.2f}×. As a share of "
+        f"{E['link']}): fb leaves **{em['fb']:.2f}×** the serial schedule's exposed all-to-all time (Megatron's "
+        f"figure: at most {5 / 30:.2f}×); overlapped {em['overlapped']:.2f}×. As a share of "
         f"the step: serial {share['serial']:.1%}, overlapped {share['overlapped']:.1%}, fb {share['fb']:.1%}; the step "
         f"takes {step_v[('matched', 'fb')] / step_v[('matched', 'serial')]:.3f}× serial's with fb. At the toy's own "
         f"shapes every kernel is as short as its launch: fb's step "
@@ -350,9 +350,10 @@ display(Markdown(
 # %%
 display(Markdown(
     "## What the measurement says about the article\n\n"
-    "- *\"While one batch computes, the next batch's communication already runs\"*: reproduced in both forms, with the "
-    "check that they change nothing but the order (bitwise for fb); on this machine they cut the exposed all-to-all "
-    f"time to {ratios['overlapped']:.2f}× (overlapped) and {ratios['fb']:.2f}× (fb) the serial schedule's.\n"
+    "- *\"While one batch computes, the next batch's communication already runs\"*: both forms run, with the "
+    "check that they change nothing but the order (bitwise for fb); on this machine (gloo on the compute cores: "
+    f"measured, not judged) the exposed all-to-all time is {ratios['overlapped']:.2f}× (overlapped) and "
+    f"{ratios['fb']:.2f}× (fb) the serial schedule's.\n"
     "- *\"The more cards, the larger the gain; double digits at scale\"*: this machine cannot vary the number of cards. "
     "The cost model says the gain follows the communication/computation ratio: overlapped from "
     f"{sweep[0]['speedup_overlapped']:.2f}× at ratio {sweep[0]['ratio']} up to "
@@ -378,21 +379,26 @@ if E is not None:
                         note=lambda v: f"fb exposes {v['fb_share']:.1%} of its step, serial {v['serial_share']:.1%}"))
 
 # %%
-from toolkit.report import band, headline
+from toolkit.report import SENSITIVITY, band, headline
+from toolkit.runtime.bench import Claim, judge
 
 share_gloo = {s: statistics.median(t["exposed_a2a_s"][s] / t["step_s"][s] for t in tm.values()) for s in SCHEDULES}
 same = all(r["check"]["losses_bitwise"]["fb"] and r["check"]["grads_bitwise"]["fb"]
            and len(set(r["check"]["a2a_sent_bytes"].values())) == 1 for r in results)
+# Megatron's claim: 30-40 % of the step exposed -> under 5 %, i.e. at most 5/30 of the serial exposure
+megatron = Claim("fb's exposed all-to-all / the serial schedule's", 5 / 35, (0.0, 5 / 30),
+                 "at most 5/30 of serial's (30-40 % of the step exposed -> under 5 %)",
+                 source="Megatron Core MoE docs (v0.14)", setting="a step whose serial schedule exposes 20-50 %")
 emulated, emulated_ok, sens = "", None, None
 if E is not None:
     emulated = (f"{E['gpu']} over {E['link']} (`{E['cluster']}`, one EP rank per node), the toy timed as "
                 f"{E['stands_for']}'s expert layers at ep = {world_size}: with fb (forward under backward) the exposed "
-                f"all-to-all is {share['serial']:.1%} → {share['fb']:.1%} of the step ({em['fb']:.2f}× serial's; the "
-                f"target 0.3×), forward-with-forward {em['overlapped']:.2f}×")
-    # Megatron's claim: 30-40 % of the step exposed -> under 5 %; decidable only where serial exposes about that much
-    judge = lambda v: bool(v["fb_share"] < 0.05) if 0.2 <= v["serial_share"] <= 0.5 else None  # noqa: E731
-    sens = band("fb's exposed share of the step", E["sensitivity"], judge, key="fb_share")
-    emulated_ok = sens["holds"]
+                f"all-to-all is {share['serial']:.1%} → {share['fb']:.1%} of the step ({em['fb']:.2f}× serial's), forward-with-forward {em['overlapped']:.2f}×")
+    # decidable only where the serial step exposes about as much as the claim's starting point (20-50 %)
+    sens = band("fb's exposed / serial's", E["sensitivity"], key=lambda v: v["fb_exposed_s"] / v["serial_exposed_s"])
+    emulated_ok = judge(megatron, sens["value"], sens["low"], sens["high"], SENSITIVITY,
+                        undecidable="" if 0.2 <= share["serial"] <= 0.5 else
+                        f"the serial step exposes {share['serial']:.0%} here, outside the claim's starting point")
 headline("02", "MoE all-to-all overlapped across micro-batches (forward with forward; forward under backward)",
          f"exposed all-to-all time {ratios['fb']:.2f}× the serial schedule's with fb ({share_gloo['serial']:.0%} → "
          f"{share_gloo['fb']:.0%} of the step, gloo on CPU), {ratios['overlapped']:.2f}× forward-with-forward; fb "
@@ -400,8 +406,10 @@ headline("02", "MoE all-to-all overlapped across micro-batches (forward with for
          f"{mem['overlapped'] / mem['serial']:.2f}× (forward with forward) and at most {mem['fb'] / mem['serial']:.2f}× (fb)",
          value=ratios["fb"], unit="× exposed all-to-all time (fb)",
          claim="exposed EP communication 30–40 % → under 5 % of the step (combined 1F1B)",
-         source="Megatron Core MoE docs (v0.14)", reproduced=None, emulated=emulated, emulated_reproduced=emulated_ok,
-         emulated_band=sens,
+         source="Megatron Core MoE docs (v0.14)",
+         reproduced=judge(megatron, None, undecidable=f"on CPU gloo moves the bytes on the compute cores (fb exposes "
+                                                       f"{ratios['fb']:.2f}× serial's here)"),
+         emulated=emulated, emulated_reproduced=emulated_ok,
          note="on CPU gloo moves the bytes on the compute cores; the claim is judged on the emulated cluster, and only "
               "where its serial step exposes 20–50 % (the claim's own starting point)")
 

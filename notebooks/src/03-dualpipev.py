@@ -511,27 +511,35 @@ display(Markdown(
 #   dominates and the "real bubble" above is mostly that overhead.
 # - The README's bubble formula holds only under F = B − W (and W ≤ F); otherwise the simulator's exact
 #   timing differs (section 2).
-# - The article's claim that DualPipeV beats interleaved 1F1B "noticeably" for MoE rests on overlapping
-#   all-to-all with compute, which needs separate streams; we could not measure that here.
+# - The article's claim that DualPipeV beats interleaved 1F1B "noticeably" for MoE rests on overlapping the
+#   expert all-to-all with compute, which these dense stages do not have; lesson 17 composes DualPipeV with that
+#   overlap on the emulated cluster. The article gives no magnitude, so it is not judged here.
 
 # %%
-from toolkit.report import band, headline
+from toolkit.report import headline
+from toolkit.runtime.bench import Claim, check, judge
 
 real_tl = {n: timeline_bubble([s for x in ours(n) for s in x["spans"]], p) for n in ("1f1b", "dualpipev")}
 idle = {n: sum(t["idle"]) / p for n, t in real_tl.items()}  # mean idle seconds per rank in the traced step
 ok = r0["torch_order_identical"] is not False and all(x["grad_diff"] <= 1e-5 for x in ours("dualpipev"))
 same_order = {True: "True", False: "False", None: "not compared (this torch has no ScheduleDualPipeV)"}
-emulated, emulated_ok, sens = "", None, None
+# the README's table at F = B - W and F&B = F + B (what these stages run): DualPipeV's bubble per rank against
+# 1F1B's on the same model, (p - 1)(F&B + B - 3W) per chunk against (p - 1)(F + B) per stage of two chunks
+readme = closed_form_bubble("dualpipev", p, chunk) / closed_form_bubble("1f1b", p, chunk.scaled(2))
+table_claim = Claim.ratio("DualPipeV's idle time per rank / 1F1B's", readme, tolerance=0.25,
+                          source="deepseek-ai/DualPipe README (bubble table)",
+                          setting=f"p = {p}, F = B - W, F&B = F + B (no compute overlap inside a pair)")
+emulated, emulated_ok = "", None
 if E is not None:
     d_, o_ = em["dualpipev (F&B overlapped)"], em["1f1b"]
     emulated = (f"{E['gpu']} over {E['link']} (`{E['cluster']}`), the toy timed as {E['stands_for']}'s layers at "
                 f"pp = {p}: DualPipeV's bubble {d_['bubble %']:.1f} % vs 1F1B's {o_['bubble %']:.1f} %, its step "
                 f"{d_['step (ms)'] / o_['step (ms)']:.3f}× 1F1B's; exposed p2p with F&B pairs "
                 f"{wire['dualpipev (F&B overlapped)']:.0f} µs vs {wire['dualpipev, no pairing']:.0f} µs unpaired")
-    # the verdict's quantity replayed across the calibration's band: DualPipeV's matched step against 1F1B's
-    step_ratio = lambda v: v["dualpipev|ours"] / v["1f1b|ours"]  # noqa: E731
-    sens = band("DualPipeV's step / 1F1B's", E["sensitivity"], lambda v: step_ratio(v) < 1, key=step_ratio)
-    emulated_ok = bool(d_["bubble %"] < o_["bubble %"]) if sens["holds"] is not None else None
+    # idle time per rank = bubble fraction x step (the replays of the sensitivity band time steps, not spans: the
+    # bubble is judged at the calibrated figures)
+    idle_ratio = d_["bubble %"] * d_["step (ms)"] / (o_["bubble %"] * o_["step (ms)"])
+    emulated_ok = judge(table_claim, idle_ratio, interval="the calibrated figures")
 headline("03", "DualPipeV (V-folded pipeline, zero-bubble W split, F&B pairs)",
          f"real bubble per rank {idle['dualpipev'] * 1e3:.2f} ms vs 1F1B's {idle['1f1b'] * 1e3:.2f} ms "
          f"({idle['dualpipev'] / idle['1f1b']:.2f}×, p = {p}, m = {r0['m']}, preset {preset}); simulated from the "
@@ -539,10 +547,11 @@ headline("03", "DualPipeV (V-folded pipeline, zero-bubble W split, F&B pairs)",
          f"ScheduleDualPipeV: {same_order[r0['torch_order_identical']]}, gradients equal the single process: {ok}",
          value=idle["dualpipev"] / idle["1f1b"], unit="× 1F1B's bubble (real timeline)",
          claim="bubble (PP/2−1)(F&B+B−3W) against 1F1B's (PP−1)(F+B)", source="deepseek-ai/DualPipe README",
-         reproduced=ok and idle["dualpipev"] < idle["1f1b"],
+         reproduced=check("the same per-rank order as torch's ScheduleDualPipeV and gradients equal to the single "
+                          "process (the bubble on shared CPU cores is measured, not judged)", bool(ok)),
          note=f"on CPU F&B = F + B (no stream overlap); with ops of {chunk_costs.F * 1e3:.2f} ms (F per chunk, "
               f"preset {preset}) the time between actions weighs on the real bubble",
-         emulated=emulated, emulated_reproduced=emulated_ok, emulated_band=sens)
+         emulated=emulated, emulated_reproduced=emulated_ok)
 
 # %% [markdown]
 # ## Try this

@@ -189,6 +189,7 @@ display(Markdown(
 
 # %%
 from toolkit.report import headline
+from toolkit.runtime.bench import Claim, check, judge
 
 dloss = (final["int8"] - final["bf16"]) / final["bf16"]
 headline("04", f"int8 all-to-all (MoE dispatch, one fp32 scale per {cfg['block']} channels)",
@@ -198,8 +199,10 @@ headline("04", f"int8 all-to-all (MoE dispatch, one fp32 scale per {cfg['block']
          value=ratio, unit="× bf16 bytes",
          claim="int8 before the all-to-all halves the data at an acceptable precision loss; int4 loses too much",
          source="seed article 000 §4; nearest public recipe DeepSeek-V3/DeepEP FP8 dispatch",
-         reproduced=(ratio <= 0.52 and abs(dloss) < 0.02 and snr[("gaussian", "int8")] > 40
-                     and snr[("gaussian", "int4")] < snr[("gaussian", "int8")] - 20),
+         reproduced=(judge(Claim.ratio("int8 dispatch bytes / bf16's", 0.5, tolerance=0.04, source="seed article 000 §4"),
+                           ratio, interval="bytes counted by the ledger")
+                     if abs(dloss) < 0.02 and snr[("gaussian", "int8")] > 40 else
+                     check("acceptable precision: within 2 % of bf16's loss and above 40 dB", False)),
          note="halves = at most 0.52× bf16's bytes, scales included; acceptable = within 2% of bf16's loss and "
               "> 40 dB; int4's training gap at scale is not tested here")
 

@@ -52,8 +52,9 @@ from IPython.display import Markdown, display
 from toolkit import launch, viz
 from toolkit.comm import sdp4bit as S
 from toolkit.lessons.l06_sdp4bit import PRESETS
-from toolkit.report import band, headline
+from toolkit.report import SENSITIVITY, band, headline
 from toolkit.runtime import bench
+from toolkit.runtime.bench import Claim, check, judge
 from toolkit.runtime.cluster import cluster as make_cluster
 from toolkit.runtime.spread import pm
 
@@ -409,10 +410,11 @@ else:
                 f"{EM['stands_for']}: SDP4Bit's step {step_m.ratio:.2f}x the bf16 baseline's ({step_m.word}; "
                 f"toy shapes {step_t.ratio:.2f}x, {step_t.word}). Cost model at {P['gpus']} GPUs (extrapolation): "
                 f"{best['speedup']:.2f}x at best, {best['speedup_free_codec']:.2f}x with a free codec")
-    # the direction of the claim, decided by the matched run at every point of the calibration's band
-    sens = band("SDP4Bit / baseline step (matched)", EM["sensitivity"], lambda v: v["sdp4bit"] < v["baseline"],
-                key=lambda v: v["sdp4bit"] / v["baseline"])
-    emulated_ok = sens["holds"]
+    # "up to 4.08x end to end": judged over the model's sensitivity band
+    sens = band("baseline / SDP4Bit step (matched)", EM["sensitivity"], key=lambda v: v["baseline"] / v["sdp4bit"])
+    emulated_ok = judge(Claim.ratio("baseline step / SDP4Bit's", 4.08, tolerance=0.25, source="Jia et al., SDP4Bit",
+                                    setting="the paper's best case (up to 4.08x)"),
+                        sens["value"], sens["low"], sens["high"], SENSITIVITY)
 headline("06", "SDP4Bit (4-bit weight differences, two-level 8/4-bit gradients with Hadamard)",
          f"weights all-gathered at {w_ratio:.3f}x the bf16 bytes, inter-node gradients at {inter_ratio:.3f}x "
          f"(all gradient links {g_ratio:.3f}x); held-out loss over {base_sp['n']} seeds SDP4Bit - baseline = "
@@ -422,9 +424,14 @@ headline("06", "SDP4Bit (4-bit weight differences, two-level 8/4-bit gradients w
          claim="4-bit weights and inter-node gradients (~4x fewer bytes than bf16) at no loss cost "
                "(125M: 2.2959 vs 2.2939 baseline); up to 4.08x end-to-end speed-up",
          source="Jia et al., SDP4Bit, NeurIPS 2024",
-         reproduced=bool(w_ratio <= 0.27 and inter_ratio <= 0.27 and sp4["verdict"] in ("within noise", "lower")),
+         reproduced=(judge(Claim.ratio("weights all-gathered / bf16's bytes", 0.25, tolerance=0.10,
+                                       source="Jia et al., SDP4Bit (4-bit weights, ~4x fewer bytes)"),
+                           max(w_ratio, inter_ratio), interval="bytes counted by the ledger (the worse of weights "
+                                                                "and inter-node gradients)")
+                     if sp4["verdict"] in ("within noise", "lower")
+                     else check("no loss cost: held-out loss not higher beyond the seed noise", False)),
          note="bytes and held-out loss measured here; the speed-up is judged on the emulated cluster",
-         emulated=emulated, emulated_reproduced=emulated_ok, emulated_band=sens)
+         emulated=emulated, emulated_reproduced=emulated_ok)
 
 # %% [markdown]
 # The source article's summary ("weight differences quantized to 4 bits, gradients 8 bits inside and 4 bits

@@ -103,8 +103,8 @@ print(inspect.getsource(offload.ActivationOffloader._unpack))
 from IPython.display import Markdown, display
 
 from toolkit import launch, viz
-from toolkit.report import band, headline
-from toolkit.runtime.bench import verdict
+from toolkit.report import SENSITIVITY, band, headline
+from toolkit.runtime.bench import Claim, check, judge, verdict
 
 cfg = {"preset": preset, "policies": policies, "prefetch": prefetch, "stands_for": stands_for}  # None: the preset's
 results = launch("l08_activation_offload", world_size, cfg, backend=backend, timeout_s=timeout_s, cluster=cluster)
@@ -456,10 +456,13 @@ if E is not None:
                 f"{1e3 * M['none']['step_s']:.1f} ms step without offload); "
                 f"per-rank budget {M['all-budget']['verdict'].ratio:.3f}×, attention only "
                 f"{M['attention']['verdict'].ratio:.3f}×, torch's save_on_cpu {M['save_on_cpu']['verdict'].ratio:.2f}×")
-    # "negligible" read as at most 5 % slower than no offload, at every point of the calibration's band
-    sens = band("offload all / no offload step", E["sensitivity"], lambda v: v["all"] / v["none"] <= 1.05,
-                key=lambda v: v["all"] / v["none"])
-    emulated_ok = sens["holds"]
+    # "negligible" read as at most 5 % slower than no offload, judged on the policy the claim is about (the
+    # per-rank budget: PipeOffload offloads what each stage's lifetime allows), over the sensitivity band
+    sens = band("offload with the per-rank budget / no offload step", E["sensitivity"],
+                key=lambda v: v["all-budget"] / v["none"])
+    emulated_ok = judge(Claim.at_most("offloaded step (per-rank budget) / no offload", 1.05,
+                                      "'negligible': at most 5 % slower", source="Wan et al., PipeOffload"),
+                        sens["value"], sens["low"], sens["high"], SENSITIVITY)
 headline("08", "pipeline-aware activation offload (1F1B, per-module groups, prefetch)",
          f"offloading every module lowers the resident activation peak by "
          + ", ".join(f"{x:.0%} (rank {i})" for i, x in enumerate(red))
@@ -469,12 +472,14 @@ headline("08", "pipeline-aware activation offload (1F1B, per-module groups, pref
          value=min(red), unit="resident activation peak reduction (worst rank)",
          claim="at least half of the activations can be offloaded (at negligible cost on GPUs)",
          source="Wan et al., PipeOffload, ICML 2025",
-         reproduced=bool(min(red) >= 0.5 and ok and on_demand == 0),
+         reproduced=check("offloading every module lowers every rank's resident activation peak by at least half, "
+                          "gradients bitwise equal, every reload issued ahead",
+                          bool(min(red) >= 0.5 and ok and on_demand == 0)),
          note="memory judged on the resident peak of every rank, exact gradients and every reload issued ahead; "
               "the cost is judged on the emulated cluster (\"negligible\" read as at most 5 % slower), since CPU "
               "copies are synchronous. The seed article's ~8% peak cut from attention offload is a large-model "
               "share: see the section above",
-         emulated=emulated, emulated_reproduced=emulated_ok, emulated_band=sens)
+         emulated=emulated, emulated_reproduced=emulated_ok)
 
 # %% [markdown]
 # ## Try this

@@ -39,7 +39,8 @@ import inspect
 from IPython.display import Markdown, display
 
 from toolkit import launch, viz
-from toolkit.report import band, headline
+from toolkit.report import SENSITIVITY, band, headline
+from toolkit.runtime.bench import Claim, check, judge
 from toolkit.lessons import l10_recompute_bubbles as lesson
 from toolkit.pipeline import Costs, interleaved_1f1b, one_f_one_b, simulate
 from toolkit.pipeline.recompute import RecomputeQueue
@@ -70,7 +71,8 @@ print(inspect.getsource(RecomputeQueue))
 # **Cap** (`cap_policy`): hold at most `keep` micro-batches of activations on a rank, counting the one a
 # recompute rebuilds. Walking the rank's order, a forward keeps its activations unless that would break the cap
 # even if every later forward were checkpointed. This bounds the peak, but most checkpointed forwards have
-# their backward in the steady state of 1F1B, where a rank never waits: their recompute cannot hide.
+# their backward in the steady state of 1F1B, where a rank with equal stages never waits: their recompute cannot
+# hide (unequal stages wait there too, for the slowest one: section 4 measures it).
 #
 # **Cool-down** (`cooldown_policy`, bubble-aware, RiPipe's idea): checkpoint exactly the forwards whose backward
 # the rank runs in its cool-down — the backwards after the one paired with its last forward, where the rank
@@ -446,11 +448,13 @@ if E is not None:
                 f"{predicted['matched'][i_b] / predicted['matched']['interleaved']:.4f}×); 1F1B cap keep = {r0['keep']} "
                 f"in the bubble {against('matched', '1f1b-recompute-bubble', '1f1b').ratio:.4f}× no recompute, inline "
                 f"{against('matched', '1f1b-recompute-inline', '1f1b').ratio:.4f}×")
-    # hidden: faster than inline and within 1 % of no recompute, at every point of the calibration's band
-    judge = lambda v: bool(v[i_b] < v[i_i] and v[i_b] / v["interleaved"] <= 1.01)  # noqa: E731
-    sens = band("interleaved cool-down in the bubble / no recompute", E["sensitivity"], judge,
+    # "hiding its cost" read as at most 1 % slower than no recompute, over the model's sensitivity band
+    sens = band("interleaved cool-down in the bubble / no recompute", E["sensitivity"],
                 key=lambda v: v[i_b] / v["interleaved"])
-    emulated_ok = sens["holds"]
+    emulated_ok = judge(Claim.at_most("interleaved 1F1B, cool-down recompute in the bubble / no recompute", 1.01,
+                                      "'hiding its cost': at most 1 % slower than no recompute",
+                                      source="MindSpeed RiPipe; Mario, PPoPP 2025"),
+                        sens["value"], sens["low"], sens["high"], SENSITIVITY)
 headline("10", "recompute in the pipeline bubble (cool-down policy, interleaved 1F1B)",
          f"the worst rank's peak saved activations {ratio:.2f}x of interleaved 1F1B without recompute (measured; rank "
          f"0's own {peak['interleaved-recompute-bubble-cooldown'][0] / peak['interleaved'][0]:.2f}x; 1F1B cap keep = "
@@ -462,11 +466,13 @@ headline("10", "recompute in the pipeline bubble (cool-down policy, interleaved 
          value=ratio, unit="x the worst rank's peak saved activations",
          claim="recompute placed in the pipeline bubbles lowers activation memory while hiding its cost",
          source="MindSpeed RiPipe, --recompute-in-bubble; Mario, PPoPP 2025",
-         reproduced=bool(ratio < 1 and exact and free["interleaved"]),
+         reproduced=check("the worst rank's peak saved activations below no recompute's, gradients bitwise equal "
+                          "(the unit-cost simulator's hidden recomputes are a property of the schedule, asserted in "
+                          "section 3)", bool(ratio < 1 and exact)),
          note="memory and gradients measured, on the worst rank's peak; the hidden cost is judged on the emulated "
               "cluster (\"hiding its cost\" read as faster than inline and within 1 % of no recompute) and by the "
               "simulator (section 3): the ranks here share CPU cores, so a waiting rank is not idle hardware",
-         emulated=emulated, emulated_reproduced=emulated_ok, emulated_band=sens)
+         emulated=emulated, emulated_reproduced=emulated_ok)
 
 # %% [markdown]
 # ## Try this

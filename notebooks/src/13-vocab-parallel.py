@@ -55,7 +55,8 @@ from toolkit.pipeline import vocab_passes as vx
 from toolkit.pipeline.schedule import one_f_one_b
 from toolkit.pipeline.simulate import simulate
 from toolkit.models.catalog import kernels_seconds
-from toolkit.report import band, headline
+from toolkit.report import SENSITIVITY, band, headline
+from toolkit.runtime.bench import Claim, check, judge
 from toolkit.runtime.efficiency import gemm
 from toolkit.runtime.bench import verdict
 from toolkit.runtime.cluster import cluster as make_cluster
@@ -452,11 +453,11 @@ print(inspect.getsource(vp.op_time))
 cal = r0["calibration"]
 print(f"this CPU: {cal['matmul_flops'] / 1e9:.1f} GFLOP/s matmul, {cal['mem_bw'] / 1e9:.1f} GB/s elementwise, "
       f"{cal['op_overhead_s'] * 1e6:.1f} us per eager op")
-check = lesson.cost_model_check(cfg, results)
-viz.table(check, title="Cost model vs measurement, one micro-batch per rank",
+model_check = lesson.cost_model_check(cfg, results)
+viz.table(model_check, title="Cost model vs measurement, one micro-batch per rank",
           formats={"measured_ms": ".3f", "model_ms": ".3f", "model/measured": ".2f"}).show()
-ratios = [row["model/measured"] for row in check]
-head_ratio = {key: (lambda t: t[-1] / t[1])([row[key] for row in check if row["layout"] == "baseline"])
+ratios = [row["model/measured"] for row in model_check]
+head_ratio = {key: (lambda t: t[-1] / t[1])([row[key] for row in model_check if row["layout"] == "baseline"])
               for key in ("measured_ms", "model_ms")}
 display(Markdown(
     f"The model is good to a factor here, not to a percent: model/measured spans {min(ratios):.2f} .. "
@@ -471,8 +472,8 @@ display(Markdown(
 # %% [markdown]
 # ## 9 · The paper's setting: a simulation
 #
-# PP = 8, 32 layers of hidden 3072, sequence 4096, micro-batch 1, m = 24 micro-batches (3p, the default of the
-# authors' script): 3.6B transformer parameters, plus 1.6B in the two 256k tables (by construction). The
+# PP = 8, 32 layers of hidden 3072, sequence 4096, micro-batch 1, m = 24 micro-batches (3p: our choice; the
+# artifact's README runs 128): 3.6B transformer parameters, plus 1.6B in the two 256k tables (by construction). The
 # hardware is the `a100-ib200` preset of `toolkit.runtime.cluster` (printed below with the source of each
 # figure), its kernels at the fractions of the peaks `vp.Efficiency()` assumes (`matmul=0.7`, `hbm=0.8`).
 # **Everything in this section is the cost model and the simulator, not a measurement**; the same `vocab_1f1b`
@@ -573,9 +574,13 @@ display(Markdown(f"""
 pbytes = {lay: [r["param_bytes"][lay] for r in results] for lay in ("baseline", "vocab")}
 pb_ratio = {lay: max(b) / min(b) for lay, b in pbytes.items()}
 held_ok = m < p + 2 or (held["vocab-1"][0] == p + 2 and held["vocab-2"][0] == p + 1)
-# the matched throughput gain of Algorithm 2 replayed across the calibration's band
+# the matched throughput gain of Algorithm 2 over the model's sensitivity band, against the artifact's figure
+artifact = Claim.ratio("1F1B's step / Vocab-2's", 1.86, tolerance=0.25,
+                       source="sail-sg/VocabularyParallelism quick run (1.85-1.87x)",
+                       setting=f"the artifact's: PP = 8, V = 256k; the run's: p = {p}, V = {cfg['vocab_size']}, the "
+                               "toy's balance of head against layers")
 sens = None if E is None else band("baseline / vocab-2 step (matched)", E["sensitivity"],
-                                   lambda v: v["vocab-2"] < v["1f1b"], key=lambda v: v["1f1b"] / v["vocab-2"])
+                                   key=lambda v: v["1f1b"] / v["vocab-2"])
 headline("13", "vocabulary parallelism",
          f"parameter bytes per rank max/min {pb_ratio['baseline']:.2f} → {pb_ratio['vocab']:.3f} (V = "
          f"{cfg['vocab_size']}, p = {p}); rank 0 held {held['vocab-1'][0]} / {held['vocab-2'][0]} micro-batches "
@@ -584,9 +589,11 @@ headline("13", "vocabulary parallelism",
          claim="vocabulary layers over all pipeline ranks balance the stages, at p + 2 (Algorithm 1) / p + 1 "
                "(Algorithm 2) micro-batches of activations vs p for 1F1B",
          source="Yeung et al., Vocabulary Parallelism, MLSys 2025",
-         reproduced=bool(held_ok and pb_ratio["vocab"] < pb_ratio["baseline"] and pb_ratio["vocab"] <= 1.1),
-         note=f"balanced: max/min within 1.1. The paper's throughput gain, 5–51% (1.85–1.87× at V = 256k, "
-              f"PP = 8), is a GPU claim: simulated {sims[2]['speedup']:.2f}× at the paper's setting (cost "
+         reproduced=check("parameter bytes balanced (max/min within 1.1, by construction of the split) at p + 2 / "
+                          "p + 1 micro-batches held", bool(held_ok and pb_ratio["vocab"] < pb_ratio["baseline"]
+                                                           and pb_ratio["vocab"] <= 1.1)),
+         note=f"The paper's throughput claims are GPU claims: its abstract's 5–51 % is against naive approaches, "
+              f"its artifact's quick run 1.85–1.87× against the plain baseline (PP = 8, V = 256k); simulated {sims[2]['speedup']:.2f}× at the paper's setting (cost "
               f"model, assumed A100), measured {measured_speedup['vocab-2']:.2f}× on this machine's shared cores"
               + ("" if E is None else f", emulated {1 / mv['vocab-2'].ratio:.2f}× at p = {p} (below)"),
          emulated="" if E is None else (
@@ -597,14 +604,16 @@ headline("13", "vocabulary parallelism",
              f"{' (launch-bound: its largest GEMM is shorter than the host time of an eager op)' if launch_bound else ''}; beside "
              f"the paper's 1.85–1.87× (PP = 8, V = 256k) and this lesson's simulated {sims[2]['speedup']:.2f}× "
              "(cost model, p = 8)"),
-         emulated_reproduced=None if E is None or sens["holds"] is None else sens["holds"], emulated_band=sens)
+         emulated_reproduced=None if E is None else judge(artifact, sens["value"], sens["low"], sens["high"],
+                                                          SENSITIVITY))
 
 # %% [markdown]
 # ## Try
 #
 # - `vocab_size = 1001`, not a multiple of `world_size`: the lesson refuses it before any process starts.
-# - `m = 12` (the smoke preset runs 6, the default 8): the bubble share shrinks, so does the gain of balancing the
-#   stages; p + 1 and p + 2 stay.
+# - `m = 12` (the smoke preset runs 6, the default 8): with a heavy last stage every steady-state step waits for
+#   it, so the gain of balancing grows with m, toward t_max / t_b: ((m−1)·t_max + p·t_b) / ((m−1+p)·t_b) (section
+#   7's simulator); p + 1 and p + 2 stay.
 # - A code edit: `M24` to 8 or 64 in section 9's first cell: the bubble share changes and so does the simulated
 #   speedup.
 #

@@ -98,6 +98,7 @@ from IPython.display import Markdown, display
 
 from toolkit import launch, viz
 from toolkit.report import headline
+from toolkit.runtime.bench import Claim, check, judge, not_decidable
 
 def clones(n: int) -> str:
     return f"{n} clone{'' if n == 1 else 's'}"
@@ -441,7 +442,9 @@ if EM is not None:
                         f"{busiest:,} pairs against a break-even of {link_be['break_even_pairs']:,.0f} pairs per clone "
                         f"on {EM['link']} (cost model)" + (", so at this toy's token count a clone costs more than "
                                                            "it buys" if steps[best] >= steps[0] else ""),
-            "emulated_reproduced": bool(steps[best] < steps[0])}
+            "emulated_reproduced": check("the best clone budget shortens the emulated step (the model's comparison: "
+                                         "the source states no time figure)", bool(steps[best] < steps[0]),
+                                         why=f"{steps[best] / steps[0]:.3f}× the step without clones")}
 consistent = all(r["layer"]["outputs_close"] and r["layer"]["home_plus_clone_grads_equal_plain"]
                  and r["layer"]["clones_bitwise_home"] for r in results)
 headline("15", "ECHO (cloning hot experts)",
@@ -451,7 +454,14 @@ headline("15", "ECHO (cloning hot experts)",
          f"layer and step", value=plan["ratio_after"], unit="max/mean rank load after cloning",
          claim="cloning hot experts onto idle EP ranks evens out the load, clones' weights and gradients kept "
                "consistent (merged into the main expert)", source="Megatron-LM PR #2368 (ECHO); seed article §15",
-         reproduced=None if evens_out is None else bool(evens_out and consistent),
+         reproduced=(not_decidable("cloning evens out the load", "this routing was balanced before cloning")
+                     if evens_out is None else
+                     judge(Claim("max/mean rank load after cloning", 1.0, (1.0, target),
+                                 f"at most {target} (the project's target: the source gives no number)",
+                                 no_effect=plan["ratio_before"], source="Megatron-LM PR #2368 (ECHO)"),
+                           plan["ratio_after"], interval="counted pairs per rank")
+                     if consistent else check("outputs and home + clone gradients equal the layer without cloning",
+                                              False)),
          note=f"balanced = max/mean ≤ {target} (the project's target; the source gives no number)"
               + ("; this routing was balanced before cloning, so it cannot test the claim" if evens_out is None else "")
               + "; the wall-clock gain needs a rank per processor",

@@ -320,3 +320,180 @@ def comm_efficiency_ratio(comm_s: float, step_s: float, compute_s: float) -> flo
     """The article's ratio: communication time / (step time - compute time); >1 means comm overlapped compute."""
     idle = step_s - compute_s
     return comm_s / idle if idle > 0 else float("inf")
+
+
+# ---- one way to judge "does the run reproduce the source's claim" ----------------------------------------------
+CLAIM_WORDS = ("reproduced", "direction only", "not reproduced", "not decidable")
+"""The four words a claim is judged by (``judge``)."""
+CHECK_WORDS = ("check holds", "check fails")
+"""A property the setup guarantees (an identity, a closed form, bitwise equality) is a check, not a reproduction
+(``check``)."""
+
+
+@dataclass(frozen=True)
+class Claim:
+    """What a source claims, as a number a run can measure, and the band of measured values that reproduce it.
+
+    ``value`` is the source's magnitude in the unit of the measurement (a ratio of times, a saving, a fraction);
+    ``no_effect`` what the measurement reads when the technique does nothing (1 for a ratio, 0 for a saving);
+    ``band`` the measured values that count as the source's magnitude, ``rule`` that band in words ("within
+    ±25 % of the claimed 1.48×"); ``setting`` where the source measured it, or the nearer setting the run
+    declares."""
+
+    what: str
+    value: float
+    band: tuple[float, float]
+    rule: str
+    no_effect: float = 1.0
+    source: str = ""
+    setting: str = ""
+
+    def __post_init__(self):
+        lo, hi = self.band
+        if not lo <= self.value <= hi or (self.value != self.no_effect and lo <= self.no_effect <= hi):
+            raise ValueError(f"Claim {self.what!r}: band={self.band} must contain value={self.value}, and not "
+                             f"no_effect={self.no_effect} unless the claim is that there is none (value = "
+                             f"no_effect: Claim.at_most)")
+
+    @property
+    def of_no_effect(self) -> bool:
+        """A claim that the technique costs nothing (or at most the band's edge): it has no direction."""
+        return self.value == self.no_effect
+
+    @property
+    def lower_is_better(self) -> bool:
+        return self.value < self.no_effect
+
+    @classmethod
+    def ratio(cls, what: str, value: float, tolerance: float = 0.25, **kw) -> "Claim":
+        """A claimed ratio (e.g. a step time 0.67× the baseline's, or a 1.48× speed-up): reproduced within
+        ±``tolerance`` of it."""
+        if not 0 < tolerance < 1 or not value > 0:
+            raise ValueError(f"Claim.ratio({what!r}): value > 0 and tolerance in (0, 1), got {value}, {tolerance}")
+        band = (value * (1 - tolerance), value * (1 + tolerance))
+        if value < 1:
+            band = (band[0], min(band[1], 1 - 1e-9))
+        elif value > 1:
+            band = (max(band[0], 1 + 1e-9), band[1])
+        return cls(what, value, band, f"within ±{tolerance:.0%} of the claimed {value:.3g}×", **kw)
+
+    @classmethod
+    def saving(cls, what: str, value: float, at_least: float = 0.5, **kw) -> "Claim":
+        """A claimed saving (a fraction of time or bytes removed, > 0): reproduced from ``at_least`` of it up."""
+        if not value > 0 or not 0 < at_least <= 1:
+            raise ValueError(f"Claim.saving({what!r}): value > 0 and at_least in (0, 1], got {value}, {at_least}")
+        return cls(what, value, (at_least * value, math.inf),
+                   f"at least {at_least:.0%} of the claimed {value:.0%} saving", no_effect=0.0, **kw)
+
+    @classmethod
+    def at_most(cls, what: str, bound: float, rule: str, no_effect: float = 1.0, **kw) -> "Claim":
+        """A claim of no (or a negligible) cost: reproduced while the measured value is at most ``bound``
+        (``rule`` says how the source's word was read, e.g. "'negligible': at most 5 % slower")."""
+        return cls(what, no_effect, (-math.inf, bound), rule, no_effect=no_effect, **kw)
+
+    def word(self, measured: float) -> str:
+        """The word one measured value reaches (no interval)."""
+        if self.of_no_effect:
+            return "reproduced" if self.band[0] <= measured <= self.band[1] else "not reproduced"
+        right_side = measured < self.no_effect if self.lower_is_better else measured > self.no_effect
+        if not right_side:
+            return "not reproduced"
+        return "reproduced" if self.band[0] <= measured <= self.band[1] else "direction only"
+
+
+@dataclass
+class Judgement:
+    """A claim judged on a measurement: the word, the measured value with its interval, and why."""
+
+    word: str
+    """One of ``CLAIM_WORDS`` (or ``CHECK_WORDS`` for a property)."""
+    what: str
+    measured: float | None
+    low: float | None
+    high: float | None
+    """The interval the word holds over: a wall clock's 95 % interval, the emulated cluster's sensitivity band,
+    or the value itself (a count, a deterministic property)."""
+    interval: str
+    """What the interval is."""
+    claimed: float | None
+    rule: str
+    """The band that reproduces the claim, in words (for a check: what it checks)."""
+    why: str
+    """The number that shows why, for any word but "reproduced"."""
+    source: str = ""
+    setting: str = ""
+
+    @property
+    def holds(self) -> bool:
+        """The word is a success (reproduced, or a check that holds)."""
+        return self.word in ("reproduced", "check holds")
+
+    def text(self) -> str:
+        """``"reproduced: 1.41× [1.30, 1.52] (sensitivity band) — within ±25 % of the claimed 1.48×"``."""
+        if self.word in CHECK_WORDS:
+            return f"{self.word}: {self.rule}" + (f" ({self.why})" if self.why else "")
+        value = "" if self.measured is None else f"{self.measured:.3g}"
+        if self.measured is not None and self.low is not None and (self.low, self.high) != (self.measured,) * 2:
+            value += f" [{self.low:.3g}, {self.high:.3g}] ({self.interval})"
+        return f"{self.word}: {value} — {self.rule}" + (f"; {self.why}" if self.why else "")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def judge(claim: Claim, measured: float | None, low: float | None = None, high: float | None = None,
+          interval: str = "", undecidable: str = "") -> Judgement:
+    """The one rule every lesson's headline judges a claim by (the four ``CLAIM_WORDS``):
+
+    - **reproduced**: the measured value and its whole interval lie in the claim's band;
+    - **direction only**: the whole interval is on the claimed side of no effect, not all of it in the band;
+    - **not reproduced**: the whole interval is on the other side (or at no effect);
+    - **not decidable**: the interval contains no effect (the run cannot tell the sign), or crosses the edge
+      of a claim of no cost (``Claim.at_most``), or ``undecidable`` says why the run cannot measure it (a
+      GPU-only effect on a CPU).
+
+    ``low``/``high``: the interval of ``measured`` (None: it is exact); on the emulated cluster, the sensitivity
+    band (``report.band``), so a ratio whose band straddles 1 is never "faster"."""
+    base = dict(what=claim.what, claimed=claim.value, rule=claim.rule, source=claim.source, setting=claim.setting)
+    if undecidable or measured is None or not math.isfinite(measured):
+        return Judgement("not decidable", measured=measured, low=low, high=high, interval=interval,
+                         why=undecidable or "nothing measured", **base)
+    low = measured if low is None else low
+    high = measured if high is None else high
+    if not low <= measured <= high:
+        raise ValueError(f"judge({claim.what!r}): measured={measured} is not inside [low, high]=[{low}, {high}]")
+    words = {claim.word(x) for x in (low, measured, high)}
+    if len(words) == 1:
+        word = words.pop()
+        why = "" if word == "reproduced" else (
+            f"{measured:.3g} is outside the band [{claim.band[0]:.3g}, {claim.band[1]:.3g}]"
+            if word == "direction only" or claim.of_no_effect
+            else f"{measured:.3g} is not on the claimed side of {claim.no_effect:g}")
+    elif claim.of_no_effect:
+        word, why = "not decidable", (f"the interval [{low:.3g}, {high:.3g}] crosses the band's edge "
+                                      f"({claim.band[1]:.3g})")
+    elif "not reproduced" in words:
+        word, why = "not decidable", (f"the interval [{low:.3g}, {high:.3g}] contains no effect "
+                                      f"({claim.no_effect:g})")
+    else:
+        word, why = "direction only", (f"the sign holds over [{low:.3g}, {high:.3g}], the magnitude does not: "
+                                       f"the band is [{claim.band[0]:.3g}, {claim.band[1]:.3g}]")
+    return Judgement(word, measured=measured, low=low, high=high, interval=interval or "exact", why=why, **base)
+
+
+def check(what: str, holds: bool, why: str = "") -> Judgement:
+    """A property the setup guarantees (an identity, a closed form, bitwise equality), reported as a check: it
+    cannot reproduce a claim, only confirm that the implementation does what it says."""
+    if not isinstance(holds, bool):
+        raise ValueError(f"check({what!r}): holds must be True or False (computed from the run), got {holds!r}")
+    return Judgement("check holds" if holds else "check fails", what=what, measured=None, low=None, high=None,
+                     interval="", claimed=None, rule=what, why=why)
+
+
+def not_decidable(what: str, why: str) -> Judgement:
+    """A claim this run cannot measure (a GPU-only mechanism on a CPU, a cluster it does not have), with no
+    magnitude to judge: "not decidable", and ``why``."""
+    if not why:
+        raise ValueError(f"not_decidable({what!r}): say why the run cannot decide it")
+    return Judgement("not decidable", what=what, measured=None, low=None, high=None, interval="", claimed=None,
+                     rule=what, why=why)
