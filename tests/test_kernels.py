@@ -1,5 +1,5 @@
 """Quantization kernels: the Triton kernels (run by Triton's interpreter on CPU) against the torch reference,
-and the invariants of block-wise quantization (../shared/TECHNIQUES.md sections 4, 6 and 9)."""
+and the invariants of block-wise quantization (the techniques' briefs: int8/int4 all-to-all, SDP4Bit, INT8 vs FP8)."""
 import importlib
 import math
 import os
@@ -168,7 +168,7 @@ def test_stochastic_rounding_is_seeded():
 
 
 def test_qsnr_matches_theory_on_gaussian():
-    """TECHNIQUES.md section 9 [sim]: Gaussian, block 128: INT8 43.8 dB, FP8 31.8 dB; int4 18.6 dB (section 4)."""
+    """The INT8 vs FP8 brief's simulation: Gaussian, block 128: INT8 43.8 dB, FP8 31.8 dB; int4 18.6 dB (section 4)."""
     g = torch.randn(1 << 18, generator=torch.Generator().manual_seed(0))
     snr = {fmt: Q.qsnr_db(g, Q.fake_quantize(g, fmt, 128)) for fmt in ("int8", "int4", "fp8_e4m3")}
     assert abs(snr["int8"] - 43.8) < 0.5 and abs(snr["fp8_e4m3"] - 31.8) < 0.5 and abs(snr["int4"] - 18.6) < 0.6

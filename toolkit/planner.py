@@ -75,7 +75,8 @@ from toolkit.runtime.cluster import Cluster, cluster as make_cluster
 @dataclass(frozen=True)
 class Zero3Buffers:
     """ZeRO-3's device working set beyond the shards, in elements: DeepSpeed's names and defaults
-    (``deepspeed.runtime.zero.config.DeepSpeedZeroConfig``); the seed article's config sets none of them."""
+    (``deepspeed.runtime.zero.config.DeepSpeedZeroConfig``); the config of the “distributed optimization in
+    practice” article sets none of them."""
     prefetch_bucket_size: float = 5e7
     """``stage3_prefetch_bucket_size``: parameters gathered ahead of their use."""
     max_live_parameters: float = 1e9

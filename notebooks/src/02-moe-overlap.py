@@ -223,8 +223,8 @@ display(Markdown(
 # own node (the all-to-alls cross InfiniBand, as
 # expert parallelism over 64 GPUs does). Two views of one step each way: the toy's own shapes, and matched to a
 # real MoE — every op counted with the FLOPs and every tensor with the bytes of its expert layers — so that the
-# experts' GEMMs and the all-to-alls have the real ratio. The source's figure for the form training uses (fb,
-# Megatron's combined 1F1B): 30–40 % of the step exposed falls under 5 %, at most 5/30 of the serial exposure.
+# experts' GEMMs and the all-to-alls have the real ratio. For the form training uses (fb, Megatron's combined
+# 1F1B) the source claims that 30–40 % of the step exposed falls under 5 %: at most 5/30 of the serial exposure.
 
 # %%
 E = r0["emulated"]

@@ -198,8 +198,8 @@ headline("04", f"int8 all-to-all (MoE dispatch, one fp32 scale per {cfg['block']
          f"training loss {dloss:+.2%} vs bf16; int4 {snr[('gaussian', 'int4')]:.1f} dB",
          value=ratio, unit="× bf16 bytes",
          claim="int8 before the all-to-all halves the data at an acceptable precision loss; int4 loses too much",
-         source="seed article 000 §4; nearest public recipe DeepSeek-V3/DeepEP FP8 dispatch",
-         reproduced=(judge(Claim.ratio("int8 dispatch bytes / bf16's", 0.5, tolerance=0.04, source="seed article 000 §4"),
+         source="“16 optimizations” article §4; nearest public recipe DeepSeek-V3/DeepEP FP8 dispatch",
+         reproduced=(judge(Claim.ratio("int8 dispatch bytes / bf16's", 0.5, tolerance=0.04, source="“16 optimizations” article §4"),
                            ratio, interval="bytes counted by the ledger")
                      if abs(dloss) < 0.02 and snr[("gaussian", "int8")] > 40 else
                      check("acceptable precision: within 2 % of bf16's loss and above 40 dB", False)),

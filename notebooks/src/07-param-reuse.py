@@ -307,7 +307,7 @@ headline("07", "parameter copy reuse (fp32 master = bf16 weight + int16 residual
          f"ties-away fp32 master at {min(r['bitexact_steps'] for r in results)} of {r0['steps']} steps (worst rank)",
          value=saved / r0["numel_padded"], unit="B/param saved",
          claim="saves one bf16 copy of the parameters: 2 B/param, bf16 bytes / DP per rank when sharded",
-         source="MindSpeed --reuse-fp32-param; seed article §7",
+         source="MindSpeed --reuse-fp32-param; “16 optimizations” article §7",
          reproduced=check("2 B/param saved and training bit-identical to a ties-away fp32 master (a property of "
                           "the format)", bool(saved == 2 * r0["numel_padded"] and wm["amp"] - wm["reuse"] == 2
                                              and exact)),

@@ -477,7 +477,7 @@ headline("08", "pipeline-aware activation offload (1F1B, per-module groups, pref
                           bool(min(red) >= 0.5 and ok and on_demand == 0)),
          note="memory judged on the resident peak of every rank, exact gradients and every reload issued ahead; "
               "the cost is judged on the emulated cluster (\"negligible\" read as at most 5 % slower), since CPU "
-              "copies are synchronous. The seed article's ~8% peak cut from attention offload is a large-model "
+              "copies are synchronous. The “16 optimizations” article's ~8% peak cut from attention offload is a large-model "
               "share: see the section above",
          emulated=emulated, emulated_reproduced=emulated_ok)
 

@@ -158,11 +158,11 @@ for c in cases:
 # %%
 viz.lines({"INT8 measured": kappa["int8"], "FP8-E4M3 measured": kappa["fp8_e4m3"],
            "INT8 theory 52.9 − 20 log κ": kappa["int8_theory"], "E4M3 theory 31.5": kappa["e4m3_theory"],
-           "INT8 line quoted in the issue, 46.9 − 20 log κ": kappa["int8_article"]},
+           "the course's first-guess INT8 line, 46.9 − 20 log κ": kappa["int8_article"]},
           x=kappa["kappa"], title="Per-block QSNR vs κ = amax / RMS (block 128)", xaxis_title="κ (log scale)",
           yaxis_title="QSNR (dB)", log_x=True,
           dash={"INT8 theory 52.9 − 20 log κ": "dash", "E4M3 theory 31.5": "dash",
-                "INT8 line quoted in the issue, 46.9 − 20 log κ": "dot"}).show()
+                "the course's first-guess INT8 line, 46.9 − 20 log κ": "dot"}).show()
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -246,7 +246,7 @@ display(Markdown(
     f"outlier channels in X: W is still Gaussian, where INT8 is better, so the two errors partly cancel out "
     f"the ranking. Per tensor (one scale) FP8 wins that case by "
     f"{q('gemm', 'outlier_channels', 'fp8_e4m3', 0) - q('gemm', 'outlier_channels', 'int8', 0):.1f} dB.\n"
-    f"- The INT8 line quoted with the issue (46.9 − 20·log₁₀κ) is {kappa['int8_minus_article_db']:.1f} dB below what we "
+    f"- The course's first-guess INT8 line (46.9 − 20·log₁₀κ) is {kappa['int8_minus_article_db']:.1f} dB below what we "
     f"measure; 52.9 − 20·log₁₀κ (uniform rounding noise) fits within {abs(kappa['int8_minus_theory_db']):.2f} dB.\n"
     f"- Training, held-out loss vs bf16 with the same init and data: INT8 {d_loss['int8']:+.3f}, "
     f"FP8 {d_loss['fp8_e4m3']:+.3f}, INT4 {d_loss['int4']:+.3f}. Changing only the seed moves bf16 by "
@@ -261,10 +261,10 @@ headline("09", "block-wise INT8 vs FP8-E4M3 (block 128, along the reduction dim)
          f"per tensor on the GPT's real tensors {min(gap[3:]):+.1f} to {max(gap[3:]):+.1f} dB",
          value=gemm_gap["gpt_fc1"], unit="dB (INT8 - FP8, GEMM on the GPT's fc1)",
          claim="at the same block size INT8's inner-product SNR is (slightly) better than FP8's",
-         source="seed article §9; Chen et al., INT v.s. FP, arXiv 2510.25602",
+         source="“16 optimizations” article §9; Chen et al., INT v.s. FP, arXiv 2510.25602",
          reproduced=judge(Claim("INT8 - FP8 SNR of the block-128 GEMM on the GPT's fc1 (dB)", 1.5, (0.1, 3.0),
                                 "'slightly better': 0.1 to 3 dB (up to half a bit at 6.02 dB per bit: our reading)",
-                                no_effect=0.0, source="seed article §9"),
+                                no_effect=0.0, source="“16 optimizations” article §9"),
                           gemm_gap["gpt_fc1"], interval="deterministic quantization of fixed tensors")
          if gemm_gap["gaussian"] > 0 else check("INT8 ahead on Gaussian operands", False),
          note=f"judged on the sign, on Gaussian and real operands; the size is {gemm_gap['gpt_fc1'] / 6.02:.1f} bits "

@@ -453,7 +453,7 @@ headline("15", "ECHO (cloning hot experts)",
          f"gradients equal the layer without cloning; {viz.human_bytes(weight_bytes)} of weights out and back per "
          f"layer and step", value=plan["ratio_after"], unit="max/mean rank load after cloning",
          claim="cloning hot experts onto idle EP ranks evens out the load, clones' weights and gradients kept "
-               "consistent (merged into the main expert)", source="Megatron-LM PR #2368 (ECHO); seed article §15",
+               "consistent (merged into the main expert)", source="Megatron-LM PR #2368 (ECHO); “16 optimizations” article §15",
          reproduced=(not_decidable("cloning evens out the load", "this routing was balanced before cloning")
                      if evens_out is None else
                      judge(Claim("max/mean rank load after cloning", 1.0, (1.0, target),

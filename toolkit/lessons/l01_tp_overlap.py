@@ -212,7 +212,7 @@ def op_benchmarks(ctx, group, block, tokens: int, cfg: dict) -> dict:
     GEMM alone, bulk, ring, tiled ring, and the ring's messages alone (the same ring with GEMMs of width 0), timed side by
     side; and the invariants: ring and tiled ring == bulk (allclose; the gathered input bitwise).
 
-    ``overlap`` takes T_comm of the collective (the issue's definition); ``overlap_own_messages`` takes the
+    ``overlap`` takes T_comm of the collective (the collective timed alone); ``overlap_own_messages`` takes the
     ring's own messages, which gloo may move faster or slower than its collective."""
     o = _mlp_operands(ctx, group, block, tokens, cfg)
     x, w1, h, w2, gathered, partial, scattered = (o[k] for k in ("x", "w1", "h", "w2", "gathered", "partial",

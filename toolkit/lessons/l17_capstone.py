@@ -288,8 +288,8 @@ def _reference_loss(base: ComposeConfig, cfg: dict, device) -> float:
 
 # ---- the source's 13B case study, redone with the planner (a model: no process runs it) ---------------------------
 def case_13b():
-    """The seed article's case (§6.3: a 13B customer-service model on 24 A100s, step 1.8 s -> 1.12 s, target
-    >= 850 tokens/s), with what it leaves out filled by assumptions stated here: a LLaMA-13B shape (40 layers,
+    """The case of the “distributed optimization in practice” article (§6.3: a 13B customer-service model on 24
+    A100s, step 1.8 s -> 1.12 s, target >= 850 tokens/s), with what it leaves out filled by assumptions stated here: a LLaMA-13B shape (40 layers,
     hidden 5120, 40 heads), sequences of 2048 tokens, 192 sequences per step (divisible by the 3 nodes), the
     a100-ib200 preset (A100 80 GB, 312 TFLOP/s bf16, NVLink 3 at 232 GB/s of bus bandwidth inside a node, PCIe
     Gen4, NVMe) at its calibrated achieved rates, and across nodes the 12 GB/s per GPU the article measured
@@ -302,7 +302,8 @@ def case_13b():
     a100 = cluster("a100-ib200")
     hw = cluster(a100, name="a100-ib200, the article's inter-node link",
                  inter=replace(a100.inter, name="the article's inter-node link", bytes_per_s=12e9,
-                               source="12 GB/s per GPU measured between GPUs across nodes (seed article §4.1)"))
+                               source="12 GB/s per GPU measured between GPUs across nodes (the “distributed "
+                                      "optimization in practice” article §4.1)"))
     return w, hw, 24, Assumptions(dp_overlap=0.7)
 
 

@@ -9,7 +9,7 @@
                                     ▼
     bf16_gemm: "native"  oneDNN may use the CPU's bf16 instructions: a bf16 GEMM costs about what fp32 does
                "slow"    it may not (no such instructions, or capped by ONEDNN_MAX_CPU_ISA): torch falls back to
-                         a scalar loop, ~50-75x slower than fp32 (issue 21: 203 ms vs 2.7 ms at 512², AVX2 EPYC)
+                         a scalar loop, ~50-75x slower than fp32 (measured: 203 ms vs 2.7 ms at 512², AVX2 EPYC)
 
 ``fingerprint()`` returns all of it as a dict (JSON-able), ``describe()`` as one line for a summary.
 ``toolkit.runtime.bf16`` reads ``bf16_gemm`` to decide how GEMMs on bf16 tensors compute.
