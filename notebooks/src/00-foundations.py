@@ -39,6 +39,7 @@ from toolkit import launch, viz
 from toolkit.comm.bandwidth import check_nccl_settings, parse_exports
 from toolkit.memory import checkpointing
 from toolkit.planner import Workload, plan
+from toolkit.runtime.bench import verdict
 
 results = launch("l00_foundations", world_size, {"preset": preset, "model": model}, backend=backend,
                  timeout_s=timeout_s)
@@ -169,13 +170,14 @@ assert ahead and all(r["zero3_prefetch"]["bitwise_equal"] for r in results)
 w, t = z3["wait_s_per_step"], z3["step_s"]
 hidden = 1 - w["prefetch"] / w["no prefetch"] if w["no prefetch"] else 0.0
 change = t["prefetch"] / t["no prefetch"] - 1
-noise = max(z3["step_stability"].values())  # std/mean of the step times: this machine's step-to-step spread
-faster = change < -noise
+prefetch_v = verdict([r["zero3_prefetch"]["bench"]["no prefetch"] for r in results],
+                     [r["zero3_prefetch"]["bench"]["prefetch"] for r in results])  # paired rounds, slowest rank
+faster = prefetch_v.faster
 display(Markdown(
     f"Measured on this machine (rank 0, {len(z3['units'])} units): time blocked on all-gathers "
     f"{w['no prefetch'] * 1e3:.2f} ms per step without prefetch, {w['prefetch'] * 1e3:.2f} ms with it "
     f"({hidden:.0%} of it {'hidden' if hidden >= 0 else 'added'}); step {t['no prefetch'] * 1e3:.1f} ms against "
-    f"{t['prefetch'] * 1e3:.1f} ms ({change:+.0%}, against a step-to-step spread of ±{noise:.0%}). "
+    f"{t['prefetch'] * 1e3:.1f} ms ({change:+.0%}; {prefetch_v.text('no prefetch', 'prefetch')}). "
     + ("Prefetch shortened the step beyond the noise here." if faster else
        "The step did not get shorter beyond the noise: on a CPU the all-gather's thread competes for the same "
        "cores as the compute (every rank already keeps one busy), so there is little idle hardware for the "

@@ -42,7 +42,7 @@ preset: str = os.environ.get("TOOLKIT_PRESET", "default")  # smoke | default | f
 backend: str = "auto"  # auto | gloo | nccl
 cluster: str = "none"  # emulated cluster under the run: none | h100-ib400 | a100-ib200 | pcie-100gbe
 train_modes: Optional[list] = None  # None: bf16, int8, int4 (+ "bf16@1", bf16 with another seed, above smoke)
-block: int = 128  # channels per fp32 scale
+block: Optional[int] = None  # channels per fp32 scale (None: the preset's)
 timeout_s: int = 900
 
 # %% [markdown]

@@ -300,7 +300,8 @@ else:
         f"with {M['all']['late']} late reloads that held the backward {1e3 * M['all']['wait_s']:.2f} ms (summed over "
         f"the ranks).\n- The copy engine is the reason: each step "
         f"the busiest rank's D2H engine carries {1e3 * M['all']['d2h_s']:.2f} ms of copies, "
-        + ("less than the whole step without offload: they can hide behind its compute. "
+        + ("less than the whole step without offload: they fit in it, which is needed to hide them, not enough "
+           "(a copy also has to find compute beside it when it runs: the late reloads above say whether it did). "
            if hides else "more than the whole step without offload: no schedule can hide them. ")
         + f"\n- `all-budget` copies for {1e3 * M['all-budget']['d2h_s']:.2f} ms and takes "
         f"{M['all-budget']['verdict'].ratio:.3f}×, `attention` {1e3 * M['attention']['d2h_s']:.2f} ms and "

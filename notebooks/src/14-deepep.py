@@ -51,14 +51,15 @@
 
 # %% tags=["parameters"]
 import os
+from typing import Optional
 
 world_size: int = 4  # 2 emulated nodes x ranks_per_node ranks
 preset: str = os.environ.get("TOOLKIT_PRESET", "default")  # smoke | default | full
 backend: str = "auto"  # auto | gloo | nccl
 cluster: str = "h100-ib400"  # emulated cluster under the run (timed in section f): h100-ib400 | a100-ib200 | pcie-100gbe | none
-ranks_per_node: int = 0  # 0: world_size // 2 (two nodes)
-max_nodes: int = 0  # DeepSeek-V3 node-limited routing: at most this many nodes per token (0: off)
-overlap_matmuls: int = 0  # other work beside the low-latency hook (0: as long as one blocking dispatch)
+ranks_per_node: Optional[int] = None  # 0: world_size // 2 (two nodes); None: the preset's
+max_nodes: Optional[int] = None  # node-limited routing (DeepSeek-V3): at most this many nodes per token (0: off; None: the preset's)
+overlap_matmuls: Optional[int] = None  # other work beside the low-latency hook (0: as long as one blocking dispatch; None: the preset's)
 timeout_s: int = 600
 
 # %% [markdown]

@@ -47,8 +47,8 @@ world_size: int = 4  # expert-parallel ranks
 preset: str = os.environ.get("TOOLKIT_PRESET", "default")  # smoke | default | full
 backend: str = "auto"  # auto | gloo | nccl
 cluster: str = "h100-ib400"  # emulated cluster under the run (timed in section c'): h100-ib400 | a100-ib200 | pcie-100gbe | none
-zipf_s: float = 1.2  # Zipf exponent of the synthetic routing
-spare_slots: int = 1  # empty expert slots per rank
+zipf_s: Optional[float] = None  # Zipf exponent of the synthetic routing (None: the preset's)
+spare_slots: Optional[int] = None  # empty expert slots per rank (None: the preset's)
 min_tokens: Optional[int] = None  # clones taking fewer pairs are reclaimed (None: the preset's, 1)
 timeout_s: int = 900
 

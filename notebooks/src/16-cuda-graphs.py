@@ -49,7 +49,7 @@ import os
 from typing import Optional
 
 world_size: int = 4
-pp: int = 2  # pipeline ranks (the data-parallel size is world_size // pp)
+pp: Optional[int] = None  # pipeline ranks, the data-parallel size world_size // pp (None: the preset's)
 n_layer: Optional[int] = None  # None: the preset's; DualPipeV needs a multiple of 2·pp
 m: Optional[int] = None  # micro-batches per replica, DualPipeV needs at least 2·pp (None: the preset's)
 preset: str = os.environ.get("TOOLKIT_PRESET", "default")  # smoke | default | full
@@ -101,7 +101,7 @@ print(inspect.getsource(dp_separate.last_grad_ops))
 # replicas), DualPipeV over the pp ranks of each replica, each replica on its own micro-batches of real text.
 
 # %%
-run_cfg = {"preset": preset, "pp": pp, "dp": max(1, world_size // pp), "n_layer": n_layer,  # None: the preset's
+run_cfg = {"preset": preset, "pp": pp, "dp": None if pp is None else max(1, world_size // pp), "n_layer": n_layer,  # None: the preset's
            "m": m, "micro_batch": micro_batch}
 cfg = lesson.validate(run_cfg, world_size)  # a bad combination stops here, before any process starts
 from toolkit.runtime.cluster import cluster as make_cluster

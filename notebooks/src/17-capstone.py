@@ -24,12 +24,13 @@
 
 # %% tags=["parameters"]
 import os
+from typing import Optional
 
 world_size: int = 4  # processes: pp x dp
 preset: str = os.environ.get("TOOLKIT_PRESET", "default")  # smoke | default | full
 backend: str = "auto"  # auto | gloo | nccl
 cluster: str = "a100-ib200"  # emulated cluster under the run: none | h100-ib400 | a100-ib200 | pcie-100gbe
-pp: int = 2  # pipeline ranks; dp is world_size / pp
+pp: Optional[int] = None  # pipeline ranks; dp is world_size / pp (None: the preset's)
 timeout_s: int = 900
 
 # %%

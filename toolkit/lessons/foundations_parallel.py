@@ -195,7 +195,8 @@ def zero3_prefetch(ctx, cfg: dict, model_cfg: GPTConfig) -> dict:
         ``spans[v]``: every rank's spans of the recorded step ("F", "B", "AG", "wait", "RS"; meta ``unit``).
         ``ledger_order[v]``: the recorded step's all-gathers as the ledger saw them: [(is_async, bytes)].
         ``wait_s_per_step[v]``: time blocked on gathers (exposed communication), mean over the timed steps.
-        ``step_s[v]``, ``step_stability[v]``: trimmed mean step time and std/mean (``compare``).
+        ``step_s[v]``, ``step_stability[v]``: trimmed mean step time and std/mean (``compare``); ``bench[v]``
+        the whole result (its rounds, for ``bench.verdict``).
     """
     steps = PREFETCH_STEPS
     torch.manual_seed(cfg["seed"])
@@ -255,6 +256,7 @@ def zero3_prefetch(ctx, cfg: dict, model_cfg: GPTConfig) -> dict:
         waits = sum(s.end - s.start for s in z.timeline.spans if s.kind == "wait")
         out["wait_s_per_step"][v] = waits / calls[v]
         out["step_s"][v], out["step_stability"][v] = res[v].mean_s, res[v].throughput_stability
+        out["bench"][v] = res[v].to_dict()
         z.timeline = None
     ctx.progress(3, 3, "ZeRO-3 prefetch: timed")
     return dict(out)

@@ -27,6 +27,18 @@ both ran back to back, so a slow phase of the machine hits both) and works on lo
     r_i = log(b_round_i / a_round_i)     i = 1..k rounds            (per rank lists: each round's slowest rank)
     ratio = exp(mean r)   interval = exp(mean r ± t_975(k-1) · std r / √k)      Student's t, 95 %
     "faster" if the interval lies below 1, "slower" if above, "within noise" if it contains 1
+
+``judge(claim, measured, low, high)`` says whether a run reproduces a source's *claim* (a ``Claim``: its magnitude
+and the band of measured values that count as it), in one of four words, over the interval of the measurement
+(a wall clock's 95 % interval, or on the emulated cluster the model's sensitivity band)::
+
+    claimed side of no effect?   whole interval in the band?
+    ── no, all of it ──────────────────────────────────────►  not reproduced
+    ── yes, all of it ──────────── yes ────────────────────►  reproduced
+                                └─ no ─────────────────────►  direction only
+    ── the interval contains no effect (or the run cannot) ►  not decidable (with the number that shows why)
+
+A property the setup guarantees (an identity, bitwise equality) is a ``check``, never a reproduction.
 """
 from __future__ import annotations
 
