@@ -206,7 +206,7 @@ def test_bad_input_names_the_parameter():
         l16.validate({"preset": "smoke"}, 2)
     with pytest.raises(ValueError, match="m=2 micro-batches is too few"):
         l16.validate({"preset": "smoke", "m": 2}, 4)
-    with pytest.raises(ValueError, match="n_layer=6 must be divisible by 2·pp=4"):
+    with pytest.raises(ValueError, match="n_layer=6 must be divisible by the 4 pipeline stages of dualpipev on pp=2"):
         l16.validate({"preset": "smoke", "n_layer": 6}, 4)
     with pytest.raises(ValueError, match="dp must be >= 1"):
         l16.validate({"preset": "smoke", "dp": 0}, 4)

@@ -114,9 +114,9 @@ def test_executor_rejects_stages_the_schedule_does_not_put_here():
 
 def test_lesson_03_bad_input_names_the_parameter():
     from toolkit.lessons import l03_dualpipev as l03
-    with pytest.raises(ValueError, match="m=3 micro-batches is too few: DualPipeV needs m >= 2 \\* world_size = 4"):
+    with pytest.raises(ValueError, match="m=3 micro-batches is too few: dualpipev needs m >= 2 × world_size = 4"):
         l03.validate({"preset": "smoke", "m": 3}, 2)
-    with pytest.raises(ValueError, match="n_layer=6 must be divisible by 2 \\* world_size=4"):
+    with pytest.raises(ValueError, match=r"n_layer=6 must be divisible by the 4 pipeline stages of dualpipev on world_size=2"):
         l03.validate({"preset": "smoke", "n_layer": 6}, 2)
     with pytest.raises(ValueError, match="m=5 must be divisible by world_size=2"):
         l03.validate({"preset": "smoke", "m": 5}, 2)

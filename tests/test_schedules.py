@@ -252,3 +252,27 @@ def test_measured_costs_that_contradict_a_backward_are_noted_never_fatal():
     c = worse.mean()
     assert c.W == pytest.approx(MeasuredCosts.W_CAP * c.B) and len(worse.noisy()) == 9
     assert MeasuredCosts([r for r in rows if r["stage"] != 3]).noisy() == []
+
+
+def test_a_new_schedule_is_added_by_its_definition_alone():
+    """Register a toy schedule with what it needs; make_schedule, the simulator, the planner and compose accept it
+    and hold a layout to its own rule, with nothing else edited."""
+    from toolkit import planner
+    from toolkit.compose import ComposeConfig
+    from toolkit.pipeline import SCHEDULES, Needs, check_layout, register
+    from toolkit.pipeline import schedule as registry
+    register("toy-1f1b", lambda p, m: one_f_one_b(p, m), Needs(min_m=3, why="the toy wants three rounds"))
+    try:
+        assert simulate(make_schedule("toy-1f1b", 2, 6), Costs()).makespan > 0
+        with pytest.raises(ValueError, match="too few: toy-1f1b needs m >= 3 × pp = 6 .the toy wants three rounds"):
+            check_layout("toy-1f1b", 2, 5)
+        rows = planner.choose(planner.Workload("llama2-7b", global_batch=64), "a100-ib200", 16,
+                              schedules=("toy-1f1b",))
+        piped = [r for r in rows if r["pp"] > 1]
+        assert piped and all(r["schedule"] == "toy-1f1b" and r["m"] >= 3 * r["pp"] for r in piped)
+        base = ComposeConfig(schedule="toy-1f1b", pp=2, dp=2, n_layer=4, m=6)
+        assert base.validate(4).n_stages == 2
+        with pytest.raises(ValueError, match="toy-1f1b needs m >= 3 × pp"):
+            base.replace(m=4).validate(4)
+    finally:
+        del SCHEDULES["toy-1f1b"], registry.NEEDS["toy-1f1b"]

@@ -48,7 +48,6 @@ import torch.nn as nn
 
 from toolkit.runtime.bf16 import bf16_as_storage
 
-SCHEDULES = ("1f1b", "dualpipev")
 PRECISIONS = ("fp32", "bf16", "bf16_residual")
 A2A_CODECS = ("none", "bf16", "int8", "int4", "fp8")
 DP_COMMS = ("allreduce", "edgc", "sdp4bit")
@@ -88,7 +87,8 @@ class ComposeConfig:
     backward, ``toolkit.pipeline.ep_overlap.EPOverlap``); needs schedule="dualpipev" and ep > 1."""
     # ---- 3 pipeline ----------------------------------------------------------------------------------------
     schedule: str = "1f1b"
-    """Pipeline schedule: ``1f1b`` (pp stages) or ``dualpipev`` (2·pp stages in a V, F&B pairs)."""
+    """Pipeline schedule: a registered name (``toolkit.pipeline.SCHEDULES``), e.g. ``1f1b`` (pp stages) or
+    ``dualpipev`` (2·pp stages in a V, F&B pairs); the schedule says what layouts it runs (``pipeline.needs``)."""
     m: int = 4
     """Micro-batches per step."""
     micro_batch: int = 2
@@ -128,7 +128,8 @@ class ComposeConfig:
 
     @property
     def n_stages(self) -> int:
-        return 2 * self.pp if self.schedule == "dualpipev" else self.pp
+        from toolkit.pipeline import needs
+        return needs(self.schedule).stages(self.pp)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -142,7 +143,8 @@ class ComposeConfig:
         """ValueError naming the field (or the two techniques in conflict) and what is allowed."""
         from toolkit.memory.offload import resolve_policy
         from toolkit.models.gpt import PRESETS
-        for name, choices in (("model", tuple(PRESETS)), ("schedule", SCHEDULES), ("precision", PRECISIONS),
+        from toolkit.pipeline import SCHEDULES  # every registered schedule (toolkit.pipeline.register)
+        for name, choices in (("model", tuple(PRESETS)), ("schedule", tuple(SCHEDULES)), ("precision", PRECISIONS),
                               ("a2a_codec", A2A_CODECS), ("dp_comm", DP_COMMS)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not allowed; allowed: {list(choices)}")
@@ -162,15 +164,9 @@ class ComposeConfig:
         if world_size is not None and world_size != self.pp * self.dp:
             raise ValueError(f"world_size={world_size} is not pp × dp = {self.pp} × {self.dp} = {self.pp * self.dp}; "
                              f"pick pp and dp whose product is the world size")
-        # ---- the model against the layout
-        if self.n_layer % self.n_stages:
-            raise ValueError(f"n_layer={self.n_layer} must be divisible by the {self.n_stages} pipeline stages of "
-                             f"schedule={self.schedule!r} on pp={self.pp} ranks")
-        if self.schedule == "dualpipev" and self.m < 2 * self.pp:
-            raise ValueError(f"m={self.m} micro-batches is fewer than DualPipeV needs: m >= 2 × pp = {2 * self.pp} "
-                             f"(both ends of the V feed micro-batches)")
-        if self.m < self.pp:
-            raise ValueError(f"m={self.m} micro-batches is fewer than the pp={self.pp} stages 1F1B fills")
+        # ---- the model against the layout: the schedule says what it needs
+        from toolkit.pipeline import check_layout
+        check_layout(self.schedule, self.pp, self.m, self.n_layer)
         # ---- MoE options need experts
         if self.n_expert == 0:
             used = [f"{k}={v!r}" for k, v, off in (("ep", self.ep, 1), ("a2a_codec", self.a2a_codec, "none"))

@@ -353,6 +353,8 @@ def choose(w: Workload, hw: Cluster | str, gpus: int, micro_batches=(1, 2, 4), s
     peak (1F1B: pp; DualPipeV: more). A model, not a measurement: label what it prints as such.
     """
     from dataclasses import replace
+
+    from toolkit.pipeline import schedule  # each schedule says what layouts it can run
     hw = _hardware(hw, gpus)
     rows = []
     for tp in (t for t in (1, 2, 4, 8) if t <= hw.gpus_per_node and w.heads % t == 0):
@@ -365,7 +367,7 @@ def choose(w: Workload, hw: Cluster | str, gpus: int, micro_batches=(1, 2, 4), s
                     continue
                 m = w.global_batch // (dp * mb)
                 for name in (schedules if pp > 1 else ("none",)):
-                    if pp > 1 and ((name == "dualpipev" and (m < 2 * pp or w.layers % (2 * pp))) or m < pp):
+                    if pp > 1 and not schedule.fits(name, pp, m, w.layers):
                         continue
                     bubble, peak_mb = schedule_bubble(name, pp, m)
                     for rc, zero, off in itertools.product(recompute, zero_stages, offload):

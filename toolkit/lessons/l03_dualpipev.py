@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 
 from toolkit.pipeline.harness import Job, PipelineSetup, measure_schedules, replayed_steps
-from toolkit.pipeline.schedule import make_schedule, torch_order_missing
+from toolkit.pipeline.schedule import check_layout, make_schedule, torch_order_missing
 from toolkit.pipeline.torch_compare import compare_orders, runtime_missing
 from toolkit.runtime.config import Param, common, require_divisible, resolve
 
@@ -44,11 +44,9 @@ PRESETS = {
 def validate(cfg: dict, world_size: int) -> dict:
     cfg = resolve(cfg, PRESETS, PARAMS)
     p = world_size
-    if cfg["m"] < 2 * p:
-        raise ValueError(f"m={cfg['m']} micro-batches is too few: DualPipeV needs m >= 2 * world_size = {2 * p}")
+    for name in ("dualpipev", "interleaved"):  # each schedule says what it needs (interleaved: v = 2 stages a rank)
+        check_layout(name, p, cfg["m"], cfg["n_layer"], p_name="world_size")
     require_divisible("m", cfg["m"], p, "world_size", "interleaved 1F1B")
-    require_divisible("n_layer", cfg["n_layer"], 2 * p, "2 * world_size",
-                      "DualPipeV and interleaved cut the model into 2p stages")
     return cfg
 
 

@@ -19,8 +19,8 @@ from toolkit.data import batches
 from toolkit.models import GPT, lm_loss, preset, split_stages
 from toolkit.moe import expert_parallel
 from toolkit.pipeline.executor import PipelineExecutor
-from toolkit.pipeline.schedule import make_schedule
-from toolkit.runtime.config import Param, common, require_divisible, resolve
+from toolkit.pipeline.schedule import check_layout, make_schedule
+from toolkit.runtime.config import Param, common, resolve
 
 WORLD_SIZE = 4  # the generated bad-input tests validate at this size
 SCHEDULES = ("interleaved", "dualpipev")
@@ -37,9 +37,7 @@ def validate(cfg: dict, world_size: int) -> dict:
     cfg = resolve(cfg, PRESETS, PARAMS)
     if world_size != 4:
         raise ValueError(f"world_size={world_size}: the link experiment runs on 4 ranks (pp 2 x ep 2)")
-    require_divisible("n_layer", cfg["n_layer"], 4, "2 x pp", "both schedules cut the model into 2 x pp stages")
-    if cfg["m"] < 4:
-        raise ValueError(f"m={cfg['m']} micro-batches is too few: DualPipeV needs m >= 2 x pp = 4")
+    check_layout("dualpipev", 2, cfg["m"], cfg["n_layer"])  # pp = 2: the schedule says what it needs
     return cfg
 
 

@@ -29,9 +29,9 @@ from toolkit.models import GPT, lm_loss
 from toolkit.pipeline.dp_separate import DataParallelSeparation, last_grad_ops
 from toolkit.pipeline.executor import PipelineExecutor
 from toolkit.pipeline.harness import PipelineSetup, grads_bitwise_equal
-from toolkit.pipeline.schedule import make_schedule
+from toolkit.pipeline.schedule import check_layout, make_schedule
 from toolkit.runtime.bench import compare
-from toolkit.runtime.config import Param, common, require_divisible, resolve
+from toolkit.runtime.config import Param, common, resolve
 from toolkit.runtime.timeline import Timeline
 
 WORLD_SIZE = 4  # the generated bad-input tests validate at this size (dp = pp = 2)
@@ -57,9 +57,7 @@ def validate(cfg: dict, world_size: int) -> dict:
     if cfg["dp"] * cfg["pp"] != world_size:
         raise ValueError(f"dp={cfg['dp']} × pp={cfg['pp']} = {cfg['dp'] * cfg['pp']} must equal "
                          f"world_size={world_size} (one rank per (dp, pp) pair)")
-    if cfg["m"] < 2 * cfg["pp"]:
-        raise ValueError(f"m={cfg['m']} micro-batches is too few: DualPipeV needs m >= 2·pp = {2 * cfg['pp']}")
-    require_divisible("n_layer", cfg["n_layer"], 2 * cfg["pp"], "2·pp", "DualPipeV cuts the model into 2·pp stages")
+    check_layout("dualpipev", cfg["pp"], cfg["m"], cfg["n_layer"])
     return cfg
 
 

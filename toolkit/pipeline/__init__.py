@@ -23,14 +23,14 @@ Quick look, no processes needed::
 """
 from .executor import ActivationMeter, ExecutorHook, PipelineExecutor, WeightGradStore, split_weight_grads
 from .recompute import Recompute, RecomputeQueue
-from .schedule import (SCHEDULES, TORCH_NAMES, Action, Schedule, dualpipev, fb, from_torch, gpipe, interleaved_1f1b,
-                       interleaved_layout, linear_layout, make_schedule, one_f_one_b, schedule_options, torch_order,
-                       torch_order_missing, v_layout, with_recompute, zb_h1)
+from .schedule import (SCHEDULES, TORCH_NAMES, Action, Needs, Schedule, check_layout, dualpipev, fb, from_torch, gpipe,
+                       fits, interleaved_1f1b, interleaved_layout, linear_layout, make_schedule, needs, one_f_one_b,
+                       register, schedule_options, torch_order, torch_order_missing, v_layout, with_recompute, zb_h1)
 from .simulate import Costs, SimResult, closed_form_bubble, simulate
 
 __all__ = ["Action", "Schedule", "SCHEDULES", "TORCH_NAMES", "make_schedule", "fb", "gpipe",
            "one_f_one_b", "interleaved_1f1b", "zb_h1", "dualpipev", "from_torch", "torch_order", "torch_order_missing",
-           "schedule_options",
+           "schedule_options", "Needs", "needs", "check_layout", "fits", "register",
            "linear_layout",
            "interleaved_layout", "v_layout", "Costs", "SimResult", "simulate", "closed_form_bubble",
            "with_recompute", "PipelineExecutor", "ExecutorHook", "WeightGradStore", "ActivationMeter",

@@ -621,6 +621,73 @@ SCHEDULES = {
 """name -> builder(p, m, **options); a builder's keyword parameters are the options the name accepts."""
 
 
+@dataclass(frozen=True)
+class Needs:
+    """What a named schedule needs of its layout, said once here and asked by everyone else (the planner, ``compose``,
+    the lessons): how many stages each rank holds and how few micro-batches it can run, both from p and the
+    schedule's options (``v``)."""
+
+    stages_per_rank: int | str = 1
+    """Stages (model chunks) each of the p ranks holds: a number, or the name of the option that gives it."""
+    min_m: int = 1
+    """The fewest micro-batches, as a multiple of p (the planner and ``compose`` hold a layout to it)."""
+    why: str = "one micro-batch in flight per stage"
+    """Why ``min_m`` (the error says it)."""
+
+    def stages(self, p: int, **options) -> int:
+        per = self.stages_per_rank
+        return p * (per if isinstance(per, int) else int(options.get(per, 2)))
+
+
+NEEDS: dict[str, Needs] = {
+    "gpipe": Needs(), "1f1b": Needs(), "interleaved": Needs("v"), "zb-h1": Needs(),
+    "dualpipev": Needs(2, 2, "both ends of the V feed micro-batches"),
+    "1f1b-recompute-inline": Needs(), "1f1b-recompute-bubble": Needs(),
+    "interleaved-recompute-inline": Needs("v"), "interleaved-recompute-bubble": Needs("v"),
+}
+"""name -> its ``Needs``; ``register`` adds a schedule with both."""
+
+
+def register(name: str, builder, needs: Needs | None = None) -> None:
+    """Add a schedule by name: ``builder(p, m, **options) -> Schedule`` and what it needs of its layout. After this,
+    ``make_schedule``, the planner (``choose(schedules=...)``), ``compose`` and the simulator accept it."""
+    if not callable(builder):
+        raise ValueError(f"register({name!r}): builder must be callable(p, m, **options), got {builder!r}")
+    SCHEDULES[name], NEEDS[name] = builder, needs or Needs()
+
+
+def needs(name: str) -> Needs:
+    """What schedule ``name`` needs of its layout (``Needs``)."""
+    if name not in SCHEDULES:
+        raise ValueError(f"schedule={name!r} is not known; allowed: {sorted(SCHEDULES)}")
+    return NEEDS.get(name, Needs())
+
+
+def check_layout(name: str, p: int, m: int, n_layer: int | None = None, p_name: str = "pp", **options) -> int:
+    """ValueError naming the parameter when schedule ``name`` cannot run ``m`` micro-batches on ``p`` ranks, or cut
+    ``n_layer`` layers into its stages; else the number of stages."""
+    need = needs(name)
+    low = need.min_m * p
+    if m < low:
+        rule = p_name if need.min_m == 1 else f"{need.min_m} × {p_name}"
+        raise ValueError(f"m={m} micro-batches is too few: {name} needs m >= {rule} = {low} ({need.why})")
+    stages = need.stages(p, **options)
+    if n_layer is not None and n_layer % stages:
+        per = stages // p
+        raise ValueError(f"n_layer={n_layer} must be divisible by the {stages} pipeline stages of {name} on "
+                         f"{p_name}={p}" + (f" ({per} per rank)" if per > 1 else ""))
+    return stages
+
+
+def fits(name: str, p: int, m: int, n_layer: int | None = None, **options) -> bool:
+    """Whether schedule ``name`` can run this layout (``check_layout`` without the error)."""
+    try:
+        check_layout(name, p, m, n_layer, **options)
+    except ValueError:
+        return False
+    return True
+
+
 def schedule_options(name: str) -> tuple[str, ...]:
     """The options ``make_schedule(name, p, m, ...)`` accepts (read off the builder's signature)."""
     if name not in SCHEDULES:
