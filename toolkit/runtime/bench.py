@@ -444,6 +444,9 @@ class Judgement:
         """``"reproduced: 1.41× [1.30, 1.52] (sensitivity band) — within ±25 % of the claimed 1.48×"``."""
         if self.word in CHECK_WORDS:
             return f"{self.word}: {self.rule}" + (f" ({self.why})" if self.why else "")
+        if self.measured is None or not math.isfinite(self.measured):  # nothing measured: why, then the claim
+            return f"{self.word}: {self.why}" + (f" (the claim: {self.rule})" if self.rule != self.what else
+                                                 f" ({self.what})")
         value = "" if self.measured is None else f"{self.measured:.3g}"
         if self.measured is not None and self.low is not None and (self.low, self.high) != (self.measured,) * 2:
             value += f" [{self.low:.3g}, {self.high:.3g}] ({self.interval})"
