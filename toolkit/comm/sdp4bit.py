@@ -37,24 +37,13 @@ import torch.distributed as dist
 
 from toolkit.quant import Quantized, all_finite, dequantize_blockwise, hadamard32, quantize_blockwise
 from toolkit.runtime import compat
+from toolkit.runtime.grid import Topology, node_groups
 
 WEIGHT_MODES = ("bf16", "qwd", "direct4", "fp32")
 GRAD_MODES = ("bf16", "tlq", "fp32")
 
 
 # ---- nodes emulated with process subgroups -----------------------------------------------------------
-
-@dataclass
-class Topology:
-    """This rank's place in ``nodes`` × ``local`` and the two groups of the two-level collectives."""
-
-    nodes: int
-    local: int
-    node: int
-    local_rank: int
-    intra: object  # the ``local`` ranks of this node
-    inter: object  # the ``nodes`` ranks with this local index
-
 
 def check_topology(world_size: int, nodes: int) -> int:
     """Ranks per node; ValueError unless ``nodes`` divides ``world_size``."""
@@ -67,22 +56,9 @@ def check_topology(world_size: int, nodes: int) -> int:
 
 
 def make_topology(nodes: int, ledger=None) -> Topology:
-    """Build (collectively) the intra-node and inter-node groups; label them in ``ledger``."""
-    world, rank = dist.get_world_size(), dist.get_rank()
-    local = check_topology(world, nodes)
-    intra = inter = None
-    for a in range(nodes):  # every rank creates every group, in the same order
-        g = dist.new_group(list(range(a * local, (a + 1) * local)))
-        if rank // local == a:
-            intra = g
-    for l in range(local):
-        g = dist.new_group(list(range(l, world, local)))
-        if rank % local == l:
-            inter = g
-    if ledger is not None:
-        ledger.name_group(intra, "intra-node")
-        ledger.name_group(inter, "inter-node")
-    return Topology(nodes, local, rank // local, rank % local, intra, inter)
+    """Build (collectively) the intra-node and inter-node groups of ``nodes`` emulated nodes
+    (``toolkit.runtime.grid.node_groups``); label them in ``ledger``."""
+    return node_groups(check_topology(dist.get_world_size(), nodes), ledger)
 
 
 # ---- what goes on the wire ------------------------------------------------------------------------------

@@ -47,6 +47,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from toolkit.runtime.grid import node_groups
+
 from .dispatcher import Codec, Layout, all_to_all, as_codec
 
 
@@ -138,16 +140,11 @@ class TwoHop:
             raise ValueError(f"ranks_per_node={ranks_per_node} must divide world_size={R} into >= 2 nodes")
         if n_slots % R:
             raise ValueError(f"n_slots={n_slots} experts must be divisible by the expert-parallel size ep={R}")
-        self.R, self.rank, self.rpn, self.nodes = R, rank, ranks_per_node, R // ranks_per_node
-        self.node, self.local_rank, self.per_rank, self.n_slots = rank // ranks_per_node, rank % ranks_per_node, n_slots // R, n_slots
+        topo = node_groups(ranks_per_node)  # NVLink inside a node, one RDMA rail across nodes
+        self.R, self.rank, self.rpn, self.nodes = R, rank, ranks_per_node, topo.nodes
+        self.node, self.local_rank, self.per_rank, self.n_slots = topo.node, topo.local_rank, n_slots // R, n_slots
         self.codec, self.combine_codec = as_codec(codec, block), as_codec(combine_codec, block)
-        self.nvl = self.rdma = None
-        for n in range(self.nodes):  # every rank creates every group, in the same order
-            g = dist.new_group(list(range(n * ranks_per_node, (n + 1) * ranks_per_node)))
-            self.nvl = g if n == self.node else self.nvl
-        for l in range(ranks_per_node):
-            g = dist.new_group(list(range(l, R, ranks_per_node)))
-            self.rdma = g if l == self.local_rank else self.rdma
+        self.nvl, self.rdma = topo.intra, topo.inter
         self.phase: Callable[[str], contextlib.AbstractContextManager] = lambda name: contextlib.nullcontext()
 
     def dispatch(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor

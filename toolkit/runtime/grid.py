@@ -119,3 +119,41 @@ class ProcessGrid:
     def _check(self, name: str) -> None:
         if name not in self._ranks:
             raise ValueError(f"unknown group {name!r}; allowed: {sorted(self._ranks)}")
+
+
+# ---- which ranks share a node ----------------------------------------------------------------------------------
+@dataclass
+class Topology:
+    """This rank's place in ``nodes`` × ``local`` ranks (consecutive ranks share a node, as ``Cluster.node_of``
+    places them) and the two groups that two-level collectives use::
+
+        world = 4, local = 2:   node 0 -> [0 1]   node 1 -> [2 3]       intra: [0 1] [2 3]   (NVLink)
+                                                                        inter: [0 2] [1 3]   (one NIC rail)
+    """
+
+    nodes: int
+    local: int
+    node: int
+    local_rank: int
+    intra: object  # the ``local`` ranks of this node
+    inter: object  # the ``nodes`` ranks with this local index
+
+
+def node_groups(local: int, ledger=None) -> Topology:
+    """Build (collectively: every rank creates every group, in the same order) the intra-node and inter-node groups
+    of ``local`` ranks per node; label them in ``ledger``. ValueError unless ``local`` divides the world."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if not isinstance(local, int) or isinstance(local, bool) or local < 1 or world % local:
+        raise ValueError(f"ranks per node {local!r} must be a positive int dividing world_size={world}")
+    nodes = world // local
+    intra = inter = None
+    for a in range(nodes):
+        g = dist.new_group(list(range(a * local, (a + 1) * local)))
+        intra = g if rank // local == a else intra
+    for lr in range(local):
+        g = dist.new_group(list(range(lr, world, local)))
+        inter = g if rank % local == lr else inter
+    if ledger is not None:
+        ledger.name_group(intra, "intra-node")
+        ledger.name_group(inter, "inter-node")
+    return Topology(nodes, local, rank // local, rank % local, intra, inter)
