@@ -294,3 +294,13 @@ def test_the_gpu_check_passes_on_cpu_with_one_rank():
     assert out.returncode == 0, out.stderr[-2000:]
     rows = json.loads(out.stdout.strip().splitlines()[-1])
     assert len(rows) == 6 and all(row["ok"] for row in rows), rows
+
+
+def test_the_gain_of_balancing_a_heavy_last_stage_grows_with_m():
+    """Lesson 13's Try line: with the vocabulary on the last stage, every steady-state step of 1F1B waits for it,
+    so the speed-up of balancing grows with m toward t_max / t_b: ((m-1)·t_max + p·t_b) / ((m-1+p)·t_b)."""
+    base = vp.stage_costs(PAPER, 8, A100, "baseline")
+    vocab = vp.stage_costs(PAPER, 8, A100, "vocab")
+    gains = [vp.simulate_layouts(base, vocab, m, comm=vocab[0]["c0"] + vocab[0]["dx"])["speedup"]
+             for m in (8, 12, 24, 48)]
+    assert gains == sorted(gains) and gains[-1] > gains[0] * 1.1, gains
