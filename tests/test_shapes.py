@@ -1,0 +1,46 @@
+"""A layer at a real model's shapes, timed on a target GPU without computing it (``toolkit.runtime.shapes``):
+FakeTensorMode for the tensors, the emulated cluster's op cost model for the time. The trace is checked against
+the analytic kernel list of the same layer (``toolkit.models.catalog`` style), not against itself."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from toolkit.runtime.cluster import cluster
+from toolkit.runtime.efficiency import gemm, kernel_seconds
+from toolkit.runtime.shapes import estimate
+
+T, D, F = 2 * 8192, 4096, 14336  # Llama-3-8B's SwiGLU MLP on two sequences of 8192 tokens, bf16
+
+
+def _build():
+    w1, w3 = (torch.nn.Linear(D, F, bias=False, dtype=torch.bfloat16) for _ in range(2))
+    w2 = torch.nn.Linear(F, D, bias=False, dtype=torch.bfloat16)
+    return w1, w2, w3, torch.empty(T, D, dtype=torch.bfloat16, requires_grad=True)
+
+
+def _step(w1, w2, w3, x):
+    w2(torch.nn.functional.silu(w1(x)) * w3(x)).sum().backward()
+
+
+def test_a_llama_mlp_at_its_true_shapes_is_timed_without_computing_it():
+    est = estimate(_build, _step, "h100-ib400")
+    # forward: 3 GEMMs; backward: dX and dW of each (9 in all), exactly the layer's FLOPs
+    assert est.flops == 9 * 2 * T * D * F
+    gemms = [k.dims[:3] for _, k, _ in est.kernels if k.kind == "gemm"]
+    assert sorted(gemms) == sorted([(T, F, D)] * 2 + [(T, D, F)] + [(T, D, F), (F, D, T)] * 2 + [(T, F, D), (D, F, T)])
+    g = cluster("h100-ib400").gpu
+    analytic = sum(kernel_seconds(gemm(*dims), g.bf16_flops, g.hbm_bytes_per_s, g.sms, g.efficiency) for dims in gemms)
+    assert est.by_kind()["gemm"] == pytest.approx(analytic)
+    # elementwise passes (SiLU, the product, their backward) at HBM speed: a tenth of the step, not zero
+    assert 0.05 < est.by_kind()["memory"] / est.step_s < 0.2
+    mfu = est.flops / (est.step_s * g.bf16_flops)
+    assert 0.4 < mfu < 0.6  # a training step's share of cuBLAS's rate (Efficiency.step), not the datasheet
+    assert est.step_s == est.kernels_s > est.host_s  # GPU-sized work: the host runs ahead
+    a100 = estimate(_build, _step, "a100-ib200")
+    assert 2.5 < a100.step_s / est.step_s < 4  # 312 against 989 TFLOP/s, at their own achieved shares
+
+
+def test_an_unknown_cluster_is_refused_before_anything_runs():
+    with pytest.raises(ValueError, match="cluster='h200' is not a preset"):
+        estimate(_build, _step, "h200")
