@@ -44,3 +44,50 @@ def test_a_llama_mlp_at_its_true_shapes_is_timed_without_computing_it():
 def test_an_unknown_cluster_is_refused_before_anything_runs():
     with pytest.raises(ValueError, match="cluster='h200' is not a preset"):
         estimate(_build, _step, "h200")
+
+
+S, D13, F13 = 2048, 5120, 13824  # Llama-2-13B's MLP on one sequence of 2048 tokens
+
+
+def _tp_mlp(tp: int) -> tuple:
+    """One rank of a sequence-parallel, tensor-parallel SwiGLU MLP (Megatron's layout): all-gather the tokens,
+    gate+up column-parallel, down row-parallel, reduce-scatter the tokens."""
+    import torch.distributed as dist
+
+    def build():
+        return (torch.nn.Linear(D13, 2 * F13 // tp, bias=False, dtype=torch.bfloat16),
+                torch.nn.Linear(F13 // tp, D13, bias=False, dtype=torch.bfloat16),
+                torch.empty(S // tp, D13, dtype=torch.bfloat16))
+
+    def step(up, down, x):
+        full = torch.empty(S, D13, dtype=torch.bfloat16)
+        dist.all_gather_into_tensor(full, x)
+        gate, val = up(full).chunk(2, dim=-1)
+        dist.reduce_scatter_tensor(torch.empty(S // tp, D13, dtype=torch.bfloat16),
+                                   down(torch.nn.functional.silu(gate) * val))
+    return build, step
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_tensor_parallel_ranks_at_true_shapes_on_the_fake_process_group():
+    """One process stands for a rank of tp = 2 and tp = 8 (torch's fake process group): the ledger counts the
+    collectives' bytes at the true shapes, (n-1)/n of the gathered activations, and the link times them; the
+    share of the step in communication grows with tp, as the GEMMs shrink and the gathered bytes do not."""
+    share = {}
+    for tp in (2, 8):
+        est = estimate(*_tp_mlp(tp), "h100-ib400", world_size=tp)
+        assert [c["op"] for c in est.comms] == ["all_gather_into_tensor", "reduce_scatter_tensor"]
+        assert all(c["sent_bytes"] == (tp - 1) * S * D13 * 2 // tp and c["ranks"] == tp for c in est.comms)
+        assert all(c["link"].startswith("NVLink") for c in est.comms)  # eight ranks a node
+        assert est.flops == 3 * 2 * S * D13 * F13 / tp
+        share[tp] = est.comm_s / est.step_s
+    assert share[2] < 0.2 < share[8]
+    inter = estimate(*_tp_mlp(8), cluster("h100-ib400", ranks_per_node=4), world_size=8)
+    assert inter.comms[0]["link"].startswith("InfiniBand") and inter.comm_s > 1.2 * est.comm_s  # 4 NICs a node
+
+
+def test_bad_ranks_are_refused():
+    for kwargs, words in (({"world_size": 0}, "world_size=0"), ({"world_size": 2, "rank": 2}, "rank=2 must be < "),
+                          ({"rank": -1}, "rank=-1")):
+        with pytest.raises(ValueError, match=words):
+            estimate(_build, _step, **kwargs)

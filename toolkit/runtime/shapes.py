@@ -11,8 +11,11 @@ the emulated cluster does for a toy's ops::
                       ──► efficiency.kernel_seconds on the cluster's GPU (a training step's share of each rate)
 
 So a laptop answers "what would this layer take on an H100" at the model's true shapes, through the same code
-that runs the toy. One process, no communication: the multi-rank, shapes-only run of a whole lesson is not built
-yet. A model, not a measurement.
+that runs the toy. With ``world_size > 1`` the process is one rank of a job on torch's ``fake`` process group
+(collectives return at once, no data): the comm ledger counts each collective's bytes at the true shapes and
+``toolkit.runtime.collectives`` times it on the group's link, as the emulated cluster does. One process stands
+for every rank (a symmetric job: tensor- or data-parallel layers), and every collective is exposed (a bulk
+schedule: the lessons' overlapped schedules are timed on the emulated cluster). A model, not a measurement.
 """
 from __future__ import annotations
 
@@ -21,10 +24,13 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from . import collectives
 from .cluster import Cluster, cluster as make_cluster
 from .efficiency import Kernel, kernel_seconds
+from .ledger import CommLedger
 from .opcost import OpKind, _flop_formulas
 
 
@@ -35,6 +41,8 @@ class Estimate:
     gpu: str
     kernels: list[tuple[str, Kernel, float]] = field(default_factory=list)
     """(ATen op, the kernel it stands for, modelled seconds), in program order."""
+    comms: list[dict] = field(default_factory=list)
+    """Each collective: op, ranks in its group, bytes this rank sent (the ledger's), the link, modelled seconds."""
     host_op_s: float = 0.0
 
     @property
@@ -48,9 +56,15 @@ class Estimate:
         return len(self.kernels) * self.host_op_s
 
     @property
+    def comm_s(self) -> float:
+        """The collectives, each exposed."""
+        return sum(c["seconds"] for c in self.comms)
+
+    @property
     def step_s(self) -> float:
-        """The step: the device's kernels, or the host's issuing when it is slower (it runs ahead otherwise)."""
-        return max(self.kernels_s, self.host_s)
+        """The step: the device's kernels and the exposed collectives, or the host's issuing when it is slower
+        (it runs ahead otherwise)."""
+        return max(self.kernels_s + self.comm_s, self.host_s)
 
     @property
     def flops(self) -> float:
@@ -98,20 +112,69 @@ def _floats(tree) -> list[torch.Tensor]:
     return [t for t in flat if isinstance(t, torch.Tensor) and t.dtype.is_floating_point]
 
 
-def estimate(build: Callable[[], Any], step: Callable[..., Any], cluster: str | Cluster = "h100-ib400") -> Estimate:
+class _CommClock:
+    """What the comm ledger tells about each collective (it calls ``on_collective``/``on_send``/``on_recv``, as it
+    does the emulator's): its group, its bytes, timed on the cluster's link for that group."""
+
+    def __init__(self, cluster: Cluster, est: Estimate, world_size: int):
+        self.cluster, self.est, self.world = cluster, est, world_size
+
+    def _time(self, op: str, group, sent: float, peers=None):
+        ranks = peers or dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+        secs, protocol, link = collectives.seconds(self.cluster, op, ranks, self.world, sent)
+        self.est.comms.append({"op": op, "ranks": len(ranks), "sent_bytes": sent, "link": link.name,
+                               "protocol": protocol, "seconds": secs})
+
+    def on_collective(self, name, group, sent, args, kwargs, out, is_async, tag):
+        self._time(name, group, sent)
+        return out
+
+    def on_send(self, name, group, sent, args, kwargs, out, is_async, tag):
+        dst = kwargs.get("dst", args[1] if len(args) > 1 else 0)
+        self._time("send", group, sent, [dist.get_rank(), dst])
+        return out
+
+    def on_recv(self, name, group, args, kwargs, out, is_async, tag):
+        return out  # the sender's side timed the transfer
+
+
+def estimate(build: Callable[[], Any], step: Callable[..., Any], cluster: str | Cluster = "h100-ib400",
+             world_size: int = 1, rank: int = 0) -> Estimate:
     """``build()`` makes the model and its inputs at their real shapes (untimed), ``step(built)`` runs what is
     timed (``build``'s result is passed as is, or unpacked when it is a tuple); both with fake tensors, so
-    nothing is computed and no memory is taken. Returns the ``Estimate`` of ``step`` on ``cluster``'s GPU.
+    nothing is computed and no memory is taken. With ``world_size > 1`` this process is rank ``rank`` of a fake
+    process group of that size (``dist.new_group`` works inside ``build``); the cluster's ``ranks_per_node``
+    places the ranks. Returns the ``Estimate`` of ``step`` on ``cluster``'s GPUs and links.
 
     >>> est = estimate(lambda: (torch.nn.Linear(4096, 14336, dtype=torch.bfloat16),
     ...                         torch.empty(16384, 4096, dtype=torch.bfloat16)),
     ...                lambda lin, x: lin(x))                                             # doctest: +SKIP
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
+    for name, v in (("world_size", world_size), ("rank", rank)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0 or (name == "world_size" and v < 1):
+            raise ValueError(f"{name}={v!r} must be an int >= {1 if name == 'world_size' else 0}")
+    if rank >= world_size:
+        raise ValueError(f"rank={rank} must be < world_size={world_size}")
     c = make_cluster(cluster)
     est = Estimate(c.gpu.name, host_op_s=c.gpu.efficiency.host_op_s)
-    with FakeTensorMode():
-        built = build()
-        with RealShapes(c, est):
-            step(*built) if isinstance(built, tuple) else step(built)
+    fake_pg = world_size > 1
+    if fake_pg:
+        if dist.is_initialized():
+            raise ValueError("estimate(world_size > 1) runs its own fake process group: call it outside a launch")
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    ledger = CommLedger().install() if fake_pg else None
+    try:
+        with FakeTensorMode():
+            built = build()
+            if ledger is not None:
+                ledger.emulator = _CommClock(c, est, world_size)
+            with RealShapes(c, est):
+                step(*built) if isinstance(built, tuple) else step(built)
+    finally:
+        if ledger is not None:
+            ledger.uninstall()
+        if fake_pg:
+            dist.destroy_process_group()
     return est
