@@ -192,3 +192,16 @@ def test_bad_input_names_the_parameter():
         tp_overlap.tile_rows(8, 0)
     with pytest.raises(ValueError, match="mode='fused' is not allowed"):
         tp_overlap._check_mode("fused")
+
+
+def test_the_real_mlp_at_its_true_shapes_spends_more_of_its_step_communicating_at_higher_tp():
+    """Lesson 01's section 4c: Llama-2-13B's MLP forward on 4096 tokens, one rank of tp = 2 and tp = 8 on the fake
+    process group (nothing computed): the GEMMs shrink 4x from tp 2 to 8, the collectives do not, so their share
+    of the bulk step grows; on NVLink the GEMMs are long enough for a ring to hide all of it at both sizes."""
+    from toolkit.lessons import l01_tp_overlap as lesson
+    two, eight = lesson.true_shapes("llama2-13b", 4096)
+    assert two["GEMMs (ms)"] / eight["GEMMs (ms)"] == pytest.approx(4, rel=0.1)
+    assert two["communication share (bulk)"] < 0.2 < eight["communication share (bulk)"]
+    assert two["ring ceiling"] == eight["ring ceiling"] == 1.0
+    slow = lesson.true_shapes("llama2-13b", 4096, tps=(8,), cluster="pcie-100gbe")[0]
+    assert slow["ring ceiling"] < 1.0 < slow["all-gather + reduce-scatter (ms)"] / eight["all-gather + reduce-scatter (ms)"]

@@ -24,8 +24,8 @@ from toolkit.data import batches
 from toolkit.models import GPT, lm_loss, preset
 from toolkit.parallel.tensor import check_tp
 from toolkit.parallel.tp_overlap import (SequenceParallelStack, all_gather_matmul, allreduce_sequence_parallel_grads,
-                                         bytes_per_layer, kept_bytes_per_layer, matmul_reduce_scatter, overlap_fraction,
-                                         shard_tokens)
+                                         bytes_per_layer, kept_bytes_per_layer, matmul_reduce_scatter, overlap_ceiling,
+                                         overlap_fraction, shard_tokens)
 from toolkit.pipeline.executor import ActivationMeter
 from toolkit.runtime import compat
 from toolkit.runtime.bench import compare, replayed
@@ -275,7 +275,6 @@ def emulated(ctx, group, block, tokens: int, cfg: dict, stacks: dict, step) -> d
     the ring pays, where tiles pay), and the four whole-step variants. Deterministic: one call each."""
     ctx.reserve_for_replay()  # the bar's last quarter: the run replayed on other figures
     from toolkit.models import catalog, matched
-    from toolkit.parallel.tp_overlap import overlap_ceiling
     emu, tp = ctx.emulator, dist.get_world_size(group)
     w1 = block.fc1.weight
     D, F = w1.shape[1], w1.shape[0] * tp
@@ -375,3 +374,44 @@ def _virtual_ops(ctx, group, block, tokens: int, cfg: dict) -> dict:
         out[op] = {"shapes": shapes, "mean_s": t,
                    "overlap": {v: overlap_fraction(t["comm"], t["gemm"], t[v]) for v in ("bulk", "ring", "tiled ring")}}
     return out
+
+
+# ---- the real layer at its true shapes (a model: nothing is computed) --------------------------------------------
+def true_shapes(stands_for: str, tokens: int, tps=(2, 8), cluster="h100-ib400") -> list[dict]:
+    """``stands_for``'s MLP (``toolkit.models.catalog``) on ``tokens`` tokens at each tensor-parallel size in
+    ``tps``, one rank on torch's fake process group at the true shapes (``toolkit.runtime.shapes.estimate``):
+    all-gather the sequence-parallel tokens, the column-parallel up (gate + up for SwiGLU), the activation, the
+    row-parallel down, reduce-scatter. Per tp: the modelled GEMMs, the other kernels, the two collectives (bulk:
+    exposed), their share of the step, and how much of them a ring could hide (``overlap_ceiling``)."""
+    import warnings
+
+    import torch.nn.functional as nnf
+
+    from toolkit.models import catalog
+    from toolkit.runtime.shapes import estimate
+    spec, rows = catalog.get(stands_for), []
+    for tp in tps:
+        d, f = spec.hidden, spec.ffn // tp
+        up_width = (spec.mlp_matrices - 1) * f
+
+        def build():
+            return (torch.nn.Linear(d, up_width, bias=False, dtype=torch.bfloat16),
+                    torch.nn.Linear(f, d, bias=False, dtype=torch.bfloat16),
+                    torch.empty(tokens // tp, d, dtype=torch.bfloat16))  # [T/tp, D] sequence-parallel input
+
+        def step(up, down, x):
+            full = torch.empty(tokens, d, dtype=torch.bfloat16)  # [T, D]
+            dist.all_gather_into_tensor(full, x)
+            h = up(full)  # [T, (2)F/tp]
+            h = nnf.silu(h[:, :f]) * h[:, f:] if spec.gated else nnf.gelu(h)
+            dist.reduce_scatter_tensor(torch.empty(tokens // tp, d, dtype=torch.bfloat16), down(h))
+
+        with warnings.catch_warnings():  # torch 2.13 renames the two collectives; the toolkit's ledger knows both
+            warnings.simplefilter("ignore", FutureWarning)
+            est = estimate(build, step, cluster, world_size=tp)
+        gemm = est.by_kind().get("gemm", 0.0)
+        rows.append({"tp": tp, "GEMMs (ms)": gemm * 1e3, "other kernels (ms)": (est.kernels_s - gemm) * 1e3,
+                     "all-gather + reduce-scatter (ms)": est.comm_s * 1e3,
+                     "communication share (bulk)": est.comm_s / est.step_s,
+                     "ring ceiling": overlap_ceiling(tp, gemm, est.comm_s)})
+    return rows
