@@ -37,6 +37,10 @@ def test_a_llama_mlp_at_its_true_shapes_is_timed_without_computing_it():
     mfu = est.flops / (est.step_s * g.bf16_flops)
     assert 0.4 < mfu < 0.6  # a training step's share of cuBLAS's rate (Efficiency.step), not the datasheet
     assert est.step_s == est.kernels_s > est.host_s  # GPU-sized work: the host runs ahead
+    # memory at the true shapes: the weights and input exactly; during the step the forward's four [T, F] tensors
+    # saved for backward (both projections, SiLU, the product) and what backward holds in flight
+    assert est.static_bytes == (3 * D * F + T * D) * 2
+    assert 4 <= (est.peak_bytes - est.static_bytes) / (T * F * 2) <= 8
     a100 = estimate(_build, _step, "a100-ib200")
     assert 2.5 < a100.step_s / est.step_s < 4  # 312 against 989 TFLOP/s, at their own achieved shares
 

@@ -19,6 +19,7 @@ schedule: the lessons' overlapped schedules are timed on the emulated cluster). 
 """
 from __future__ import annotations
 
+import weakref
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -44,6 +45,11 @@ class Estimate:
     comms: list[dict] = field(default_factory=list)
     """Each collective: op, ranks in its group, bytes this rank sent (the ledger's), the link, modelled seconds."""
     host_op_s: float = 0.0
+    static_bytes: int = 0
+    """Device bytes of what ``build`` made (parameters, inputs), at the true shapes."""
+    peak_bytes: int = 0
+    """The most device bytes alive at once during the step: ``static_bytes`` plus the tensors the step's ops
+    allocated and had not freed (activations saved for backward, gradients, workspaces of the ATen ops seen)."""
 
     @property
     def kernels_s(self) -> float:
@@ -82,14 +88,34 @@ class RealShapes(TorchDispatchMode):
     """Times every ATen op it sees on ``cluster``'s GPU (``opcost`` + ``efficiency``); used under FakeTensorMode
     by ``estimate``. Floating-point tensors count their own dtype's bytes (the program runs at the real dtype)."""
 
-    def __init__(self, cluster: Cluster, est: Estimate):
+    def __init__(self, cluster: Cluster, est: Estimate, seen: set[int]):
         super().__init__()
         self.gpu, self.est = cluster.gpu, est
         self.formulas, self.kinds = _flop_formulas(), {}
+        self.seen, self.live = seen, est.static_bytes  # storages counted (by id), bytes alive
+
+    def _track(self, out) -> None:
+        """Count each new storage an op returns until it is freed (views and in-place ops return one seen)."""
+        for t in torch.utils._pytree.tree_flatten(out)[0]:
+            if not isinstance(t, torch.Tensor):
+                continue
+            st = t.untyped_storage()
+            if id(st) in self.seen:
+                continue
+            n = st.nbytes()
+            self.seen.add(id(st))
+            self.live += n
+            self.est.peak_bytes = max(self.est.peak_bytes, self.live)
+            weakref.finalize(st, self._free, id(st), n)
+
+    def _free(self, key: int, n: int) -> None:
+        self.seen.discard(key)
+        self.live -= n
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        self._track(out)
         kind = self.kinds.get(func)
         if kind is None:
             kind = self.kinds[func] = OpKind(func, self.formulas)
@@ -100,6 +126,14 @@ class RealShapes(TorchDispatchMode):
             self.est.kernels.append((kind.name, k, kernel_seconds(k, g.bf16_flops, g.hbm_bytes_per_s, g.sms,
                                                                    g.efficiency)))
         return out
+
+
+def _storages(built) -> dict[int, int]:
+    """id -> bytes of every storage in ``built`` (tensors, and the parameters of modules), each once."""
+    items = built if isinstance(built, tuple) else (built,)
+    tensors = [t for x in items for t in (x.parameters() if isinstance(x, torch.nn.Module) else
+                                          torch.utils._pytree.tree_flatten(x)[0]) if isinstance(t, torch.Tensor)]
+    return {id(t.untyped_storage()): t.untyped_storage().nbytes() for t in tensors}
 
 
 def _tensors_in(tree) -> bool:
@@ -168,9 +202,11 @@ def estimate(build: Callable[[], Any], step: Callable[..., Any], cluster: str | 
     try:
         with FakeTensorMode():
             built = build()
+            seen = _storages(built)
+            est.static_bytes = est.peak_bytes = sum(seen.values())
             if ledger is not None:
                 ledger.emulator = _CommClock(c, est, world_size)
-            with RealShapes(c, est):
+            with RealShapes(c, est, set(seen)):
                 step(*built) if isinstance(built, tuple) else step(built)
     finally:
         if ledger is not None:
