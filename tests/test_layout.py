@@ -86,3 +86,16 @@ def test_no_import_cycles_between_modules():
                     seen.add(y)
                     stack.append(y)
     assert not cycles, f"modules that import each other (directly or through others): {sorted(cycles)}"
+
+
+def test_benchmarks_import_no_lesson_program():
+    """Benchmarks name a lesson as a launch target by string; they do not import one (its constants travel in its
+    results, e.g. lesson 12's tolerances)."""
+    import ast
+    found = []
+    for path in sorted((ROOT / "benchmarks").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [f"{node.module}.{a.name}" for a in node.names] if isinstance(node, ast.ImportFrom) and node.module else []
+            found += [f"{path.relative_to(ROOT)}: {n}" for n in names if n.startswith("toolkit.lessons")]
+    assert not found, found

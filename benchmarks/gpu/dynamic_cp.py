@@ -56,7 +56,6 @@ def _one_gpu(device: str = "cuda") -> list[dict]:
 
 def _many_gpus(n: int) -> list[dict]:
     from toolkit import launch
-    from toolkit.lessons import l12_dynamic_cp as lesson
 
     results = launch("l12_dynamic_cp", n, {"preset": "smoke"}, backend="nccl", timeout_s=600, progress="none")
     sc = [r["selfcheck"] for r in results]
@@ -72,7 +71,8 @@ def _many_gpus(n: int) -> list[dict]:
         grad = max(r["checked"][name]["max_grad_diff"] for r in results)
         step_ms = results[0]["bench"][name]["mean_s"] * 1e3
         rows.append(_row(f"{name} plan on nccl: loss and grads == unpacked reference",
-                         worst <= lesson.LOSS_RTOL and grad <= lesson.GRAD_ATOL,
+                         worst <= results[0]["tolerances"]["loss_rtol"]
+                         and grad <= results[0]["tolerances"]["grad_atol"],
                          f"loss rel {worst:.1e}, grad {grad:.1e}; step {step_ms:.1f} ms"))
     return rows
 

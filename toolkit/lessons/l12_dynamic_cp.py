@@ -259,7 +259,7 @@ def run(ctx, cfg: dict) -> dict:
     return {"rank": rank, "world": world, "cfg": cfg, "model": vars(model_cfg), "n_tokens": n_tokens,
             "lengths": real_g, "padded": padded, "plans": {k: p.to_json() for k, p in plans.items()},
             "need": [cp_size_for(n, cfg["cap"], cfg["min_cp"]) for n in padded],
-            "checked": checked, "ring_bytes": ring,
+            "checked": checked, "tolerances": {"loss_rtol": LOSS_RTOL, "grad_atol": GRAD_ATOL}, "ring_bytes": ring,
             "reroute_bytes": {k: ctx.ledger.total("sent_bytes", tag=f"reroute:{k}") for k in plans},
             "gather_bytes": ctx.ledger.total("sent_bytes", tag="gather-lengths"),
             "tokens_per_mb": {k: [len(mb["rows"]) for mb in shards[k]] for k in plans},
