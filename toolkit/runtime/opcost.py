@@ -123,8 +123,9 @@ def _tensors(tree) -> list[torch.Tensor]:
 
 
 def element_bytes(dtype: torch.dtype, float_bytes: int) -> int:
-    """Bytes per element on the target: floats of 16 to 32 bits as ``float_bytes`` (bf16: 2), others as they are."""
-    if dtype.is_floating_point and 2 <= dtype.itemsize <= 4:
+    """Bytes per element on the target: floats of 16 to 32 bits as ``float_bytes`` (bf16: 2), others as they are
+    (``float_bytes`` 0: every tensor at its own dtype's size, as a program at the real dtypes runs)."""
+    if float_bytes and dtype.is_floating_point and 2 <= dtype.itemsize <= 4:
         return float_bytes
     return dtype.itemsize
 

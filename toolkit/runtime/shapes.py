@@ -120,8 +120,7 @@ class RealShapes(TorchDispatchMode):
         if kind is None:
             kind = self.kinds[func] = OpKind(func, self.formulas)
         if kind.timed and _tensors_in(out):  # metadata queries (prim.device, sizes) return no tensor: no kernel
-            nbytes = max([t.element_size() for t in _floats((args, out))] or [4])
-            k = kind.kernel(args, kwargs, out, nbytes)
+            k = kind.kernel(args, kwargs, out, 0)  # every tensor at its own dtype's size
             g = self.gpu
             self.est.kernels.append((kind.name, k, kernel_seconds(k, g.bf16_flops, g.hbm_bytes_per_s, g.sms,
                                                                    g.efficiency)))
@@ -139,11 +138,6 @@ def _storages(built) -> dict[int, int]:
 def _tensors_in(tree) -> bool:
     flat, _ = torch.utils._pytree.tree_flatten(tree)
     return any(isinstance(t, torch.Tensor) for t in flat)
-
-
-def _floats(tree) -> list[torch.Tensor]:
-    flat, _ = torch.utils._pytree.tree_flatten(tree)
-    return [t for t in flat if isinstance(t, torch.Tensor) and t.dtype.is_floating_point]
 
 
 class _CommClock:
