@@ -311,24 +311,10 @@ def test_the_head_cost_model_against_the_same_head_traced_at_its_true_shapes():
     with fake tensors at the paper's shapes (V = 256k, hidden 3072, 4096 tokens; ``toolkit.runtime.shapes``) lists
     the kernels PyTorch really issues. Their GEMMs are the same; the hand-counted softmax passes leave out the
     gradient's cast back to bf16, and the trace counts nll_loss's whole input where it gathers a row each: the
-    totals agree within 15 %."""
-    import torch
-
-    from toolkit.runtime.efficiency import kernel_seconds
-    from toolkit.runtime.shapes import estimate
+    totals agree within 15 % (lesson 13, section 9)."""
+    from toolkit.lessons import l13_vocab_parallel as lesson
     w = vp.Workload(vp.gpt("the paper's 4B GPT", layers=32, hidden=3072, vocab=256_000, seq_len=4096))
-    ops = vp.pass_ops(w, 8)
-    N, D, V = 4096, 3072, 256_000
-
-    def build():
-        return (torch.nn.Linear(D, V, bias=False, dtype=torch.bfloat16),
-                torch.empty(N, D, dtype=torch.bfloat16, requires_grad=True), torch.empty(N, dtype=torch.long))
-
-    def step(head, x, y):
-        torch.nn.functional.cross_entropy(head(x).float(), y).backward()  # logits in fp32, as the model counts
-    traced = estimate(build, step, A100)
-    g = A100.gpu
-    hand_gemm = sum(kernel_seconds(k, g.bf16_flops, g.hbm_bytes_per_s, g.sms, g.efficiency)
-                    for k in ops["head_f"] + ops["head_b"] if k.kind == "gemm")
-    assert traced.by_kind()["gemm"] == pytest.approx(hand_gemm, rel=1e-9)
-    assert vp.op_time(ops["head_f"] + ops["head_b"], A100) / traced.step_s == pytest.approx(1, abs=0.15)
+    got = lesson.traced_head(w, A100)
+    assert got["traced_gemm_ms"] == pytest.approx(got["model_gemm_ms"], rel=1e-9)
+    assert got["model_ms"] / got["traced_ms"] == pytest.approx(1, abs=0.15)
+    assert {"aten._log_softmax", "aten.nll_loss_forward", "aten._log_softmax_backward_data"} <= set(got["traced_kernels"])

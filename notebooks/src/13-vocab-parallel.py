@@ -494,6 +494,20 @@ sims = {alg: vp.simulate_layouts(costs["baseline"], vp.stage_costs(paper, P8, a1
 schedule_gantt(sims[2]["baseline"], title="Baseline 1F1B at V = 256k, simulated", unit="s").show()
 schedule_gantt(sims[2]["vocab"], title="Vocabulary parallel, Algorithm 2, simulated", unit="s").show()
 
+# %% [markdown]
+# **Is the cost model's head right?** Its passes are written by hand (`vp.pass_ops`). The same output layer can
+# also be run at its true shapes with fake tensors (`toolkit.runtime.shapes`: nothing computed), which lists the
+# kernels PyTorch really issues, each timed by the same efficiency model (`lesson.traced_head`).
+
+# %%
+head = lesson.traced_head(paper, a100)
+display(Markdown(
+    f"The paper's head on A100 (V = 256k, one micro-batch, forward and backward): the cost model "
+    f"{head['model_ms']:.1f} ms in {head['model_kernels']} kernels, the traced ops {head['traced_ms']:.1f} ms in "
+    f"{len(head['traced_kernels'])} ({head['model_ms'] / head['traced_ms']:.2f}×). The GEMMs agree exactly "
+    f"({head['model_gemm_ms']:.1f} ms); the hand model leaves out the gradient's cast back to bf16, and the "
+    "trace charges nll_loss its whole input where it gathers one value a row. Both are models."))
+
 # %%
 # NBVAL_CHECK_OUTPUT
 flops = {lay: vp.stage_flops(paper, P8, lay) for lay in ("baseline", "vocab")}

@@ -358,3 +358,30 @@ def cost_model_check(cfg: dict, results: list[dict], algorithm: int = 2) -> list
             out.append({"layout": layout, "rank": r, "measured_ms": m * 1e3, "model_ms": q * 1e3,
                         "model/measured": q / m})
     return out
+
+
+# ---- the cost model's head against the same head traced at its true shapes ---------------------------------------
+def traced_head(w: vp.Workload, hw) -> dict:
+    """The output layer of ``w`` (its logits in fp32, cross-entropy, forward and backward) two ways on ``hw``'s
+    GPU: as the cost model writes its passes by hand (``vp.pass_ops``: head_f, head_b), and as PyTorch issues
+    them, run with fake tensors at the true shapes (``toolkit.runtime.shapes.estimate``: nothing computed).
+    Returns both times in ms, their GEMM parts and the kernels of each (a model either way)."""
+    from toolkit.runtime.efficiency import kernel_seconds
+    from toolkit.runtime.shapes import estimate
+    N, D, V = w.micro_batch * w.seq_len, w.model.hidden, w.model.vocab
+    hand = vp.pass_ops(w, 1)["head_f"] + vp.pass_ops(w, 1)["head_b"]
+
+    def build():
+        return (torch.nn.Linear(D, V, bias=False, dtype=torch.bfloat16),
+                torch.empty(N, D, dtype=torch.bfloat16, requires_grad=True), torch.empty(N, dtype=torch.long))
+
+    def step(head, x, y):
+        torch.nn.functional.cross_entropy(head(x).float(), y).backward()  # [N, V] logits in fp32
+
+    traced = estimate(build, step, hw)
+    g = hw.gpu
+    hand_gemm = sum(kernel_seconds(k, g.bf16_flops, g.hbm_bytes_per_s, g.sms, g.efficiency) for k in hand
+                    if k.kind == "gemm")
+    return {"model_ms": vp.op_time(hand, hw) * 1e3, "traced_ms": traced.step_s * 1e3,
+            "model_gemm_ms": hand_gemm * 1e3, "traced_gemm_ms": traced.by_kind()["gemm"] * 1e3,
+            "model_kernels": len(hand), "traced_kernels": [name for name, _, _ in traced.kernels]}
