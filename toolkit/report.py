@@ -19,7 +19,7 @@ import json
 import math
 from pathlib import Path
 
-from toolkit.runtime.bench import CHECK_WORDS, CLAIM_WORDS
+from toolkit.runtime.bench import CHECK_WORDS, CLAIM_WORDS, Judgement
 
 MIME = "application/vnd.llm-scale-toolkit.headline+json"
 FIELDS = ("lesson", "technique", "measured", "value", "unit", "claim", "source", "reproduced", "note", "emulated",
@@ -29,7 +29,6 @@ SENSITIVITY = "the model's sensitivity band: achieved compute x0.7-1.3, links x0
 
 
 def _judgement(name: str, v) -> dict | None:
-    from toolkit.runtime.bench import CHECK_WORDS, CLAIM_WORDS, Judgement
     if v is None:
         return None
     d = v.to_dict() if isinstance(v, Judgement) else v
@@ -101,7 +100,6 @@ def headline(lesson: str, technique: str, measured: str, value: float | int | No
 def judgement_text(j: dict) -> str:
     """A judgement in words: its word, the measured value with its interval, the band that reproduces the
     claim, and why (``bench.Judgement.text``)."""
-    from toolkit.runtime.bench import Judgement
     return Judgement(**j).text()
 
 

@@ -369,7 +369,8 @@ def traced_head(w: vp.Workload, hw) -> dict:
     from toolkit.runtime.efficiency import kernel_seconds
     from toolkit.runtime.shapes import estimate
     N, D, V = w.micro_batch * w.seq_len, w.model.hidden, w.model.vocab
-    hand = vp.pass_ops(w, 1)["head_f"] + vp.pass_ops(w, 1)["head_b"]
+    ops = vp.pass_ops(w, 1)
+    hand = ops["head_f"] + ops["head_b"]
 
     def build():
         return (torch.nn.Linear(D, V, bias=False, dtype=torch.bfloat16),

@@ -71,11 +71,11 @@ def _runs() -> list[tuple[int, dict, str | None, str, ModelSpec | None]]:
     return out
 
 
-def _mfus(r: dict, preset: str, spec: ModelSpec, step: float | None = None) -> tuple[float, float]:
-    """(published MFU, model MFU) of a row: the model at the preset's ``step`` (``None``) or the one given."""
-    gpu = cluster(preset).gpu
-    if step is not None:
-        gpu = dataclasses.replace(gpu, efficiency=dataclasses.replace(gpu.efficiency, step=step))
+def _mfus(r: dict, preset: str, spec: ModelSpec, isolated: bool = False) -> tuple[float, float]:
+    """(published MFU, model MFU) of a row: the model at the preset's ``step``, or its kernels alone
+    (``isolated``: ``Cluster.isolated``)."""
+    c = cluster(preset)
+    gpu = (c.isolated() if isolated else c).gpu
     seq = spec.seq_len
     recompute = r["activation_ckpt"].strip().lower() in ("true", "yes", "full")
     model = train_seconds(spec, gpu, int(r["micro_batch"]), seq, recompute=recompute)["mfu"]
@@ -87,7 +87,7 @@ def fit_step(preset: str) -> float:
     """``Efficiency.step`` for ``preset``'s GPU: the median over its checked runs of published MFU over the MFU
     of the same steps' kernels at their isolated rates."""
     ratios = [p / m for _, r, pr, reason, spec in _runs() if pr == preset and not reason
-              for p, m in [_mfus(r, pr, spec, step=1.0)]]
+              for p, m in [_mfus(r, pr, spec, isolated=True)]]
     if not ratios:
         raise ValueError(f"fit_step(preset={preset!r}): no published training run on this preset's GPU")
     return statistics.median(ratios)

@@ -394,7 +394,7 @@ def dualpipev(p: int, m: int, pair: bool = True) -> Schedule:
     if not isinstance(pair, bool):
         raise ValueError(f"pair must be True or False, got {pair!r}")
     _need("p", p, 1)
-    _need("m", m, 2 * p, f" (DualPipeV needs m >= 2p = {2 * p})")
+    _need("m", m, NEEDS["dualpipev"].min_m * p, f" (DualPipeV: {NEEDS['dualpipev'].why})")  # its rule, said once
     together = fb if pair else (lambda f, b: [f, b])
     ranks = []
     for r in range(p):

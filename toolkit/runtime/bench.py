@@ -435,11 +435,6 @@ class Judgement:
     source: str = ""
     setting: str = ""
 
-    @property
-    def holds(self) -> bool:
-        """The word is a success (reproduced, or a check that holds)."""
-        return self.word in ("reproduced", "check holds")
-
     def text(self) -> str:
         """``"reproduced: 1.41× [1.30, 1.52] (sensitivity band) — within ±25 % of the claimed 1.48×"``."""
         if self.word in CHECK_WORDS:
@@ -447,8 +442,8 @@ class Judgement:
         if self.measured is None or not math.isfinite(self.measured):  # nothing measured: why, then the claim
             return f"{self.word}: {self.why}" + (f" (the claim: {self.rule})" if self.rule != self.what else
                                                  f" ({self.what})")
-        value = "" if self.measured is None else f"{self.measured:.3g}"
-        if self.measured is not None and self.low is not None and (self.low, self.high) != (self.measured,) * 2:
+        value = f"{self.measured:.3g}"
+        if self.low is not None and (self.low, self.high) != (self.measured,) * 2:
             value += f" [{self.low:.3g}, {self.high:.3g}] ({self.interval})"
         return f"{self.word}: {value} — {self.rule}" + (f"; {self.why}" if self.why else "")
 
