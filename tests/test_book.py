@@ -119,7 +119,7 @@ def test_results_page_collects_each_lessons_headline(out):
     assert written["machine"] == machine
     page = (out / "results.html").read_text()
     assert "bubble 0.21 vs 0.38" in page and "notebook failed" in page
-    glossary = page[page.index('<h2 id="glossary">'):]  # the headlines' terms, each defined (issue 41)
+    glossary = page[page.index('<h2 id="glossary">'):]  # the headlines' terms, each defined
     for term in ("edgc", "ZeRO-k · b", "launch-bound", "matched", "S→T state", "virtual time", "within noise"):
         assert html.escape(term) in glossary, term
     index = (out / "index.html").read_text()
