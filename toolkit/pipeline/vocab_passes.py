@@ -198,7 +198,8 @@ class VocabPasses(ExecutorHook):
                 vend = emu.now() if emu is not None else None
             self.comm_spans.append({"kind": what, "mb": mb, "start": start - self._origin,
                                     "end": time.perf_counter() - self._origin,
-                                    **({"vstart": vstart, "vend": vend} if emu is not None else {})})
+                                    **({"vhanded": float(stamp), "vstart": vstart, "vend": vend}
+                                       if emu is not None else {})})
             return out, vend
 
         self._last_job = _CommJob(self._pool.submit(job), emu)

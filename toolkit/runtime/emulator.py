@@ -42,8 +42,12 @@ toolkit computes them paused (lesson 05's spectral tails).
 
 The measured CPU time of every op is kept beside its modelled time (``report()["ops"]``), never driving the clock.
 Clocks are per thread; a thread that takes work from another carries its time with ``fork()`` / ``join(stamp)``
-(``worker(stamp)`` also times the ATen ops it runs). Everything here is deterministic: the same job gives the same
-virtual times at any load, and on any machine that runs the same ATen ops.
+(``worker(stamp)`` also times the ATen ops it runs). On one thread everything here is deterministic: the same job
+gives the same virtual times at any load, and on any machine that runs the same ATen ops. With a side thread one
+thing depends on which thread reaches the clock first: a comm kernel that starts before kernels another thread has
+already queued slows them by the SMs it takes (``vclock.RankClock.issue``), and a kernel queued after it is slowed
+the same way, but a stamp handed over in between (``fork``) keeps the earlier time. Lesson 13's comm thread moved a
+33 ms step by 1.8 µs this way once in CI; a replay of the recorded trace gives back those same times.
 """
 from __future__ import annotations
 
