@@ -9,13 +9,13 @@
   defaults (it has no Try item in ``TRIED``), the papermill run is deselected. nbval's run executes every cell (an
   exception or a failed assert fails it) and compares the checked outputs. A lesson's papermill run takes its Try
   item's knobs, a different run, and stays.
-- One launch per distinct lesson job: ``TOOLKIT_LAUNCH_CACHE`` names a folder for this session (every xdist
-  worker and notebook kernel inherits it), so a test module's fixture and a notebook that launch the same lesson
-  (or the same emulator check) with the same resolved configuration share one real launch
-  (``toolkit.runtime.launch.session_cache``).
+- One launch per distinct lesson job: the session installs the launch cache as ``launch``'s hook
+  (``TOOLKIT_LAUNCH_HOOK``) and ``TOOLKIT_LAUNCH_CACHE`` names its folder (every xdist worker and notebook kernel
+  inherits both), so a test module's fixture and a notebook that launch the same lesson (or the same emulator
+  check) with the same resolved configuration share one real launch (``toolkit.runtime.caller_cache``).
 - What a learner reads: every cell nbval runs also passes ``tests/reading.py``'s checks (a headline shown once,
   paragraphs of at most 120 words, listings of at most 40 lines, no "null" in a table, one time unit per figure).
-- One launcher imported once for the session (``toolkit.runtime.launch_server``), started by the session's first
+- One launcher imported once for the session (``toolkit.runtime.server_process``), started by the session's first
   process; every launch whose environment matches forks it (tests that change the environment start their own).
   The session's last line says how many it served.
 """
@@ -29,6 +29,7 @@ import pytest
 os.environ.setdefault("TOOLKIT_PRESET", "smoke")
 os.environ.setdefault("TOOLKIT_PLAIN_PROGRESS", "1")
 os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("TOOLKIT_LAUNCH_HOOK", "toolkit.runtime.caller_cache:reuse")
 _OWN_CACHE = None
 if "TOOLKIT_LAUNCH_CACHE" not in os.environ:  # the session's first process (xdist's controller) makes it
     _OWN_CACHE = os.environ["TOOLKIT_LAUNCH_CACHE"] = tempfile.mkdtemp(prefix="toolkit-launch-cache-")
@@ -37,7 +38,7 @@ _SERVER, _SERVER_KEY = contextlib.ExitStack(), pytest.StashKey()
 
 def pytest_configure(config):
     if _OWN_CACHE:  # before xdist starts its workers: they inherit TOOLKIT_LAUNCH_SERVER
-        from toolkit.runtime.launch import serving
+        from toolkit.runtime.caller_start import serving
         config.stash[_SERVER_KEY] = _SERVER.enter_context(serving())
 
 

@@ -5,7 +5,7 @@
 Target (issue 2): launch / torchrun <= 1.3. Both sides start 2 Python processes that import torch,
 initialise gloo and all-reduce one tensor; `launch` adds accelerate's CLI, the spec file, result files
 and the progress poll. A third column: the same launch forked from a batch's launch server
-(`toolkit.runtime.launch.serving`, what `make run` and the test session use), whose imports are done once.
+(`toolkit.runtime.caller_start.serving`, what `make run` and the test session use), whose imports are done once.
 """
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ import time
 from pathlib import Path
 
 from toolkit import launch
-from toolkit.runtime import launch_server, machine
-from toolkit.runtime.launch import serving
+from toolkit.runtime import machine, server_process
+from toolkit.runtime.caller_start import serving
 
 BARE = """
 import torch, torch.distributed as dist
@@ -46,7 +46,7 @@ def main() -> None:
     script.write_text(BARE)
     bare, ours, served = [], [], []
     with serving() as server:
-        path = os.environ.pop(launch_server.SERVER_ENV)  # set only around the served launch
+        path = os.environ.pop(server_process.SERVER_ENV)  # set only around the served launch
         for i in range(args.rounds + 1):  # the first round warms the page cache and is dropped
             t0 = time.perf_counter()
             subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
@@ -54,9 +54,9 @@ def main() -> None:
             t1 = time.perf_counter()
             launch("toolkit.lessons.selftest", 2, {}, progress="none")
             t2 = time.perf_counter()
-            os.environ[launch_server.SERVER_ENV] = path
+            os.environ[server_process.SERVER_ENV] = path
             launch("toolkit.lessons.selftest", 2, {}, progress="none")
-            os.environ.pop(launch_server.SERVER_ENV)
+            os.environ.pop(server_process.SERVER_ENV)
             t3 = time.perf_counter()
             if i:
                 bare.append(t1 - t0)

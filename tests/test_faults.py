@@ -4,8 +4,9 @@ at once.
 
 Each case checks what the user is told (the faulty rank, or the caller, and the cause) and that no process of
 the launch is left on the machine: every process whose command line carries the launch's out_dir (torchrun's
-agent, ``-m toolkit.runtime.launcher ... OUT_DIR/spec.json``, and each rank: forked from the agent, its command
-line is the agent's; started afresh, ``-m toolkit.runtime.worker OUT_DIR/spec.json``), whoever its parent now is.
+agent, ``-m toolkit.runtime.launcher_process ... OUT_DIR/spec.json``, and each rank: forked from the agent, its
+command line is the agent's; started afresh, ``-m toolkit.runtime.rank_process OUT_DIR/spec.json``), whoever its
+parent now is.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ import psutil
 import pytest
 
 from toolkit import LaunchError, launch
-from toolkit.runtime.launch_server import SERVER_ENV
+from toolkit.runtime.server_process import SERVER_ENV
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
@@ -225,7 +226,7 @@ Root Cause (first observed failure):
 
 
 def test_torchrun_report_gives_exit_statuses_the_stopped_ranks_and_its_root_cause():
-    from toolkit.runtime.launch import torchrun_report
+    from toolkit.runtime.caller_watch import torchrun_report
     assert torchrun_report(REPORT) == ({0: -15, 1: -9}, {0}, 1)
     one_rank = "subprocess.CalledProcessError: Command '['python', '-m', 'x']' died with <Signals.SIGKILL: 9>."
     assert torchrun_report(one_rank) == ({0: -9}, set(), None)
@@ -235,7 +236,7 @@ def test_torchrun_report_gives_exit_statuses_the_stopped_ranks_and_its_root_caus
 
 def test_a_silent_death_outranks_an_exception_torchrun_saw_first_and_a_rank_that_never_started_is_not_blamed(
         tmp_path):
-    from toolkit.runtime.launch import failure
+    from toolkit.runtime.caller_watch import failure
     for r in (0, 1):
         (tmp_path / f"rank{r}.stack.txt").write_text("")  # both started
     (tmp_path / "rank0.error.json").write_text(json.dumps(
@@ -264,7 +265,7 @@ Root Cause (first observed failure):
 def test_an_exception_outranks_a_rank_that_ended_with_nothing_known_unless_it_echoes_a_lost_peer(tmp_path):
     """Torch 2.8: rank 0 raised; rank 1, stopped in a way that torch's report does not name, left no result, no
     exception and no exit status. The exception is the root cause. Had rank 0 only lost its peer, rank 1 would be."""
-    from toolkit.runtime.launch import failure
+    from toolkit.runtime.caller_watch import failure
     for message, root in (("'_Action' object has no attribute 'sub_actions'", 0), ("Connection closed by peer", 1)):
         for f in tmp_path.iterdir():
             f.unlink()
@@ -291,7 +292,7 @@ def test_torchruns_agent_killed_takes_every_rank_with_it(tmp_path):
             time.sleep(0.1)
         for p in psutil.process_iter(["cmdline", "ppid"]):  # the agent is launch's child; forked ranks share its
             cmd = " ".join(p.info["cmdline"] or [])           # command line, not its parent
-            if "toolkit.runtime.launcher" in cmd and str(out) in cmd and p.info["ppid"] == os.getpid():
+            if "toolkit.runtime.launcher_process" in cmd and str(out) in cmd and p.info["ppid"] == os.getpid():
                 p.kill()
 
     killer = threading.Thread(target=kill_the_agent)

@@ -1,4 +1,4 @@
-"""The launch server (``toolkit.runtime.launch_server``): launches forked from one pre-imported launcher compute
+"""The launch server (``toolkit.runtime.server_process``): launches forked from one pre-imported launcher compute
 what a fresh launcher's compute, report a failure and a hang as a fresh one does, leave nothing behind (also when
 their caller is killed), and are declined (the caller starts its own launcher) when the caller's environment is
 not the one the server imported under; a notebook's kernel forked from a kernel server runs as a fresh one. Each
@@ -17,9 +17,9 @@ import psutil
 import pytest
 
 from toolkit import LaunchError, LaunchTimeout, launch
-from toolkit.runtime import launch_server
-from toolkit.runtime.launch import serving
-from toolkit.runtime.launch_server import SERVER_ENV, mismatch
+from toolkit.runtime import server_process
+from toolkit.runtime.caller_start import request, serving
+from toolkit.runtime.server_process import SERVER_ENV, mismatch
 
 TIMEOUT_S = 30  # as tests/test_faults.py: a loaded 2-core machine needs the margin to start 2 ranks
 
@@ -115,9 +115,9 @@ def test_what_a_kernel_sets_does_not_count_and_another_interpreter_limit_or_chan
     env = {"PATH": "/bin", "OMP_NUM_THREADS": "1"}
     kernel = dict(env, JPY_PARENT_PID="1", MPLBACKEND="inline", PYTEST_CURRENT_TEST="x", PLOTLY_RENDERER="json")
 
-    def req(env, interpreter=None, sources="a", limits=None, program="toolkit.runtime.launcher"):
-        return {"program": program, "env": env, "interpreter": interpreter or launch_server.interpreter(),
-                "sources": sources, "limits": limits or launch_server.process_limits()}
+    def req(env, interpreter=None, sources="a", limits=None, program="toolkit.runtime.launcher_process"):
+        return {"program": program, "env": env, "interpreter": interpreter or server_process.interpreter(),
+                "sources": sources, "limits": limits or server_process.process_limits()}
 
     assert mismatch(req(kernel), "launcher", env, "a") == ""
     assert mismatch(req(dict(env, OMP_NUM_THREADS="2")), "launcher", env, "a") == (
@@ -126,7 +126,7 @@ def test_what_a_kernel_sets_does_not_count_and_another_interpreter_limit_or_chan
     assert mismatch(req(env), "kernel", env, "a") == "this server forks ipykernel_launcher"
     assert mismatch(req(env, ["/usr/bin/python3", "-X", "dev"]), "launcher", env, "a") == (
         "another interpreter or its options (/usr/bin/python3 -X dev)")
-    limits = launch_server.process_limits()
+    limits = server_process.process_limits()
     soft, hard = limits["rlimits"]["RLIMIT_NOFILE"]
     above = dict(limits, rlimits=dict(limits["rlimits"], RLIMIT_NOFILE=(soft, hard + 1)))
     assert mismatch(req(env, limits=above), "launcher", env, "a") == (
@@ -135,13 +135,13 @@ def test_what_a_kernel_sets_does_not_count_and_another_interpreter_limit_or_chan
         "a higher scheduling priority than the server's")
     assert mismatch(req(env, limits=dict(limits, cpus=limits["cpus"] + [10_000])), "launcher", env, "a") == (
         "CPUs the server may not run on")
-    assert launch_server.sources() == launch_server.sources()
+    assert server_process.sources() == server_process.sources()
 
 
 def test_no_server_at_the_path_starts_a_fresh_launcher(monkeypatch, tmp_path):
     monkeypatch.setenv(SERVER_ENV, str(tmp_path / "nobody-listens"))
-    cmd = [sys.executable, "-m", "toolkit.runtime.launcher"]
-    assert launch_server.request(str(tmp_path / "nobody-listens"), cmd, {}, tmp_path / "log") is None
+    cmd = [sys.executable, "-m", "toolkit.runtime.launcher_process"]
+    assert request(str(tmp_path / "nobody-listens"), cmd, {}, tmp_path / "log") is None
     res = launch("toolkit.lessons.selftest", 2, {}, progress="none")
     assert [r["sum"] for r in res] == [3.0, 3.0]
 

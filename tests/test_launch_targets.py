@@ -224,7 +224,7 @@ def test_a_lessons_bar_climbs_once_through_its_emulated_section(lesson, world_si
 def test_the_bar_total_is_the_sum_of_the_weights_and_never_moves_back():
     import io
 
-    from toolkit.runtime.launch import Progress
+    from toolkit.runtime.caller_progress import Progress
     out = io.StringIO()
     bar = Progress("demo", "plain", [["setup", 1], ["train", 3]], out=out)
     bar.update({"phase": 1, "done": 1, "total": 3, "message": "step 1"})
@@ -245,7 +245,7 @@ def test_the_bar_total_is_the_sum_of_the_weights_and_never_moves_back():
 def test_a_silent_stretch_still_gets_a_line(tmp_path):
     import io
 
-    from toolkit.runtime.launch import Progress
+    from toolkit.runtime.caller_progress import Progress
     out = io.StringIO()
     bar = Progress("demo", "plain", [["setup", 1], ["train", 3]], out=out)
     bar.HEARTBEAT_S = 0.0  # every poll without news is past it
@@ -258,7 +258,7 @@ def test_a_silent_stretch_still_gets_a_line(tmp_path):
 
 
 def test_the_widget_bar_has_a_fixed_maximum():
-    from toolkit.runtime.launch import Progress
+    from toolkit.runtime.caller_progress import Progress
     bar = Progress("demo", "widget", [["setup", 1], ["train", 3]])
     assert bar.mode == "widget" and bar.bar.max == Progress.WIDTH
     bar.update({"phase": 1, "done": 2, "total": 3, "message": "step 2"})
@@ -269,47 +269,68 @@ def test_the_widget_bar_has_a_fixed_maximum():
 
 
 def test_the_session_cache_shares_one_launch_of_an_identical_lesson_job(tmp_path, monkeypatch):
-    """TOOLKIT_LAUNCH_CACHE (set by conftest for the suite): a lesson's run with the same resolved cfg, ranks,
-    backend, seed, cluster and environment returns the stored results; anything else, or a launch whose files
-    were asked for, or a target that is not one of the course's programs (a lesson's run, the emulator's checks),
-    misses."""
-    from toolkit.runtime.launch import RankResults, session_cache
+    """The suite's launch hook (conftest: TOOLKIT_LAUNCH_HOOK, TOOLKIT_LAUNCH_CACHE): a lesson's run with the same
+    resolved cfg, ranks, backend, seed, cluster and environment returns the stored results; anything else, or a
+    launch whose files were asked for, or a target that is not one of the course's programs (a lesson's run, the
+    emulator's checks), runs."""
+    from toolkit.runtime.caller_cache import reuse
+    from toolkit.runtime.launch import Job, RankResults
     monkeypatch.setenv("TOOLKIT_LAUNCH_CACHE", str(tmp_path))
-    lesson = targets.resolve("l11_seq1f1b")
-    args = dict(cfg={"preset": "smoke", "m": 4}, world_size=4, backend="gloo", seed=0, threads=1, cluster=None,
-                accelerate_args=None, keep=False)
+    done = RankResults([{"rank": 0, "loss": 1.5}, {"rank": 1}])
+    done.wall_s, done.log, done.progress = 3.0, "log", [[1.0, {"end": True, "t": 2.5}, 2.9]]
+    runs = []
 
-    def cached(target=lesson, **changes):
-        with session_cache(target, **{**args, **changes}) as entry:
-            return entry.results
+    def run():
+        runs.append(1)
+        return done
 
-    assert cached() is None
-    with session_cache(lesson, **args) as entry:
-        done = RankResults([{"rank": 0, "loss": 1.5}, {"rank": 1}])
-        done.wall_s, done.log, done.progress = 3.0, "log", [[1.0, {"end": True, "t": 2.5}, 2.9]]
-        entry.store(done)
-    again = cached()
-    assert list(again) == [{"rank": 0, "loss": 1.5}, {"rank": 1}] and (again.wall_s, again.log) == (3.0, "log")
+    def job(what="l11_seq1f1b", **changes):
+        fields = dict(cfg={"preset": "smoke", "m": 4}, world_size=4, backend="gloo", seed=0, threads=1, cluster=None,
+                      accelerate_args=None, keep=False, progress="none")
+        target = targets.resolve(what)
+        return Job(target.spec, target.label, **{**fields, **changes})
+
+    def served(**changes) -> bool:
+        """Whether the hook answered from the cache (else it ran the launch)."""
+        before = len(runs)
+        reuse(job(**changes), run)
+        return len(runs) == before
+
+    assert not served()
+    again = reuse(job(), run)
+    assert len(runs) == 1 and list(again) == list(done) and (again.wall_s, again.log) == (3.0, "log")
     assert again.progress == done.progress  # how its bar moved comes along
     for changes in ({"cfg": {"preset": "smoke", "m": 8}}, {"world_size": 2}, {"seed": 1},
                     {"cluster": {"name": "h100-ib400"}}, {"keep": True}):
-        assert cached(**changes) is None, changes
-    assert cached(target=targets.resolve("toolkit.lessons.selftest:hang")) is None
-    check = targets.resolve("toolkit.lessons.emulator_check:pipeline")  # the course's emulator checks are shared
-    with session_cache(check, **args) as entry:
-        entry.store(done)
-    assert list(cached(target=check)) == list(done)
+        assert not served(**changes), changes
+    assert not served(what="toolkit.lessons.selftest:hang") and not served(what="toolkit.lessons.selftest:hang")
+    check = "toolkit.lessons.emulator_check:pipeline"  # the course's emulator checks are shared
+    assert not served(what=check) and served(what=check)
     monkeypatch.chdir(tmp_path)  # a notebook runs in notebooks/, a test in the repository's root: one launch
-    assert cached() is not None
-    with session_cache(lesson, **{**args, "cfg": {"preset": "smoke", "nvme_path": "spill/here"}}) as entry:
-        entry.store(done)
+    assert served()
+    assert not served(cfg={"preset": "smoke", "nvme_path": "spill/here"})
     monkeypatch.chdir(Path(__file__).parent)  # ... unless a cfg value may be a path relative to the caller's folder
-    assert cached(cfg={"preset": "smoke", "nvme_path": "spill/here"}) is None
+    assert not served(cfg={"preset": "smoke", "nvme_path": "spill/here"})
     monkeypatch.setenv("TOOLKIT_BF16_COMPUTE", "fp32")  # what a rank may read changes the key
-    assert cached() is None
-    monkeypatch.delenv("TOOLKIT_LAUNCH_CACHE")
+    assert not served()
     monkeypatch.delenv("TOOLKIT_BF16_COMPUTE")
-    assert cached() is None  # no cache outside the suite
+    assert (tmp_path / "hits.log").read_text().count("l11_seq1f1b x4 (gloo)") == 2
+    monkeypatch.delenv("TOOLKIT_LAUNCH_CACHE")
+    assert not served() and not served()  # no cache without its folder
+
+
+def test_launch_asks_the_installed_hook_and_nothing_else(monkeypatch):
+    """``launch`` knows the suite's cache only as a hook (TOOLKIT_LAUNCH_HOOK): without one every launch runs; with
+    one, the hook decides, given the resolved job and the function that starts its processes."""
+    import importlib
+    launch_module = importlib.import_module("toolkit.runtime.launch")  # the module, not the function
+    monkeypatch.setattr(launch_module, "run_job", lambda *args: ["ran"])
+    monkeypatch.delenv("TOOLKIT_LAUNCH_HOOK", raising=False)
+    assert launch("toolkit.lessons.selftest", 2, progress="none") == ["ran"]
+    hook = types.SimpleNamespace(answer=lambda job, run: [job.title, *run()])
+    monkeypatch.setitem(sys.modules, "a_launch_hook", hook)
+    monkeypatch.setenv("TOOLKIT_LAUNCH_HOOK", "a_launch_hook:answer")
+    assert launch("toolkit.lessons.selftest", 2, progress="none", backend="gloo") == ["selftest x2 (gloo)", "ran"]
 
 
 def test_a_launch_keeps_a_jupyter_kernel_busy_after_a_control_request(monkeypatch):
@@ -319,7 +340,7 @@ def test_a_launch_keeps_a_jupyter_kernel_busy_after_a_control_request(monkeypatc
     (tests/test_browser.py checks it in JupyterLab)."""
     import IPython
 
-    from toolkit.runtime.launch import kernel_stays_busy
+    from toolkit.runtime.caller_progress import kernel_stays_busy
 
     class Kernel:
         def __init__(self):

@@ -10,8 +10,9 @@ import psutil
 import pytest
 
 from toolkit.runtime import LaunchError, LaunchTimeout, ProcessGrid, compat, launch, validate_grid
+from toolkit.runtime import caller_start, caller_watch
 from toolkit.runtime.bench import comm_efficiency_ratio, measure, memory_volatility
-from toolkit.runtime.launch_server import SERVER_ENV
+from toolkit.runtime.server_process import SERVER_ENV
 
 LESSON = "toolkit.lessons.selftest"
 
@@ -87,9 +88,8 @@ def test_hanging_rank_times_out_with_its_stack_and_no_orphans(tmp_path):
     ({"world_size": 10_000}, "world_size=10000 is far beyond this machine"),
 ])
 def test_bad_launch_arguments_fail_before_any_process(kwargs, match, monkeypatch):
-    launch_module = importlib.import_module("toolkit.runtime.launch")
     started = []
-    monkeypatch.setattr(launch_module.subprocess, "Popen", lambda *a, **k: started.append(a))
+    monkeypatch.setattr(caller_start.subprocess, "Popen", lambda *a, **k: started.append(a))
     lesson = kwargs.pop("lesson", LESSON)
     with pytest.raises(ValueError, match=match):
         launch(lesson, **kwargs)
@@ -145,20 +145,19 @@ def test_launch_inside_a_rank_is_refused(monkeypatch):
 
 def test_timeout_kills_the_tree_once(tmp_path, monkeypatch):
     import sys
-    launch_module = importlib.import_module("toolkit.runtime.launch")
-    real, kills = launch_module.kill_tree, []
-    monkeypatch.setattr(launch_module, "kill_tree", lambda pid: (kills.append(pid), real(pid)))
+    real, kills = caller_watch.kill_tree, []
+    monkeypatch.setattr(caller_watch, "kill_tree", lambda pid: (kills.append(pid), real(pid)))
     cmd = [sys.executable, "-c", "import time; time.sleep(60)"]
     with pytest.raises(LaunchTimeout, match="timed out after 1s"):
-        launch_module.run_ranks(cmd, {}, tmp_path, 1, 1.0, None, "sleeper")
+        caller_watch.run_ranks(cmd, {}, tmp_path, 1, 1.0, None, "sleeper")
     assert len(kills) == 1
 
 
 def test_rank_files_are_written_atomically(tmp_path, monkeypatch):
-    """The worker writes results and errors through a temporary file: a failed write leaves the old file whole."""
+    """A rank writes results and errors through a temporary file: a failed write leaves the old file whole."""
     from pathlib import Path
 
-    from toolkit.runtime.worker import write_atomic
+    from toolkit.runtime.rank_process import write_atomic
     target = tmp_path / "rank0.error.json"
     write_atomic(target, '{"complete": true}')
     assert target.read_text() == '{"complete": true}' and not list(tmp_path.glob("*.tmp"))
@@ -244,6 +243,6 @@ def test_bench_measure_and_metrics():
 
 
 def test_one_rank_runs_without_torchrun():
-    """accelerate refuses --multi_gpu for one process; the worker then sets up a one-rank group itself."""
+    """accelerate refuses --multi_gpu for one process; the rank then sets up a one-rank group itself."""
     (res,) = launch(LESSON, 1, {}, progress="none", timeout_s=60)
     assert res["world_size"] == 1 and res["sum"] == 1.0

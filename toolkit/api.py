@@ -54,7 +54,7 @@ ENTRIES: list[Entry] = [
           'try:\n    launch("my_module:exp", 2, timeout_s=30)\nexcept LaunchTimeout as e:\n    print(e.traceback)'),
     Entry("Context", "toolkit.runtime.context:Context", AREAS[0],
           "One rank's view: rank, world_size, device, backend, ledger, timeline, make_grid, phase/progress.",
-          "-", "built by the worker on every rank and passed as ctx; ctx.make_grid is collective",
+          "-", "built by the rank process on every rank and passed as ctx; ctx.make_grid is collective",
           'def exp(ctx, cfg):\n    grid = ctx.make_grid(dp=2, tp=ctx.world_size // 2)\n'
           '    return {"tp_rank": grid.rank_in("tp"), "device": str(ctx.device)}'),
     Entry("CommLedger", "toolkit.runtime.ledger:CommLedger", AREAS[0],

@@ -102,18 +102,47 @@ def execute(notebook: str | Path, output: str | Path, params: dict | None = None
     stopped without its interpreter's teardown once the last cell has run (``shutdown_kernel="immediate"``)."""
     import papermill as pm
 
-    from toolkit.runtime import launch_server
+    from toolkit.runtime.server_process import KERNEL_SERVER_ENV
     check_parameters(notebook, params or {})
     kwargs.setdefault("cwd", str(Path(notebook).parent))
     kwargs.setdefault("progress_bar", False)
     kwargs.setdefault("request_save_on_cell_execute", False)
-    if os.environ.get(launch_server.KERNEL_SERVER_ENV):  # a batch's kernel server (tools/run_all.py)
-        kwargs.setdefault("kernel_manager_class", launch_server.kernel_manager_class())
+    if os.environ.get(KERNEL_SERVER_ENV):  # a batch's kernel server (tools/run_all.py)
+        kwargs.setdefault("kernel_manager_class", served_kernel_manager())
     kwargs.setdefault("shutdown_kernel", "immediate")  # killed once its last cell has run: the teardown of an
     # interpreter that imported torch took 0.5 s a notebook, and nothing in a lesson's kernel is left to end
     Path(output).unlink(missing_ok=True)
     return pm.execute_notebook(str(notebook), str(output), parameters=params or {}, **kwargs)
 
+
+
+def served_kernel_manager():
+    """``ServedKernelManager``: a jupyter_client kernel manager whose kernels the batch's kernel server forks
+    (``toolkit.runtime.server_process``), or started afresh where it declines (papermill's ``kernel_manager_class``).
+
+    It overrides jupyter_client's private ``_async_launch_kernel`` (jupyter_client 8): a ``make run`` tool, kept
+    here, out of the importable package. Were the hook renamed, kernels would start afresh: slower, not wrong."""
+    from jupyter_client.manager import AsyncKernelManager
+
+    from toolkit.runtime.caller_start import request
+    from toolkit.runtime.server_process import KERNEL_SERVER_ENV
+
+    class ServedKernelManager(AsyncKernelManager):
+        async def _async_launch_kernel(self, kernel_cmd: list[str], **kw) -> None:
+            path = os.environ.get(KERNEL_SERVER_ENV)
+            served = None
+            if path and "-m" in kernel_cmd:
+                log = Path(path).parent / f"kernel-{self.kernel_id}.log"
+                served = request(path, kernel_cmd, kw.get("env") or dict(os.environ), log,
+                                 str(kw.get("cwd") or os.getcwd()))
+            if served is None:
+                return await super()._async_launch_kernel(kernel_cmd, **kw)
+            provisioner = self.provisioner  # its process, as LocalProvisioner.launch_kernel would set it
+            provisioner.process, provisioner.pid, provisioner.pgid = served, served.pid, None
+            provisioner.cwd = kw.get("cwd", os.getcwd())
+            self._reconcile_connection_info(provisioner.connection_info)
+
+    return ServedKernelManager
 
 TRY_HEADING = re.compile(r"^#{2,3}\s+(?:\d+\s*·\s*)?(?:Try\b|Something to try\b)", re.I)
 NO_VALUE = ...

@@ -11,7 +11,7 @@ source's claim, collected from the executed notebooks' ``toolkit.report.headline
 (``toolkit.runtime.machine.fingerprint()``: the CPU, its bf16 and AVX-512 instructions, torch's kernels, which the
 summary, the index and the results page show beside the times).
 On CPU the notebooks' kernels and their launches are forked from a kernel and a launcher imported once
-(``toolkit.runtime.launch_server``): a fresh launcher spends 4–5 s on imports per launch, a fresh kernel 1.4 s
+(``toolkit.runtime.server_process``): a fresh launcher spends 4–5 s on imports per launch, a fresh kernel 1.4 s
 importing torch; the last lines say how many each server served.
 Exits non-zero if any notebook failed; the others still run. A ``-p`` name one of the notebooks does not declare
 stops it before any notebook runs (exit status 2), naming the notebook's parameters.
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     import book
     import nb as nb_tool
 
-    from toolkit.runtime.launch import serving
+    from toolkit.runtime.caller_start import serving
     from toolkit.runtime.machine import describe, fingerprint
 
     params = {"preset": args.preset, "backend": args.backend}

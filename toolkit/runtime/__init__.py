@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import importlib
 
-from .launch import LaunchError, LaunchTimeout, RankResults, kill_tree, launch  # light: torch is imported later
+from .caller_watch import kill_tree
+from .launch import LaunchError, LaunchTimeout, RankResults, launch  # light: torch is imported later
 
 _WHERE = {
     "Context": "context", "init_context": "context", "resolve_backend": "context", "seed_everything": "context",
     "ProcessGrid": "grid", "validate_grid": "grid",
-    "LaunchError": "launch", "LaunchTimeout": "launch", "RankResults": "launch", "kill_tree": "launch",
-    "launch": "launch",
+    "LaunchError": "launch", "LaunchTimeout": "launch", "RankResults": "launch", "launch": "launch",
+    "kill_tree": "caller_watch",
     "CommLedger": "ledger", "CommRecord": "ledger", "wire_bytes": "ledger",
     "CATEGORIES": "memory", "MemoryTracker": "memory",
     "Span": "timeline", "Timeline": "timeline", "merge": "timeline",

@@ -1,6 +1,6 @@
 """What a rank sees: process groups, backend, device, seeding, and the measuring tools.
 
-A lesson program is ``run(ctx: Context, cfg: dict) -> dict``. The worker builds the
+A lesson program is ``run(ctx: Context, cfg: dict) -> dict``. The rank process builds the
 ``Context`` (``init_context``), installs the communication ledger, aligns the
 timeline clocks with a barrier, then calls the lesson.
 """
@@ -53,7 +53,7 @@ def seed_everything(seed: int) -> None:
 
 @dataclass
 class Context:
-    """One rank's view of the job (built by the worker; lessons only read it)."""
+    """One rank's view of the job (built by the rank process; lessons only read it)."""
 
     rank: int
     world_size: int
@@ -178,7 +178,7 @@ class Context:
                               "message": where, "t": round(now - self._t0, 3)})
 
     def finish(self) -> None:
-        """The run is over (the worker calls it when the lesson's ``run`` returns): one last report, the whole
+        """The run is over (the rank calls it when the lesson's ``run`` returns): one last report, the whole
         bar, marked ``"end"``. What the bar read before it shows how the lesson reported its progress: a report
         at 100 % long before this one is a bar that sat full while the run went on."""
         if self.out_dir is not None:

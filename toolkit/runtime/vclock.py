@@ -77,7 +77,7 @@ class RankClock:
 
     # ---- state ------------------------------------------------------------------------------------------------
     def reset(self, record_event: bool = True) -> None:
-        """Every clock, queue and record back to 0 (the worker calls it right after the ranks' start barrier)."""
+        """Every clock, queue and record back to 0 (the rank calls it right after the ranks' start barrier)."""
         self.threads: dict[int, _Clock] = {0: _Clock(0.0, 0.0)}
         self.link_free: dict[str, float] = defaultdict(float)
         self.comms: list[dict] = []

@@ -1,12 +1,13 @@
-"""Entry point of every rank: ``python -m toolkit.runtime.worker SPEC_JSON`` in a fresh interpreter, or this
-file run by torchrun (``--run-path``) in a rank forked from the pre-imported launcher (``toolkit.runtime.launcher``).
+"""The rank process's entry point: ``python -m toolkit.runtime.rank_process SPEC_JSON`` in a fresh interpreter, or
+this file run by torchrun (``--run-path``) in a rank forked from the pre-imported launcher
+(``toolkit.runtime.launcher_process``).
 
 Reads the launch spec written by :func:`toolkit.runtime.launch.launch`, takes the caller's working
 directory and ``sys.path``, loads the target (an imported function or shipped source, see
 ``toolkit.runtime.target``), builds the rank's :class:`~toolkit.runtime.context.Context`, runs the
 function and writes ``rank{r}.json`` (the result) or ``rank{r}.error.json`` (the exception, with
 ``cause: "out of memory"`` when it is one) into the spec's ``out_dir`` — each written to a temporary name
-and renamed, so the launcher never reads half a file.
+and renamed, so the caller never reads half a file.
 
 A rank never outlives its launch, even when nobody is left to kill it::
 
@@ -171,7 +172,7 @@ def main(spec_path: str) -> int:
                            out_dir=out, threads=spec["threads"], phases=spec.get("phases"),
                            cluster=spec.get("cluster"))
         result = fn(ctx, spec["cfg"])
-        ctx.finish()  # the bar's last report, before the result the launcher waits for
+        ctx.finish()  # the bar's last report, before the result the caller waits for
         write_atomic(out / f"rank{rank}.json", json.dumps(to_jsonable(result if result is not None else {})))
         import gc
 

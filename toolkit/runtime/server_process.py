@@ -1,26 +1,28 @@
-"""A launcher, and a notebook kernel, kept warm for a batch: each is forked instead of a fresh interpreter.
+"""The server process of a batch: a launcher, or a notebook kernel, imported once and forked for each request.
 
-Before torchrun's agent starts a single rank, a fresh launcher (``python -m toolkit.runtime.launcher``) spends
-4–5 s importing torch, torch._dynamo, accelerate and the runtime: a fifth of a short lesson's launch on 2 cores;
-a fresh notebook kernel spends 1.4 s importing torch before its first cell's work. A batch (``tools/run_all.py``;
-the test session, for launches) starts a server per role that imports these once and forks one for each
-request from a process that inherits its address (``TOOLKIT_LAUNCH_SERVER``, ``TOOLKIT_KERNEL_SERVER``)::
+Before torchrun's agent starts a single rank, a fresh launcher (``python -m toolkit.runtime.launcher_process``)
+spends 4–5 s importing torch, torch._dynamo, accelerate and the runtime: a fifth of a short lesson's launch on 2
+cores; a fresh notebook kernel spends 1.4 s importing torch before its first cell's work. A batch
+(``tools/run_all.py``; the test session, for launches) starts a server per role that imports these once and forks
+one for each request from a process that inherits its address (``TOOLKIT_LAUNCH_SERVER``,
+``TOOLKIT_KERNEL_SERVER``)::
 
     launch() ─── socket: interpreter, argv, environment, cwd, log ───►  server "launcher" (imported once)
        │                                                                   └─ fork ─► watcher ─ fork ─► launcher
        ◄──────────── the launcher's pid, then its exit status ──────────────────┘        └─► agent ─► ranks
 
-    papermill (ServedKernelManager) ─── the same, for ipykernel_launcher ───►  server "kernel" ─► … ─► kernel
+    papermill (tools/nb.py's kernel manager) ─── the same, for ipykernel_launcher ───►  server "kernel" ─► kernel
 
 The served process is the one a fresh interpreter would have run: the caller's argv, environment, working
-directory and log, in a session of its own. ``launch`` watches a served launcher as a fresh one (the same
-timeout, ``kill_tree`` of its pid, the same failure report); its ranks are forked from it as every CPU launch's
-are (``toolkit.runtime.launcher``), so they compute the same bits, and it takes the caller's resource limits,
-umask, priority and CPUs, as a child of the caller would. A server serves a request only from the same interpreter and
-options, with the same environment (aside from what a kernel, a notebook, pytest or torch set in the caller:
-``CALLER_ENV``), limits the served process can take and the toolkit's sources unchanged since it started
-(``mismatch``); otherwise the caller starts a fresh interpreter. If a caller dies first, its watcher ends the
-served process. A server leaves when its owner stops it (``toolkit.runtime.launch.serving``) or is gone.
+directory and log, in a session of its own. The caller's side (``toolkit.runtime.caller_start``: ``serving``,
+``request``) watches a served launcher as a fresh one (the same timeout, ``kill_tree`` of its pid, the same
+failure report); its ranks are forked from it as every CPU launch's are (``toolkit.runtime.launcher_process``),
+so they compute the same bits, and it takes the caller's resource limits, umask, priority and CPUs, as a child
+of the caller would. A server serves a request only from the same interpreter and options, with the same
+environment (aside from what a kernel, a notebook, pytest or torch set in the caller: ``CALLER_ENV``), limits
+the served process can take and the toolkit's sources unchanged since it started (``mismatch``); otherwise the
+caller starts a fresh interpreter. If a caller dies first, its watcher ends the served process. A server leaves
+when its owner stops it (``serving``) or is gone.
 
 A notebook opened by hand in JupyterLab has no server: its kernel and each of its launches start afresh.
 """
@@ -34,7 +36,6 @@ import resource
 import select
 import signal
 import socket
-import subprocess
 import sys
 import time
 import traceback
@@ -43,7 +44,7 @@ from pathlib import Path
 SERVER_ENV = "TOOLKIT_LAUNCH_SERVER"  # the launcher server's socket path, inherited by the processes that may use it
 KERNEL_SERVER_ENV = "TOOLKIT_KERNEL_SERVER"  # the kernel server's
 CALLER_POLL_S = 0.2  # how often a watcher looks whether its process or its caller has ended
-PROGRAMS = {"launcher": "toolkit.runtime.launcher", "kernel": "ipykernel_launcher"}  # what each role forks
+PROGRAMS = {"launcher": "toolkit.runtime.launcher_process", "kernel": "ipykernel_launcher"}  # what each role forks
 CALLER_ENV = ("CLICOLOR", "CLICOLOR_FORCE", "FORCE_COLOR", "GIT_PAGER", "PAGER", "MPLBACKEND", "TERM",
               "PYDEVD_USE_FRAME_EVAL",  # ipykernel's, in a notebook's kernel
               "PLOTLY_RENDERER",  # toolkit.viz's, in a notebook
@@ -112,83 +113,7 @@ def mismatch(req: dict, role: str, own_env: dict, own_digest: str) -> str:
     return "" if req["sources"] == own_digest else "the toolkit's sources changed"
 
 
-# ---- the caller's side ------------------------------------------------------------------------------------------
-class ServedProcess:
-    """A process the server forked, watched like the ``subprocess.Popen`` of a fresh one: ``pid``, ``poll()``,
-    ``wait()``, ``returncode`` (negative: the signal that ended it), ``send_signal``, ``terminate``, ``kill``."""
-
-    stdin = stdout = stderr = None  # its streams go to the log it was given
-
-    def __init__(self, conn: socket.socket, pid: int, buffer: bytes = b""):
-        self.pid, self.returncode = pid, None
-        self._conn, self._buffer = conn, buffer
-        conn.setblocking(False)
-
-    def wait(self, timeout: float | None = None) -> int:
-        end = None if timeout is None else time.monotonic() + timeout
-        while self.poll() is None:
-            if end is not None and time.monotonic() > end:
-                raise subprocess.TimeoutExpired(f"served process {self.pid}", timeout)
-            time.sleep(0.02)
-        return self.returncode
-
-    def send_signal(self, signum: int) -> None:
-        if self.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.pid, signum)
-
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
-
-    def poll(self) -> int | None:
-        if self.returncode is None:
-            data = None
-            if b"\n" not in self._buffer:
-                try:
-                    data = self._conn.recv(4096)
-                except BlockingIOError:
-                    return None
-                self._buffer += data
-            if b"\n" in self._buffer:
-                self.returncode = int(json.loads(self._buffer.split(b"\n")[0])["returncode"])
-            elif not data:  # the watcher is gone without a word (killed): no status to read
-                self.returncode = -signal.SIGKILL
-            if self.returncode is not None:
-                self._conn.close()
-        return self.returncode
-
-
-def request(path: str, cmd: list[str], env: dict, log_path: Path, cwd: str | None = None) -> ServedProcess | None:
-    """Ask the server at ``path`` to fork ``cmd``: its role's program (``python -m toolkit.runtime.launcher ARGS``
-    or ``python -m ipykernel_launcher ARGS``) with ``env``, ``cwd`` (this process's by default) and ``log_path``
-    as its stdout and stderr. None if there is no server there or it declines (another interpreter or
-    environment, changed sources): the caller starts a fresh interpreter."""
-    split = cmd.index("-m")
-    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        conn.settimeout(10.0)
-        conn.connect(path)
-        conn.sendall(json.dumps({"interpreter": cmd[:split], "program": cmd[split + 1], "args": cmd[split + 2:],
-                                 "env": env, "cwd": cwd or os.getcwd(), "log": str(log_path),
-                                 "limits": process_limits(), "sources": sources()}).encode() + b"\n")
-        buffer = b""
-        while b"\n" not in buffer and (data := conn.recv(4096)):
-            buffer += data
-        line, _, rest = buffer.partition(b"\n")
-        reply = json.loads(line or b"{}")
-    except (OSError, ValueError):
-        conn.close()
-        return None
-    if "pid" not in reply:
-        conn.close()
-        return None
-    return ServedProcess(conn, int(reply["pid"]), rest)
-
-
-# ---- the server's side ------------------------------------------------------------------------------------------
+# ---- serving ----------------------------------------------------------------------------------------------------
 def preload_kernel() -> None:
     """What every lesson's kernel imports before its first cell's work: ipykernel, then torch (plotly stays out:
     ``toolkit.viz`` sets its renderer before plotly.io is first imported)."""
@@ -199,11 +124,11 @@ def preload_kernel() -> None:
 
 def serve(path: str, owner: int, role: str) -> None:
     """Import once for ``role`` ("launcher" or "kernel"), then fork one for each request it can serve
-    (``mismatch``), until ``owner`` is gone (its parent: the process that called ``toolkit.runtime.launch.serving``)."""
+    (``mismatch``), until ``owner`` is gone (its parent: the process that called ``caller_start.serving``)."""
     own_env, own_digest = dict(os.environ), sources()  # before the imports: one sets TORCHINDUCTOR_CACHE_DIR
     if role == "launcher":
-        from toolkit.runtime import launcher
-        launcher.preload()
+        from toolkit.runtime import launcher_process
+        launcher_process.preload()
     else:
         preload_kernel()
 
@@ -247,7 +172,7 @@ def _watch(conn: socket.socket, req: dict, role: str) -> None:
 
     If the caller goes first (its end of the connection closes: a killed notebook runner, a restarted kernel),
     the served process gets SIGTERM, as a fresh kernel's parent poller would end it (a launch's ranks also see
-    their caller gone, ``toolkit.runtime.worker``)."""
+    their caller gone, ``toolkit.runtime.rank_process``)."""
     os.setsid()  # out of the owner's process group: a Ctrl-C there reaches the caller, which kills the tree
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # an interrupt sent to the group is the served process's
     pid = os.fork()
@@ -279,8 +204,8 @@ def _peek(conn: socket.socket) -> bytes:
 
 
 def _run(req: dict, role: str) -> None:
-    """Become ``python -m toolkit.runtime.launcher ARGS`` (or ``-m ipykernel_launcher ARGS``) as the caller would
-    have started it: its streams, resource limits, umask, priority, environment, working directory and argv."""
+    """Become ``python -m toolkit.runtime.launcher_process ARGS`` (or ``-m ipykernel_launcher ARGS``) as the caller
+    would have started it: its streams, resource limits, umask, priority, environment, working directory and argv."""
     code = 1
     try:
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD):
@@ -303,9 +228,9 @@ def _run(req: dict, role: str) -> None:
         os.chdir(req["cwd"])
         sys.path[0] = req["cwd"]  # as `python -m` sets it
         if role == "launcher":
-            from toolkit.runtime import launcher
-            sys.argv = [launcher.__file__, *req["args"]]
-            launcher.main()  # leaves by os._exit(0) when every rank has succeeded
+            from toolkit.runtime import launcher_process
+            sys.argv = [launcher_process.__file__, *req["args"]]
+            launcher_process.main()  # leaves by os._exit(0) when every rank has succeeded
         else:
             from ipykernel import kernelapp
             sys.argv = [kernelapp.__file__, *req["args"]]
@@ -321,29 +246,6 @@ def _run(req: dict, role: str) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
-
-
-def kernel_manager_class():
-    """``ServedKernelManager``: a jupyter_client kernel manager whose kernels the batch's kernel server forks
-    (``KERNEL_SERVER_ENV``), or started afresh where it declines (papermill's ``kernel_manager_class``)."""
-    from jupyter_client.manager import AsyncKernelManager
-
-    class ServedKernelManager(AsyncKernelManager):
-        async def _async_launch_kernel(self, kernel_cmd: list[str], **kw) -> None:
-            path = os.environ.get(KERNEL_SERVER_ENV)
-            served = None
-            if path and "-m" in kernel_cmd:
-                log = Path(path).parent / f"kernel-{self.kernel_id}.log"
-                served = request(path, kernel_cmd, kw.get("env") or dict(os.environ), log,
-                                 str(kw.get("cwd") or os.getcwd()))
-            if served is None:
-                return await super()._async_launch_kernel(kernel_cmd, **kw)
-            provisioner = self.provisioner  # its process, as LocalProvisioner.launch_kernel would set it
-            provisioner.process, provisioner.pid, provisioner.pgid = served, served.pid, None
-            provisioner.cwd = kw.get("cwd", os.getcwd())
-            self._reconcile_connection_info(provisioner.connection_info)
-
-    return ServedKernelManager
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
-"""``accelerate launch``, as :func:`toolkit.runtime.launch.launch` starts it.
+"""The launcher process: ``accelerate launch``, as :func:`toolkit.runtime.launch.launch` starts it.
 
-``python -m toolkit.runtime.launcher ARGS`` takes the arguments of ``accelerate launch ARGS`` and runs
+``python -m toolkit.runtime.launcher_process ARGS`` takes the arguments of ``accelerate launch ARGS`` and runs
 accelerate's own entry point (``accelerate.commands.launch.main``: its parser, then torchrun's agent, which
 starts the ranks and waits for them). Two things differ, both for time:
 
@@ -8,15 +8,15 @@ How a rank starts. On CPU (gloo) launch sets torchrun's own ``--start-method for
 ``PET_*`` variables: accelerate's parser does not pass them on), and this process imports once what every rank
 would import before its first line of work::
 
-    exec (TOOLKIT_RANK_START=exec, GPUs)   agent ─► python -m toolkit.runtime.worker ─► import torch, dynamo,
-                                                    toolkit (3.6–3.9 CPU-s a rank) ─► fn(ctx, cfg)
+    exec (TOOLKIT_RANK_START=exec, GPUs)   agent ─► python -m toolkit.runtime.rank_process ─► import torch,
+                                                    dynamo, toolkit (3.6–3.9 CPU-s a rank) ─► fn(ctx, cfg)
     fork (CPU, the default)                import torch, dynamo, toolkit once ─► agent ─► fork ─► fn(ctx, cfg)
 
 A forked rank is still its own process with its own gloo process group; it inherits imported modules, not
-state (the worker resets the agent's signal handlers, ``init_context`` seeds every generator). GPUs keep the
+state (the rank resets the agent's signal handlers, ``init_context`` seeds every generator). GPUs keep the
 fresh interpreter: a forked child cannot use CUDA once its parent has touched it. In a batch (``make run``, the
 test session) this process is itself forked from a launch server that did these imports once
-(``toolkit.runtime.launch_server``), and ``main`` runs there with the caller's argv.
+(``toolkit.runtime.server_process``), and ``main`` runs there with the caller's argv.
 
 How it ends. Once every rank has succeeded it leaves with ``os._exit(0)``: the interpreter's teardown of a
 process that imported torch took 0.64–0.79 s on 2 cores, after the ranks' results were on disk. A failure, an
