@@ -85,7 +85,7 @@ def lab(workdir):
                     "extension_manager": "readonly"}}))
     port, token = _free_port(), secrets.token_hex(16)
     env = {k: v for k, v in os.environ.items()  # the learner's bar, from a launch of its own
-           if k not in ("TOOLKIT_PLAIN_PROGRESS", "CI", "TOOLKIT_LAUNCH_CACHE")}
+           if k not in ("TOOLKIT_PLAIN_PROGRESS", "CI", "TOOLKIT_LAUNCH_HOOK", "TOOLKIT_LAUNCH_CACHE")}
     env.update(TOOLKIT_PRESET="smoke", JUPYTER_CONFIG_DIR=str(config), JUPYTER_RUNTIME_DIR=str(workdir / "runtime"),
                JUPYTER_DATA_DIR=str(workdir / "data"))  # its own notebook secret and signature store
     cmd = [sys.executable, "-m", "jupyter", "lab", "--no-browser", "--allow-root", "--ip=127.0.0.1", f"--port={port}",

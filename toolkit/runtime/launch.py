@@ -60,10 +60,11 @@ from typing import Callable
 
 from . import target as targets  # light: the standard library only
 from .caller_progress import Progress, in_notebook, kernel_stays_busy
-from .caller_start import RANK_ENV, child_env
+from .caller_start import RANK_ENV, child_env, serving
 from .caller_watch import LaunchError, LaunchTimeout, RankResults, collect, run_ranks
 
-__all__ = ["launch", "LaunchError", "LaunchTimeout", "RankResults", "Job", "HOOK_ENV"]
+__all__ = ["launch", "LaunchError", "LaunchTimeout", "RankResults", "Job", "HOOK_ENV",
+           "serving"]  # a batch's launch server (caller_start), imported from here by the README's example
 
 BACKENDS = ("auto", "gloo", "nccl")  # the same names as context.BACKENDS (not imported: context imports torch)
 PROGRESS_MODES = ("auto", "widget", "plain", "none")
