@@ -101,7 +101,7 @@ from IPython.display import Markdown, display
 from toolkit import launch, viz
 from toolkit.lessons import l14_deepep as lesson
 from toolkit.report import band, headline
-from toolkit.runtime.bench import check, not_decidable
+from toolkit.runtime.bench import check, not_decidable, verdict
 from toolkit.runtime.cluster import cluster as make_cluster
 
 cfg = {"preset": preset, "ranks_per_node": ranks_per_node, "max_nodes": max_nodes, "overlap_matmuls": overlap_matmuls}
@@ -276,30 +276,28 @@ display(viz.table([{"variant": v, "encode (ms)": encode.get(v, 0) * 1e3, "expose
                     "step (ms)": step[v] * 1e3} for v in step],
                   title="Low-latency dispatch: blocking vs receive hook (median over ranks)",
                   formats={"encode (ms)": ".2f", "exposed comm (ms)": ".2f", "step (ms)": ".2f"}))
-saved = exposed["blocking"] - exposed["hook"]
-can_hide = min(step["compute only"], exposed["blocking"])  # the most the work between issue and hook can cover
-per_rank = [r["low_latency"]["hook_exposed_comm_s"]["blocking"] for r in results]
-spread = max(per_rank) - min(per_rank)  # the same blocking dispatch, rank to rank: this run's noise
-if saved > can_hide:
-    verdict = (f"That is more than the other work could hide (at most {can_hide * 1e3:.2f} ms, "
-               f"{can_hide / exposed['blocking']:.2f} of the blocking transfer = min(1, work / blocking)), so the "
-               "difference is this shared machine's noise, not overlap")
-elif abs(saved) <= spread:
-    verdict = (f"The difference, {saved * 1e3:+.2f} ms, is within the spread of the blocking dispatch across ranks "
-               f"({spread * 1e3:.2f} ms): this run cannot tell whether the hook hid anything")
-elif saved > 0:
-    verdict = (f"The hook hid {saved * 1e3:.2f} ms, {saved / exposed['blocking']:.2f} of the blocking transfer, "
-               f"against at most {can_hide / exposed['blocking']:.2f} = min(1, work / blocking) that the work "
-               "could cover")
+per_rank = {v: [r["low_latency"]["hook_exposed_comm"][v] for r in results] for v in variants}
+judged = verdict(per_rank["blocking"], per_rank["hook"])  # bench's one rule: paired rounds, each its slowest rank
+most = min(step["compute only"], exposed["blocking"]) / exposed["blocking"]  # the share the work can cover
+if 1 - judged.ratio > most:
+    said = (f"The hook hid {1 - judged.ratio:.2f} of the blocking transfer, more than the other work could hide "
+            f"(at most {most:.2f} = min(1, work / blocking)), so the difference is this shared machine's noise, "
+            "not overlap")
+elif judged.faster:
+    said = (f"The hook hid {1 - judged.ratio:.2f} of the blocking transfer, against at most {most:.2f} = "
+            "min(1, work / blocking) that the work could cover")
+elif judged.slower:
+    said = "The hook cost more than blocking"
 else:
-    verdict = f"The hook cost {-saved * 1e3:.2f} ms more than blocking, beyond the spread across ranks"
+    said = "This run cannot tell whether the hook hid anything"
+said += f" (exposed communication: {judged.text('blocking', 'hook')})"
 display(Markdown(
     f"With the hook, the rank spent {exposed['hook'] * 1e3:.2f} ms per step waiting in communication calls against "
     f"{exposed['blocking'] * 1e3:.2f} ms blocking ({exposed['hook'] / exposed['blocking']:.2f}×), on top of "
     f"{encode['blocking'] * 1e3:.2f} ms (blocking) and {encode['hook'] * 1e3:.2f} ms (hook) to lay out and encode the "
     f"padded buffer. The other work alone ({r0['low_latency']['overlap_matmuls']} matmuls) took "
     f"{step['compute only'] * 1e3:.2f} ms; the steps {step['hook'] * 1e3:.2f} (hook) vs "
-    f"{step['blocking'] * 1e3:.2f} ms (blocking). {verdict}. "
+    f"{step['blocking'] * 1e3:.2f} ms (blocking). {said}.\n\n"
     "On gloo the transfer runs on a CPU thread that competes with the computation for the same two cores; DeepEP's "
     "point is that on GPUs the RDMA transfer needs no SM at all, which a CPU cannot show."))
 

@@ -20,7 +20,6 @@ the round trips can be compared bit for bit.
 from __future__ import annotations
 
 import statistics
-import time
 from contextlib import contextmanager, nullcontext
 
 import torch
@@ -33,7 +32,7 @@ from toolkit.graphs.cuda_graphs import COLLECTIVE_NAMESPACES, HOST_SYNC
 from toolkit.moe import CODECS, Codec, TokenDispatcher, dispatch_layout, route, run_experts
 from toolkit.moe.deepep import LowLatency, TwoHop, dyadic, layout_brute_force, node_limited_route
 from toolkit.quant import qsnr_db
-from toolkit.runtime.bench import compare
+from toolkit.runtime.bench import compare, measure, summarize
 from toolkit.runtime.config import Param, common, require_divisible, require_ranks, resolve
 
 WORLD_SIZE = 4  # two emulated nodes of two ranks
@@ -269,26 +268,23 @@ def hook_overlap(ctx, cfg: dict, x, ids, w) -> dict:
     with ctx.ledger.tag("timing"):
         times = compare({"blocking": blocking, "hook": hooked, "compute only": work}, warmup=cfg["warmup"],
                         steps=cfg["bench_steps"], rounds=cfg["rounds"], sync=ctx.barrier)
-        last = lambda v: v[-cfg["bench_steps"] * cfg["rounds"]:]
-        timed = {k: statistics.median(last(v)) for k, v in exposed.items()}
+        last = lambda v: v[-cfg["bench_steps"] * cfg["rounds"]:]  # the timed steps, in compare's rounds
+        timed = {k: summarize(last(v), cfg["bench_steps"]) for k, v in exposed.items()}  # verdict pairs the rounds
         timed_encode = {k: statistics.median(last(v)) for k, v in encode.items()}
         for fn in (blocking, hooked):  # one traced step each, for the timeline
             ctx.barrier()
             fn(trace=True)
     return {"overlap_matmuls": n_matmuls, "hook_step_s": {k: v.median_s for k, v in times.items()},
-            "hook_exposed_comm_s": timed, "hook_encode_s": timed_encode}
+            "hook_exposed_comm_s": {k: v.median_s for k, v in timed.items()},
+            "hook_exposed_comm": {k: v.to_dict() for k, v in timed.items()}, "hook_encode_s": timed_encode}
 
 
 def calibrate(ctx, comm, unit, reps: int = 3, cap_s: float = 0.03) -> int:
-    """How many ``unit()`` calls last as long as one ``comm()`` (medians; the largest count over the ranks),
-    at most ``cap_s`` seconds of them (a loaded machine stretches the communication most)."""
-    def median_time(fn):
-        ts = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            ts.append(time.perf_counter() - t0)
-        return statistics.median(ts)
+    """How many ``unit()`` calls last as long as one ``comm()``: the median of ``reps`` calls of each
+    (``bench.measure``, no warm-up), the largest count over the ranks, at most ``cap_s`` seconds of them (a loaded
+    machine stretches the communication most)."""
+    def median_time(fn) -> float:
+        return measure(fn, warmup=0, steps=reps, rounds=1, trim=0).median_s
     t_unit = max(median_time(lambda: [unit() for _ in range(10)]) / 10, 1e-6)
     n = torch.tensor(max(1, min(round(median_time(comm) / t_unit), int(cap_s / t_unit))), device=ctx.device)
     dist.all_reduce(n, op=dist.ReduceOp.MAX)

@@ -18,9 +18,6 @@ Stability metrics (the article's definitions, computed from this run):
 - memory volatility     = std / mean of sampled memory (article target < 8%)
 - comm efficiency ratio = comm time / (step time - compute time) (article target > 75%)
 
-On CUDA each step is closed with ``torch.cuda.synchronize()`` so the clock measures
-the work, not its launch.
-
 ``verdict(a, b)`` (b against a, e.g. technique against baseline) pairs the rounds of a ``compare`` (round r of
 both ran back to back, so a slow phase of the machine hits both) and works on log ratios::
 
@@ -43,6 +40,7 @@ A property the setup guarantees (an identity, bitwise equality) is a ``check``, 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import statistics
 import time
@@ -103,13 +101,6 @@ def _check_procedure(warmup: int, steps: int, rounds: int, trim: int, clock: str
         raise ValueError(f"need warmup >= 0, steps >= 1, rounds >= 1, trim >= 0; got {warmup}, {steps}, {rounds}, {trim}")
     if clock not in CLOCKS:
         raise ValueError(f"clock={clock!r} is not allowed; allowed: {CLOCKS}")
-    if clock == "virtual" and _emulator() is None:
-        raise ValueError("clock='virtual' needs an emulated cluster: launch(..., cluster='h100-ib400')")
-
-
-def _emulator():
-    from .emulator import current
-    return current()
 
 
 class _Clocks:
@@ -118,11 +109,14 @@ class _Clocks:
     (``replayed``)."""
 
     def __init__(self, clock: str, label: str | None = None):
+        from .emulator import current  # on first use: importing bench loads no emulator
+        emu = current()
+        if clock == "virtual" and emu is None:
+            raise ValueError("clock='virtual' needs an emulated cluster: launch(..., cluster='h100-ib400')")
         self.clock = clock
-        emu = _emulator()
-        self.virtual = emu.now if emu is not None else None
-        self.read = {"wall": time.perf_counter, "cpu": time.thread_time, "virtual": self.virtual}[clock]
-        self.beside = self.virtual if clock != "virtual" and self.virtual is not None else None
+        virtual = emu.now if emu is not None else None
+        self.read = {"wall": time.perf_counter, "cpu": time.thread_time, "virtual": virtual}[clock]
+        self.beside = virtual if clock != "virtual" else None
         self.window = (lambda i: emu.window(f"{label}#{i}")) if emu is not None and label else None
         self.times: list[float] = []
         self.vtimes: list[float] = []
@@ -210,21 +204,18 @@ def replayed(clocks, label: str) -> float:
     replay of the run (``toolkit.runtime.vclock.replay``: one clock per rank): each step its slowest rank, as
     ``verdict`` counts a round."""
     steps = []
-    i = 0
-    while True:
+    for i in itertools.count():
         try:
             steps.append(max(c.window(f"{label}#{i}")["s"] for c in clocks))
         except KeyError:
             break
-        i += 1
     if not steps:
         raise KeyError(f"no timed step {label!r} in the replayed run")
     return statistics.fmean(steps)
 
 
 # ---- one way to judge "is B faster than A" -----------------------------------------------------------------------
-Timed = "BenchResult | dict | Sequence[BenchResult | dict]"
-WORDS = ("faster", "slower", "within noise", "not decidable")
+Timed = BenchResult | dict | Sequence[BenchResult | dict]
 
 
 @dataclass
@@ -305,17 +296,14 @@ def verdict(a: Timed, b: Timed) -> Verdict:
         dof = (va + vb) ** 2 / ((va ** 2 / (len(la) - 1) if va else 0) + (vb ** 2 / (len(lb) - 1) if vb else 0)) \
             if va + vb > 0 else 1.0
         half = t_975(max(1, int(dof))) * se if math.isfinite(se) else math.nan
-    deterministic = clock_a == "virtual" or half == 0.0
-    if deterministic:
-        half = 0.0
+    if clock_a == "virtual":
+        half = 0.0  # a deterministic clock: its rounds agree exactly
     if math.isnan(half):
         word = "not decidable"
         low = high = math.exp(mean)
     else:
         low, high = math.exp(mean - half), math.exp(mean + half)
         word = "faster" if high < 1 else "slower" if low > 1 else "within noise"
-        if deterministic and mean == 0.0:
-            word = "within noise"
     return Verdict(word, math.exp(mean), low, high, min(len(la), len(lb)), paired, clock_a,
                    statistics.fmean(ra), statistics.fmean(rb))
 
