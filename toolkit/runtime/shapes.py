@@ -14,8 +14,17 @@ So a laptop answers "what would this layer take on an H100" at the model's true 
 that runs the toy. With ``world_size > 1`` the process is one rank of a job on torch's ``fake`` process group
 (collectives return at once, no data): the comm ledger counts each collective's bytes at the true shapes and
 ``toolkit.runtime.collectives`` times it on the group's link, as the emulated cluster does. One process stands
-for every rank (a symmetric job: tensor- or data-parallel layers), and every collective is exposed (a bulk
-schedule: the lessons' overlapped schedules are timed on the emulated cluster). A model, not a measurement.
+for every rank (a symmetric job: tensor- or data-parallel layers). How its collectives meet its kernels is
+``overlap`` (``OVERLAPS``): every one exposed, or FSDP's schedule, where each all-gather is prefetched during the
+layer before and the gradients' reductions run behind the backward::
+
+    overlap="none"   kernels ─AG─ kernels ─RS─ kernels          the step: kernels + every collective
+    overlap="fsdp"   compute  L1 L2 L3 ... B3 B2 B1             the step: the compute, the first all-gather,
+                     comm    AG2 AG3 ...   RS3 RS2 RS1          what a layer's own could not hide, the last RS
+
+On CPU, FSDP2 and DDP issue their collectives synchronously, so the program cannot show its overlap here: the
+schedule is declared. A model, not a measurement (``toolkit.models.real_runs`` checks it against published
+training runs).
 """
 from __future__ import annotations
 
@@ -35,6 +44,10 @@ from .ledger import CommLedger
 from .opcost import OpKind, _flop_formulas
 
 
+OVERLAPS = ("none", "fsdp")
+"""``none``: every collective exposed (a bulk schedule); ``fsdp``: all-gathers one ahead, reductions behind."""
+
+
 @dataclass
 class Estimate:
     """What ``estimate`` found: the kernels of the step and their modelled seconds on ``gpu``."""
@@ -45,6 +58,8 @@ class Estimate:
     comms: list[dict] = field(default_factory=list)
     """Each collective: op, ranks in its group, bytes this rank sent (the ledger's), the link, modelled seconds."""
     host_op_s: float = 0.0
+    overlap: str = "none"
+    """How the collectives meet the kernels (``OVERLAPS``)."""
     static_bytes: int = 0
     """Device bytes of what ``build`` made (parameters, inputs), at the true shapes."""
     peak_bytes: int = 0
@@ -63,14 +78,41 @@ class Estimate:
 
     @property
     def comm_s(self) -> float:
-        """The collectives, each exposed."""
+        """The collectives' seconds on the wire, one after another."""
         return sum(c["seconds"] for c in self.comms)
 
     @property
+    def device_s(self) -> float:
+        """The device's step: its kernels in program order and its collectives on one comm stream, met as
+        ``overlap`` says (``OVERLAPS``)."""
+        ends = [0.0]
+        for k in self.kernels:
+            ends.append(ends[-1] + k[2])
+        t = comm_free = prefetch_from = 0.0
+        done = 0  # kernels run so far
+        for c in self.comms:
+            t += ends[c["at"]] - ends[done]
+            done = c["at"]
+            if self.overlap == "fsdp" and c["op"].startswith("all_gather"):
+                start = max(prefetch_from, comm_free)  # issued one all-gather early: during the layer before
+                prefetch_from, comm_free = t, start + c["seconds"]
+                t = max(t, comm_free)  # the layer's kernels need its parameters
+            elif self.overlap == "fsdp" and c["op"] in ("reduce_scatter_tensor", "reduce_scatter", "all_reduce"):
+                comm_free = max(t, comm_free) + c["seconds"]  # gradients: nothing waits before the step's end
+            else:
+                t = comm_free = max(t, comm_free) + c["seconds"]
+        return max(t + ends[-1] - ends[done], comm_free)
+
+    @property
+    def exposed_s(self) -> float:
+        """The collectives' seconds the kernels did not hide."""
+        return self.device_s - self.kernels_s
+
+    @property
     def step_s(self) -> float:
-        """The step: the device's kernels and the exposed collectives, or the host's issuing when it is slower
-        (it runs ahead otherwise)."""
-        return max(self.kernels_s + self.comm_s, self.host_s)
+        """The step: the device's (``device_s``), or the host's issuing when it is slower (it runs ahead
+        otherwise)."""
+        return max(self.device_s, self.host_s)
 
     @property
     def flops(self) -> float:
@@ -113,13 +155,17 @@ class RealShapes(TorchDispatchMode):
         self.live -= n
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.distributed.tensor import DTensor
         kwargs = kwargs or {}
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented  # DTensor runs it on this rank's shards, whose ops come back here
         out = func(*args, **kwargs)
         self._track(out)
         kind = self.kinds.get(func)
         if kind is None:
             kind = self.kinds[func] = OpKind(func, self.formulas)
-        if kind.timed and _tensors_in(out):  # metadata queries (prim.device, sizes) return no tensor: no kernel
+        # metadata queries (prim.device, sizes) return no tensor: no kernel; in-place ones (a fused optimizer) do
+        if kind.timed and (_tensors_in(out) or func._schema.is_mutable):
             k = kind.kernel(args, kwargs, out, 0)  # every tensor at its own dtype's size
             g = self.gpu
             self.est.kernels.append((kind.name, k, kernel_seconds(k, g.bf16_flops, g.hbm_bytes_per_s, g.sms,
@@ -128,10 +174,13 @@ class RealShapes(TorchDispatchMode):
 
 
 def _storages(built) -> dict[int, int]:
-    """id -> bytes of every storage in ``built`` (tensors, and the parameters of modules), each once."""
+    """id -> bytes of every storage in ``built`` (tensors, and the parameters of modules), each once; a sharded
+    parameter (a DTensor: FSDP2's) counts this rank's shard."""
+    from torch.distributed.tensor import DTensor
     items = built if isinstance(built, tuple) else (built,)
     tensors = [t for x in items for t in (x.parameters() if isinstance(x, torch.nn.Module) else
                                           torch.utils._pytree.tree_flatten(x)[0]) if isinstance(t, torch.Tensor)]
+    tensors = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
     return {id(t.untyped_storage()): t.untyped_storage().nbytes() for t in tensors}
 
 
@@ -151,7 +200,7 @@ class _CommClock:
         ranks = peers or dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
         secs, protocol, link = collectives.seconds(self.cluster, op, ranks, self.world, sent)
         self.est.comms.append({"op": op, "ranks": len(ranks), "sent_bytes": sent, "link": link.name,
-                               "protocol": protocol, "seconds": secs})
+                               "protocol": protocol, "seconds": secs, "at": len(self.est.kernels)})
 
     def on_collective(self, name, group, sent, args, kwargs, out, is_async, tag):
         self._time(name, group, sent)
@@ -167,12 +216,14 @@ class _CommClock:
 
 
 def estimate(build: Callable[[], Any], step: Callable[..., Any], cluster: str | Cluster = "h100-ib400",
-             world_size: int = 1, rank: int = 0) -> Estimate:
+             world_size: int = 1, rank: int = 0, overlap: str = "none") -> Estimate:
     """``build()`` makes the model and its inputs at their real shapes (untimed), ``step(built)`` runs what is
     timed (``build``'s result is passed as is, or unpacked when it is a tuple); both with fake tensors, so
     nothing is computed and no memory is taken. With ``world_size > 1`` this process is rank ``rank`` of a fake
     process group of that size (``dist.new_group`` works inside ``build``); the cluster's ``ranks_per_node``
-    places the ranks. Returns the ``Estimate`` of ``step`` on ``cluster``'s GPUs and links.
+    places the ranks; a device mesh (FSDP2's ``fully_shard(mesh=...)``) is made in ``build`` under
+    ``torch._subclasses.fake_tensor.unset_fake_temporarily()``. ``overlap`` (``OVERLAPS``) says how the
+    collectives meet the kernels. Returns the ``Estimate`` of ``step`` on ``cluster``'s GPUs and links.
 
     >>> est = estimate(lambda: (torch.nn.Linear(4096, 14336, dtype=torch.bfloat16),
     ...                         torch.empty(16384, 4096, dtype=torch.bfloat16)),
@@ -184,8 +235,10 @@ def estimate(build: Callable[[], Any], step: Callable[..., Any], cluster: str | 
             raise ValueError(f"{name}={v!r} must be an int >= {1 if name == 'world_size' else 0}")
     if rank >= world_size:
         raise ValueError(f"rank={rank} must be < world_size={world_size}")
+    if overlap not in OVERLAPS:
+        raise ValueError(f"overlap={overlap!r} must be one of {OVERLAPS}")
     c = make_cluster(cluster)
-    est = Estimate(c.gpu.name, host_op_s=c.gpu.efficiency.host_op_s)
+    est = Estimate(c.gpu.name, host_op_s=c.gpu.efficiency.host_op_s, overlap=overlap)
     fake_pg = world_size > 1
     if fake_pg:
         if dist.is_initialized():
