@@ -95,3 +95,50 @@ def test_bad_ranks_are_refused():
                           ({"rank": -1}, "rank=-1")):
         with pytest.raises(ValueError, match=words):
             estimate(_build, _step, **kwargs)
+    with pytest.raises(ValueError, match="overlap='bulk' must be one of"):
+        estimate(_build, _step, overlap="bulk")
+
+
+def test_fsdp_overlap_prefetches_each_all_gather_and_leaves_the_reductions_behind():
+    """The declared schedules on a hand-made step: four 1 s kernels, an all-gather of 2 s before the first, one of
+    0.5 s before the second, a reduce-scatter of 1 s after the third. Bulk: everything in a row (7.5 s). FSDP: the
+    first all-gather is exposed (2 s), the second ran during the first kernel, the reduce-scatter behind the last
+    kernel (6 s, 2 s exposed)."""
+    from toolkit.runtime.efficiency import Kernel
+    from toolkit.runtime.shapes import Estimate
+    kernels = [("aten.mm", Kernel("gemm", 1.0, 0.0), 1.0)] * 4
+    comms = [{"op": "all_gather_into_tensor", "seconds": 2.0, "at": 0},
+             {"op": "all_gather_into_tensor", "seconds": 0.5, "at": 1},
+             {"op": "reduce_scatter_tensor", "seconds": 1.0, "at": 3}]
+    bulk, fsdp = (Estimate("H100", kernels, comms, overlap=o) for o in ("none", "fsdp"))
+    assert bulk.step_s == 7.5 and bulk.exposed_s == 3.5
+    assert fsdp.step_s == 6.0 and fsdp.exposed_s == 2.0
+    comms[2]["seconds"] = 3.0  # a reduction longer than what follows it: the step waits for it at the end
+    assert Estimate("H100", kernels, comms, overlap="fsdp").step_s == 8.0
+
+
+def test_fsdp_sharded_parameters_and_their_optimizer_count_one_rank_s_shard():
+    """Under torch's FSDP2 on the fake process group, a parameter is a DTensor: the memory counts this rank's
+    shard, and the fused optimizer's in-place kernel (no tensor returned) is timed on the shard's bytes."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    def build():
+        with unset_fake_temporarily():
+            mesh = init_device_mesh("cpu", (8,))
+        lin = fully_shard(torch.nn.Linear(4096, 4096, bias=False), mesh=mesh)
+        opt = torch.optim.AdamW(lin.parameters(), fused=True)
+        lin.weight.grad = torch.zeros_like(lin.weight)
+        opt.step()  # the moments exist: a step in steady state
+        return lin, torch.empty(8192, 4096), opt
+
+    def step(lin, x, opt):
+        lin(x).sum().backward()
+        opt.step()
+    est = estimate(build, step, "h100-ib400", world_size=8, overlap="fsdp")
+    shard = 4096 * 4096 * 4 // 8
+    assert est.static_bytes == shard + 8192 * 4096 * 4  # the weight's shard and the input
+    adam = [k for name, k, _ in est.kernels if name == "aten._fused_adamw_"]
+    assert len(adam) == 1 and shard * 3 <= adam[0].bytes <= shard * 5  # params, grads, two moments (+ the step)
+    assert [c["op"] for c in est.comms] == ["all_gather_into_tensor", "reduce_scatter_tensor"]
