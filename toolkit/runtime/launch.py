@@ -318,7 +318,7 @@ def check_phases(phases, cfg: dict) -> list[list]:
     return out
 
 
-# ---- 5. the spec the ranks read ----------------------------------------------------------------------------
+# ---- 6. the spec the ranks read ----------------------------------------------------------------------------
 def prepare_out_dir(out_dir) -> Path:
     """``out_dir`` (or a new temporary folder), created, emptied of a previous launch's rank files and tried
     with a real file (permission bits do not tell root or a read-only mount): ValueError if it cannot be written."""
