@@ -220,7 +220,7 @@ def test_a_quantize_call_is_timed_as_the_one_triton_kernel_a_gpu_runs():
     import torch
     from toolkit.quant import dequantize_blockwise, quantize_blockwise
     from toolkit.runtime.emulator import Emulator
-    emu = Emulator(cluster("h100-ib400"), 0, 1).install(types.SimpleNamespace(emulator=None, inside_op=False))
+    emu = Emulator(cluster("h100-ib400"), 0, 1).install(types.SimpleNamespace(observer=None))
     try:
         x = torch.randn(4096)
         q = quantize_blockwise(x, bits=4, block=128, stochastic=True, seed=1)
@@ -248,22 +248,23 @@ def test_paused_takes_the_timer_off_the_dispatch_stack_and_hides_the_emulator_on
     import torch
     from torch.utils._python_dispatch import _get_current_dispatch_mode
     from toolkit.runtime.emulator import ComputeTimer, Emulator, current
-    ledger = types.SimpleNamespace(emulator=None, inside_op=False)
+    ledger = types.SimpleNamespace(observer=None)
     emu = Emulator(cluster("h100-ib400"), 0, 1).install(ledger)
     try:
         a, seen = torch.ones(64, 64), {}
-        assert isinstance(_get_current_dispatch_mode(), ComputeTimer) and current() is emu and ledger.emulator is emu
+        assert isinstance(_get_current_dispatch_mode(), ComputeTimer) and current() is emu and ledger.observer is emu
         with emu.paused():
             with emu.paused():  # nested: nothing more to take off
                 torch.mm(a, a)
             seen["mode"], seen["current"] = _get_current_dispatch_mode(), current()
-            seen["ledger"] = ledger.emulator  # the inner block gave the ledger back to the outer pause
+            work = object()  # the ledger's calls pass through until the outer pause ends (any thread's)
+            seen["passed"] = emu.on_collective("all_reduce", None, 0, (), {}, work, True, "t") is work
             other = threading.Thread(target=lambda: seen.__setitem__("thread", current()))
             other.start()
             other.join()
             calls = emu.ops["aten.mm"]["calls"]
         assert seen["mode"] is None and seen["current"] is None and calls == 0  # native ops, no emulator here
-        assert seen["ledger"] is None and ledger.emulator is emu  # collectives carry no clock until the outer ends
+        assert seen["passed"] and ledger.observer is emu  # collectives carry no clock inside
         assert seen["thread"] is emu  # pausing is per thread
         assert isinstance(_get_current_dispatch_mode(), ComputeTimer) and current() is emu
         torch.mm(a, a)
@@ -299,7 +300,7 @@ def test_ops_are_bitwise_unchanged_except_the_spectral_values_torch_computes_oth
                 "matrix_norm(ord='nuc')": lambda: torch.linalg.matrix_norm(a, ord="nuc"),
                 "cond": lambda: torch.linalg.cond(a)}
     plain = {k: f() for k, f in {**bitwise, **spectral}.items()}
-    emu = Emulator(cluster("h100-ib400"), 0, 1).install(types.SimpleNamespace(emulator=None, inside_op=False))
+    emu = Emulator(cluster("h100-ib400"), 0, 1).install(types.SimpleNamespace(observer=None))
     try:
         emulated = {k: f() for k, f in {**bitwise, **spectral}.items()}
     finally:

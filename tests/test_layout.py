@@ -99,3 +99,24 @@ def test_benchmarks_import_no_lesson_program():
                 [f"{node.module}.{a.name}" for a in node.names] if isinstance(node, ast.ImportFrom) and node.module else []
             found += [f"{path.relative_to(ROOT)}: {n}" for n in names if n.startswith("toolkit.lessons")]
     assert not found, found
+
+
+def test_technique_code_never_knows_it_is_emulated():
+    """SimGrid's rule: the simulated program is the real program. Only ``toolkit.runtime`` (the emulated cluster,
+    and ``runtime.portable``: verbs that mean the same with and without it) and the lesson programs (they read
+    ``ctx.emulator`` to report virtual times) import ``toolkit.runtime.emulator`` or name ``Emulator``,
+    ``current_emulator`` or ``emulator.current``."""
+    allowed = {"runtime", "lessons"}
+    graph = _imports()
+    found = [f"{m}: imports toolkit.runtime.emulator" for m, ts in graph.items()
+             if "toolkit.runtime.emulator" in ts and _package(m) not in allowed]
+    for path in sorted((ROOT / "toolkit").rglob("*.py")):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        if len(parts) > 2 and parts[1] in allowed:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Name) and node.id in ("Emulator", "current_emulator")) or (
+                    isinstance(node, ast.Attribute) and node.attr == "current" and isinstance(node.value, ast.Name)
+                    and node.value.id in ("emulator", "emulation")):
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}")
+    assert not found, f"technique code that asks whether it is emulated (use toolkit.runtime.portable): {found}"

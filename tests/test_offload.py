@@ -11,13 +11,13 @@ import torch.nn as nn
 
 from toolkit import launch
 from toolkit.lessons import l08_activation_offload
-from toolkit.memory import offload
 from toolkit.memory.offload import (ALL_KINDS, ActivationOffloader, SaveOnCPU, in_flight, long_lived, per_rank_budget,
                                     resolve_policy, schedule_order)
 from toolkit.pipeline.schedule import Action, one_f_one_b
 from toolkit.models import GPT, lm_loss, preset
 from toolkit.runtime.bench import verdict
 from toolkit.runtime.cluster import cluster
+from toolkit.runtime import portable
 from toolkit.runtime.emulator import Emulator
 
 ORDER = [("F", (0, 0, 0)), ("F", (0, 1, 0)), ("B", (0, 0, 0)), ("B", (0, 1, 0))]  # GPipe on one rank: 2 in flight
@@ -109,7 +109,7 @@ def test_on_an_emulated_cluster_copies_take_the_host_link_and_late_reloads_are_w
     runs no compute (no ComputeTimer installed): nothing can hide a copy, so every reload's first wait moves the
     stream and is late, by its copy's exposed time."""
     emu = Emulator(cluster("h100-ib400"), 0, 1)
-    monkeypatch.setattr(offload, "current_emulator", lambda: emu)
+    monkeypatch.setattr(portable, "current", lambda: emu)
     ref, _ = _run(None)
     grads, off = _run("all")
     assert all(torch.equal(a, b) for a, b in zip(grads, ref))
@@ -133,7 +133,7 @@ def test_save_on_cpu_on_an_emulated_cluster_copies_every_saved_tensor_on_the_str
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
         torch.tanh(lin(x)).sum()
     emu = Emulator(cluster("h100-ib400"), 0, 1)
-    monkeypatch.setattr(offload, "current_emulator", lambda: emu)
+    monkeypatch.setattr(portable, "current", lambda: emu)
     hook = SaveOnCPU()
     hook.executor = types.SimpleNamespace(device=torch.device("cpu"))
     with hook.forward_context(Action("F", 0, 0)):

@@ -15,9 +15,10 @@ payload is an integer dtype, so gloo and nccl can both send it.
 Two implementations compute the same bits: the torch reference (``kernels/reference.py``)
 and the Triton kernels (``kernels/quant_triton.py``). ``impl="auto"`` picks Triton for
 CUDA tensors and the reference on CPU; ``set_impl`` changes the default for every call.
-On an emulated cluster (``toolkit.runtime.emulator``) a call the reference computes is timed as the
-Triton kernel a GPU runs instead: one launch, its inputs read and its outputs written once (the
-reference's op-by-op passes, its integer hash included, would each cost a round trip to HBM).
+On an emulated cluster a call the reference computes is timed as the Triton kernel a GPU
+runs instead (``toolkit.runtime.portable.fused_kernel``): one launch, its inputs read and its
+outputs written once (the reference's op-by-op passes, its integer hash included, would each
+cost a round trip to HBM).
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels import reference as ref
+from toolkit.runtime.portable import fused_kernel
 
 IMPLS = ("auto", "torch", "triton")
 FORMATS = {8: "int8", 4: "int4"}
@@ -101,18 +103,12 @@ def _triton_available() -> bool:
 
 @contextlib.contextmanager
 def _one_kernel(name: str):
-    """The reference's ops inside stand for one Triton kernel (see the module docstring): on an emulated cluster
-    they go untimed and ``kernel(reads, writes, flops=0)`` charges the kernel; without one (or where it does not
-    time, e.g. ``paused``), nothing happens."""
-    from toolkit.runtime.emulator import current
-    emu = current()
-    if emu is None or not emu.timing:
-        yield lambda reads, writes, flops=0.0: None
-        return
-    cost = {}
-    with emu.untimed():
-        yield lambda reads, writes, flops=0.0: cost.update(flops=flops, nbytes=emu.tensor_bytes([reads, writes]))
-    emu.compute(f"{name} (Triton kernel)", cost["flops"], cost["nbytes"], kind="memory")
+    """The reference's ops inside stand for one Triton kernel (see the module docstring; ``fused_kernel``):
+    ``kernel(reads, writes, flops=0)`` says what it reads and writes."""
+    with fused_kernel(f"{name} (Triton kernel)", "memory") as kernel:
+        def charge(reads, writes, flops: float = 0.0) -> None:
+            kernel.cost = lambda: (flops, [reads, writes], ())
+        yield charge
 
 
 def all_finite(x: torch.Tensor) -> bool:

@@ -37,17 +37,16 @@ after cp hops it is home.
     forward    (cp-1) · 2·T·d_kv·b                                K and V, cp-1 hops
     backward   (cp-1) · 2·T·d_kv·b  +  cp · 2·T·d_kv·b            K/V again, dK/dV back home
 
-**On the emulated cluster** (``toolkit.runtime.emulator``) each ring step's block is timed as the one fused
-kernel a GPU runs for it (flash attention on packed sequences, THD): the FLOPs of the (query, key) pairs the
-mask lets through -- forward 2 matmuls, backward 5 (the scores recomputed), 2·head_dim FLOPs per pair and head
-each -- and its inputs and outputs once through HBM. The ops here compute the block dense and unfused: scores
+**On the emulated cluster** each ring step's block is timed as the one fused kernel a GPU runs for it (flash
+attention on packed sequences, THD; ``toolkit.runtime.portable.fused_kernel``): the FLOPs of the (query, key)
+pairs the mask lets through -- forward 2 matmuls, backward 5 (the scores recomputed), 2·head_dim FLOPs per pair
+and head each -- and its inputs and outputs once through HBM. The ops here compute the block dense and unfused: scores
 between different documents (masked), the score matrix written out between ops. Timed as they are, a rank's
 attention would cost (tokens it holds)² however short its documents -- not the Σ L² that dynamic CP balances.
 The ring's sends and receives are timed as themselves, on the link.
 """
 from __future__ import annotations
 
-import contextlib
 import math
 from functools import lru_cache
 
@@ -55,7 +54,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from toolkit.runtime import emulator as emulation
+from toolkit.runtime.portable import fused_kernel
 
 IGNORE = -100
 """Target of a padding token (ignored by the loss)."""
@@ -148,34 +147,16 @@ def _exchange(send: torch.Tensor, group, to: int, frm: int):
     return recv, dist.batch_isend_irecv(ops)
 
 
-class _FusedBlock:
-    """On the emulated cluster, the ops inside are one fused attention kernel (module docstring): they run
-    untimed; on leaving, the stream runs ``matmuls`` x 2·head_dim FLOPs per pair and head that ``mask`` (set
-    inside) lets through, and ``tensors`` once through HBM. Without an emulator, nothing."""
-
-    def __init__(self, name: str, matmuls: int, heads: int, head_dim: int, tensors: list[torch.Tensor]):
-        self.name, self.matmuls, self.heads, self.head_dim, self.tensors = name, matmuls, heads, head_dim, tensors
-        self.emu, self.untimed = emulation.current(), contextlib.nullcontext()
-        self.mask: torch.Tensor | None = None
-
-    def __enter__(self) -> "_FusedBlock":
-        if self.emu is not None:
-            self.untimed = self.emu.untimed()
-        self.untimed.__enter__()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.emu is None or exc[0] is not None:
-            self.untimed.__exit__(*exc)
-            return
-        pairs = int(self.mask.sum())
-        self.untimed.__exit__(*exc)
-        fb = self.emu.cluster.float_bytes
-        nbytes = sum(t.numel() * emulation.element_bytes(t.dtype, fb) for t in self.tensors)
-        rows = self.mask.shape[0]  # the query block: one flash-attention kernel over it (causal where masked)
-        self.emu.compute(self.name, 2.0 * self.matmuls * self.head_dim * self.heads * pairs, float(nbytes),
-                         kind="attention", dims=(self.heads, rows, self.head_dim, pairs < self.mask.numel(),
-                                                 self.matmuls > 2))
+def _block_cost(matmuls: int, heads: int, head_dim: int, mask: torch.Tensor, tensors: list[torch.Tensor]):
+    """The cost of one ring step's block as the one fused attention kernel a GPU runs (module docstring):
+    ``matmuls`` x 2·head_dim FLOPs per (query, key) pair and head that ``mask`` lets through, ``tensors`` once
+    through HBM, one flash-attention kernel over the query rows (causal where masked). A ``fused_kernel``'s
+    ``cost``: counted only where the block is timed."""
+    def cost():
+        pairs = int(mask.sum())
+        return (2.0 * matmuls * head_dim * heads * pairs, tensors,
+                (heads, mask.shape[0], head_dim, pairs < mask.numel(), matmuls > 2))
+    return cost
 
 
 def _wait(works) -> None:
@@ -208,11 +189,11 @@ class _RingAttention(torch.autograd.Function):
             src = (j - step) % cp
             rows, cols = _block(j, src, t)
             # read: Q rows and the K/V block; read and written: the running output
-            with _FusedBlock("ring attention block (fused), forward", 2, h, hd,
-                             [q[:, rows], kv[:, :, cols], acc[:, rows], acc[:, rows]]) as kernel:
+            with fused_kernel("ring attention block (fused), forward", "attention") as kernel:
                 s = (q[:, rows] @ kv[0][:, cols].transpose(-1, -2)) * scale
-                kernel.mask = _mask(mine, layout.coords(src, q.device), rows, cols)
-                s = s.masked_fill(~kernel.mask, -math.inf)
+                mask = _mask(mine, layout.coords(src, q.device), rows, cols)
+                kernel.cost = _block_cost(2, h, hd, mask, [q[:, rows], kv[:, :, cols], acc[:, rows], acc[:, rows]])
+                s = s.masked_fill(~mask, -math.inf)
                 mv, lv, av = m[:, rows], l[:, rows], acc[:, rows]  # views: updated in place
                 m_new = torch.maximum(mv, s.amax(-1))
                 m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)  # rows with nothing yet
@@ -252,11 +233,12 @@ class _RingAttention(torch.autograd.Function):
             rows, cols = _block(j, src, t)
             kb, vb, qr, dor = kv[0][:, cols], kv[1][:, cols], q[:, rows], dout[:, rows]
             # read: Q, dO rows and the K/V block; read and written: dQ rows; written: the block's dK/dV part
-            with _FusedBlock("ring attention block (fused), backward", 5, h, hd,
-                             [qr, dor, kv[:, :, cols], dq[:, rows], dq[:, rows], kv[:, :, cols]]) as kernel:
+            with fused_kernel("ring attention block (fused), backward", "attention") as kernel:
                 s = (qr @ kb.transpose(-1, -2)) * scale
-                kernel.mask = _mask(mine, layout.coords(src, q.device), rows, cols)
-                s = s.masked_fill(~kernel.mask, -math.inf)
+                mask = _mask(mine, layout.coords(src, q.device), rows, cols)
+                kernel.cost = _block_cost(5, h, hd, mask, [qr, dor, kv[:, :, cols], dq[:, rows], dq[:, rows],
+                                                           kv[:, :, cols]])
+                s = s.masked_fill(~mask, -math.inf)
                 p = torch.exp(s - lse[:, rows, None])
                 ds = p * (dor @ vb.transpose(-1, -2) - d[:, rows, None])
                 dq[:, rows] += (ds @ kb) * scale

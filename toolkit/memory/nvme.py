@@ -28,8 +28,8 @@ so states and parameters after a step are bitwise those of the in-memory run on 
 ``pread``/``pwrite`` on a worker thread (they release the GIL): on a machine with free RAM the page cache
 absorbs it, so the times measured here are page-cache times unless the file system bypasses it.
 
-On an emulated cluster (``toolkit.runtime.emulator``) every read and write is also a transfer on the cluster's
-NVMe drive (``disk_io``, one queue, the file's fp32 bytes), issued when the training thread submits it, and
+Every read and write is also a ``Transfer`` (``toolkit.runtime.portable.HostIO``): on an emulated cluster one on
+the cluster's NVMe drive (one queue, the file's fp32 bytes), issued when the training thread submits it, and
 every copy one on the host link (``CopyEngine``); each ``result()`` the training thread waits on becomes the
 host waiting for that transfer, so ``stats`` also has the step's virtual times (``v*`` keys).
 """
@@ -45,10 +45,9 @@ from pathlib import Path
 
 import torch
 
-from toolkit.runtime.emulator import element_bytes
 from toolkit.runtime.memory import MemoryTracker
 
-from .optim_offload import HYPER, CopyEngine, VirtualStep, adamw_, host_update
+from .optim_offload import HYPER, CopyEngine, adamw_, host_update
 
 BLOCK_BYTES = 4096
 ELEM = 4  # fp32
@@ -282,9 +281,9 @@ class DiskAdamW(torch.optim.Optimizer):
         return (hi - lo) * ELEM * len(self.kinds)
 
     def _disk(self, j: int, write: bool):
-        """Emulated: piece ``j``'s read or write on the cluster's disk, issued now (None without an emulator)."""
-        emu = self.copies.emu
-        return emu.disk_io(self._piece_bytes(j), write) if emu is not None else None
+        """Piece ``j``'s read or write on the disk, issued now (the store's thread does the I/O)."""
+        io = self.copies.io
+        return io.disk_write(self._piece_bytes(j)) if write else io.disk_read(self._piece_bytes(j))
 
     def read_state(self, i: int) -> dict[str, torch.Tensor]:
         """Shard ``i``'s m and v (and p) read back from the file (for checks)."""
@@ -307,7 +306,7 @@ class DiskAdamW(torch.optim.Optimizer):
         hyper = {k: self.param_groups[0][k] for k in ("lr", "betas", "eps", "weight_decay")}
         c, store = self.copies, self.store
         before, moved = store.counters(), dict(c.moved)
-        clock = VirtualStep(c.emu, ("read_wait_s", "write_wait_s", "copy_wait_s"))
+        clock = c.io.virtual_step(("read_wait_s", "write_wait_s", "copy_wait_s"))
         wait_read = wait_write = compute = 0.0
         free = list(range(self.buffer_count))  # buffers not holding a piece
         pending_write: dict[int, tuple[Future, object]] = {}  # buffer -> its write-behind (and its disk transfer)
@@ -436,8 +435,7 @@ class DiskParams:
         busy = {s for s, _, _ in self.slot_of.values()} | ({self.served_slot} if self.served_slot is not None else set())
         free = [s for s in range(len(self.slots)) if s not in busy]
         if free and k not in self.slot_of:
-            emu = self.copies.emu
-            read = emu.disk_io(self.units[k].shard_numel * ELEM, write=False) if emu is not None else None
+            read = self.copies.io.disk_read(self.units[k].shard_numel * ELEM)
             self.slot_of[k] = (free[0], self.opt.store.submit(self._read, k, free[0]), read)
 
     def fetch(self, k: int) -> torch.Tensor:
@@ -463,8 +461,9 @@ class DiskParams:
             self.copies.copy(dev, values, "h2d")  # synchronous enough: the all-gather runs on the same stream after it
             torch.cuda.current_stream(self.copies.device).synchronize()  # the slot is refilled by the I/O thread
             return dev
-        emu = self.copies.emu
-        if emu is not None:  # emulated: the shard goes up once read; the all-gather after it waits for both
-            read.wait_host()
-            emu.host_copy(values.numel() * element_bytes(values.dtype, emu.cluster.float_bytes), to_host=False).wait()
+        read.wait_host()  # the shard goes up once read; the all-gather after it waits for both
+        io = self.copies.io
+        with io.to_device() as up:  # here the all-gather reads the slot itself
+            up.add(io.nbytes(values.numel(), values.dtype))
+        up.wait()
         return values

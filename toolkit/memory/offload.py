@@ -37,10 +37,10 @@ copied once and rebuilt as views.
 Copies: on CUDA the D2H and H2D copies run on two side streams into a pool of pinned host buffers;
 events order them against compute, and a device storage is released when its D2H event completes.
 On CPU the copies are synchronous ``copy_`` calls at the same points (host RAM to host RAM: the memory
-figures show where the bytes would live on a GPU, the timings the cost of the extra copies). On an emulated
-cluster (``toolkit.runtime.emulator``) the same copies are timed on the host link instead: each group's D2H
-and H2D is a ``host_copy`` on the copy engine (float bytes at the target's element size), and an unpack waits
-for its group's H2D on the stream — a late reload is one whose wait moved the clock.
+figures show where the bytes would live on a GPU, the timings the cost of the extra copies), each group's D2H
+and H2D one transfer (``toolkit.runtime.portable.HostIO``): on an emulated cluster it is timed on the host link
+(float bytes at the target's element size), and an unpack waits for its group's H2D on the stream — a late
+reload is one whose wait moved the clock.
 
 Resident bytes are counted with a ``MemoryTracker`` used as a storage ledger: every saved storage on the
 device and every reloaded one is registered (``act``), each storage once, and leaves the count when it
@@ -58,8 +58,8 @@ import torch.nn as nn
 
 from toolkit.pipeline.executor import ExecutorHook, key_of
 from toolkit.pipeline.schedule import Action, Key
-from toolkit.runtime.emulator import current as current_emulator, element_bytes
 from toolkit.runtime.memory import MemoryTracker
+from toolkit.runtime.portable import HostIO
 
 
 # module name (suffix, inside a stage) -> the policy name of what it saves
@@ -93,7 +93,7 @@ class _Stored:
     """
 
     nbytes: int
-    copy_bytes: float  # what a copy moves on the emulated cluster (floats at its element size); nbytes otherwise
+    copy_bytes: float  # what a copy moves on the target (floats at its element size: HostIO.nbytes)
     kinds: set[str]
     offloadable: bool
     ref: weakref.ref
@@ -101,7 +101,7 @@ class _Stored:
     device: torch.Tensor | None = None  # uint8 [nbytes] over the whole storage
     host: torch.Tensor | None = None  # uint8 [nbytes], pinned on CUDA
     pending: int = 0  # saved entries not unpacked yet
-    event: object = None  # CUDA: the event of its last copy (D2H, then H2D); emulated cluster: its LocalTransfer
+    event: object = None  # its last copy (D2H, then H2D): a CUDA event, elsewhere a portable.Transfer
 
 
 @dataclass(eq=False)
@@ -176,8 +176,7 @@ class ActivationOffloader:
         issued ahead (the only evidence a CPU run has). ``on_demand_reloads``: reloads issued only when the
         backward needed them (not ahead), in any run. ``offloadable_bytes``: bytes saved by the forwards that a
         policy could move (any policy; parameters, stage inputs, integers and storages under ``min_bytes`` aside)."""
-        self.emu = current_emulator()  # copies on the emulated host link, when there is one
-        self._float_bytes = self.emu.cluster.float_bytes if self.emu else None
+        self.io = HostIO()  # the copies off CUDA (timed on the emulated host link, when there is one)
         if self.cuda:
             self.d2h, self.h2d = torch.cuda.Stream(), torch.cuda.Stream()
         self._hooks = []
@@ -263,8 +262,7 @@ class ActivationOffloader:
             # stage inputs (the executor holds them for their gradient) and integer tensors (token ids,
             # targets: held by the caller) would be copied without freeing anything
             held_elsewhere = (t.requires_grad and t.grad_fn is None) or not t.is_floating_point()
-            copy_bytes = (st.nbytes() if self.emu is None
-                          else st.nbytes() // t.element_size() * element_bytes(t.dtype, self._float_bytes))
+            copy_bytes = self.io.nbytes(st.nbytes() // t.element_size(), t.dtype)
             stored = _Stored(st.nbytes(), copy_bytes, set(), not held_elsewhere and st.nbytes() >= self.min_bytes,
                              weakref.ref(st), group, device=_bytes_of(st))
             self._by_storage[id(st)] = stored
@@ -306,14 +304,13 @@ class ActivationOffloader:
             for s in movers:
                 s.event = event
         else:
-            with self.emu.untimed() if self.emu else contextlib.nullcontext():  # the copy's time is the link's
+            with self.io.to_host() as copy:
                 for s in movers:
                     s.host = self._host_buffer(s.nbytes)
                     s.host.copy_(s.device)
-            if self.emu:
-                copy = self.emu.host_copy(sum(s.copy_bytes for s in movers), to_host=True)
-                for s in movers:
-                    s.event = copy
+                    copy.add(s.copy_bytes)
+            for s in movers:
+                s.event = copy
         for s in movers:
             s.device = None  # the device storage is released (on CUDA: once its copy completes)
             self.stats["offloaded_bytes"] += s.nbytes
@@ -349,13 +346,12 @@ class ActivationOffloader:
                 s.event = event
         else:
             after = max((s.event.end for s in movers if s.event is not None), default=0.0)  # its D2H copy is done
-            with self.emu.untimed() if self.emu else contextlib.nullcontext():
+            with self.io.to_device(after) as copy:
                 for s in movers:
                     s.device = s.host.clone()
-            if self.emu:
-                copy = self.emu.host_copy(sum(s.copy_bytes for s in movers), to_host=False, after=after)
-                for s in movers:
-                    s.event = copy
+                    copy.add(s.copy_bytes)
+            for s in movers:
+                s.event = copy
         for s in movers:
             self.meter.register(s.device, "act")
             self.stats["reloaded_bytes"] += s.nbytes
@@ -365,7 +361,7 @@ class ActivationOffloader:
             return saved
         group, s = saved.group, saved.stored
         if s.device is None:
-            self.stats["late_reloads"] += 0 if self.emu else 1  # not prefetched: the backward waits for this copy
+            self.stats["late_reloads"] += not self.io.measures_waits  # not prefetched: the backward waits for it
             self.stats["on_demand_reloads"] += 1
             self._reload(s.group)
         if self.prefetch and not group.prefetched:
@@ -376,7 +372,7 @@ class ActivationOffloader:
         if self.cuda and s.event is not None:
             torch.cuda.current_stream().wait_event(s.event)  # its H2D copy is complete
             s.device.record_stream(torch.cuda.current_stream())  # allocated on the side stream
-        elif self.emu and s.event is not None:  # the stream waits for the H2D copy on the emulated host link
+        elif s.event is not None:  # the stream waits for the H2D copy (on the emulated host link: it may move)
             waited = s.event.wait()
             if waited > 0:
                 self.stats["late_reloads"] += 1
@@ -398,7 +394,7 @@ class ActivationOffloader:
         self._index("B", key)
         groups = self._live.get(key, {})
         if groups and any(s.device is None for s in groups[max(groups)].stored):
-            self.stats["late_reloads"] += 0 if self.emu else 1  # emulated: counted where the wait moves the clock
+            self.stats["late_reloads"] += not self.io.measures_waits  # measured: counted where the wait moves
             self.stats["on_demand_reloads"] += 1
             self._reload(groups[max(groups)])
 
@@ -533,23 +529,22 @@ class SaveOnCPU(ExecutorHook):
 
     On a GPU both copies run on the compute stream (pinned: ``copy_(non_blocking=True)`` in pack, ``.to(device,
     non_blocking=True)`` in unpack), so every kernel after them waits. On a CPU they move nothing (``.cpu()`` of a
-    CPU tensor is the tensor); on the emulated cluster each is timed as on the GPU: a ``host_copy`` of the saved
-    tensor's bytes that the stream waits for, D2H in pack, H2D in unpack."""
+    CPU tensor is the tensor); on the emulated cluster each is timed as on the GPU: a transfer of the saved
+    tensor's bytes on the host link that the stream waits for, D2H in pack, H2D in unpack."""
 
     def forward_context(self, a: Action) -> ContextManager:
         if a.op != "F":
             return contextlib.nullcontext()
         hooks = torch.autograd.graph.save_on_cpu(pin_memory=self.executor.device.type == "cuda")
-        emu = current_emulator()
-        if emu is None:
-            return hooks
+        io = HostIO()
 
         def copied(hook, to_host: bool):
             def run(x):
-                with emu.untimed():  # the copy's time is the host link's
+                with io.to_host() if to_host else io.to_device() as copy:
                     out = hook(x)
-                t = x if to_host else out
-                emu.host_copy(t.numel() * element_bytes(t.dtype, emu.cluster.float_bytes), to_host).wait()
+                    t = x if to_host else out
+                    copy.add(io.nbytes(t.numel(), t.dtype))
+                copy.wait()
                 return out
             return run
 

@@ -25,9 +25,9 @@ against compute with events; on a CPU-only machine the "device" is the CPU itsel
 ``copy_`` calls, and the host store is labelled ``host`` in the memory tracker (where it would live on a
 GPU machine).
 
-On an emulated cluster (``toolkit.runtime.emulator``) every copy is a transfer on the host link
-(``host_copy``: parameters and gradients at the target's float size, the fp32 optimizer state at 4 bytes),
-the host update runs on the cluster's CPU (``on_host``, its fp32 tensors at 4 bytes per element), and each
+On an emulated cluster every copy is a transfer on the host link (``toolkit.runtime.portable.HostIO``:
+parameters and gradients at the target's float size, the fp32 optimizer state at 4 bytes), the host update
+runs on the cluster's CPU (``host_compute``, its fp32 tensors at 4 bytes per element), and each
 wait is the one the CUDA code makes: the host waits for a gradient before updating it, the stream waits for
 the parameters before the next forward. ``vstats`` then has the step's virtual times.
 
@@ -47,8 +47,8 @@ import contextlib
 import torch
 from torch.optim.adamw import adamw
 
-from toolkit.runtime.emulator import current as current_emulator, element_bytes
 from toolkit.runtime.memory import MemoryTracker
+from toolkit.runtime.portable import HostIO, Transfer, VirtualStep, host_compute
 
 MODES = ("cpu", "stream")
 HYPER = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 1e-2}
@@ -79,33 +79,26 @@ def on_host():
 
 @contextlib.contextmanager
 def host_update():
-    """An optimizer update on the host's processor: its allocations are ``host`` memory (``on_host``) and, on an
-    emulated cluster, its ops run on the cluster's CPU with their fp32 tensors at ``STATE_BYTES`` per element
-    (the emulator times floats at the GPU's ``float_bytes``)."""
-    emu = current_emulator()
-    with on_host():
-        if emu is None:
-            yield
-            return
-        fp32 = emu.byte_scale * STATE_BYTES / emu.cluster.float_bytes
-        with emu.on_host(), emu.scaled(flops=emu.flop_scale, bytes=fp32):
-            yield
+    """An optimizer update on the host's processor: its allocations are ``host`` memory (``on_host``), its fp32
+    tensors at ``STATE_BYTES`` per element (``host_compute``)."""
+    with on_host(), host_compute(STATE_BYTES):
+        yield
 
 
 class CopyEngine:
     """Host<->device copies: on CUDA on a side stream with events, elsewhere synchronous ``copy_``.
 
     Counts the bytes it moves each way (``h2d``: host store -> device side, ``d2h``: device side -> host
-    store), by the copy's role: on a CPU-only machine both sides are RAM and the copies are memcpys. On an
-    emulated cluster ``copy`` returns the copy's transfer on the host link (``LocalTransfer``; its ``wait()``
-    / ``wait_host()`` are the waits a CUDA event stands for), the real copy taking no time of its own.
+    store), by the copy's role: on a CPU-only machine both sides are RAM and the copies are memcpys. ``copy``
+    returns the copy's ``Transfer`` (on an emulated cluster timed on the host link; its ``wait()`` /
+    ``wait_host()`` are the waits a CUDA event stands for).
     """
 
     def __init__(self, device: torch.device):
         self.device = device
         self.cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if self.cuda else None
-        self.emu = current_emulator()
+        self.io = HostIO()
         self.moved = {"h2d": 0, "d2h": 0}
 
     def host_empty(self, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -122,17 +115,16 @@ class CopyEngine:
         with torch.cuda.stream(self.stream):
             yield
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, direction: str, state: bool = False, after: float = 0.0):
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, direction: str, state: bool = False,
+             after: float = 0.0) -> Transfer:
         """``dst.copy_(src)`` counted as ``direction`` (``"h2d"`` or ``"d2h"``; asynchronous on CUDA inside
-        ``side()``). Emulated: returns its transfer, ``state`` (optimizer state: fp32 on the target too) or the
-        model's floats at the target's size, starting no earlier than ``after``; otherwise None."""
+        ``side()``): its transfer, of ``state`` (optimizer state: fp32 on the target too) or of the model's
+        floats at the target's size, starting no earlier than ``after``."""
         self.moved[direction] += src.numel() * src.element_size()
-        with self.emu.untimed() if self.emu else contextlib.nullcontext():  # its time is the link's
+        with self.io.to_host(after) if direction == "d2h" else self.io.to_device(after) as transfer:
             dst.copy_(src, non_blocking=self.cuda)
-        if self.emu is None:
-            return None
-        elem = STATE_BYTES if state else element_bytes(src.dtype, self.emu.cluster.float_bytes)
-        return self.emu.host_copy(src.numel() * elem, to_host=direction == "d2h", after=after)
+            transfer.add(src.numel() * STATE_BYTES if state else self.io.nbytes(src.numel(), src.dtype))
+        return transfer
 
     def event(self):
         """An event recorded on the current stream (None on CPU: everything already happened)."""
@@ -146,32 +138,6 @@ class CopyEngine:
         """Make the compute stream wait for every copy issued so far."""
         if self.cuda:
             torch.cuda.current_stream(self.device).wait_stream(self.stream)
-
-
-class VirtualStep:
-    """The emulated cluster's clock across one optimizer step: the step's virtual seconds, the host's time in
-    updates (the CPU's roofline), and the time each kind of wait for a copy moved the clock (``*_wait_s``)."""
-
-    def __init__(self, emu, waits: tuple[str, ...]):
-        self.emu = emu
-        self.start = emu.now() if emu else 0.0
-        self.host0 = self._host_seconds()
-        self.waits = dict.fromkeys(waits, 0.0)
-
-    def _host_seconds(self) -> float:
-        if self.emu is None:
-            return 0.0
-        return sum(row["model_s"] for name, row in self.emu.ops.items() if name.startswith("host: "))
-
-    def wait(self, transfer, key: str, host: bool) -> None:
-        if transfer is not None:
-            self.waits[key] += transfer.wait_host() if host else transfer.wait()
-
-    def done(self) -> dict | None:
-        if self.emu is None:
-            return None
-        return {"step_s": self.emu.now() - self.start, "host_update_s": self._host_seconds() - self.host0,
-                **self.waits}
 
 
 class OffloadAdamW(torch.optim.Optimizer):
@@ -264,8 +230,7 @@ class OffloadAdamW(torch.optim.Optimizer):
                 ev = c.event()
             if ev is not None:
                 ev.synchronize()
-            if landed is not None:
-                landed.wait_host()
+            landed.wait_host()
             with host_update():
                 st["grad"].add_(staging)
             self._landed[i] = None
@@ -290,7 +255,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         if closure is not None:
             raise ValueError("OffloadAdamW.step does not take a closure")
         hyper = {k: self.param_groups[0][k] for k in ("lr", "betas", "eps", "weight_decay")}
-        clock = VirtualStep(self.copies.emu, ("grad_wait_s", "param_wait_s") if self.mode == "cpu" else
+        clock = self.copies.io.virtual_step(("grad_wait_s", "param_wait_s") if self.mode == "cpu" else
                              ("moments_in_wait_s", "moments_out_wait_s"))
         (self._step_cpu if self.mode == "cpu" else self._step_stream)(hyper, clock)
         self.steps += 1
@@ -329,12 +294,12 @@ class OffloadAdamW(torch.optim.Optimizer):
         dev = live[0][0].device
         slots = [torch.empty(2, width, device=dev) for _ in range(2)]  # m, v of two shards: the step's device bytes
         loaded = [None] * len(live)
-        saved: list = [None] * len(live)  # emulated: the D2H copy of each shard's moments (frees its slot)
+        saved: list[Transfer | None] = [None] * len(live)  # the D2H copy of each shard's moments (frees its slot)
 
         def prefetch(i: int) -> None:
             p, st = live[i]
             slot = slots[i % 2]
-            after = saved[i - 2].end if i >= 2 and saved[i - 2] is not None else 0.0  # the slot's last D2H
+            after = saved[i - 2].end if i >= 2 else 0.0  # the slot's last D2H
             with c.side():
                 c.copy(slot[0, :p.numel()], st["exp_avg"], "h2d", state=True, after=after)
                 up = c.copy(slot[1, :p.numel()], st["exp_avg_sq"], "h2d", state=True, after=after)
@@ -357,5 +322,4 @@ class OffloadAdamW(torch.optim.Optimizer):
             for s in slots:
                 s.record_stream(c.stream)
         c.join()
-        if saved[-1] is not None:  # the moments are home before the next step reads them
-            clock.wait(saved[-1], "moments_out_wait_s", host=False)
+        clock.wait(saved[-1], "moments_out_wait_s", host=False)  # the moments are home before the next step

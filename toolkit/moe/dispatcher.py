@@ -48,7 +48,7 @@ import torch.distributed as dist
 from toolkit.comm import quant_a2a
 from toolkit.quant import all_finite
 from toolkit.runtime import compat
-from toolkit.runtime.emulator import host_read
+from toolkit.runtime.opcost import host_read
 
 CODECS = quant_a2a.MODES  # "none" (the tensor as it is), "bf16", "int8", "int4", "fp8" (e4m3 bits as uint8)
 OVERFLOW = ("error", "drop")

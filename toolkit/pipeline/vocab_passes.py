@@ -26,7 +26,7 @@ from toolkit.pipeline.executor import ActivationMeter, ExecutorHook, completed, 
 from toolkit.pipeline.schedule import Action
 from toolkit.pipeline.vocab_parallel import (SState, VocabSchedule, c0, dx_fused, partial_embedding, s_pass,
                                              shard_rows, t_pass)
-from toolkit.runtime.emulator import current as current_emulator
+from toolkit.runtime.portable import Handoff, handoff, join, on_side_thread, virtual_seconds
 
 GROUPS = ("input", "x", "c0", "dx", "c1")
 """One process group per stream of collectives. Inside a group every rank issues in micro-batch order, whatever
@@ -86,20 +86,19 @@ class _ToShards(torch.autograd.Function):
 
 
 class _CommJob:
-    """A job on the comm thread. ``wait()`` blocks until it has run and, on an emulated cluster, moves this
-    thread's clock to the job's virtual end (the CUDA code blocks the same way: the job synchronizes its side
-    stream before it returns); ``result()`` is its value."""
+    """A job on the comm thread. ``wait()`` blocks until it has run and continues after its end (``join``: the
+    CUDA code blocks the same way, the job synchronizes its side stream before it returns; on an emulated cluster
+    this thread's clock moves to the job's virtual end); ``result()`` is its value."""
 
-    def __init__(self, future, emu):
-        self.future, self.emu = future, emu
+    def __init__(self, future, token: Handoff):
+        self.future, self.token = future, token
 
     def wait(self) -> None:
-        _, vend = self.future.result()
-        if vend is not None:
-            self.emu.join(vend)
+        self.future.result()
+        join(self.token)
 
     def result(self):
-        return self.future.result()[0]
+        return self.future.result()
 
 
 class VocabPasses(ExecutorHook):
@@ -127,9 +126,11 @@ class VocabPasses(ExecutorHook):
         step end     all ranks  wait the dE broadcasts, push dE into the token rows; finish the comm thread
 
     The comm thread is the CPU counterpart of the paper's side stream for C0 (on CUDA it runs its kernels on a
-    side stream). On an emulated cluster it carries the virtual time it was handed (``Emulator.worker``: its
-    ops and collectives on its own clock), and a wait for its result moves the waiting thread to the job's end. Each group's collectives are issued in micro-batch order on every rank (``collectives``
-    records (group, "what micro-batch") in issue order), so they match whatever a rank's action order is.
+    side stream). A job is handed over (``toolkit.runtime.portable.handoff``, ``on_side_thread``, ``join``): on an
+    emulated cluster it carries the virtual time it was handed (its ops and collectives on its own clock), and a
+    wait for its result moves the waiting thread to the job's end. Each group's collectives are issued in
+    micro-batch order on every rank (``collectives`` records (group, "what micro-batch") in issue order), so they
+    match whatever a rank's action order is.
 
     The input layer runs ahead: the tokens are known before the step, so rank 0's summed embeddings of all m
     micro-batches wait for their forward (m·N·D floats, not counted below). Counted: the executor's ``meter``
@@ -153,8 +154,7 @@ class VocabPasses(ExecutorHook):
         super().bind(executor)
         self.algorithm = executor.schedule.algorithm
         self.vocab_meter = ActivationMeter(self.stage.parameters())
-        if executor.device.type == "cuda":
-            self._side = torch.cuda.Stream(executor.device)
+        self._side = torch.cuda.Stream(executor.device) if executor.device.type == "cuda" else None
 
     def ops(self):
         return {"S": self.vocab_s, "T": self.vocab_t}
@@ -165,44 +165,31 @@ class VocabPasses(ExecutorHook):
         return fn(*args, group=self.groups[group], **kwargs)
 
     def _wait(self, what: str, mb: int, work) -> None:
-        timeline, emu = self.executor.timeline, current_emulator()
-        start, vstart = time.perf_counter(), emu.now() if emu is not None else None
-        work.wait()
+        timeline = self.executor.timeline
+        start = time.perf_counter()
+        with virtual_seconds() as virtual:
+            work.wait()
         end = time.perf_counter()
         self.executor.waits.append({"msg": what, "stage": self.executor.rank, "mb": mb, "chunk": 0,
                                     "seconds": end - start, "pair": False,
                                     **({"start": start - timeline.origin} if timeline is not None else {}),
-                                    **({"vseconds": emu.now() - vstart} if emu is not None else {})})
+                                    **virtual})
 
     def _on_comm_thread(self, what: str, mb: int, fn) -> "_CommJob":
-        """Run ``fn`` on the comm thread after everything queued before it (FIFO, one worker)."""
-        device, event, emu = self.executor.device, None, current_emulator()
-        if device.type == "cuda":
-            event = torch.cuda.Event()
-            event.record()
-        stamp = emu.fork() if emu is not None else 0.0  # emulated: the job starts no earlier than now
+        """Run ``fn`` on the comm thread after everything queued before it (FIFO, one worker): on CUDA its
+        kernels on a side stream, after the main stream's work so far, done when it returns."""
+        token = handoff(self.executor.device)
 
         @torch.no_grad()  # grad mode is per thread: the passes compute their gradients by hand
         def job():
             start = time.perf_counter()
-            with emu.worker(stamp) if emu is not None else contextlib.nullcontext():
-                vstart = emu.now() if emu is not None else None  # after the thread's earlier jobs
-                if event is None:
-                    out = fn()
-                else:  # its kernels on a side stream, after the main stream's work so far; done when it returns
-                    torch.cuda.set_device(device)
-                    with torch.cuda.stream(self._side):
-                        self._side.wait_event(event)
-                        out = fn()
-                        self._side.synchronize()
-                vend = emu.now() if emu is not None else None
+            with on_side_thread(token, self._side) as virtual:
+                out = fn()
             self.comm_spans.append({"kind": what, "mb": mb, "start": start - self._origin,
-                                    "end": time.perf_counter() - self._origin,
-                                    **({"vhanded": float(stamp), "vstart": vstart, "vend": vend}
-                                       if emu is not None else {})})
-            return out, vend
+                                    "end": time.perf_counter() - self._origin, **virtual})
+            return out
 
-        self._last_job = _CommJob(self._pool.submit(job), emu)
+        self._last_job = _CommJob(self._pool.submit(job), token)
         return self._last_job
 
     # -- the input layer ----------------------------------------------------------------------------

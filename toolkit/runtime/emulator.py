@@ -48,6 +48,11 @@ thing depends on which thread reaches the clock first: a comm kernel that starts
 already queued slows them by the SMs it takes (``vclock.RankClock.issue``), and a kernel queued after it is slowed
 the same way, but a stamp handed over in between (``fork``) keeps the earlier time. Lesson 13's comm thread moved a
 33 ms step by 1.8 µs this way once in CI; a replay of the recorded trace gives back those same times.
+
+Where each part lives: this module (the clocks, compute, host copies and disk I/O, ``paused``),
+``emulated_comm`` (the comm ledger's observer: collectives and point-to-point), ``emulator_report`` (totals,
+reports, the sensitivity band). Technique code never sees any of them: ``toolkit.runtime.portable`` gives it
+verbs that mean the same with and without an emulated cluster.
 """
 from __future__ import annotations
 
@@ -56,29 +61,20 @@ import threading
 import time
 from collections import defaultdict
 
-import torch
-import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode, _pop_mode_temporarily
 
 from . import vclock
 from .cluster import Cluster, check, cluster as make_cluster
 from .efficiency import Kernel
-from .opcost import OpKind, _bytes, _flop_formulas, _tensors, element_bytes, host_read  # noqa: F401 (re-exported)
+from .emulated_comm import CommHooks
+from .emulator_report import Reports, sensitivity, what_if
+from .ledger import inside_op
+from .opcost import OpKind, _bytes, _flop_formulas, _tensors, host_read
 
-BAND = {"compute x0.7": (0.7, 1.0), "compute x1.3": (1.3, 1.0), "links x0.8": (1.0, 0.8), "links x1.2": (1.0, 1.2),
-        "compute x0.7, links x1.2": (0.7, 1.2), "compute x1.3, links x0.8": (1.3, 0.8),
-        "compute x0.7, links x0.8": (0.7, 0.8), "compute x1.3, links x1.2": (1.3, 1.2)}
-"""The sensitivity band: (achieved compute factor, link bandwidth factor) of each perturbed replay — the axes and
-the corners of efficiency x0.7..x1.3 and bandwidth x0.8..x1.2."""
-WHAT_IF = {"compute": [0.5, 0.7, 1.0, 1.3, 2.0], "bandwidth": [0.25, 0.5, 1.0, 2.0, 4.0]}
-"""A what-if explorer's grid: the achieved compute and the links' bandwidth, each x these factors."""
-
-
-def what_if(preset: str) -> dict[str, list[float]]:
-    """The what-if grid a lesson replays at ``preset``: ``WHAT_IF``, or its corners and centre at ``smoke``
-    (9 replays instead of 25, for the test suite)."""
-    return {axis: values[::2] for axis, values in WHAT_IF.items()} if preset == "smoke" else WHAT_IF
-
+__all__ = ["ComputeTimer", "Emulator", "LocalTransfer", "build", "current", "host_read", "metered", "sensitivity",
+           "what_if"]
+"""What lessons import from here (``host_read``, ``sensitivity`` and ``what_if`` live in ``opcost`` and
+``emulator_report``)."""
 
 class ComputeTimer(TorchDispatchMode):
     """Sees every ATen op a rank runs (forward and backward) and advances the emulator's clock by its kernel's
@@ -96,8 +92,7 @@ class ComputeTimer(TorchDispatchMode):
         if kind is None:
             kind = self.kinds[func] = OpKind(func, self.formulas)
         emu = self.emulator
-        if (not kind.timed or getattr(emu._local, "internal", False)
-                or (emu.ledger is not None and emu.ledger.inside_op)):
+        if not kind.timed or getattr(emu._local, "internal", False) or inside_op():
             return func(*args, **kwargs)  # no kernel, or part of a collective (gloo's own copies): no compute time
         t0 = time.perf_counter()
         out = func(*args, **kwargs)
@@ -119,10 +114,11 @@ def current() -> "Emulator | None":
     return None if emu is None or getattr(emu._local, "paused", False) else emu
 
 
-class Emulator:
+class Emulator(CommHooks, Reports):
     """One rank's virtual clock on ``cluster`` (a ``vclock.RankClock`` it drives and traces). Built and installed
-    by the worker when ``launch(..., cluster=)`` is given; lessons read it through ``ctx.emulator`` (or
-    ``emulator.current()``)."""
+    by the worker when ``launch(..., cluster=)`` is given; lessons read it through ``ctx.emulator``, technique code
+    never (``toolkit.runtime.portable``: verbs that mean the same with and without it). Its communication is
+    ``CommHooks`` (the comm ledger's observer), its reports ``Reports``."""
 
     def __init__(self, cluster: Cluster, rank: int, world_size: int):
         self.cluster, self.rank, self.world_size = check(cluster, world_size), rank, world_size
@@ -136,27 +132,27 @@ class Emulator:
         self._group_ranks: dict[int, list[int]] = {}
         self._sequence: dict[tuple, int] = defaultdict(int)  # per group / per (src, dst, tag): calls so far
         self._labels: dict[str, int] = defaultdict(int)
-        self.ledger = None
+        self._pauses = 0  # threads inside paused(): the ledger's calls pass through (CommHooks)
         self._timer: ComputeTimer | None = None
 
     # ---- installation ---------------------------------------------------------------------------------------
     def install(self, ledger) -> "Emulator":
-        """Hook into ``ledger`` (every torch.distributed call) and start timing compute on this thread."""
+        """Observe ``ledger`` (every torch.distributed call: ``CommHooks``) and start timing compute on this
+        thread. The ledger holds the emulator, never the other way round."""
         global _CURRENT
-        self.ledger = ledger
-        ledger.emulator = self
+        ledger.observer = self
         self._timer = ComputeTimer(self)
         self._timer.__enter__()
         _CURRENT = self
         return self
 
     def uninstall(self) -> None:
+        """Stop timing compute; the ledger it observed goes with it (a rank's ledger and emulator live as long as
+        its process; tests drop both)."""
         global _CURRENT
         if self._timer is not None:
             self._timer.__exit__(None, None, None)
             self._timer = None
-        if self.ledger is not None:
-            self.ledger.emulator = None
         _CURRENT = None
 
     # ---- threads and the clock ------------------------------------------------------------------------------
@@ -303,11 +299,9 @@ class Emulator:
         leaves the dispatch stack), collectives carry no clock message, host copies and disk I/O take no time, the
         clocks stand still (the sections of a lesson that measure the real run only, without the emulator's
         bookkeeping on every op). Collective: the ranks of a group pause around the same collectives."""
-        ledger = self.ledger
         previous = getattr(self._local, "internal", False), getattr(self._local, "paused", False)
-        ledger_emulator = ledger.emulator if ledger is not None else None  # None already when nested
-        if ledger is not None:
-            ledger.emulator = None
+        with self._lock:
+            self._pauses += 1  # collectives on any thread carry no clock until the last pause ends
         self._local.internal = self._local.paused = True
         # this thread's timer off the dispatch stack: ops run at native speed, not through Python (+50 % a step)
         top = _get_current_dispatch_mode()
@@ -318,8 +312,8 @@ class Emulator:
                 yield self
         finally:
             self._local.internal, self._local.paused = previous
-            if ledger is not None:
-                ledger.emulator = ledger_emulator
+            with self._lock:
+                self._pauses -= 1
 
     @property
     def timing(self) -> bool:
@@ -391,229 +385,6 @@ class Emulator:
         kind = kind or ("gemm" if flops > 0 else "memory")
         return self.run_kernel(name, Kernel(kind, float(flops), float(nbytes), tuple(dims)), cpu_s)
 
-    # ---- communication --------------------------------------------------------------------------------------
-    def ranks_of(self, group) -> list[int]:
-        key = id(group)
-        if key not in self._group_ranks:
-            self._group_ranks[key] = (list(range(self.world_size)) if group is None or group is dist.group.WORLD
-                                      else dist.get_process_group_ranks(group))
-        return self._group_ranks[key]
-
-    def _collective_key(self, group) -> tuple:
-        """What the ranks of ``group`` call its next collective alike: the group's name and how many it had."""
-        g = group if group is not None else dist.group.WORLD
-        name = getattr(g, "group_name", None) or str(self.ranks_of(group))
-        self._sequence[("c", name)] += 1
-        return ("c", name, self._sequence[("c", name)])
-
-    def _p2p_key(self, src: int, dst: int, tag: int) -> tuple:
-        self._sequence[("p", src, dst, tag)] += 1
-        return ("p", src, dst, tag, self._sequence[("p", src, dst, tag)])
-
-    def _virtual_bytes(self, sent: int, tensor: torch.Tensor | None) -> float:
-        """Sent bytes at the target's element size (float payloads at ``float_bytes``)."""
-        if tensor is None or not sent:
-            return float(sent) * self.byte_scale
-        return sent * self.byte_scale * element_bytes(tensor.dtype, self.cluster.float_bytes) / tensor.element_size()
-
-    @contextlib.contextmanager
-    def _side(self):
-        """The clock's own messages: neither timed, nor counted by the ledger, nor emulated."""
-        with self.internal(), (self.ledger.quiet() if self.ledger is not None else contextlib.nullcontext()):
-            yield
-
-    def _issue(self, op: str, peers: list[int], wire: float, tag: str, key: tuple) -> dict:
-        with self._lock:
-            return self.clock.issue(self._tid(), op, [self.rank] + peers, wire, tag, key)
-
-    def _finish(self, rec: dict, msg: "_ClockMessage") -> None:
-        """The transfer of ``rec`` is waited for: this thread's stream waits for its virtual completion (a
-        barrier also blocks the host)."""
-        with self._side():
-            start, done = msg.interval()
-        with self._lock:
-            self.clock.finish(self._tid(), rec, start, done, barrier=rec["op"] == "barrier")
-
-    def _returned(self, work, rec: dict, msg: "_ClockMessage", is_async: bool):
-        if not is_async:
-            self._finish(rec, msg)
-            return work
-        return EmulatedWork(self, work, rec, msg)
-
-    def on_collective(self, op: str, group, sent: int, args, kwargs, work, is_async: bool, tag: str):
-        """A collective was issued (``work``: its handle if async): its end on this rank's link, then a side
-        all_reduce(MAX) of the ends on the same group gives its completion. Returns what the caller gets."""
-        tensors = _tensors((args, kwargs))
-        key = self._collective_key(group)
-        rec = self._issue(op, [r for r in self.ranks_of(group) if r != self.rank],
-                          self._virtual_bytes(sent, tensors[0] if tensors else None), tag, key)
-        with self._side():
-            stamp = torch.tensor([rec["local_end"], rec["start"]], dtype=torch.float64)
-            msg = _ClockMessage(dist.all_reduce(stamp, op=dist.ReduceOp.MAX, group=group, async_op=True), stamp)
-        return self._returned(work, rec, msg, is_async)
-
-    @staticmethod
-    def _p2p_args(args, kwargs, key: str, group) -> tuple[int | None, int]:
-        """(peer's global rank, tag) of a send/recv call."""
-        peer = kwargs.get(key, args[1] if len(args) > 1 else None)
-        if peer is None and kwargs.get("group_" + key) is not None:
-            peer = dist.get_global_rank(group, kwargs["group_" + key])
-        return peer, kwargs.get("tag", args[3] if len(args) > 3 else 0)
-
-    def on_send(self, op: str, group, sent: int, args, kwargs, work, is_async: bool, tag: str):
-        """A send: its end on this rank's link travels to the receiver beside the payload (same tag)."""
-        dst, msg_tag = self._p2p_args(args, kwargs, "dst", group)
-        rec = self._issue(op, [dst], self._virtual_bytes(sent, _tensors((args, kwargs))[0]), tag,
-                          self._p2p_key(self.rank, dst, msg_tag))
-        with self._side():
-            stamp = torch.tensor([rec["local_end"], rec["start"]], dtype=torch.float64)
-            msg = _ClockMessage(dist.isend(stamp, dst, group=group, tag=msg_tag), stamp)
-        return self._returned(work, rec, msg, is_async)
-
-    def on_recv(self, op: str, group, args, kwargs, work, is_async: bool, tag: str):
-        """A receive: completes at the sender's end (the side message after the payload)."""
-        src, msg_tag = self._p2p_args(args, kwargs, "src", group)
-        if src is None:
-            if is_async:
-                raise ValueError("an irecv from any source (src=None) cannot be emulated: the arrival time comes "
-                                 "from the sender; name src")
-            src = work  # a blocking recv returns the sender's rank
-        with self._lock:
-            rec = self.clock.receive(self._tid(), op, tag, self._p2p_key(src, self.rank, msg_tag))
-        with self._side():
-            stamp = torch.zeros(2, dtype=torch.float64)
-            msg = _ClockMessage(dist.irecv(stamp, src, group=group, tag=msg_tag), stamp)
-        return self._returned(work, rec, msg, is_async)
-
-    def on_batch(self, p2p_ops: list, works: list, tag: str) -> list:
-        """``batch_isend_irecv``: each op's clock message goes out after all payloads, in the same order."""
-        side_ops, pending = [], []
-        for p in p2p_ops:
-            sending = getattr(p.op, "__name__", "") == "isend"
-            peer = p.peer  # a global rank
-            with self._side():
-                if sending:
-                    rec = self._issue("isend", [peer], self._virtual_bytes(
-                        p.tensor.numel() * p.tensor.element_size(), p.tensor), tag, self._p2p_key(self.rank, peer,
-                                                                                                  p.tag))
-                    stamp = torch.tensor([rec["local_end"], rec["start"]], dtype=torch.float64)
-                else:
-                    with self._lock:
-                        rec = self.clock.receive(self._tid(), "irecv", tag, self._p2p_key(peer, self.rank, p.tag))
-                    stamp = torch.zeros(2, dtype=torch.float64)
-            side_ops.append(dist.P2POp(p.op, stamp, p.peer, p.group, p.tag))
-            pending.append((rec, stamp))
-        with self._side():
-            side_works = dist.batch_isend_irecv(side_ops)
-        return [EmulatedWork(self, work, rec, _ClockMessage(side, stamp))
-                for work, side, (rec, stamp) in zip(works, side_works, pending)]
-
-    # ---- DDP: its C++ reducer is seen only through a comm hook --------------------------------------------------
-    def ddp_hook(self, state, bucket):  # no annotations: DDP checks them against Future[Tensor] objects
-        """A DDP comm hook (``ddp.register_comm_hook(group_or_None, emulator.ddp_hook)``): the bucket's average by
-        ``dist.all_reduce`` (seen by the ledger and this clock), waited on the main clock when backward ends."""
-        t = bucket.buffer()
-        group = state
-        t.div_(dist.get_world_size(group))
-        work = dist.all_reduce(t, group=group, async_op=True)
-        torch.autograd.Variable._execution_engine.queue_callback(work.wait)
-        return work.get_future().then(lambda fut: fut.value()[0])
-
-    # ---- what the run cost, and what it would cost elsewhere ----------------------------------------------------
-    def totals(self) -> dict[str, float]:
-        """Modelled seconds so far: the kernels' time on the stream, the host's per-op costs, the transfers'
-        link time, the time the clocks waited for communication (exposed), and the CPU time the ops took here."""
-        return totals(self.clock)
-
-    def link_busy(self, tag: str | None = None) -> dict[str, float]:
-        """Seconds each of this rank's links carried transfers (issued under ledger ``tag``, or all)."""
-        busy: dict[str, float] = defaultdict(float)
-        for c in self.comms:
-            if c["local_end"] is not None and (tag is None or c["tag"] == tag):
-                busy[c["link"]] += c["local_end"] - c["start"]
-        return dict(busy)
-
-    def report(self) -> dict:
-        """JSON-able: the cluster, the totals, per-op rows (calls, FLOPs, bytes, modelled and CPU seconds) and
-        per-(tag, op, link) communication rows (calls, bytes, link seconds, exposed seconds)."""
-        comm: dict[tuple, dict] = defaultdict(lambda: {"calls": 0, "bytes": 0.0, "link_s": 0.0, "exposed_s": 0.0})
-        for c in self.comms:
-            row = comm[(c["tag"], c["op"], c["link"])]
-            row["calls"] += 1
-            row["bytes"] += c["bytes"]
-            row["link_s"] += (c["local_end"] - c["start"]) if c["local_end"] is not None else 0.0
-            row["exposed_s"] += c["exposed"] or 0.0
-        return {"cluster": self.cluster.name, "now_s": self.now(), "totals": self.totals(),
-                "ops": {k: dict(v) for k, v in sorted(self.ops.items(), key=lambda kv: -kv[1]["model_s"])},
-                "comm": [{"tag": k[0], "op": k[1], "link": k[2], **v} for k, v in comm.items()]}
-
-    def traces(self) -> list[dict] | None:
-        """Collective: every rank's trace (``vclock.export``) on rank 0, None on the others."""
-        with self.paused(), self._side():
-            mine = vclock.export(self.clock)
-            gathered = [None] * self.world_size if self.rank == 0 else None
-            dist.gather_object(mine, gathered, dst=0)
-        return gathered
-
-    def sensitivity(self, quantity, band: dict[str, tuple[float, float]] | None = None,
-                    grid: dict[str, list[float]] | None = None, progress=None) -> dict:
-        """Collective: ``quantity`` (a function of the ranks' clocks, ``list[vclock.RankClock]``, returning a
-        number or a dict of numbers) on this run replayed at unchanged figures (``value``: equal to the live run)
-        and on the cluster perturbed by each entry of ``band`` (default ``BAND``: ``(compute, bandwidth)``
-        factors), with ``low`` and ``high`` over the band. ``grid`` ({"compute": [...], "bandwidth": [...]})
-        adds the quantity at every pair: a what-if explorer's data. ``progress(done, total, message)`` after each
-        replay (``ctx.progress``, inside a ``ctx.part`` of its own). The same dict on every rank."""
-        traces = self.traces()
-        out = None
-        if self.rank == 0:
-            out = sensitivity(traces, self.cluster, quantity, band, grid, progress)
-        holder = [out]
-        with self.paused(), self._side():
-            dist.broadcast_object_list(holder, src=0)
-        return holder[0]
-
-
-def totals(clock: vclock.RankClock) -> dict[str, float]:
-    """``Emulator.totals`` of one clock (a live one or a replayed one)."""
-    return {"kernels_s": sum(r["model_s"] for r in clock.ops.values()),
-            "launch_s": sum(r["launch_s"] for r in clock.ops.values()),
-            "comm_s": sum(c["local_end"] - c["start"] for c in clock.comms if c["local_end"] is not None),
-            "exposed_s": sum(c["exposed"] or 0.0 for c in clock.comms),
-            "cpu_s": sum(r["cpu_s"] for r in clock.ops.values())}
-
-
-def sensitivity(traces: list[dict], cluster: Cluster, quantity, band: dict[str, tuple[float, float]] | None = None,
-                grid: dict[str, list[float]] | None = None, progress=None) -> dict:
-    """``Emulator.sensitivity`` from traces already gathered (any process)."""
-    band = BAND if band is None else band
-    t0 = time.perf_counter()
-    total = 1 + len(band) + (len(grid.get("compute", [1.0])) * len(grid.get("bandwidth", [1.0])) if grid else 0)
-    done = [0]
-
-    def value(compute: float, bandwidth: float):
-        got = quantity(vclock.replay(traces, cluster.perturbed(compute, bandwidth)))
-        done[0] += 1
-        if progress is not None:
-            progress(done[0], total, "the run replayed on other figures")
-        return got
-
-    base = value(1.0, 1.0)
-    out = {"value": base, "band": {name: value(*factors) for name, factors in band.items()}, "factors": band}
-    values = list(out["band"].values()) + [base]
-    if isinstance(base, dict):
-        out["low"] = {k: min(v[k] for v in values) for k in base}
-        out["high"] = {k: max(v[k] for v in values) for k in base}
-    else:
-        out["low"], out["high"] = min(values), max(values)
-    if grid:
-        out["grid"] = {"compute": list(grid.get("compute", [1.0])), "bandwidth": list(grid.get("bandwidth", [1.0]))}
-        out["grid"]["values"] = [[value(c, b) for b in out["grid"]["bandwidth"]] for c in out["grid"]["compute"]]
-    out["replays"] = total
-    out["events"] = sum(len(t["events"]) for t in traces)
-    out["wall_s"] = time.perf_counter() - t0
-    return out
-
-
 class LocalTransfer:
     """A copy on this rank's host link or disk (``Emulator.host_copy`` / ``disk_io``): ``wait()`` makes the stream
     wait for it, ``wait_host()`` the host (a CPU-side step that reads the copied data)."""
@@ -641,57 +412,6 @@ class LocalTransfer:
             return 0.0
         with self._emu._lock:
             return self._emu.clock.local_wait(self._emu._tid(), self._rec, host=True)
-
-
-class _ClockMessage:
-    """The side message that carries a transfer's virtual [end, start]: one this rank sent (known here), or one
-    received, or reduced (MAX over the group) into ``stamp``."""
-
-    def __init__(self, work, stamp: torch.Tensor):
-        self.work, self.stamp = work, stamp
-
-    def ready(self) -> bool:
-        return self.work.is_completed()
-
-    def interval(self) -> tuple[float, float]:
-        """(start, end) of the transfer on the wire (a collective's: its latest start and latest end)."""
-        self.work.wait()
-        end, start = self.stamp.tolist()
-        return start, end
-
-    def value(self) -> float:
-        return self.interval()[1]
-
-
-class EmulatedWork:
-    """An async op's handle: ``wait()`` waits for the real op, then moves the waiting thread's clock to the op's
-    virtual completion. ``is_completed()`` answers in virtual time (and only True once the real op is done too),
-    so polling never moves a clock: a wait after it finds the completion already passed."""
-
-    def __init__(self, emulator: Emulator, work, rec: dict, msg: _ClockMessage):
-        self._emu, self._work, self._rec, self._msg = emulator, work, rec, msg
-
-    def wait(self, *args, **kwargs):
-        out = self._work.wait(*args, **kwargs) if self._work is not None else True
-        self._emu._finish(self._rec, self._msg)
-        return out
-
-    def is_completed(self) -> bool:
-        if not (self._work.is_completed() and self._msg.ready()):
-            return False
-        with self._emu._side():
-            return self._msg.value() <= self._emu.now()
-
-    @property
-    def exposed(self) -> tuple[float, float]:
-        """(seconds this op's waits moved the clock, the part of them with its bytes on the wire)."""
-        return self._rec["exposed"] or 0.0, self._rec.get("exposed_wire", 0.0)
-
-    def get_future(self):
-        return self._work.get_future()
-
-    def __getattr__(self, name):
-        return getattr(self._work, name)
 
 
 def metered(emu: Emulator | None, scale: dict[str, float] | None = None):

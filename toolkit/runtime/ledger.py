@@ -18,6 +18,11 @@ op's full buffer in bytes, the same convention as nccl-tests' bus bandwidth)::
 
 Times are wall-clock from call to completion; for ``async_op=True`` the returned
 work handle is wrapped so the time runs until its ``wait()``.
+
+An ``observer`` (the emulated cluster's clock, ``shapes``' estimate) sees every counted call after it was
+issued and returns what the caller gets; the ledger knows nothing else of it. Calls issued inside a tracked
+call, or inside ``quiet()``, are neither counted nor observed: that is per thread, not per ledger (one ledger
+wraps ``torch.distributed`` at a time).
 """
 from __future__ import annotations
 
@@ -38,6 +43,23 @@ _TRACKED = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "al
 # torch >= 2.13 spells the flat collectives *_single (FSDP2 and toolkit.runtime.compat call those); they are
 # recorded under the old names, which every supported torch has
 ALIASES = {"all_gather_single": "all_gather_into_tensor", "reduce_scatter_single": "reduce_scatter_tensor"}
+_THREAD = threading.local()  # .depth: tracked calls this thread is inside
+
+
+def inside_op() -> bool:
+    """This thread is inside a tracked call (its own ATen work, e.g. gloo's copies, is part of the call)."""
+    return getattr(_THREAD, "depth", 0) > 0
+
+
+@contextlib.contextmanager
+def quiet():
+    """Calls issued inside on this thread are neither counted nor observed (the emulator's side messages; the calls
+    a tracked call issues itself, e.g. batch_isend_irecv's isends)."""
+    _THREAD.depth = getattr(_THREAD, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _THREAD.depth -= 1
 
 
 @dataclass
@@ -149,18 +171,7 @@ class CommLedger:
         self.group_names: dict[int, str] = dict(group_names or {})
         self._tag = "untagged"
         self._originals: dict[str, object] = {}
-        self._local = threading.local()  # per thread: a side thread's ops are counted while the main one is inside an op
-        self.emulator = None  # toolkit.runtime.emulator.Emulator: sees every counted op (virtual time)
-
-    @property
-    def _depth(self) -> int:
-        """Tracked ops this thread is inside (ops issued by other tracked ops, e.g. batch_isend_irecv -> isend,
-        are not double counted)."""
-        return getattr(self._local, "depth", 0)
-
-    @_depth.setter
-    def _depth(self, value: int) -> None:
-        self._local.depth = value
+        self.observer = None  # its on_collective / on_send / on_recv / on_batch return what the caller gets
 
     # ---- installation -------------------------------------------------------------
     def install(self) -> "CommLedger":
@@ -183,20 +194,6 @@ class CommLedger:
                 if hasattr(namespace, name):
                     setattr(namespace, name, fn)
         self._originals.clear()
-
-    @property
-    def inside_op(self) -> bool:
-        """This thread is inside a tracked op (its own ATen work, e.g. gloo's copies, is part of the op)."""
-        return self._depth > 0
-
-    @contextlib.contextmanager
-    def quiet(self):
-        """Ops issued inside on this thread are neither counted nor emulated (the emulator's side messages)."""
-        self._depth += 1
-        try:
-            yield
-        finally:
-            self._depth -= 1
 
     def name_group(self, group, name: str) -> None:
         """Label a process group so summaries say ``tp`` instead of ``4 ranks``."""
@@ -226,7 +223,7 @@ class CommLedger:
     def _wrap(self, name: str, original):
         @functools.wraps(original)
         def wrapper(*args, **kwargs):
-            if self._depth:
+            if inside_op():
                 return original(*args, **kwargs)
             if name == "batch_isend_irecv":
                 return self._batch(original, *args, **kwargs)
@@ -238,26 +235,23 @@ class CommLedger:
             is_async = bool(kwargs.get("async_op")) or name in ("isend", "irecv")
             rec = CommRecord(name, label, n, payload, sent, recv, 0.0, self._tag, is_async)
             start = time.perf_counter()
-            self._depth += 1
-            try:
+            with quiet():
                 out = original(*args, **kwargs)
-            finally:
-                self._depth -= 1
             self.records.append(rec)
             if is_async and out is not None:
                 out = _TimedWork(out, rec, start)
             else:
                 rec.seconds = time.perf_counter() - start
-            return self._emulate(name, group, sent, args, kwargs, out, is_async) if self.emulator else out
+            return self._observed(name, group, sent, args, kwargs, out, is_async) if self.observer else out
         return wrapper
 
-    def _emulate(self, name, group, sent, args, kwargs, out, is_async):
-        emu = self.emulator
+    def _observed(self, name, group, sent, args, kwargs, out, is_async):
+        seen = self.observer
         if name in ("send", "isend"):
-            return emu.on_send(name, group, sent, args, kwargs, out, is_async, self._tag)
+            return seen.on_send(name, group, sent, args, kwargs, out, is_async, self._tag)
         if name in ("recv", "irecv"):
-            return emu.on_recv(name, group, args, kwargs, out, is_async, self._tag)
-        return emu.on_collective(name, group, sent, args, kwargs, out, is_async, self._tag)
+            return seen.on_recv(name, group, args, kwargs, out, is_async, self._tag)
+        return seen.on_collective(name, group, sent, args, kwargs, out, is_async, self._tag)
 
     def _batch(self, original, p2p_ops, *args, **kwargs):
         start = time.perf_counter()
@@ -268,14 +262,11 @@ class CommLedger:
             payload, sent, recv = wire_bytes(op_name, n, (p.tensor,), {})
             recs.append(CommRecord(op_name, self.group_names.get(id(p.group), "p2p"), n, payload, sent, recv,
                                    0.0, self._tag, True))
-        self._depth += 1
-        try:
+        with quiet():
             works = original(p2p_ops, *args, **kwargs)
-        finally:
-            self._depth -= 1
         self.records.extend(recs)
         works = [_TimedWork(w, r, start) for w, r in zip(works, recs)]
-        return self.emulator.on_batch(p2p_ops, works, self._tag) if self.emulator else works
+        return self.observer.on_batch(p2p_ops, works, self._tag) if self.observer else works
 
     # ---- reporting ----------------------------------------------------------------
     def summary(self, by: tuple[str, ...] = ("tag", "op", "group")) -> list[dict]:
