@@ -99,15 +99,12 @@ RUNS = (
 
 
 MISSES = {
-    ("MPT-13b", "A100-SXM (80GB)"): "emulated x0.84: FSDP's reduce-scatter after each of its 3 micro-batches is "
-                                    "0.69 s exposed on the model's A100 links",
-    ("GPT3-1.3B", "A100-SXM (80GB"): "emulated x0.83: the source's fused kernels (dense+GELU, dropout+add+LayerNorm, "
-                                    "cross-entropy) run as separate eager ops here, 19 % of the emulated kernels",
+    ("GPT3-1.3B", "A100-SXM (80GB"): "emulated x0.83: the source runs fused kernels (dense+GELU, dropout+add+"
+                                    "LayerNorm, cross-entropy) that are separate eager ops here, the memory-bound "
+                                    "kernels 19 % of the emulated step",
 }
-"""Runs outside ``BOUND``, with what the step shows. Every run is 9-17 % slower than published: the traced eager
-program runs memory-bound kernels that the sources fuse, and ``Efficiency.step`` was fitted to formula counts of
-the GEMMs and attention (``toolkit.models.throughput``), not to traced programs. The test fails when a run listed
-here comes within the bound (the list must stay true) or one not listed falls outside."""
+"""Runs outside ``BOUND``, with what the step shows. The test fails when a run listed here comes within the bound
+(the list must stay true) or one not listed falls outside."""
 
 
 def _build(run: Run):

@@ -20,7 +20,8 @@ layer before and the gradients' reductions run behind the backward::
 
     overlap="none"   kernels ─AG─ kernels ─RS─ kernels          the step: kernels + every collective
     overlap="fsdp"   compute  L1 L2 L3 ... B3 B2 B1             the step: the compute, the first all-gather,
-                     comm    AG2 AG3 ...   RS3 RS2 RS1          what a layer's own could not hide, the last RS
+                     gathers AG2 AG3 ...  AG2 AG1                what a layer's own could not hide, the last
+                     reduce              RS3 RS2 RS1             reduction
 
 On CPU, FSDP2 and DDP issue their collectives synchronously, so the program cannot show its overlap here: the
 schedule is declared. A model, not a measurement (``toolkit.models.real_runs`` checks it against published
@@ -83,25 +84,26 @@ class Estimate:
 
     @property
     def device_s(self) -> float:
-        """The device's step: its kernels in program order and its collectives on one comm stream, met as
-        ``overlap`` says (``OVERLAPS``)."""
+        """The device's step: its kernels in program order and its collectives, met as ``overlap`` says
+        (``OVERLAPS``). FSDP2 runs all-gathers and reductions on two streams of their own; here each runs at its
+        link's full rate (sharing the link while both are on it is not modelled)."""
         ends = [0.0]
         for k in self.kernels:
             ends.append(ends[-1] + k[2])
-        t = comm_free = prefetch_from = 0.0
+        t = gathers_free = reductions_free = prefetch_from = 0.0
         done = 0  # kernels run so far
         for c in self.comms:
             t += ends[c["at"]] - ends[done]
             done = c["at"]
             if self.overlap == "fsdp" and c["op"].startswith("all_gather"):
-                start = max(prefetch_from, comm_free)  # issued one all-gather early: during the layer before
-                prefetch_from, comm_free = t, start + c["seconds"]
-                t = max(t, comm_free)  # the layer's kernels need its parameters
+                start = max(prefetch_from, gathers_free)  # issued one all-gather early: during the layer before
+                prefetch_from, gathers_free = t, start + c["seconds"]
+                t = max(t, gathers_free)  # the layer's kernels need its parameters
             elif self.overlap == "fsdp" and c["op"] in ("reduce_scatter_tensor", "reduce_scatter", "all_reduce"):
-                comm_free = max(t, comm_free) + c["seconds"]  # gradients: nothing waits before the step's end
+                reductions_free = max(t, reductions_free) + c["seconds"]  # gradients: waited for at the end
             else:
-                t = comm_free = max(t, comm_free) + c["seconds"]
-        return max(t + ends[-1] - ends[done], comm_free)
+                t = max(t, gathers_free) + c["seconds"]
+        return max(t + ends[-1] - ends[done], gathers_free, reductions_free)
 
     @property
     def exposed_s(self) -> float:
@@ -252,7 +254,7 @@ def estimate(build: Callable[[], Any], step: Callable[..., Any], cluster: str | 
             seen = _storages(built)
             est.static_bytes = est.peak_bytes = sum(seen.values())
             if ledger is not None:
-                ledger.observer = _CommClock(c, est, world_size)
+                ledger.emulator = _CommClock(c, est, world_size)
             with RealShapes(c, est, set(seen)):
                 step(*built) if isinstance(built, tuple) else step(built)
     finally:
