@@ -254,7 +254,7 @@ def estimate(build: Callable[[], Any], step: Callable[..., Any], cluster: str | 
             seen = _storages(built)
             est.static_bytes = est.peak_bytes = sum(seen.values())
             if ledger is not None:
-                ledger.emulator = _CommClock(c, est, world_size)
+                ledger.observer = _CommClock(c, est, world_size)
             with RealShapes(c, est, set(seen)):
                 step(*built) if isinstance(built, tuple) else step(built)
     finally:
