@@ -74,7 +74,7 @@ for cp in (2, 4):
 # %% [markdown]
 # The forward of the custom `autograd.Function` (the backward runs the ring again: dQ stays, dK/dV travel with
 # their block and are home after `cp` hops). The block of each step is computed dense here, with a mask; on the
-# emulated cluster (section 3b) `_FusedBlock` times it as the one fused flash-attention kernel a GPU runs for
+# emulated cluster (section 3b) `fused_kernel` times it as the one fused flash-attention kernel a GPU runs for
 # packed sequences: the FLOPs of the pairs the mask lets through, its inputs and outputs once through memory.
 
 # %%

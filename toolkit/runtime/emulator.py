@@ -147,8 +147,8 @@ class Emulator(CommHooks, Reports):
         return self
 
     def uninstall(self) -> None:
-        """Stop timing compute; the ledger it observed goes with it (a rank's ledger and emulator live as long as
-        its process; tests drop both)."""
+        """Stop timing compute, and be ``current()`` no more. A ledger it observes still calls it: a rank's ledger
+        and emulator live as long as its process (tests drop both)."""
         global _CURRENT
         if self._timer is not None:
             self._timer.__exit__(None, None, None)

@@ -10,7 +10,7 @@ so a technique never asks whether it is emulated (SimGrid's rule: the simulated 
     io.disk_read(n) / disk_write(n)    (the caller's store does the I/O)  a transfer on the node's drives
     with host_compute(4):              the ops inside                     run on the host CPU's roofline, floats
                                                                           at 4 bytes
-    token = handoff(device)            a CUDA event on the current stream  a stamp of this thread's time
+    token = handoff(device)            a CUDA event on this stream        a stamp of this thread's time
     with on_side_thread(token, s)      the worker's kernels on stream s,  the worker's clock starts at the stamp;
         as span:                       after the event; synchronized      its ops are timed on it; ``span`` holds
                                                                           vhanded, vstart, vend
