@@ -155,7 +155,7 @@ class Handoff:
     """What a job handed to another thread starts after (``handoff``), and, once it has run, when it ended."""
 
     def __init__(self, device: torch.device):
-        self.device, self.event, self.emu = device, None, current()
+        self.event, self.emu = None, current()
         if device.type == "cuda":
             self.event = torch.cuda.Event()
             self.event.record()
@@ -181,7 +181,7 @@ def on_side_thread(token: Handoff, stream: "torch.cuda.Stream | None" = None) ->
         if token.event is None:
             yield span
         else:
-            torch.cuda.set_device(token.device)
+            torch.cuda.set_device(stream.device)  # this thread on the stream's GPU
             with torch.cuda.stream(stream):
                 stream.wait_event(token.event)
                 yield span
