@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 TILE = 4096  # elements per program (BPP * BLOCK_P2)
-RNE_MAGIC = 12582912.0  # 1.5 * 2**23: (y + M) - M rounds |y| < 2**22 to the nearest integer, ties to even
+RNE_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2**23: (y + M) - M rounds |y| < 2**22 to the nearest integer, ties to even
 
 
 @triton.jit

@@ -11,7 +11,7 @@ from toolkit.runtime import compat
 
 def run(ctx, cfg):
     """All-reduce a tensor and report what every rank saw."""
-    x = torch.full((cfg.get("numel", 4),), float(ctx.rank + 1))
+    x = torch.full((cfg.get("numel", 4),), float(ctx.rank + 1), device=ctx.device)
     dist.all_reduce(x)
     for i in range(cfg.get("steps", 1)):
         ctx.progress(i + 1, cfg.get("steps", 1), "all_reduce")
