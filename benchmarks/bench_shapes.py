@@ -16,16 +16,17 @@ import time
 T0 = time.perf_counter()
 import torch  # noqa: E402 - the import is part of what is timed
 
-from toolkit.lessons.l17_capstone import case_13b  # noqa: E402
 from toolkit.models import real_runs  # noqa: E402
+from toolkit.planner import Assumptions, Workload  # noqa: E402
 from toolkit.planner_check import configuration_seconds, unit_seconds  # noqa: E402
+from toolkit.runtime.cluster import cluster  # noqa: E402
 
 TARGET_S = 60.0
 
 
 def main() -> None:
     imports = time.perf_counter() - T0
-    w, hw, _, assume = case_13b()
+    w, hw, assume = Workload("llama2-13b", seq_len=2048, global_batch=192), cluster("a100-ib200"), Assumptions()
     row = {"dp": 3, "tp": 1, "pp": 8, "micro_batch": 1, "m": w.global_batch // 3, "schedule": "1f1b",
            "recompute": False, "zero": 1, "offload": "none"}
     t = time.perf_counter()

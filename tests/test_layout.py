@@ -17,7 +17,7 @@ FLOORS = (
     ("pipeline",),                                  # schedules, executor, simulator, vocabulary parallelism
     ("memory", "context", "graphs", "precision", "viz"),  # offload, context parallelism, CUDA graphs, figures
     ("planner", "report", "jupyter"),               # cost models over all of the above; results; the lab hook
-    ("compose", "compose_bytes"),                   # techniques composed
+    ("compose", "compose_bytes", "planner_check"),  # techniques composed; the planner checked at true shapes
     ("api",),                                       # the public surface: what ``import toolkit`` offers
     ("toolkit",),
     ("lessons",),                                   # the programs the notebooks launch
