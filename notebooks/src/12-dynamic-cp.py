@@ -337,7 +337,7 @@ display(Markdown(
     f"Measured step: static CP {ms['static']:.1f} ms, Megatron's rules {ms[M]:.1f} ms, the toolkit's plan "
     f"{ms[T]:.1f} ms (rank 0's trimmed means). The toolkit's dynamic plan is "
     f"{versus(T, 'static')}; Megatron's rules are {versus(M, 'static')}; the toolkit's plan is "
-    f"{versus(T, M)}. "
+    f"{versus(T, M)}.\n\n"
     + {"faster": "This agrees in direction with the cost model above, "
                  f"{modelled(T)}. ",
        "slower": f"So on this machine the step does not follow the cost model above ({modelled(T)}): with the "
