@@ -17,9 +17,12 @@
                   vocabulary-to-layer balance kept). Each rank times its passes on the virtual clock, every rank
                   builds the vocabulary schedules from those gathered times (not from this machine's, which
                   change from run to run), and one step of each run is read on the virtual clock, its spans too.
+    true shapes   (``true_shapes``, in the notebook's process) the paper's own setting, PP = 8 and V = 256k: the same
+                  pass code traced at its true shapes on fake tensors, the schedules simulated from those costs.
 """
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 
@@ -51,9 +54,13 @@ PRESETS = {
 }
 TOL = 1e-5  # fp32: the sharded softmax and the all-reduces only reorder sums
 RUNS = ("1f1b", "vocab-1", "vocab-2")
-PAPER_LAYER = {"tokens": 4096, "hidden": 3072, "ffn": 4 * 3072}
-"""The layer of the paper's setting (Yeung et al., section 6: hidden 3072, sequence 4096, micro-batch 1) that the
-emulated cluster's matched step times the toy's ops as (``matched.dense_layer_op``)."""
+PAPER = vp.Workload(vp.gpt("the paper's 4B GPT", layers=32, hidden=3072, vocab=256_000, seq_len=4096))
+"""The paper's setting (Yeung et al., section 6, and its artifact's quick run): 32 layers of hidden 3072, V = 256k,
+sequence 4096, micro-batch 1, at PP = ``PAPER_P``."""
+PAPER_P, PAPER_M = 8, 24
+"""Its pipeline stages, and the micro-batches per step simulated here (3p: our choice; the artifact runs 128)."""
+PAPER_LAYER = {"tokens": PAPER.micro_batch * PAPER.seq_len, "hidden": PAPER.hidden, "ffn": PAPER.model.ffn}
+"""The paper's layer, that the emulated cluster's matched step times the toy's ops as (``matched.dense_layer_op``)."""
 
 
 def validate(cfg: dict, world_size: int) -> dict:
@@ -267,7 +274,7 @@ def _passes(model, idx: torch.Tensor, tgt: torch.Tensor, r: int, p: int) -> dict
            "input_F": lambda: vp.partial_embedding(tok.detach(), idx, lo), "input_FB": input_fb}
     for alg in vp.ALGORITHMS:
         st = vp.s_pass(X, W, tgt.reshape(-1), lo, alg)
-        st.alpha = torch.full((N,), 1.0 / p, device=dev)  # what C0 would set; the T pass cost does not depend on it
+        st.alpha = torch.full_like(st.s, 1.0 / p)  # what C0 would set; the T pass cost does not depend on it
         fns[f"S{alg}"] = lambda alg=alg: vp.s_pass(X, W, tgt.reshape(-1), lo, alg)
         fns[f"T{alg}"] = lambda alg=alg, st=st: vp.t_pass(st, W, 1.0, alg)
     return fns
@@ -386,3 +393,126 @@ def traced_head(w: vp.Workload, hw) -> dict:
     return {"model_ms": vp.op_time(hand, hw) * 1e3, "traced_ms": traced.step_s * 1e3,
             "model_gemm_ms": hand_gemm * 1e3, "traced_gemm_ms": traced.by_kind()["gemm"] * 1e3,
             "model_kernels": len(hand), "traced_kernels": [name for name, _, _ in traced.kernels]}
+
+
+# ---- the paper's setting at its true shapes: every pass traced, the schedules simulated ----------------------------
+def true_shapes(w: vp.Workload = PAPER, p: int = PAPER_P, m: int = PAPER_M, hw="a100-ib200") -> dict:
+    """Vocabulary parallelism against 1F1B for ``w`` at PP = ``p`` on ``hw``, from its passes traced at their true
+    shapes in bf16 (``toolkit.runtime.shapes.estimate``: fake tensors, nothing computed, every ATen op timed by the
+    emulated cluster's efficiency model)::
+
+        _passes(GPT of w, rank r)   the code the lesson times on real ranks: the project's GPT split into p stages
+                                    (embedding on stage 0, ln_f + head + loss on stage p-1), vp.s_pass / t_pass on
+                                    a V/p shard, the partial embedding        ──► seconds of each pass, each rank
+        vp.c0, vp.dx_fused, C1,     on torch's fake process group of p ranks, timed on hw's link
+        the broadcast of X                                                    ──► the wait of a cross-rank step
+        measured_rows ──► vp.simulate_layouts(1F1B, vocab_1f1b)               ──► step times and speed-up
+
+    The same simulator and comm convention as the cost model's (one delay per cross-rank dependency: the longer of
+    the broadcast of X and C0 with dX or C1). Left out: the optimizer step, the input layer's all-reduce and dE
+    broadcast (they run ahead of and after the pipeline), compute slowed by collectives beside it, data
+    parallelism. Ranks 1..p-2 run the same code at the same shapes, so one is traced for all; every rank's S, T
+    and input passes have the same shapes, so rank 0's stand for all.
+
+    Returns each rank's pass seconds (``times``), the simulator's per-stage rows and waits, both simulations per
+    algorithm (``sims``: ``simulate_layouts``'), ``speedup``, the traced ``passes`` (an ``Estimate`` each), and
+    ``sensitivity`` (``report.band`` reads it): the speed-ups with every kernel and collective re-timed on the
+    cluster's band (``hw.perturbed``: the traced ops do not depend on it), the action lists kept, as the emulated
+    cluster's replays keep a run's."""
+    from toolkit.runtime.cluster import cluster
+    from toolkit.runtime.emulator_report import BAND
+    hw = cluster(hw)
+    passes, comm = _trace_passes(w, p, hw), _trace_comm(w, p, hw)
+
+    def on(c, schedules: dict | None = None) -> dict:
+        times = [{"times": {name: _retimed(est, c) for name, est in rank.items()}} for rank in passes]
+        waits = {alg: max(_retimed(e, c) for e in comm[alg]) for alg in vp.ALGORITHMS}
+        rows = {alg: measured_rows(times, alg) for alg in vp.ALGORITHMS}  # (baseline, vocab) per-stage F, B, S, T
+        sims = {alg: vp.simulate_layouts(*rows[alg], m, alg, waits[alg], schedule=schedules and schedules[alg])
+                for alg in vp.ALGORITHMS}
+        return {"times": [t["times"] for t in times], "rows": rows, "comm": waits, "sims": sims}
+
+    out = on(hw)
+    schedules = {alg: out["sims"][alg]["schedule"] for alg in vp.ALGORITHMS}  # the band replays these lists
+    speedup = lambda got: {alg: got["sims"][alg]["speedup"] for alg in vp.ALGORITHMS}  # noqa: E731
+    out.update(cluster=hw.name, p=p, m=m, passes=passes, speedup=speedup(out), sensitivity={
+        "value": speedup(out), "factors": BAND,
+        "band": {name: speedup(on(hw.perturbed(*f), schedules)) for name, f in BAND.items()}})
+    return out
+
+
+def _trace_passes(w: vp.Workload, p: int, hw) -> list[dict]:
+    """Per rank, ``_passes``' every pass for one micro-batch of ``w``, each traced on its own (``estimate``)."""
+    from toolkit.models.gpt import GPT, GPTConfig
+    from toolkit.runtime.shapes import estimate
+    cfg = GPTConfig(vocab_size=w.model.vocab, seq_len=w.seq_len, n_layer=w.layers, n_head=w.heads,
+                    d_model=w.hidden, d_ff=w.model.ffn)
+
+    def build(r: int):
+        def made() -> dict:
+            with _default_dtype(torch.bfloat16):  # made in bf16 (a fake module cannot be converted after)
+                idx = torch.zeros(w.micro_batch, w.seq_len, dtype=torch.long)  # ids and targets: values unread
+                return _passes(GPT(cfg), idx, idx, r, p)
+        return made
+
+    def run(name: str):
+        def step(fns: dict) -> None:
+            with _default_dtype(torch.bfloat16):  # the inputs a pass makes (blocks_F's h) in bf16 too
+                fns[name]()
+        return step
+
+    layers = ("base_F", "base_FB", "blocks_F", "blocks_FB")
+    vocab = ("input_F", "input_FB") + tuple(f"{x}{alg}" for alg in vp.ALGORITHMS for x in "ST")
+    roles = sorted({0, min(1, p - 1), p - 1})  # first, a middle one, last
+    traced = {(r, name): estimate(build(r), run(name), hw) for r in roles for name in layers + (vocab if r == 0 else ())}
+    return [{**{name: traced[(r if r in roles else 1, name)] for name in layers},
+             **{name: traced[(0, name)] for name in vocab}} for r in range(p)]
+
+
+def _trace_comm(w: vp.Workload, p: int, hw) -> dict[int, list]:
+    """Per algorithm, the collectives a cross-rank dependency of the vocabulary passes waits on, traced on the
+    fake process group of ``p`` ranks: the broadcast of X, and C0 with Algorithm 2's fused dX or Algorithm 1's
+    C1 (as the hook issues them, ``vocab_passes.VocabPasses``)."""
+    from toolkit.runtime.shapes import estimate
+    N, D, V = w.micro_batch * w.seq_len, w.hidden, w.model.vocab
+
+    def state(alg: int):
+        def made():
+            x, weight = torch.empty(N, D, dtype=torch.bfloat16), torch.empty(V // p, D, dtype=torch.bfloat16)
+            st = vp.s_pass(x, weight, torch.zeros(N, dtype=torch.long), 0, alg)
+            st.alpha = torch.full_like(st.s, 1.0 / p)
+            return st, (vp.t_pass(st, weight, 1.0, alg) if alg == 1 else None)  # Algorithm 1's dX_i
+        return made
+
+    def c0_and_dx(st, dx_i) -> None:
+        vp.c0(st)
+        vp.dx_fused(st, 1.0) if dx_i is None else dist.all_reduce(dx_i)
+
+    bcast = estimate(lambda: torch.empty(N, D, dtype=torch.bfloat16), lambda x: dist.broadcast(x, src=p - 1), hw,
+                     world_size=p)
+    return {alg: [bcast, estimate(state(alg), c0_and_dx, hw, world_size=p)] for alg in vp.ALGORITHMS}
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
+
+
+def _retimed(est, hw) -> float:
+    """``est``'s step with its kernels and collectives timed on ``hw`` (a perturbed copy of the cluster it was
+    traced on: the same ops, other rates)."""
+    import dataclasses
+
+    from toolkit.runtime import collectives
+    from toolkit.runtime.efficiency import kernel_seconds
+    g = hw.gpu
+    kernels = [(name, k, kernel_seconds(k, g.bf16_flops, g.hbm_bytes_per_s, g.sms, g.efficiency))
+               for name, k, _ in est.kernels]
+    comms = [{**c, "seconds": collectives.seconds(hw, c["op"], list(range(c["ranks"])), c["ranks"],
+                                                  c["sent_bytes"])[0]} for c in est.comms]
+    return dataclasses.replace(est, kernels=kernels, comms=comms, host_op_s=g.efficiency.host_op_s).step_s

@@ -94,8 +94,10 @@ class SState:
 
 
 def s_pass(x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, lo: int, algorithm: int) -> SState:
-    """Local logits and softmax statistics of this rank's vocabulary rows. x [N,D], weight [V/p,D], target [N]"""
-    Y = x @ weight.t()  # [N,V/p]
+    """Local logits and softmax statistics of this rank's vocabulary rows. x [N,D], weight [V/p,D], target [N].
+    The softmax runs in fp32 whatever the activations' dtype (as Megatron's cross-entropy does): bf16 logits would
+    lose the small probabilities."""
+    Y = (x @ weight.t()).float()  # [N,V/p]
     m = Y.max(dim=1).values  # [N]
     e = torch.exp(Y - m[:, None])
     s = e.sum(dim=1)
@@ -106,7 +108,7 @@ def s_pass(x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, lo: int,
     z = Y.gather(1, local[:, None]).squeeze(1) * inside
     st = SState(x, target, inside, local, P, m, s, z)
     if algorithm == 2:
-        st.G = P @ weight  # [N,D]
+        st.G = P.to(weight.dtype) @ weight  # [N,D]
         st.H = weight[local] * inside[:, None]  # [N,D]
     return st
 
@@ -124,8 +126,8 @@ def c0(st: SState, group=None) -> torch.Tensor:
 
 
 def dx_fused(st: SState, grad_scale: float, group=None) -> torch.Tensor:
-    """Algorithm 2: dX = g * sum_i (alpha_i G_i - H_i), right after C0 (no T pass needed). [N,D]"""
-    dx = (st.alpha[:, None] * st.G - st.H) * grad_scale
+    """Algorithm 2: dX = g * sum_i (alpha_i G_i - H_i), right after C0 (no T pass needed). [N,D], X's dtype"""
+    dx = ((st.alpha[:, None] * st.G - st.H) * grad_scale).to(st.x.dtype)
     dist.all_reduce(dx, group=group)
     return dx
 
@@ -134,8 +136,8 @@ def t_pass(st: SState, weight: torch.Tensor, grad_scale: float, algorithm: int) 
     """dW_i into ``weight.grad``; Algorithm 1 also returns this rank's dX_i (to be summed by ``c1``)."""
     dY = st.alpha[:, None] * st.P  # softmax_i [N,V/p]
     rows = torch.arange(dY.shape[0], device=dY.device)
-    dY[rows[st.inside], st.local_target[st.inside]] -= 1.0
-    dY *= grad_scale
+    dY[rows, st.local_target] -= st.inside.to(dY.dtype)  # onehot_i: no shape that depends on the targets
+    dY = (dY * grad_scale).to(st.x.dtype)
     dW = dY.t() @ st.x  # [V/p,D]
     weight.grad = dW if weight.grad is None else weight.grad + dW
     return dY @ weight if algorithm == 1 else None
@@ -256,12 +258,14 @@ class StageCosts:
 
 
 def simulate_layouts(rows_base: list[dict], rows_vocab: list[dict], m: int, algorithm: int = 2,
-                     comm: float = 0.0) -> dict:
+                     comm: float = 0.0, schedule: VocabSchedule | None = None) -> dict:
     """Simulate the baseline (1F1B, vocabulary on the first/last stage) and vocabulary parallelism
-    (``vocab_1f1b``) from per-stage costs; returns both ``SimResult`` and the throughput ratio."""
+    (``vocab_1f1b``) from per-stage costs; returns both ``SimResult`` and the throughput ratio. ``schedule``: the
+    vocabulary schedule to time (None: ``vocab_1f1b``'s from these costs; a replay on other figures keeps the
+    action lists that ran)."""
     p = len(rows_base)
     base = simulate(one_f_one_b(p, m), StageCosts(rows_base, comm))
     costs = StageCosts(rows_vocab, comm)
-    sched = vocab_1f1b(p, m, algorithm, costs)
+    sched = schedule or vocab_1f1b(p, m, algorithm, costs)
     ours = simulate(sched, costs)
     return {"baseline": base, "vocab": ours, "schedule": sched, "speedup": base.makespan / ours.makespan}
