@@ -27,6 +27,7 @@ def test_the_traced_layer_is_the_catalog_s_gemms_and_its_head_the_vocabulary_s()
     assert tp8["layer_flops"] == pytest.approx(u["layer_flops"] / 8, rel=1e-3)  # each rank an eighth of the GEMMs
     assert tp8["layer_F"] > u["layer_F"] / 8  # and the all-reduces on top
     assert u["layer_B"] == pytest.approx(2 * u["layer_F"], rel=0.25)
+    assert 0.3 * u["layer_B"] < u["layer_W"] < 0.6 * u["layer_B"]  # dW: half the backward's GEMMs, no attention
 
 
 def test_without_a_pipeline_the_step_is_every_micro_batch_through_the_whole_model():

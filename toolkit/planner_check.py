@@ -49,8 +49,9 @@ def _forward_backward(build, forward, hw: Cluster, world_size: int = 1) -> tuple
 def unit_seconds(model, hw: Cluster, seq_len: int, tp: int, micro_batch: int) -> dict[str, float]:
     """Seconds of one micro-batch's forward and backward (``layer_F``, ``layer_B``) of one layer, with its
     tensor-parallel collectives exposed, as Megatron's blocking all-reduces are, on one rank of a ``tp``-way
-    group of ``hw``; of the embedding (``embed_*``); of the output head with its loss (``head_*``; both unsharded,
-    on the first and last stage); and each forward's FLOPs (``*_flops``)."""
+    group of ``hw``; the weight-gradient part of the layer's backward (``layer_W``: B less the backward with the
+    weights frozen); of the embedding (``embed_*``); of the output head with its loss (``head_*``; both
+    unsharded, on the first and last stage); and each forward's FLOPs (``*_flops``)."""
     from torch.distributed import new_group
 
     from toolkit.parallel.tensor import tensor_parallel_block
@@ -81,10 +82,16 @@ def unit_seconds(model, hw: Cluster, seq_len: int, tp: int, micro_batch: int) ->
     def loss(lin, x, y):
         return torch.nn.functional.cross_entropy(lin(x).flatten(0, 1).float(), y.flatten())
 
+    def frozen_layer():  # the input's gradient alone: the backward's dX half (zero-bubble schedules' I)
+        block, x = layer()
+        block.requires_grad_(False)
+        return block, x
+
     out = {}
     for name, build, forward, world in (("layer", layer, lambda b, x: b(x), tp), ("head", head, loss, 1),
                                         ("embed", embed, lambda e, idx: e(idx), 1)):
         out[f"{name}_F"], out[f"{name}_B"], out[f"{name}_flops"] = _forward_backward(build, forward, hw, world)
+    out["layer_W"] = out["layer_B"] - _forward_backward(frozen_layer, lambda b, x: b(x), hw, tp)[1]
     return out
 
 

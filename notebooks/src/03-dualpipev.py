@@ -282,6 +282,48 @@ if E is not None:
                       formats={k: ".1f" for k in toy_rows[0] if k != "schedule"}))
 
 # %% [markdown]
+# ## 5c · At a 7B model's true shapes, on the source's pipeline size
+#
+# The toy's ops are far from a real model's proportions. `toolkit.planner_check.unit_seconds` runs one layer of
+# the course's GPT at Llama-2-7B's shapes (hidden 4096, 32 heads, its MLP's parameter count, one 4096-token
+# sequence per micro-batch) on fake tensors — nothing is computed — and times every op on an H100 preset: the
+# forward (F), the whole backward (B), and the backward with the weights frozen, whose difference to B is the
+# weight-gradient part (W). Eight ranks hold the 32 layers: a DualPipeV chunk is 2 layers, a 1F1B stage 4. The
+# simulator then runs each schedule with these costs (layers only: no embedding, head or transfers; a model).
+
+# %%
+from toolkit.models.catalog import get as get_model
+from toolkit.planner_check import unit_seconds
+from toolkit.runtime.bench import Claim, judge
+from toolkit.runtime.cluster import cluster as make_cluster
+
+p7, m7, spec7 = 8, 16, get_model("llama2-7b")
+u7 = unit_seconds(spec7, make_cluster("h100-ib400"), 4096, 1, 1)
+layers7 = spec7.layers // (2 * p7)  # layers per DualPipeV chunk
+chunk7 = Costs(F=layers7 * u7["layer_F"], B=layers7 * u7["layer_B"], W=layers7 * u7["layer_W"])
+true7 = {}
+for name, costs in (("1f1b", chunk7.scaled(2)), ("interleaved", chunk7), ("dualpipev", chunk7)):
+    sim = simulate(make_schedule(name, p7, m7), costs)
+    true7[name] = {"schedule": name, "idle per rank (ms)": sum(sim.idle) / p7 * 1e3,
+                   "step (ms)": sim.makespan * 1e3, "closed-form bubble (ms)": closed_form_bubble(
+                       name, p7, costs) * 1e3}
+display(viz.table(list(true7.values()), title=f"Simulated (a model) from traced costs: Llama-2-7B layers on {p7} H100s, "
+                  f"m = {m7}, per-chunk F {chunk7.F * 1e3:.2f}, B {chunk7.B * 1e3:.2f}, W {chunk7.W * 1e3:.2f} ms",
+                  formats={k: ".1f" for k in true7["1f1b"] if k != "schedule"}))
+idle7 = {n: r["idle per rank (ms)"] for n, r in true7.items()}
+formula7 = true7["dualpipev"]["closed-form bubble (ms)"] / true7["1f1b"]["closed-form bubble (ms)"]
+true_claim = Claim.ratio("DualPipeV's idle time per rank / 1F1B's", formula7, tolerance=0.25,
+                         source="deepseek-ai/DualPipe README (bubble table)",
+                         setting=f"the table's formulas at Llama-2-7B's traced F, B, W, p = {p7}")
+judged7 = judge(true_claim, idle7["dualpipev"] / idle7["1f1b"], interval="the calibrated figures")
+display(Markdown(
+    f"At these shapes B − W = {(chunk7.B - chunk7.W) * 1e3:.2f} ms is not F = {chunk7.F * 1e3:.2f} ms, the "
+    f"README table's assumption. Its formulas give DualPipeV {formula7:.2f}× 1F1B's bubble. The simulator gives "
+    f"{idle7['dualpipev'] / idle7['1f1b']:.2f}× 1F1B's idle time and {idle7['dualpipev'] / idle7['interleaved']:.2f}× "
+    f"interleaved 1F1B's, and a step {true7['dualpipev']['step (ms)'] / true7['1f1b']['step (ms)']:.2f}× 1F1B's. "
+    f"Judged against the table: {judged7.text()}."))
+
+# %% [markdown]
 # ## 6 · F&B: the overlap, for real
 #
 # The two halves of an F&B are independent: different micro-batches, different stages. So while one half
