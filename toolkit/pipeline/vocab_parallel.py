@@ -94,9 +94,7 @@ class SState:
 
 
 def s_pass(x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, lo: int, algorithm: int) -> SState:
-    """Local logits and softmax statistics of this rank's vocabulary rows. x [N,D], weight [V/p,D], target [N].
-    The softmax runs in fp32 whatever the activations' dtype (as Megatron's cross-entropy does): bf16 logits would
-    lose the small probabilities."""
+    """This rank's logits and softmax statistics, in fp32 (as Megatron's). x [N,D], weight [V/p,D], target [N]"""
     Y = (x @ weight.t()).float()  # [N,V/p]
     m = Y.max(dim=1).values  # [N]
     e = torch.exp(Y - m[:, None])
