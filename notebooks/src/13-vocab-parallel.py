@@ -578,7 +578,7 @@ viz.table([{"one micro-batch": what, "traced (ms)": stage_ms(traced_rows[lay][r]
                                 ("any stage, Vocab-2: 4 layers + S + T + input share", 1, 1))]
           + [{"one micro-batch": "a cross-rank wait, Vocab-2 (broadcast X; C0 + dX)", "traced (ms)": 1e3 * true["comm"][2],
               "cost model (ms)": 1e3 * comm_a100}],
-          title=f"The paper's setting on {a100.gpu.name}: per-stage cost traced at true shapes vs the hand cost model",
+          title=f"Traced at true shapes vs the hand cost model: per-stage cost, the paper's setting on {a100.gpu.name}",
           formats={"traced (ms)": ".2f", "cost model (ms)": ".2f"}).show()
 speedups = [{"where": "the artifact (measured)", "algorithm": "Vocab-1/-2", "x 1F1B": artifact.value}]
 for where, got in ((f"traced, V = 256k, PP = {P8}", true["speedup"]), (f"cost model, V = 256k, PP = {P8}",
@@ -588,12 +588,12 @@ if E is not None:
     speedups += [{"where": f"toy, emulated, p = {p} (its own balance)", "algorithm": f"Vocab-{alg}",
                   "x 1F1B": 1 / emu_verdict["matched"][f"vocab-{alg}"].ratio} for alg in vp.ALGORITHMS]
 fig = viz.bars(speedups, x="where", y="x 1F1B", color="algorithm", text_format=".2f",
-               title="Throughput over 1F1B: the paper's setting traced, modelled and measured, and the toy's")
+               title="Throughput over 1F1B, simulated (traced passes, cost model) and measured (the artifact)")
 fig.add_hrect(y0=artifact.band[0], y1=artifact.band[1], opacity=0.12, line_width=0,
               annotation_text=f"reproduces the artifact: {artifact.rule}")
 fig.show()
-schedule_gantt(true["sims"][2]["vocab"], title="Vocabulary parallel, Algorithm 2, from the passes traced at true "
-               "shapes (simulated)", unit="s").show()
+schedule_gantt(true["sims"][2]["vocab"], title="Simulated: vocabulary parallel, Algorithm 2, from the passes traced "
+               "at true shapes", unit="s").show()
 
 # %%
 tb, tv2 = true["sims"][2]["baseline"].makespan, true["sims"][2]["vocab"].makespan
