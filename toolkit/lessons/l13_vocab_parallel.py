@@ -36,6 +36,7 @@ from toolkit.pipeline.executor import PipelineExecutor
 from toolkit.pipeline.harness import Job, PipelineSetup, check_stage_per_rank, check_step
 from toolkit.pipeline.schedule import one_f_one_b
 from toolkit.runtime.bench import compare, measure, replayed
+from toolkit.runtime.cluster import Cluster
 from toolkit.runtime.config import Param, common, resolve
 from toolkit.runtime.timeline import Timeline
 
@@ -396,7 +397,7 @@ def traced_head(w: vp.Workload, hw) -> dict:
 
 
 # ---- the paper's setting at its true shapes: every pass traced, the schedules simulated ----------------------------
-def true_shapes(w: vp.Workload = PAPER, p: int = PAPER_P, m: int = PAPER_M, hw="a100-ib200") -> dict:
+def true_shapes(w: vp.Workload = PAPER, p: int = PAPER_P, m: int = PAPER_M, hw: str | Cluster = "a100-ib200") -> dict:
     """Vocabulary parallelism against 1F1B for ``w`` at PP = ``p`` on ``hw``, from its passes traced at their true
     shapes in bf16 (``toolkit.runtime.shapes.estimate``: fake tensors, nothing computed, every ATen op timed by the
     emulated cluster's efficiency model)::
@@ -464,7 +465,8 @@ def _trace_passes(w: vp.Workload, p: int, hw) -> list[dict]:
     layers = ("base_F", "base_FB", "blocks_F", "blocks_FB")
     vocab = ("input_F", "input_FB") + tuple(f"{x}{alg}" for alg in vp.ALGORITHMS for x in "ST")
     roles = sorted({0, min(1, p - 1), p - 1})  # first, a middle one, last
-    traced = {(r, name): estimate(build(r), run(name), hw) for r in roles for name in layers + (vocab if r == 0 else ())}
+    traced = {(r, name): estimate(build(r), run(name), hw)
+              for r in roles for name in layers + (vocab if r == 0 else ())}
     return [{**{name: traced[(r if r in roles else 1, name)] for name in layers},
              **{name: traced[(0, name)] for name in vocab}} for r in range(p)]
 
@@ -484,9 +486,12 @@ def _trace_comm(w: vp.Workload, p: int, hw) -> dict[int, list]:
             return st, (vp.t_pass(st, weight, 1.0, alg) if alg == 1 else None)  # Algorithm 1's dX_i
         return made
 
-    def c0_and_dx(st, dx_i) -> None:
+    def c0_and_dx(st: vp.SState, dx_i: torch.Tensor | None) -> None:
         vp.c0(st)
-        vp.dx_fused(st, 1.0) if dx_i is None else dist.all_reduce(dx_i)
+        if dx_i is None:
+            vp.dx_fused(st, 1.0)
+        else:
+            dist.all_reduce(dx_i)  # C1
 
     bcast = estimate(lambda: torch.empty(N, D, dtype=torch.bfloat16), lambda x: dist.broadcast(x, src=p - 1), hw,
                      world_size=p)
@@ -495,6 +500,7 @@ def _trace_comm(w: vp.Workload, p: int, hw) -> dict[int, list]:
 
 @contextlib.contextmanager
 def _default_dtype(dtype: torch.dtype):
+    """Factories (``torch.empty``, ``randn``, a module's parameters) make ``dtype`` inside."""
     before = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -503,9 +509,9 @@ def _default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(before)
 
 
-def _retimed(est, hw) -> float:
+def _retimed(est, hw: Cluster) -> float:
     """``est``'s step with its kernels and collectives timed on ``hw`` (a perturbed copy of the cluster it was
-    traced on: the same ops, other rates)."""
+    traced on: the same ops, other rates; each collective over the whole fake group, ranks 0..n-1, as traced)."""
     import dataclasses
 
     from toolkit.runtime import collectives
