@@ -203,7 +203,8 @@ def test_the_pipeline_benchmark_bar_climbs_once_through_every_schedule():
     cfg = {"preset": "smoke", "n_layer": 4, "m": 4, "micro_batch": 2, "rounds": 2, "warmup": 1, "steps": 1,
            "schedules": ["gpipe", "1f1b"]}
     fractions, states = _recorded_launch("benchmarks.bench_pipeline:rank_main", cfg)
-    assert len(fractions) >= 4 and fractions == sorted(fractions), fractions
+    # a rank reports at most every 0.2 s: on an idle machine this run makes three reports (start, each schedule)
+    assert len(fractions) >= 3 and fractions == sorted(fractions), fractions
     _full_only_at_the_end(fractions, states, last_phase=0, last_piece="1f1b")
     first = [f for f, s in zip(fractions, states) if s["message"].startswith("gpipe")]
     assert first and max(first) <= 0.5  # the first of two schedules stays within its half
