@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/bench_shapes.py
 
-Target (the real-shapes issue): a 13B model's step at pp x dp = 24 ranks on the emulated cluster in <= 60 s of wall
+Target: a 13B model's step at pp x dp = 24 ranks on the emulated cluster in <= 60 s of wall
 time on 2 cores. Timed here from cold caches: ``toolkit.planner_check.configuration_seconds`` for Llama-2-13B on
 24 A100s (pp 8 x dp 3, 1F1B, 64 micro-batches of one 2048-token sequence), which traces one layer, the embedding
 and the head at their true shapes with fake tensors (``toolkit.runtime.shapes``) and simulates the pipeline with
