@@ -37,7 +37,8 @@ from toolkit.runtime.shapes import Estimate, estimate
 from .gpt import GPT, GPTConfig, lm_loss
 
 BOUND = 0.15
-"""Allowed |emulated / published − 1| of a whole step's tokens/s per GPU (our bound for a whole step: the GEMM and collective rows' ±15 %)."""
+"""Allowed |emulated / published − 1| of a whole step's tokens/s per GPU: the bound the GEMM and collective rows
+of the calibration are held to."""
 
 
 @dataclass(frozen=True)
