@@ -376,8 +376,8 @@ def test_the_band_re_times_what_a_trace_on_the_perturbed_cluster_gives(traced):
     mine = lesson._trace_comm(PAPER, 8, A100)
     for alg in vp.ALGORITHMS:
         for est, est_slow in zip(mine[alg], again[alg]):
-            assert lesson._retimed(est, slow) == pytest.approx(est_slow.step_s, rel=1e-12)
-            assert lesson._retimed(est, A100) == pytest.approx(est.step_s, rel=1e-12)
+            assert est.on(slow).step_s == pytest.approx(est_slow.step_s, rel=1e-12)
+            assert est.on(A100).step_s == pytest.approx(est.step_s, rel=1e-12)
     assert [c["op"] for c in mine[2][1].comms] == ["all_reduce"] * 3
     assert [c["op"] for c in mine[2][0].comms] == ["broadcast"] and mine[2][0].comms[0]["link"] == A100.intra.name
     assert traced[256_000]["comm"][2] == max(e.step_s for e in mine[2])

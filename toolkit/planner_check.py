@@ -31,7 +31,7 @@ from toolkit.pipeline.schedule import Action, make_schedule
 from toolkit.pipeline.simulate import simulate
 from toolkit.runtime import collectives
 from toolkit.runtime.cluster import Cluster
-from toolkit.runtime.shapes import estimate
+from toolkit.runtime.shapes import default_dtype, estimate
 
 
 def _forward_backward(build, forward, hw: Cluster, world_size: int = 1) -> tuple[float, float, float]:
@@ -61,11 +61,8 @@ def unit_seconds(model, hw: Cluster, seq_len: int, tp: int, micro_batch: int) ->
     shape = (micro_batch, seq_len)
 
     def layer():
-        torch.set_default_dtype(torch.bfloat16)  # made in bf16 (a fake module cannot be converted after)
-        try:
+        with default_dtype(torch.bfloat16):
             block = Block(cfg)
-        finally:
-            torch.set_default_dtype(torch.float32)
         if tp > 1:
             tensor_parallel_block(block, new_group(list(range(tp))))
         return block, torch.empty(*shape, model.hidden, dtype=torch.bfloat16, requires_grad=True)

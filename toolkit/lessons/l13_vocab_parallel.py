@@ -22,7 +22,6 @@
 """
 from __future__ import annotations
 
-import contextlib
 import statistics
 import time
 
@@ -426,8 +425,8 @@ def true_shapes(w: vp.Workload = PAPER, p: int = PAPER_P, m: int = PAPER_M, hw: 
     passes, comm = _trace_passes(w, p, hw), _trace_comm(w, p, hw)
 
     def on(c, schedules: dict | None = None) -> dict:
-        times = [{"times": {name: _retimed(est, c) for name, est in rank.items()}} for rank in passes]
-        waits = {alg: max(_retimed(e, c) for e in comm[alg]) for alg in vp.ALGORITHMS}
+        times = [{"times": {name: est.on(c).step_s for name, est in rank.items()}} for rank in passes]
+        waits = {alg: max(e.on(c).step_s for e in comm[alg]) for alg in vp.ALGORITHMS}
         rows = {alg: measured_rows(times, alg) for alg in vp.ALGORITHMS}  # (baseline, vocab) per-stage F, B, S, T
         sims = {alg: vp.simulate_layouts(*rows[alg], m, alg, waits[alg], schedule=schedules and schedules[alg])
                 for alg in vp.ALGORITHMS}
@@ -445,20 +444,20 @@ def true_shapes(w: vp.Workload = PAPER, p: int = PAPER_P, m: int = PAPER_M, hw: 
 def _trace_passes(w: vp.Workload, p: int, hw) -> list[dict]:
     """Per rank, ``_passes``' every pass for one micro-batch of ``w``, each traced on its own (``estimate``)."""
     from toolkit.models.gpt import GPT, GPTConfig
-    from toolkit.runtime.shapes import estimate
+    from toolkit.runtime.shapes import default_dtype, estimate
     cfg = GPTConfig(vocab_size=w.model.vocab, seq_len=w.seq_len, n_layer=w.layers, n_head=w.heads,
                     d_model=w.hidden, d_ff=w.model.ffn)
 
     def build(r: int):
         def made() -> dict:
-            with _default_dtype(torch.bfloat16):  # made in bf16 (a fake module cannot be converted after)
+            with default_dtype(torch.bfloat16):  # made in bf16 (a fake module cannot be converted after)
                 idx = torch.zeros(w.micro_batch, w.seq_len, dtype=torch.long)  # ids and targets: values unread
                 return _passes(GPT(cfg), idx, idx, r, p)
         return made
 
     def run(name: str):
         def step(fns: dict) -> None:
-            with _default_dtype(torch.bfloat16):  # the inputs a pass makes (blocks_F's h) in bf16 too
+            with default_dtype(torch.bfloat16):  # the inputs a pass makes (blocks_F's h) in bf16 too
                 fns[name]()
         return step
 
@@ -496,29 +495,3 @@ def _trace_comm(w: vp.Workload, p: int, hw) -> dict[int, list]:
     bcast = estimate(lambda: torch.empty(N, D, dtype=torch.bfloat16), lambda x: dist.broadcast(x, src=p - 1), hw,
                      world_size=p)
     return {alg: [bcast, estimate(state(alg), c0_and_dx, hw, world_size=p)] for alg in vp.ALGORITHMS}
-
-
-@contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype):
-    """Factories (``torch.empty``, ``randn``, a module's parameters) make ``dtype`` inside."""
-    before = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(before)
-
-
-def _retimed(est, hw: Cluster) -> float:
-    """``est``'s step with its kernels and collectives timed on ``hw`` (a perturbed copy of the cluster it was
-    traced on: the same ops, other rates; each collective over the whole fake group, ranks 0..n-1, as traced)."""
-    import dataclasses
-
-    from toolkit.runtime import collectives
-    from toolkit.runtime.efficiency import kernel_seconds
-    g = hw.gpu
-    kernels = [(name, k, kernel_seconds(k, g.bf16_flops, g.hbm_bytes_per_s, g.sms, g.efficiency))
-               for name, k, _ in est.kernels]
-    comms = [{**c, "seconds": collectives.seconds(hw, c["op"], list(range(c["ranks"])), c["ranks"],
-                                                  c["sent_bytes"])[0]} for c in est.comms]
-    return dataclasses.replace(est, kernels=kernels, comms=comms, host_op_s=g.efficiency.host_op_s).step_s

@@ -29,6 +29,8 @@ training runs).
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import weakref
 from collections import Counter
 from dataclasses import dataclass, field
@@ -120,12 +122,41 @@ class Estimate:
     def flops(self) -> float:
         return sum(k.flops for _, k, _ in self.kernels)
 
+    def on(self, cluster: str | Cluster) -> "Estimate":
+        """The same step timed on another cluster (other rates, the same ops): each kernel on its GPU, each
+        collective on the link its group spans there; what tracing again on ``cluster`` would give."""
+        c = make_cluster(cluster)
+        kernels = [(name, k, _kernel_s(c.gpu, k)) for name, k, _ in self.kernels]
+        comms = []
+        for x in self.comms:
+            secs, protocol, link = collectives.seconds(c, x["op"], x["group"], x["world"], x["sent_bytes"])
+            comms.append({**x, "seconds": secs, "protocol": protocol, "link": link.name})
+        return dataclasses.replace(self, gpu=c.gpu.name, kernels=kernels, comms=comms,
+                                   host_op_s=c.gpu.efficiency.host_op_s)
+
     def by_kind(self) -> dict[str, float]:
         """Modelled seconds per kernel kind (gemm, attention, memory)."""
         out: Counter = Counter()
         for _, k, s in self.kernels:
             out[k.kind] += s
         return dict(out)
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype):
+    """Factories (``torch.empty``, a module's parameters) make ``dtype`` inside: how a ``build`` makes a model in
+    bf16, since a module of fake tensors cannot be converted after it is made."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
+
+
+def _kernel_s(gpu, k: Kernel) -> float:
+    """One kernel's seconds on ``gpu`` at a training step's rates (``efficiency.kernel_seconds``)."""
+    return kernel_seconds(k, gpu.bf16_flops, gpu.hbm_bytes_per_s, gpu.sms, gpu.efficiency)
 
 
 class RealShapes(TorchDispatchMode):
@@ -169,9 +200,7 @@ class RealShapes(TorchDispatchMode):
         # metadata queries (prim.device, sizes) return no tensor: no kernel; in-place ones (a fused optimizer) do
         if kind.timed and (_tensors_in(out) or func._schema.is_mutable):
             k = kind.kernel(args, kwargs, out, 0)  # every tensor at its own dtype's size
-            g = self.gpu
-            self.est.kernels.append((kind.name, k, kernel_seconds(k, g.bf16_flops, g.hbm_bytes_per_s, g.sms,
-                                                                   g.efficiency)))
+            self.est.kernels.append((kind.name, k, _kernel_s(self.gpu, k)))
         return out
 
 
@@ -201,8 +230,9 @@ class _CommClock:
     def _time(self, op: str, group, sent: float, peers=None):
         ranks = peers or dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
         secs, protocol, link = collectives.seconds(self.cluster, op, ranks, self.world, sent)
-        self.est.comms.append({"op": op, "ranks": len(ranks), "sent_bytes": sent, "link": link.name,
-                               "protocol": protocol, "seconds": secs, "at": len(self.est.kernels)})
+        self.est.comms.append({"op": op, "ranks": len(ranks), "group": list(ranks), "world": self.world,
+                               "sent_bytes": sent, "link": link.name, "protocol": protocol, "seconds": secs,
+                               "at": len(self.est.kernels)})
 
     def on_collective(self, name, group, sent, args, kwargs, out, is_async, tag):
         self._time(name, group, sent)
