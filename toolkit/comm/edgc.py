@@ -46,6 +46,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from toolkit.quant import all_finite
 from toolkit.runtime import compat
 
 
@@ -144,7 +145,7 @@ class PowerSGDReducer:
     # ---- one bucket ------------------------------------------------------------------------------
     def _reduce_bucket(self, b: _Bucket, grads: list[torch.Tensor]) -> None:
         flat = torch.cat([g.reshape(-1) for g in grads])  # x [N] = g (+ e), in bucket order
-        if not bool(torch.isfinite(flat).all()):
+        if not all_finite(flat):  # one pass over the bucket (the host reads the flag)
             raise ValueError("gradient holds NaN/Inf values; refusing to compress and all-reduce it")
         world = dist.get_world_size(self.group)
         if b.error is not None:

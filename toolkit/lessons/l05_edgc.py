@@ -506,3 +506,65 @@ def invariants(ctx, cfg: dict) -> dict:
     except RuntimeError as exc:
         out["disagreement_error"] = str(exc)
     return out
+
+
+# ---- the paper's settings at their true shapes (``toolkit.lessons.dp_true_shapes``) -------------------------------
+PAPER_RUNS = {"GPT2-2.5B": (54, 1920, 20, "a100-ib200", 32), "GPT2-12.1B": (60, 4096, 32, "h100-ib400", 64)}
+"""The paper's two runs: (layers, hidden, heads, the nearest preset, GPUs). GPT2-2.5B as Megatron-LM's 2.5B GPT-2
+(Shoeybi et al. 2019, Table 2: 54 layers of hidden 1920, 20 heads); the paper gives the 12.1B only by its size:
+60 layers of hidden 4096 assumed (12.3B by 12·L·h² + V·h). Sequence 1024 and the GPT-2 vocabulary padded to
+50688 (Megatron's multiple of 128·tp). No V100 preset: its 32 GPUs run on the A100 preset (the V100 has no bf16
+and about a third of the A100's tensor-core rate: the compute here is faster than the paper's, which shrinks the
+compute a step hides its sync behind). The 64 H100 on the H100 preset."""
+TRUE_GLOBAL_BATCH = 64
+"""Sequences per optimizer step the verdicts are judged at (one micro-batch each): the paper does not give it,
+this is the middle of the extrapolation's sweep (``PAPER_GLOBAL_BATCH``)."""
+
+
+def paper_setting(name: str, global_batch: int = TRUE_GLOBAL_BATCH, hw: str | None = None):
+    """The paper's run ``name`` (``PAPER_RUNS``) split tp = ``PAPER_TP`` by pp = ``PAPER_PP``, on ``hw`` (None:
+    the nearest preset), as a ``dp_true_shapes.Setting``."""
+    from toolkit.lessons.dp_true_shapes import Setting
+    from toolkit.models.catalog import gpt
+    from toolkit.runtime.cluster import cluster as make_cluster
+    layers, hidden, heads, preset, gpus = PAPER_RUNS[name]
+    dp = gpus // (PAPER_TP * PAPER_PP)
+    if global_batch % dp:
+        raise ValueError(f"global_batch={global_batch} must be a multiple of dp={dp}")
+    model = gpt(name, layers, hidden, 50688, 1024, heads=heads)
+    return Setting(f"{name} on {gpus} GPUs", model, gpus, PAPER_TP, PAPER_PP, 1, global_batch // dp,
+                   make_cluster(hw or preset))
+
+
+def true_shapes(name: str = "GPT2-12.1B", rank: int = 4, global_batch: int = TRUE_GLOBAL_BATCH,
+                hw: str | None = None) -> dict:
+    """The paper's run ``name`` at its true shapes, plain all-reduce against PowerSGD at ``rank`` (what EDGC's
+    controller settled on in the toy's run): the traced compute, and after it this lesson's own update on one DP
+    group's fake process group: ``_plain_sync`` (one flat all-reduce) or ``PowerSGDReducer`` (P = MQ, all-reduces
+    of the vectors, P and Q, the orthogonalisation, M̂ = PQᵀ, error feedback) over the gradients one GPU holds
+    (the cost model's shapes, ``compressed_dp.gpu_matrices``; fp32, as the toy's); AdamW after it. The entropy
+    sampling (every few steps, on a fraction of the elements) and the rank decisions are left out."""
+    from toolkit.comm.compressed_dp import gpu_matrices
+    from toolkit.lessons import dp_true_shapes as ts
+    from toolkit.models.catalog import Workload
+    s = paper_setting(name, global_batch, hw)
+    shapes, vectors = gpu_matrices(Workload(s.model), s.tp, s.pp)
+
+    def params() -> list[torch.nn.Parameter]:
+        out = [torch.nn.Parameter(torch.empty(shape)) for shape in shapes + [(vectors,)]]
+        for p in out:
+            p.grad = torch.empty_like(p)
+        return out
+
+    def update(r: int | None):
+        def build():
+            ps = params()
+            return _plain_sync(ps) if r is None else PowerSGDReducer([ps], [r]).reduce_
+        return build, lambda sync: sync(0) if r is None else sync()
+
+    def optimizer():
+        opt = torch.optim.AdamW(params(), foreach=True)
+        opt.step()  # a step in steady state: AdamW's moments exist (untimed)
+        return opt
+
+    return ts.true_shapes(s, {"baseline": update(None), "edgc": update(rank)}, (optimizer, lambda opt: opt.step()))

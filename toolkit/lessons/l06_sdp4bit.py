@@ -393,3 +393,59 @@ def invariants(ctx, cfg: dict) -> dict:
     except ValueError as exc:
         out["nan_error"] = str(exc)
     return out
+
+
+# ---- the paper's settings at their true shapes (``toolkit.lessons.dp_true_shapes``) -------------------------------
+PAPER_MODELS = {"1.3B": (24, 2048, 16), "2.7B": (32, 2560, 32), "6.7B": (32, 4096, 32), "13B": (40, 5120, 40),
+                "18B": (40, 6144, 48)}
+"""The speed runs' GPTs (layers, hidden, heads; github.com/jindajia/SDP4Bit README's model cards, the 13B's and
+18B's as Megatron-LM's, ``catalog.get("gpt-18b")``): a GELU MLP of 4·hidden, sequence 2048, the GPT-2 vocabulary
+padded to 51200."""
+PAPER_CLUSTERS = {"h800": ("h100-ib400", 8, 128), "a100": ("a100-ib200", 4, 64)}
+"""The paper's two clusters: (the nearest preset, GPUs per node, GPUs). 16 nodes of 8 H800 on InfiniBand: no H800
+preset, the H100 SXM's stands in (an H800 has its compute, with slower NVLink; neither is calibrated here). 16
+nodes of 4 A100 on Slingshot: the A100 preset's InfiniBand HDR NIC stands in for Slingshot's (not calibrated to
+it), one per GPU."""
+PAPER_SPLIT = {"h800": {"1.3B": (1, 1), "2.7B": (1, 1), "6.7B": (4, 1), "13B": (8, 1), "18B": (8, 1)},
+               "a100": {"1.3B": (1, 1), "2.7B": (1, 1), "6.7B": (4, 1), "13B": (4, 2), "18B": (4, 2)}}
+"""(tp, pp) of each speed run (the README's table), one micro-batch of one sequence per step (accumulation 1;
+micro-batch 1 as the speed scripts set it: hpdps-group/SDP4Bit's copy of 6_7B_Baseline.sh)."""
+PAPER_SPEEDUPS = {("h800", "1.3B"): 1.53, ("h800", "18B"): 4.08}
+"""The end-to-end speed-ups the paper states per model (H800); on A100 it states only the range 2.39-3.44x."""
+
+
+def paper_setting(size: str, where: str = "h800", hw: str | Cluster | None = None):
+    """The paper's speed run of the ``size`` GPT on cluster ``where`` (``PAPER_CLUSTERS``), on ``hw`` (None: the
+    nearest preset), as a ``dp_true_shapes.Setting``."""
+    from toolkit.lessons.dp_true_shapes import Setting
+    from toolkit.models.catalog import gpt
+    from toolkit.runtime.cluster import cluster as make_cluster
+    preset, per_node, gpus = PAPER_CLUSTERS[where]
+    layers, hidden, heads = PAPER_MODELS[size]
+    tp, pp = PAPER_SPLIT[where][size]
+    model = gpt(f"GPT {size}", layers, hidden, 51200, 2048, heads=heads)
+    return Setting(f"GPT {size} on {gpus} {where.upper()}", model, gpus, tp, pp, 1, pp,
+                   make_cluster(hw or preset, gpus_per_node=per_node))
+
+
+def true_shapes(size: str = "18B", where: str = "h800", hw: str | Cluster | None = None,
+                modes: tuple[str, ...] = MATCHED_MODES) -> dict:
+    """The paper's speed run (``paper_setting``) per mode at its true shapes: the traced compute, and this lesson's
+    ``ShardedDP`` in that mode run on the fake process group of one DP group (``nodes`` = dp / ranks of it per
+    node): reduce-scatter (bf16, or TLq-HS's quantize, all-to-alls, dequantize), AdamW on the master shard, the
+    weights' all-gather (bf16, or qWD's). ``dp_true_shapes.true_shapes`` says what is traced and left out."""
+    from toolkit.lessons import dp_true_shapes as ts
+    s = paper_setting(size, where, hw)
+    elements = s.model.params() // (s.tp * s.pp)  # this GPU's share of the parameters
+    nodes = s.dp // s.per_node
+
+    def update(mode: str):
+        def build() -> ShardedDP:
+            holder = torch.nn.Module()
+            holder.w = torch.nn.Parameter(torch.empty(elements))  # the flat buffer is all ShardedDP reads
+            sdp = ShardedDP(holder, SDPConfig(**MODES[mode], nodes=nodes), make_topology(nodes), lr=1e-4)
+            sdp.apply(torch.zeros_like(sdp.master))  # a step in steady state: AdamW's moments exist (untimed)
+            return sdp
+        return build, lambda sdp: sdp.step(0)
+
+    return ts.true_shapes(s, {mode: update(mode) for mode in modes})

@@ -219,9 +219,14 @@ class FusedKernel:
 def fused_kernel(name: str, kind: str) -> Iterator[FusedKernel]:
     """The ops inside stand for the one kernel a GPU runs for them (a Triton kernel, flash attention on packed
     sequences): on the emulated cluster, where it times this thread, they go untimed and the block is charged
-    as that kernel (``kind``: ``gemm``, ``attention`` or ``memory``; ``Emulator.compute``); elsewhere they run as
-    they are."""
-    emu, kernel = current(), FusedKernel()
+    as that kernel (``kind``: ``gemm``, ``attention`` or ``memory``; ``Emulator.compute``); in a step traced at
+    true shapes (``shapes.estimate``) likewise; elsewhere they run as they are."""
+    from .shapes import tracing
+    emu, kernel, trace = current(), FusedKernel(), tracing()
+    if trace is not None:
+        with trace.fused(name, kind, kernel):
+            yield kernel
+        return
     if emu is None or not emu.timing:
         yield kernel
         return

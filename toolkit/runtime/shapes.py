@@ -15,13 +15,16 @@ that runs the toy. With ``world_size > 1`` the process is one rank of a job on t
 (collectives return at once, no data): the comm ledger counts each collective's bytes at the true shapes and
 ``toolkit.runtime.collectives`` times it on the group's link, as the emulated cluster does. One process stands
 for every rank (a symmetric job: tensor- or data-parallel layers). How its collectives meet its kernels is
-``overlap`` (``OVERLAPS``): every one exposed, or FSDP's schedule, where each all-gather is prefetched during the
-layer before and the gradients' reductions run behind the backward::
+``overlap`` (``OVERLAPS``): every one exposed; FSDP's schedule, where each all-gather is prefetched during the
+layer before and the gradients' reductions run behind the backward; or DDP's, whose reductions run behind the
+backward and whose (ZeRO) all-gather of the updated weights waits for them::
 
     overlap="none"   kernels ─AG─ kernels ─RS─ kernels          the step: kernels + every collective
     overlap="fsdp"   compute  L1 L2 L3 ... B3 B2 B1             the step: the compute, the first all-gather,
                      gathers AG2 AG3 ...  AG2 AG1                what a layer's own could not hide, the last
                      reduce              RS3 RS2 RS1             reduction
+    overlap="ddp"    compute  L1 L2 L3 ... B3 B2 B1 Adam         DDP / ZeRO-1, -2: the reductions behind the
+                     reduce              RS3 RS2 RS1 ──AG        backward, the weights' all-gather after them
 
 On CPU, FSDP2 and DDP issue their collectives synchronously, so the program cannot show its overlap here: the
 schedule is declared. A model, not a measurement (``toolkit.models.real_runs`` checks it against published
@@ -44,11 +47,13 @@ from . import collectives
 from .cluster import Cluster, cluster as make_cluster
 from .efficiency import Kernel, kernel_seconds
 from .ledger import CommLedger
-from .opcost import OpKind, _flop_formulas
+from .opcost import OpKind, _bytes, _flop_formulas, _tensors
 
 
-OVERLAPS = ("none", "fsdp")
-"""``none``: every collective exposed (a bulk schedule); ``fsdp``: all-gathers one ahead, reductions behind."""
+OVERLAPS = ("none", "fsdp", "ddp")
+"""``none``: every collective exposed (a bulk schedule); ``fsdp``: all-gathers one ahead, reductions behind;
+``ddp``: reductions behind the backward, every all-gather after them, exposed (ZeRO-1/2 gather the updated
+weights once the optimizer has them)."""
 
 
 @dataclass
@@ -101,8 +106,10 @@ class Estimate:
                 start = max(prefetch_from, gathers_free)  # issued one all-gather early: during the layer before
                 prefetch_from, gathers_free = t, start + c["seconds"]
                 t = max(t, gathers_free)  # the layer's kernels need its parameters
-            elif self.overlap == "fsdp" and c["op"] in ("reduce_scatter_tensor", "reduce_scatter", "all_reduce"):
+            elif self.overlap != "none" and c["op"] in ("reduce_scatter_tensor", "reduce_scatter", "all_reduce"):
                 reductions_free = max(t, reductions_free) + c["seconds"]  # gradients: waited for at the end
+            elif self.overlap == "ddp":  # after every reduction (the optimizer's input), nothing to hide it
+                t = max(t, reductions_free) + c["seconds"]
             else:
                 t = max(t, gathers_free) + c["seconds"]
         return max(t + ends[-1] - ends[done], gathers_free, reductions_free)
@@ -159,15 +166,40 @@ def _kernel_s(gpu, k: Kernel) -> float:
     return kernel_seconds(k, gpu.bf16_flops, gpu.hbm_bytes_per_s, gpu.sms, gpu.efficiency)
 
 
+_TRACING: list["RealShapes"] = []
+"""The trace in progress on this process (``estimate`` pushes it): ``fused`` charges its fused kernels."""
+
+
+def tracing() -> "RealShapes | None":
+    """The trace ``estimate`` is running, or None."""
+    return _TRACING[-1] if _TRACING else None
+
+
 class RealShapes(TorchDispatchMode):
     """Times every ATen op it sees on ``cluster``'s GPU (``opcost`` + ``efficiency``); used under FakeTensorMode
-    by ``estimate``. Floating-point tensors count their own dtype's bytes (the program runs at the real dtype)."""
+    by ``estimate``. Floating-point tensors count their own dtype's bytes (the program runs at the real dtype).
+    Inside ``fused`` (what ``portable.fused_kernel`` opens) the ops go untimed and the block is one kernel, as on
+    the emulated cluster."""
 
     def __init__(self, cluster: Cluster, est: Estimate, seen: set[int]):
         super().__init__()
         self.gpu, self.est = cluster.gpu, est
         self.formulas, self.kinds = _flop_formulas(), {}
         self.seen, self.live = seen, est.static_bytes  # storages counted (by id), bytes alive
+        self.untimed = 0  # > 0 inside a fused kernel's block
+
+    @contextlib.contextmanager
+    def fused(self, name: str, kind: str, kernel):
+        """The ops inside stand for one kernel: ``kernel.cost()`` (``portable.FusedKernel``) gives its FLOPs,
+        the tensors it reads and writes once (each at its own dtype's bytes) and its dims."""
+        self.untimed += 1
+        try:
+            yield kernel
+        finally:
+            self.untimed -= 1
+        flops, tensors, dims = kernel.cost()
+        k = Kernel(kind, float(flops), float(_bytes(_tensors(tensors), 0)), tuple(dims))
+        self.est.kernels.append((name, k, _kernel_s(self.gpu, k)))
 
     def _track(self, out) -> None:
         """Count each new storage an op returns until it is freed (views and in-place ops return one seen)."""
@@ -198,7 +230,7 @@ class RealShapes(TorchDispatchMode):
         if kind is None:
             kind = self.kinds[func] = OpKind(func, self.formulas)
         # metadata queries (prim.device, sizes) return no tensor: no kernel; in-place ones (a fused optimizer) do
-        if kind.timed and (_tensors_in(out) or func._schema.is_mutable):
+        if kind.timed and not self.untimed and (_tensors_in(out) or func._schema.is_mutable):
             k = kind.kernel(args, kwargs, out, 0)  # every tensor at its own dtype's size
             self.est.kernels.append((kind.name, k, _kernel_s(self.gpu, k)))
         return out
@@ -246,6 +278,13 @@ class _CommClock:
     def on_recv(self, name, group, args, kwargs, out, is_async, tag):
         return out  # the sender's side timed the transfer
 
+    def on_batch(self, p2p_ops, works, tag):
+        """``batch_isend_irecv``: each send timed as one (the receives are their other ends)."""
+        for p in p2p_ops:
+            if getattr(p.op, "__name__", "") == "isend":
+                self._time("send", p.group, p.tensor.numel() * p.tensor.element_size(), [dist.get_rank(), p.peer])
+        return works
+
 
 def estimate(build: Callable[[], Any], step: Callable[..., Any], cluster: str | Cluster = "h100-ib400",
              world_size: int = 1, rank: int = 0, overlap: str = "none") -> Estimate:
@@ -285,8 +324,12 @@ def estimate(build: Callable[[], Any], step: Callable[..., Any], cluster: str | 
             est.static_bytes = est.peak_bytes = sum(seen.values())
             if ledger is not None:
                 ledger.observer = _CommClock(c, est, world_size)
-            with RealShapes(c, est, set(seen)):
-                step(*built) if isinstance(built, tuple) else step(built)
+            with RealShapes(c, est, set(seen)) as mode:
+                _TRACING.append(mode)
+                try:
+                    step(*built) if isinstance(built, tuple) else step(built)
+                finally:
+                    _TRACING.pop()
     finally:
         if ledger is not None:
             ledger.uninstall()
