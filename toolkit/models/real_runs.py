@@ -31,11 +31,13 @@ import torch
 import torch.distributed as dist
 
 from toolkit.runtime.calibration import Check, load
-from toolkit.runtime.cluster import cluster
-from toolkit.runtime.shapes import Estimate, estimate
+from toolkit.runtime.cluster import Cluster, cluster
+from toolkit.runtime.shapes import Estimate, default_dtype, estimate
 
 from .gpt import GPT, GPTConfig, lm_loss
 
+SHARDINGS = ("fsdp", "ddp-zero1", "zero2")
+"""How ``Run.sharding`` may split the model and its optimizer across the data-parallel ranks."""
 BOUND = 0.15
 """Allowed |emulated / published − 1| of a whole step's tokens/s per GPU: the bound the GEMM and collective rows
 of the calibration are held to."""
@@ -58,11 +60,19 @@ class Run:
     heads: int
     vocab: int
     sharding: str
-    """``fsdp`` (FSDP2 FULL_SHARD, bf16 compute, fp32 reductions) or ``ddp-zero1`` (autocast bf16, fp32 gradients
-    all-reduced as they are ready, AdamW on this rank's 1/gpus of the parameters, then an all-gather of them)."""
-    preset: str
+    """``fsdp`` (FSDP2 FULL_SHARD, bf16 compute, reductions in ``reduce_dtype``), ``ddp-zero1`` (autocast bf16, fp32 gradients
+    all-reduced as they are ready, AdamW on this rank's 1/gpus of the parameters, then an all-gather of them) or
+    ``zero2`` (DeepSpeed's ZeRO-2 in bf16: bf16 weights, each bf16 gradient reduce-scattered as it is ready and
+    freed, AdamW on this rank's fp32 master 1/gpus, then an all-gather of the bf16 weights)."""
+    preset: str | Cluster
     config: str
     """Where the shapes, the micro-batch and the sharding come from."""
+    accumulation_steps: int = 0
+    """Micro-batches per optimizer step on each GPU; 0: the published row's (``accumulation``)."""
+    reduce_dtype: torch.dtype = torch.float32
+    """``fsdp``: the dtype its gradients are reduced in (FSDP2's ``MixedPrecisionPolicy.reduce_dtype``)."""
+    device_optimizer: bool = True
+    """False: the optimizer runs off the device (offloaded; its time is not in the step timed here)."""
 
     def row(self) -> tuple[int, dict]:
         """(index, row) of this run in ``data/published/training.csv``."""
@@ -75,7 +85,10 @@ class Run:
         return hits[0]
 
     def accumulation(self) -> int:
-        """Micro-batches per optimizer step on each GPU: global batch / (GPUs · micro-batch)."""
+        """Micro-batches per optimizer step on each GPU: ``accumulation_steps``, or the row's global batch /
+        (GPUs · micro-batch)."""
+        if self.accumulation_steps:
+            return self.accumulation_steps
         return int(self.row()[1]["global_batch"]) // (self.gpus * self.micro_batch)
 
 
@@ -113,21 +126,26 @@ def _build(run: Run):
     from torch._subclasses.fake_tensor import unset_fake_temporarily
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    model = GPT(GPTConfig(vocab_size=run.vocab, seq_len=run.seq_len, n_layer=run.layers, n_head=run.heads,
-                          d_model=run.hidden))
+    if run.sharding not in SHARDINGS:
+        raise ValueError(f"sharding={run.sharding!r} must be one of {SHARDINGS}")
+    with default_dtype(torch.bfloat16 if run.sharding == "zero2" else torch.float32):
+        model = GPT(GPTConfig(vocab_size=run.vocab, seq_len=run.seq_len, n_layer=run.layers, n_head=run.heads,
+                              d_model=run.hidden))
     tokens = torch.randint(0, run.vocab, (run.micro_batch, run.seq_len))  # [B,T]
     if run.sharding == "fsdp":
         with unset_fake_temporarily():  # the mesh's set-up computes (its ranks); fake tensors cannot
             mesh = init_device_mesh("cpu", (run.gpus,))
-        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=run.reduce_dtype)
         for block in model.blocks:
             fully_shard(block, mesh=mesh, mp_policy=policy)
         fully_shard(model, mesh=mesh, mp_policy=policy)
         params, shard = list(model.parameters()), None
     else:
-        flat = sum(p.numel() for p in model.parameters())
-        shard = torch.zeros(math.ceil(flat / run.gpus), requires_grad=True)  # ZeRO-1: this rank's 1/gpus, fp32
+        flat = sum(_piece(p, run.gpus) for p in model.parameters())
+        shard = torch.zeros(flat, requires_grad=True)  # ZeRO-1, -2: this rank's 1/gpus, fp32
         params = [shard]
+    if not run.device_optimizer:
+        return model, tokens, None, shard
     optimizer = torch.optim.AdamW(params, fused=True)
     for p in params:  # a step in steady state: the optimizer's moments exist already (untimed)
         p.grad = torch.zeros_like(p)
@@ -136,24 +154,40 @@ def _build(run: Run):
     return model, tokens, optimizer, shard
 
 
+def _piece(p: torch.Tensor, gpus: int) -> int:
+    """Elements of ``p`` one rank owns when ZeRO splits it ``gpus`` ways (the last rank's padded)."""
+    return math.ceil(p.numel() / gpus)
+
+
+def _reduce_scatter(p: torch.Tensor, gpus: int) -> None:
+    """ZeRO-2's hook: ``p``'s gradient summed across ranks into this rank's piece, the full gradient freed."""
+    piece = p.grad.new_empty(_piece(p, gpus))
+    flat = torch.nn.functional.pad(p.grad.flatten(), (0, piece.numel() * gpus - p.numel()))
+    dist.reduce_scatter_tensor(piece, flat)
+    p.grad = None
+
+
 def _step(run: Run, accumulation: int):
     """One optimizer step: ``accumulation`` forward/backward passes, the gradients' reductions, the optimizer."""
+    reduce = {"ddp-zero1": lambda p: dist.all_reduce(p.grad), "zero2": lambda p: _reduce_scatter(p, run.gpus)}
+
     def step(model, tokens, optimizer, shard):
         handles = []
         for i in range(accumulation):
             last = i == accumulation - 1
             if shard is not None and last:  # DDP reduces only the last micro-batch's gradients, as each is ready
-                handles = [p.register_post_accumulate_grad_hook(lambda p: dist.all_reduce(p.grad))
-                           for p in model.parameters()]
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=shard is not None):
+                handles = [p.register_post_accumulate_grad_hook(reduce[run.sharding]) for p in model.parameters()]
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=run.sharding == "ddp-zero1"):
                 loss = lm_loss(model(tokens), tokens) / accumulation
             loss.backward()
         for h in handles:
             h.remove()
-        optimizer.step()
-        if shard is not None:  # ZeRO-1: every rank gathers the updated parameters
-            full = shard.new_empty(shard.numel() * run.gpus)
-            dist.all_gather_into_tensor(full, shard.detach())
+        if optimizer is not None:
+            optimizer.step()
+        if shard is not None:  # ZeRO-1, -2: every rank gathers the updated parameters (bf16 ones for ZeRO-2)
+            weights = shard.detach() if run.sharding == "ddp-zero1" else shard.detach().to(torch.bfloat16)
+            full = weights.new_empty(weights.numel() * run.gpus)
+            dist.all_gather_into_tensor(full, weights)
     return step
 
 
@@ -162,7 +196,7 @@ def time_run(run: Run) -> Estimate:
     """The run's optimizer step at its true shapes on its preset, one fake rank of ``run.gpus``."""
     accumulation = run.accumulation()
     return estimate(lambda: _build(run), _step(run, accumulation), run.preset, world_size=run.gpus,
-                    overlap="fsdp")
+                    overlap="fsdp" if run.sharding == "fsdp" else "ddp")
 
 
 def result(run: Run) -> dict:

@@ -129,8 +129,8 @@ class Cluster:
 
     # ---- placement -------------------------------------------------------------------------------------------
     def per_node(self, world_size: int) -> int:
-        """Ranks per node for a launch of ``world_size`` ranks."""
-        return self.ranks_per_node or world_size
+        """Ranks per node for a launch of ``world_size`` ranks: ``ranks_per_node``, or as many as fit on one node."""
+        return self.ranks_per_node or min(world_size, self.gpus_per_node)
 
     def node_of(self, rank: int, world_size: int) -> int:
         return rank // self.per_node(world_size)
