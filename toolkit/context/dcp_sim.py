@@ -180,7 +180,7 @@ def group_inputs(group: Group, lengths: list[int], scale: float = 1.0) -> tuple[
 
 
 def _stage_costs(plan: Plan, groups_of, shape: ModelSpec, hw: Cluster, pp: int, recompute: bool, scale: float,
-                 output_layer: bool):
+                 output_layer: bool, times_of=None):
     layers = shape.layers // pp
     out = []
     for mb in plan.micro_batches:
@@ -188,7 +188,8 @@ def _stage_costs(plan: Plan, groups_of, shape: ModelSpec, hw: Cluster, pp: int, 
         for g in groups_of(mb):
             if not g.samples:
                 continue
-            times.append(group_times(*group_inputs(g, plan.lengths, scale), g.size, layers, shape, hw, recompute,
+            times.append(times_of(g, plan.lengths) if times_of else
+                         group_times(*group_inputs(g, plan.lengths, scale), g.size, layers, shape, hw, recompute,
                                      output_layer))
         if times:
             out.append(max(times, key=lambda t: t["F"] + t["B"]))
@@ -201,16 +202,20 @@ def _one_f_one_b(pp: int, m: int):
 
 
 def step_time(plan: Plan, shape: ModelSpec, hw: Cluster, pp: int, recompute: bool = True, scale: float = 1.0,
-              output_layer: bool = False) -> dict:
+              output_layer: bool = False, times_of=None) -> dict:
     """Simulated seconds of one training step of ``plan`` on ``pp`` pipeline stages: 1F1B with each micro-batch's
     slowest group as its stage time; static plans with several replicas run them as independent pipelines. With
     pp = 1, rank clocks (``_rank_clocks``): no micro-batch waits for groups it does not share ranks with.
     ``scale``: the plan's lengths stand for ``scale`` times as many tokens (see ``CostModel``); ``output_layer``
-    (pp = 1 only: here every stage costs the same): the stage runs the output layer too."""
+    (pp = 1 only: here every stage costs the same): the stage runs the output layer too. ``times_of(group,
+    lengths)`` (pp > 1): a group's stage times in ``group_times``' keys, from elsewhere than this cost model (a
+    trace at true shapes)."""
     if output_layer and pp != 1:
         raise ValueError(f"output_layer=True needs pp=1 (got pp={pp}): the model gives every stage the same costs, "
                          f"and only the last stage holds the output layer")
     if pp == 1:
+        if times_of is not None:
+            raise ValueError("times_of needs pp > 1 (rank clocks time groups with this module's cost model)")
         return _rank_clocks(plan, shape, hw, recompute, scale, output_layer)
     if plan.kind.startswith("static"):
         starts = sorted({g.start for g in plan.micro_batches[0].groups})
@@ -219,7 +224,7 @@ def step_time(plan: Plan, shape: ModelSpec, hw: Cluster, pp: int, recompute: boo
         pipelines = [lambda mb: mb.groups]
     results = []
     for groups_of in pipelines:
-        costs = _stage_costs(plan, groups_of, shape, hw, pp, recompute, scale, output_layer)
+        costs = _stage_costs(plan, groups_of, shape, hw, pp, recompute, scale, output_layer, times_of)
         if not costs:
             continue
         if len(costs) < pp:

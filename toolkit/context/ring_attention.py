@@ -97,8 +97,27 @@ class CPLayout:
         return sum(self.lengths) // self.cp
 
     def coords(self, j: int, device=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(sequence id, position, packed index) of rank j's local tokens, on ``device`` (cached)."""
+        """(sequence id, position, packed index) of rank j's local tokens, on ``device`` (cached; made afresh
+        under fake tensors, ``toolkit.runtime.shapes``, whose tensors must not outlive their trace)."""
+        if torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None:
+            return _coords.__wrapped__(self.lengths, self.cp, j, "cpu")
         return _coords(self.lengths, self.cp, j, str(torch.device(device or "cpu")))
+
+    def pairs(self, j: int, src: int, second_q_half: bool, first_k_half: bool) -> int:
+        """Unmasked (query, key) pairs of rank j's rows against rank src's K/V block (the mask's count, from the
+        layout alone): per sequence, chunk a of queries against chunk b of keys (c tokens each) is c² pairs
+        when a > b, c(c+1)/2 when a = b, none when a < b; ``second_q_half`` / ``first_k_half``: only rank j's
+        second chunks / only src's first chunks (``_block``)."""
+        if self.cp == 1:
+            return sum(n * (n + 1) // 2 for n in self.lengths)
+        last = 2 * self.cp - 1
+        qs = [last - j] if second_q_half else [j, last - j]
+        ks = [src] if first_k_half else [src, last - src]
+        out = 0
+        for n in self.lengths:
+            c = n // (2 * self.cp)
+            out += sum(c * c if a > b else c * (c + 1) // 2 if a == b else 0 for a in qs for b in ks)
+        return out
 
     def __repr__(self) -> str:
         return f"CPLayout(lengths={list(self.lengths)}, cp={self.cp})"
@@ -147,15 +166,17 @@ def _exchange(send: torch.Tensor, group, to: int, frm: int):
     return recv, dist.batch_isend_irecv(ops)
 
 
-def _block_cost(matmuls: int, heads: int, head_dim: int, mask: torch.Tensor, tensors: list[torch.Tensor]):
+def _block_cost(matmuls: int, heads: int, head_dim: int, layout: CPLayout, j: int, src: int, rows: slice,
+                cols: slice, shape: tuple[int, int], tensors: list[torch.Tensor]):
     """The cost of one ring step's block as the one fused attention kernel a GPU runs (module docstring):
-    ``matmuls`` x 2·head_dim FLOPs per (query, key) pair and head that ``mask`` lets through, ``tensors`` once
-    through HBM, one flash-attention kernel over the query rows (causal where masked). A ``fused_kernel``'s
-    ``cost``: counted only where the block is timed."""
+    ``matmuls`` x 2·head_dim FLOPs per (query, key) pair and head that the mask lets through
+    (``CPLayout.pairs``), ``tensors`` once through HBM, one flash-attention kernel over the ``shape`` =
+    (query rows, key columns) block (causal where masked). A ``fused_kernel``'s ``cost``: counted only where
+    the block is timed."""
     def cost():
-        pairs = int(mask.sum())
+        pairs = layout.pairs(j, src, rows.start is not None, cols.stop is not None)
         return (2.0 * matmuls * head_dim * heads * pairs, tensors,
-                (heads, mask.shape[0], head_dim, pairs < mask.numel(), matmuls > 2))
+                (heads, shape[0], head_dim, pairs < shape[0] * shape[1], matmuls > 2))
     return cost
 
 
@@ -192,7 +213,8 @@ class _RingAttention(torch.autograd.Function):
             with fused_kernel("ring attention block (fused), forward", "attention") as kernel:
                 s = (q[:, rows] @ kv[0][:, cols].transpose(-1, -2)) * scale
                 mask = _mask(mine, layout.coords(src, q.device), rows, cols)
-                kernel.cost = _block_cost(2, h, hd, mask, [q[:, rows], kv[:, :, cols], acc[:, rows], acc[:, rows]])
+                kernel.cost = _block_cost(2, h, hd, layout, j, src, rows, cols, mask.shape,
+                                          [q[:, rows], kv[:, :, cols], acc[:, rows], acc[:, rows]])
                 s = s.masked_fill(~mask, -math.inf)
                 mv, lv, av = m[:, rows], l[:, rows], acc[:, rows]  # views: updated in place
                 m_new = torch.maximum(mv, s.amax(-1))
@@ -236,8 +258,8 @@ class _RingAttention(torch.autograd.Function):
             with fused_kernel("ring attention block (fused), backward", "attention") as kernel:
                 s = (qr @ kb.transpose(-1, -2)) * scale
                 mask = _mask(mine, layout.coords(src, q.device), rows, cols)
-                kernel.cost = _block_cost(5, h, hd, mask, [qr, dor, kv[:, :, cols], dq[:, rows], dq[:, rows],
-                                                           kv[:, :, cols]])
+                kernel.cost = _block_cost(5, h, hd, layout, j, src, rows, cols, mask.shape,
+                                          [qr, dor, kv[:, :, cols], dq[:, rows], dq[:, rows], kv[:, :, cols]])
                 s = s.masked_fill(~mask, -math.inf)
                 p = torch.exp(s - lse[:, rows, None])
                 ds = p * (dor @ vb.transpose(-1, -2) - d[:, rows, None])
@@ -304,16 +326,22 @@ def gpt_shard_loss(model, tokens: torch.Tensor, targets: torch.Tensor, positions
     on the shard as is; attention is ``ring_attention`` over ``group``. Summed over the ranks and divided by the
     number of real tokens, this is the per-token loss of the unpacked sequences.
     """
-    n_head = model.blocks[0].attn.core.n_head
     x = model.embed.tok(tokens) + model.embed.pos(positions)  # [T, D]
-    t, dim = x.shape
     for block in model.blocks:
-        qkv = block.attn.qkv(block.ln1(x)).view(t, 3, n_head, dim // n_head).permute(1, 2, 0, 3)  # [3,H,T,hd]
-        y = ring_attention(qkv[0], qkv[1], qkv[2], layout, group)
-        x = x + block.attn.proj(y.transpose(0, 1).reshape(t, dim))
-        x = x + block.mlp(block.ln2(x))
+        x = shard_layer(block, x, layout, group)
     logits = model.head(x)
     return F.cross_entropy(logits.float(), targets, ignore_index=IGNORE, reduction="sum")
+
+
+def shard_layer(block, x: torch.Tensor, layout: CPLayout, group=None) -> torch.Tensor:
+    """One transformer block of a ``toolkit.models.GPT`` on one rank's CP shard ``x`` ``[T_local, D]``: every op
+    but attention per token, attention ``ring_attention`` over ``group``."""
+    n_head = block.attn.core.n_head
+    t, dim = x.shape
+    qkv = block.attn.qkv(block.ln1(x)).view(t, 3, n_head, dim // n_head).permute(1, 2, 0, 3)  # [3, H, T, hd]
+    y = ring_attention(qkv[0], qkv[1], qkv[2], layout, group)
+    x = x + block.attn.proj(y.transpose(0, 1).reshape(t, dim))
+    return x + block.mlp(block.ln2(x))
 
 
 def gpt_sequence_loss(model, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
