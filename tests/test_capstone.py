@@ -17,6 +17,7 @@ from toolkit import compose_bytes, launch, planner
 from toolkit.compose import LOSS_RTOL, TECHNIQUES, ComposeConfig, chain, loss_rtol
 from toolkit.lessons import l17_capstone as lesson
 from toolkit.models import matched
+from toolkit.models.gpt import GPT, GPTConfig
 from toolkit.models.catalog import get
 from toolkit.report import MIME, collect, record, results_html, write_results
 from toolkit.runtime.bench import Claim, check, judge
@@ -335,7 +336,31 @@ def test_article_claims_get_computed_verdicts():
     assert f"{lesson.ARTICLE_STAGES} stages" in bubble["model"] and "47%" in bubble["model"]  # 7/15 (theory)
     nvme = claims["13B, ZeRO-3 + NVMe offload of optimizer and parameters: memory per GPU"]
     assert nvme == {k: v for k, v in lesson.zero3_nvme_claim(w).items() if k in nvme}
-    assert claims["ZeRO-2 → ZeRO-3 + NVMe offload: step time"]["verdict"] == "not decidable"  # an upper bound
+    # the host's optimizer step, at least its longest term, costs more than the 0.13 s the article saves
+    assert claims["ZeRO-2 → ZeRO-3 + NVMe offload: step time"]["verdict"] == "disagrees"
+
+
+def test_article_zero3_step_at_true_shapes_is_judged_and_can_flip():
+    """The article's ZeRO-2 → ZeRO-3 + NVMe step, both sides traced at 13B's shapes on 24 fake ranks: ZeRO's
+    collectives carry the ring's bytes, the offloaded optimizer makes the step slower (not reproduced), and with
+    a free host the same trace reproduces the article's 0.906× (the verdict comes from the numbers)."""
+    from toolkit.lessons import l17_article as article
+    z = article.zero3_step()
+    before, after = z["estimates"]["before"], z["estimates"]["after"]
+    run = article.article_runs(None)["before"]
+    with torch.device("meta"):
+        params = sum(p.numel() for p in GPT(GPTConfig(vocab_size=run.vocab, seq_len=run.seq_len, n_layer=run.layers,
+                                                      n_head=run.heads, d_model=run.hidden)).parameters())
+    rs = sum(c["sent_bytes"] for c in before.comms if c["op"] == "reduce_scatter_tensor")
+    ag = sum(c["sent_bytes"] for c in before.comms if c["op"] == "all_gather_into_tensor")
+    assert rs == pytest.approx(2 * params * 23 / 24, rel=1e-3) and ag == pytest.approx(rs, rel=1e-3)  # bf16 ring
+    assert {c["link"] for c in before.comms} == {lesson.case_13b()[1].inter.name}  # 24 ranks: 3 nodes of 8
+    assert after.kernels and not any("adam" in name for name, _, _ in after.kernels)  # the optimizer is off it
+    assert z["low"] <= z["ratio"] <= z["high"] and z["low"] > 1
+    assert judge(article.ZERO3_CLAIM, z["ratio"], z["low"], z["high"]).word == "not reproduced"
+    free = article.zero3_step(host={"pipelined": 0.0, "serial": 0.0})
+    assert free["ratio"] == pytest.approx(z["after_device_s"] / z["before_s"])
+    assert judge(article.ZERO3_CLAIM, free["ratio"], free["low"], free["high"]).word == "reproduced"
 
 
 def test_zero3_counts_its_gathered_prefetched_and_bucket_buffers():

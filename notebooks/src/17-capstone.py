@@ -620,8 +620,8 @@ display(Markdown(
 # %% [markdown]
 # ## 9b · The article's ZeRO step at its true shapes (a model)
 #
-# One of the article's five steps is a change the emulated cluster can time from the program: "ZeRO-2 → ZeRO-3 +
-# NVMe offload", 1.38 s → 1.25 s. `l17_article.zero3_step` builds the project's GPT at LLaMA-13B's widths with
+# One of the article's five steps is a change the emulated cluster can time from the program: the article reports
+# "ZeRO-2 → ZeRO-3 + NVMe offload" took its step from 1.38 s to 1.25 s. `l17_article.zero3_step` builds the project's GPT at LLaMA-13B's widths with
 # fake tensors and times one rank of 24 on the article's cluster: DeepSpeed-style ZeRO-2 (gradients
 # reduce-scattered as they are ready, the weights all-gathered after the optimizer) against torch's FSDP2 with the
 # optimizer off the device. The host's optimizer step (fp32 states read from NVMe, Adam on the CPU, written back)

@@ -67,16 +67,16 @@ def host_optimizer_s(hw, gpus: int = 24, params: float = 13e9, cpu_adam_bytes_pe
     return {**terms, "pipelined": max(terms.values()), "serial": sum(terms.values())}
 
 
-def zero3_step(hw=None, tokens_per_gpu: int | None = None, cpu_adam_bytes_per_s: float | None = None) -> dict:
+def zero3_step(hw=None, tokens_per_gpu: int | None = None, host: dict | None = None) -> dict:
     """The article's step 3 at the true shapes: each side's traced step (``Estimate``), the host's optimizer
-    (``host_optimizer_s``), the ratio after / before with the host pipelined (``ratio``) and its interval over
-    pipelined-to-serial and the sensitivity band (``low``, ``high``), and the start's step beside the article's
-    1.8 s. ``hw``: ``case_13b``'s cluster with 8 GPUs a node (3 nodes)."""
+    (``host``: ``host_optimizer_s``'s terms on ``hw`` unless given), the ratio after / before with the host
+    pipelined (``ratio``) and its interval over pipelined-to-serial and the sensitivity band (``low``, ``high``),
+    and the start's step beside the article's 1.8 s. ``hw``: ``case_13b``'s cluster with 8 GPUs a node."""
     from toolkit.lessons.l17_capstone import case_13b
     hw = hw or replace(case_13b()[1], ranks_per_node=8)
     runs = article_runs(hw, tokens_per_gpu)
     est = {k: time_run(r) for k, r in runs.items()}
-    host = host_optimizer_s(hw, cpu_adam_bytes_per_s=cpu_adam_bytes_per_s)
+    host = host or host_optimizer_s(hw)
 
     def ratios(c) -> tuple[float, float]:
         before, after = est["before"].on(c).step_s, est["after"].on(c).step_s
