@@ -135,9 +135,10 @@ def compute_s(s: Setting, traced: dict[str, Estimate], hw: Cluster | None = None
 
 
 def traced_flops(s: Setting, traced: dict[str, Estimate]) -> float:
-    """FLOPs of one step over the whole job, from the traces (every GPU's stage, every micro-batch)."""
-    per_gpu = s.model.layers // s.pp * traced["layer"].flops + traced["ends"].flops / s.tp
-    return per_gpu * s.micro_batches * s.gpus
+    """FLOPs of one step over the whole job, from the traces: every layer on its tp GPUs and the ends once, per
+    micro-batch of every replica."""
+    per_replica = s.model.layers * s.tp * traced["layer"].flops + traced["ends"].flops
+    return per_replica * s.micro_batches * s.dp
 
 
 # ---- the update: the lesson's own code on one DP group ----------------------------------------------------------
@@ -190,3 +191,12 @@ def with_batch(result: dict, micro_batches: int) -> dict:
     """``result`` (``true_shapes``') at another number of micro-batches per step: the same traces re-summed."""
     s = dataclasses.replace(result["setting"], micro_batches=micro_batches)
     return {**result, "setting": s, **_timed(s, result["compute"], result["updates"], result["optimizer"])}
+
+
+def verdict(result: dict, claim, quantity: str, key: Callable[[dict], float]) -> tuple[dict, Any]:
+    """``quantity`` (``key`` of a ``steps`` dict) over ``result``'s sensitivity band (``report.band``), and
+    ``claim`` judged on it (``bench.judge``: reproduced, direction only, not reproduced, not decidable)."""
+    from toolkit.report import SENSITIVITY, band
+    from toolkit.runtime.bench import judge
+    b = band(quantity, result["sensitivity"], key=key)
+    return b, judge(claim, b["value"], b["low"], b["high"], SENSITIVITY)
