@@ -524,7 +524,8 @@ else:
         + (f"A whole step of MPT-13B on 8 of these GPUs measured {same_gpu[0]:.1%} (llm-foundry): the emulated "
            f"layers are {C['mfu'] / same_gpu[0]:.2f}× the measured step (the model has no embedding, loss or "
            "optimizer here, the measured run checkpoints nothing and shards with FSDP). " if same_gpu else "")
-        + f"The article's 892 tokens/s on 24 A100s would be {implied_mfu:.1%}."))
+        + f"The article's 892 tokens/s on 24 A100s would be {implied_mfu:.1%} read for all 24 GPUs, "
+          f"{implied_mfu * gpus13:.1%} read per GPU (it does not say which)."))
 print(f"\n{len(plan_rows)} configurations, {sum(r['fits'] for r in plan_rows)} fit. The choice (model):")
 for line in planner.explain(plan_rows, hw13):
     print("  -", line)
@@ -677,20 +678,14 @@ display(Markdown(f"Worst memory prediction: {worst_mem:.3f} × the measured peak
                  f"exact for every operation on every rank."))
 
 # %%
-emulated = ""
-if E is not None:
-    emulated = (f"{E['gpu']} (`{E['cluster']}`): the whole chain (`{composed_name}`, named after its last "
-                f"technique) steps in {toy_step * 1e3:.2f} ms at the toy's shapes against the planner's "
-                f"{toy_model * 1e6:.2f} µs ({toy_off:,.0f}×: launch-bound, kernels shorter than their launch), and "
-                f"matched to {E['stands_for']} in {matched['step'] * 1e3:.0f} ms (a model, not compared with the "
-                f"planner: no common terms); the 13B layers reach {C['mfu']:.1%} MFU at a training step's "
-                f"calibrated kernel rates (published whole steps of a 13B model on 8 GPUs: {published_mfu}). "
-                f"Not decidable: 892 tokens/s is {implied_mfu:.2%} MFU, far below either; the article's step goes "
-                "to what no model here has (NCCL settings, data loading)")
 mfu_check = None if C is None else check(
     "the emulated 13B layers' MFU within the calibration's 35 % of MPT-13B's published whole step on 8 GPUs of the "
     "same kind", bool(same_gpu and abs(C["mfu"] / same_gpu[0] - 1) <= 0.35),
     why=f"{C['mfu']:.1%} against {same_gpu[0]:.1%}" if same_gpu else "no published run on this GPU")
+toy_emulated = "" if E is None else (
+    f" The toy chain (`{composed_name}`) on the emulated {E['gpu']}: {toy_step * 1e3:.2f} ms a step at its own "
+    f"shapes (launch-bound), {matched['step'] * 1e3:.0f} ms matched to {E['stands_for']}; the 13B layers at "
+    f"{C['mfu']:.1%} MFU ({mfu_check.word}: published 13B steps reach {published_mfu}).")
 headline("17", "the techniques composed (pp × dp, MoE experts inside dp)",
          f"{len(chain_names) - 1} techniques stacked on {world_size} ranks: fullest rank's peak "
          f"{peak[chain_names[0]] / 1024:.0f} → {peak[chain_names[-1]] / 1024:.0f} KiB, bytes per step "
@@ -706,14 +701,12 @@ headline("17", "the techniques composed (pp × dp, MoE experts inside dp)",
               f"{planner.label(best)} is a model (its kernels at the A100's calibrated rates), not a measurement, "
               f"and the same layout traced at the true shapes gives {best_traced:,.0f} tokens/s (a model too; the "
               f"planner ranks 13B's layouts as the trace does: Spearman {traced['spearman']:.2f}); "
-              f"892 tokens/s would be {implied_mfu:.2%} MFU",
+              f"892 tokens/s would be {implied_mfu:.2%} MFU ({implied_mfu * gpus13:.1%} read per GPU)",
          emulated=(f"the article's step 3 (ZeRO-2 → ZeRO-3 + NVMe offload, 1.38 → 1.25 s, "
                    f"{l17_article.ZERO3_CLAIM.value:.3f}×), its 13B traced at true shapes on 24 emulated A100s "
                    f"(section 9b): {zero3['before_s']:.2f} s → {zero3['after_s']:.2f} s, {zero3['ratio']:.2f}× "
                    f"({zero3['low']:.2f}–{zero3['high']:.2f}× over the band and the host's pipelining), the "
-                   f"offloaded optimizer's NVMe traffic the difference"
-                   + (f". The toy on the emulated {emulated}" if emulated else "")
-                   + ("" if C is None else f"; {mfu_check.text()}")),
+                   f"offloaded optimizer's NVMe traffic the difference." + toy_emulated),
          emulated_reproduced=zero3_verdict)
 
 # %% [markdown]
