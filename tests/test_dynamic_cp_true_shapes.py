@@ -99,3 +99,13 @@ def test_uniform_lengths_flip_the_verdict():
     assert b["value"] == pytest.approx(1.0, abs=0.02)
     assert judge(Claim.ratio("static / dynamic step", BLOG), b["value"], b["low"], b["high"],
                  SENSITIVITY).word == "not reproduced"
+
+
+def test_a_send_hides_behind_the_block_it_was_posted_before_and_no_further():
+    """Ops 0..5, ring blocks at 1 and 3: a send posted before op 1 hides behind op 1 only (waited after the block,
+    op 2 runs alone), two sends waited at op 3 share the link, a send after the last block is exposed."""
+    kernels, blocks = [1.0, 2.0, 0.5, 1.0, 0.25, 0.25], [False, True, False, True, False, False]
+    assert ts._overlapped(kernels, blocks, [(1, 3.0)], 0) == 1.0 + 3.0 + 0.5 + 1.0 + 0.5
+    assert ts._overlapped(kernels, blocks, [(12, 0.4), (13, 0.4)], 10) == 1.0 + 2.0 + 0.5 + 1.0 + 0.5  # 1.5 > 0.8
+    assert ts._overlapped(kernels, blocks, [(2, 1.0), (3, 1.0)], 0) == 3.0 + 2.0 + 0.5
+    assert ts._overlapped(kernels, blocks, [(4, 0.7)], 0) == sum(kernels) + 0.7

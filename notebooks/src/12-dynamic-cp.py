@@ -551,9 +551,9 @@ display(Markdown(
 # (`toolkit.lessons.l12_true_shapes`).
 
 # %%
-from toolkit.lessons import l12_true_shapes as true_shapes
+from toolkit.lessons.l12_true_shapes import SOURCE
 
-true = true_shapes.true_shapes(dists["GitHub-like (corpus)"], setup)
+true = lesson.true_shapes(dists["GitHub-like (corpus)"], setup)
 true_claim = Claim.ratio("static CP's step / dynamic CP's (Megatron's rules)", 1.48, tolerance=0.25,
                          source="NVIDIA blog, Dynamic CP in Megatron Core (2026)",
                          setting=f"the blog's: Llama-13B, GBS 2048, PP8 x 8, GitHub; the model's: the same shapes "
@@ -561,14 +561,14 @@ true_claim = Claim.ratio("static CP's step / dynamic CP's (Megatron's rules)", 1
 true_sens = band("static / dynamic (Megatron's rules) step, traced at true shapes", true["sensitivity"],
                  key="dynamic-megatron")
 true_verdict = judge(true_claim, true_sens["value"], true_sens["low"], true_sens["high"], SENSITIVITY)
-flat = true_shapes.true_shapes([4096] * 256, replace(setup, gbs=256))  # every sequence fits one rank
+flat = lesson.true_shapes([4096] * 256, replace(setup, gbs=256))  # every sequence fits one rank
 flat_verdict = judge(true_claim, *(band("uniform", flat["sensitivity"], key="dynamic-megatron")[k]
                                    for k in ("value", "low", "high")), SENSITIVITY)
 tr = true["runs"]
 assert tr["static"]["step_s"] >= tr["static"]["busy_s"] and true["static_cp"] == setup.dcp
 rows = [{"plan": name, "TFLOPS/GPU": r["tflops_per_gpu"], "source": "model (traced)"} for name, r in tr.items()]
-rows += [{"plan": "static", "TFLOPS/GPU": true_shapes.SOURCE["static"], "source": "the blog (measured)"},
-         {"plan": "dynamic-megatron", "TFLOPS/GPU": true_shapes.SOURCE["dynamic"], "source": "the blog (measured)"}]
+rows += [{"plan": "static", "TFLOPS/GPU": SOURCE["static"], "source": "the blog (measured)"},
+         {"plan": "dynamic-megatron", "TFLOPS/GPU": SOURCE["dynamic"], "source": "the blog (measured)"}]
 viz.bars(rows, x="plan", y="TFLOPS/GPU", color="source", text_format=".0f",
          title=f"Model TFLOPS/GPU, simulated from traces at true shapes ({true['gpu']}) beside the blog's").show()
 

@@ -18,6 +18,10 @@ On an emulated cluster (``launch(..., cluster=)``) the checked and timed steps r
 (``dcp_sim.stretch_scales``): every length and width of the toy times r = 5120 / d_model, i.e. the layers of
 Llama-13B on sequences r times as long, so the timed steps' virtual times are that step on the cluster's GPUs,
 ring attention's sends and receives on its links. The toolkit's scheduler plans for that cluster and workload.
+
+    true shapes  (``true_shapes``, in the notebook's process; ``l12_true_shapes``) the blog's own setting, Llama-13B,
+                 PP8 x 8, full recompute, the corpus's lengths at full scale: the layer this lesson runs traced at
+                 its true shapes on fake tensors, the plans' steps simulated from those traces.
 """
 from __future__ import annotations
 
@@ -33,6 +37,7 @@ from toolkit.context.dcp_sim import corpus_lengths
 from toolkit.context.dynamic_cp import (Plan, cp_size_for, pad_length, prebuilt_groups, reroute, schedule_dynamic,
                                         schedule_static)
 from toolkit.data import corpus
+from toolkit.lessons.l12_true_shapes import true_shapes  # noqa: F401 (the lesson's true_shapes)
 from toolkit.models import GPT, GPTConfig, preset
 from toolkit.runtime import compat
 from toolkit.runtime.bench import compare, replayed

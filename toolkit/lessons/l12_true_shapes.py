@@ -17,8 +17,10 @@ CP against static CP with packing, 195.88 -> 289.32 TFLOPS/GPU (1.48x). Here::
                 in the sequence length L (attention ∝ L², the rest ∝ L), so three traces give every L exactly,
                 and a packed group is one op over all its sequences (its rows the sum, its widths the layer's);
                 each op timed again at the packed shape, each ring send at the group's bytes
-    overlap     a send overlaps the ops after it until the next send is issued (the ring posts the next block's
-                K/V before computing this one): a segment takes the longer of its ops and its sends
+    overlap     a send runs beside the ops from its issue to the end of the next ring attention block, then is
+                waited for (the ring posts the next block's K/V, or a block's dK/dV, before computing one block):
+                a span takes the longer of its ops and its sends (sends in flight together share the link); a
+                send no block follows (the last dK/dV going home) is exposed
     a stage     layers/pp layers: F = F_layer x layers/pp, B = (B_layer + F_layer) x layers/pp (full recompute)
     the step    ``dcp_sim.step_time(times_of=...)``: each micro-batch's slowest group, 1F1B over pp stages
                 (``toolkit.pipeline.simulate``); speed-ups over static CP, re-timed across the sensitivity band
@@ -110,8 +112,9 @@ def traced(cp: int) -> LayerTraces:
     lengths = tuple(2 * cp * n for n in (512, 1024, 2048))
     traces = tuple(_trace(cp, n, hw, backward=True) for n in lengths)
     fwd = _trace(cp, lengths[0], hw, backward=False)
-    counts = {len(t.kernels) for t in traces}, {len(t.comms) for t in traces}
-    if any(len(c) != 1 for c in counts):
+    names = {tuple(name for name, _, _ in t.kernels) for t in traces}
+    if len(names) != 1 or len({len(t.comms) for t in traces}) != 1 or \
+            [n for n, _, _ in fwd.kernels] != list(next(iter(names)))[:len(fwd.kernels)]:
         raise RuntimeError(f"cp={cp}: the layer's ops differ between lengths {lengths}: cannot add them")
     return LayerTraces(cp, lengths, traces, len(fwd.kernels), len(fwd.comms))
 
@@ -135,7 +138,9 @@ def layer_seconds(lt: LayerTraces, lengths: list[int], hw: Cluster) -> dict[str,
         nbytes = sum(wi * c["sent_bytes"] for wi, c in zip(w, cs))
         sends.append((cs[0]["at"], collectives.seconds(hw, cs[0]["op"], cs[0]["group"], cs[0]["world"], nbytes)[0]))
     nf, ns = lt.forward_kernels, lt.forward_sends
-    return {"F": _overlapped(kernels[:nf], sends[:ns], 0), "B": _overlapped(kernels[nf:], sends[ns:], nf),
+    blocks = [name.startswith("ring attention block") for name, _, _ in lt.traces[0].kernels]
+    return {"F": _overlapped(kernels[:nf], blocks[:nf], sends[:ns], 0),
+            "B": _overlapped(kernels[nf:], blocks[nf:], sends[ns:], nf),
             "kernels_F": sum(kernels[:nf]), "kernels_B": sum(kernels[nf:])}
 
 
@@ -150,17 +155,30 @@ def _dim(values: tuple, w: tuple, many: bool, kind: str, i: int):
     return max(1, round(sum(wi * v for wi, v in zip(w, values))))
 
 
-def _overlapped(kernels: list[float], sends: list[tuple[int, float]], offset: int) -> float:
+def _overlapped(kernels: list[float], blocks: list[bool], sends: list[tuple[int, float]], offset: int) -> float:
     """Seconds of ops with sends among them (``sends``: (index of the op it is issued before, seconds), indices
-    from ``offset``): the sends issued at one point run beside the ops up to the next point of issue; each
-    segment takes the longer of the two."""
-    points = sorted({at - offset for at, _ in sends})
-    bounds = [0, *points, len(kernels)]
-    total = 0.0
-    for a, b in zip(bounds, bounds[1:]):
-        comm = sum(s for at, s in sends if at - offset == a) if a in points else 0.0
-        total += max(sum(kernels[a:b]), comm)
-    return total
+    from ``offset``; ``blocks``: which ops are ring attention blocks). Each send is waited for after the first block
+    at or after its issue; the sends waited for at one block run beside the ops from the first one's issue to that
+    block (a span: the longer of the ops and the sends, which share the link); the ops outside spans run alone::
+
+        forward   post KV ─ [block s] ─ wait          span: max(block, hop)
+        backward  post dKV(s-1), KV(s) ─ [block s] ─ wait both, add dK/dV   span: max(block, both hops)
+    """
+    spans: dict[int, list] = {}  # the block a send is waited at -> [first issue, seconds of its sends]
+    exposed = 0.0
+    for at, seconds in sends:
+        i = at - offset
+        end = next((j for j in range(i, len(kernels)) if blocks[j]), None)
+        if end is None:
+            exposed += seconds  # nothing left to hide it
+            continue
+        span = spans.setdefault(end, [i, 0.0])
+        span[0], span[1] = min(span[0], i), span[1] + seconds
+    total, done = exposed, 0
+    for end, (start, comm) in sorted(spans.items()):
+        total += sum(kernels[done:start]) + max(sum(kernels[start:end + 1]), comm)
+        done = end + 1
+    return total + sum(kernels[done:])
 
 
 def group_stage(group: Group, lengths: list[int], hw: Cluster, layers: int) -> dict[str, float]:
