@@ -48,7 +48,7 @@ from IPython.display import Markdown, display
 
 from toolkit import launch, viz
 from toolkit.comm import edgc as E
-from toolkit.report import SENSITIVITY, band, headline
+from toolkit.report import headline
 from toolkit.runtime import bench
 from toolkit.runtime.bench import Claim, check, judge
 from toolkit.runtime.cluster import cluster as make_cluster
@@ -390,6 +390,82 @@ if EM is not None:
         f"replica or a slow network."))
 
 # %% [markdown]
+# ## 8b · The paper's setting at true shapes (a model)
+#
+# Method: one data-parallel rank's step of each of the paper's runs is traced at its true shapes on fake tensors
+# (`toolkit.lessons.dp_true_shapes`: one layer of the project's GPT split tp ways, and the embedding and head,
+# timed in bf16 by the emulated cluster's efficiency model and summed over the layers and micro-batches), then
+# this lesson's own sync runs on torch's fake process group of one DP group: the plain flat all-reduce, or
+# `PowerSGDReducer` at the rank EDGC settled on in this run (P = MQ, three all-reduces, the orthogonalisation,
+# M̂ = PQᵀ, error feedback) over the fp32 gradients one GPU holds; AdamW after it.
+#
+# What the paper leaves open is assumed as in section 8: tp = 4 and pp = 2, one sequence of 1024 tokens per
+# micro-batch, a global batch of 64 sequences (1F1B over each replica's share, its bubble counted), the paper's
+# largest model as 60 layers of hidden 4096. No V100 preset: the 32-GPU run is simulated on the A100 preset, whose faster compute
+# leaves the sync a larger share of the step than the paper's V100s did. The entropy sampling is left out.
+
+# %%
+from toolkit.lessons import dp_true_shapes as ts
+from toolkit.lessons import l05_edgc as lesson
+
+true_rank = round(sum(r for rk in r0["edgc"]["ranks"][after] for r in rk) / sum(len(rk) for rk in r0["edgc"]["ranks"][after]))
+true = {name: lesson.true_shapes(name, true_rank) for name in lesson.PAPER_RUNS}
+claims = lesson.claims()
+judged = {(name, k): ts.verdict(got, claims[k], claims[k].what, lesson.RATIOS[k])
+          for name, got in true.items() for k in claims}
+viz.table([{"run": got["setting"].name, "preset": got["setting"].hw.name, "dp": got["setting"].dp,
+            "plain sync ms": st["baseline"]["update_s"] * 1e3, "EDGC sync ms": st["edgc"]["update_s"] * 1e3,
+            "EDGC codec ms": st["edgc"]["codec_s"] * 1e3, "EDGC wire ms": st["edgc"]["wire_s"] * 1e3,
+            "plain step ms": st["baseline"]["step_s"] * 1e3, "EDGC step ms": st["edgc"]["step_s"] * 1e3,
+            **{f"{k} ratio": judged[name, k][0]["value"] for k in claims},
+            **{f"{k} verdict": judged[name, k][1].word for k in claims}}
+           for name, got in true.items() for st in [got["steps"]]],
+          title=f"Simulated at true shapes (a model): one step per GPU, PowerSGD rank {true_rank}",
+          formats={k: ".1f" for k in ("plain sync ms", "EDGC sync ms", "EDGC codec ms", "EDGC wire ms")}
+          | {k: ".0f" for k in ("plain step ms", "EDGC step ms")} | {f"{k} ratio": ".2f" for k in claims}).show()
+bars_rows = [{"what": f"{k}: {name}", "who": "simulated at true shapes", "EDGC / plain": judged[name, k][0]["value"]}
+             for name in true for k in claims]
+bars_rows += [{"what": f"{k}: {name}", "who": "the paper (measured)", "EDGC / plain": claims[k].value}
+              for name in true for k in claims]
+if EM is not None:  # section 8's cost model at the same GPU count and global batch
+    for name, got in true.items():
+        cm = next(r for r in EM["extrapolation"] if r["gpus"] == got["setting"].gpus
+                  and r["global_batch"] == lesson.TRUE_GLOBAL_BATCH)
+        bars_rows += [{"what": f"latency: {name}", "who": "cost model (extrapolation)", "EDGC / plain": 1 - cm["sync_cut"]},
+                      {"what": f"time: {name}", "who": "cost model (extrapolation)", "EDGC / plain": 1 - cm["step_cut"]}]
+fig = viz.bars(bars_rows, x="what", y="EDGC / plain", color="who", text_format=".2f",
+               title="EDGC against the plain all-reduce: simulated at true shapes (a model), the cost model and the paper")
+fig.add_hline(y=1.0, line_dash="dot")
+fig.show()
+
+# %%
+t12 = true["GPT2-12.1B"]
+bs, (bl, vl), (bt, vt) = t12["steps"], judged["GPT2-12.1B", "latency"], judged["GPT2-12.1B", "time"]
+small_l, small_t = judged["GPT2-2.5B", "latency"], judged["GPT2-2.5B", "time"]
+display(Markdown(
+    f"At its true shapes the GPT2-12.1B run ({t12['setting'].gpus} GPUs, dp {t12['setting'].dp}) syncs its "
+    f"gradients in {bs['baseline']['update_s'] * 1e3:.0f} ms plain and {bs['edgc']['update_s'] * 1e3:.0f} ms with "
+    f"PowerSGD at rank {true_rank}: **{bl['value']:.2f}×** ({bl['low']:.2f}–{bl['high']:.2f}× over the sensitivity "
+    f"band) against the paper's {claims['latency'].value:.2f}×, **{vl.word}**; its step **{bt['value']:.2f}×** "
+    f"({bt['low']:.2f}–{bt['high']:.2f}×) against {claims['time'].value:.2f}×, **{vt.word}**. GPT2-2.5B on the A100 "
+    f"preset: sync {small_l[0]['value']:.2f}× ({small_l[1].word}), step {small_t[0]['value']:.2f}× "
+    f"({small_t[1].word}).\n\n"
+    f"The factors' bytes are almost nothing ({bs['edgc']['wire_s'] * 1e3:.1f} ms on the wire against "
+    f"{bs['baseline']['wire_s'] * 1e3:.0f} ms); what is left of EDGC's sync is its codec, "
+    f"{bs['edgc']['codec_s'] * 1e3:.0f} ms of passes over the gradient, against the plain sync's "
+    f"{bs['baseline']['codec_s'] * 1e3:.0f} ms of copies. "
+    + ("" if EM is None else
+       "Section 8's cost model prices that codec per element from the toy's matched run and its compute from "
+       "`catalog.train_seconds`; the trace runs both at the true shapes, hence the bars differ. ")
+    + "The training-time cut rests on the assumed global batch: the larger it is, the more compute a step "
+    "hides its sync behind. All of it modelled: the emulated cluster's kernel and link model, no GPU."))
+
+# %%
+assert bl["low"] <= bl["value"] <= bl["high"] and bl["value"] < 1 and bs["edgc"]["wire_s"] < bs["baseline"]["wire_s"]
+assert (lesson.PAPER_TP, lesson.PAPER_PP, lesson.TRUE_GLOBAL_BATCH) == (4, 2, 64)  # the assumptions the prose states
+assert (t12["setting"].model.layers, t12["setting"].model.hidden, t12["setting"].model.seq_len) == (60, 4096, 1024)
+
+# %% [markdown]
 # ## 9 · What the paper claims, and what we see
 #
 # > The paper claims (Yi et al., GPT2-2.5B on 32×V100, GPT2-12.1B on 64×H100): communication latency −46%,
@@ -445,22 +521,21 @@ if EM is not None:
 
 # %%
 cut = 1 - r0["bytes_ratio_after_warmup"]
-latency = Claim.ratio("EDGC's gradient sync / the plain all-reduce's", 0.54, tolerance=0.25,
-                      source="Yi et al., EDGC, arXiv 2511.10333", setting="the paper's clusters (-46 % latency)")
 sent = Claim.saving("bytes cut after the warm-up (the latency's cause)", 0.46, at_least=0.5,
                     source="Yi et al., EDGC (-46 % communication latency)")
-sens = None
-if EM is None:
-    emulated, emulated_ok = "", None
-else:
-    emulated = (f"{EM['gpu']} ({EM['cluster']}), {EM['nodes']} nodes of one rank over {EM['link']}, timed as "
-                f"{EM['stands_for']}: EDGC's gradient sync {sync_m.ratio:.2f}x and step {step_m.ratio:.2f}x the plain "
-                f"all-reduce's ({step_m.word}); toy shapes: step {step_t.ratio:.2f}x ({step_t.word}). Cost model "
-                f"at {row['gpus']} GPUs (extrapolation): sync {-row['sync_cut']:+.0%}, step {-row['step_cut']:+.0%} "
-                f"at global batch {row['global_batch']}")
-    # the latency claim's magnitude, over the model's sensitivity band
-    sens = band("EDGC's sync / the plain all-reduce's", EM["sensitivity"], key="sync_ratio")
-    emulated_ok = judge(latency, sens["value"], sens["low"], sens["high"], SENSITIVITY)
+# the latency claim judged at the paper's GPT2-12.1B setting traced at true shapes (section 8b); the toy's
+# emulated figures are kept in the text, labelled as the toy's
+emulated_ok = vl
+emulated = (f"the paper's GPT2-12.1B run ({t12['setting'].gpus} GPUs on {t12['setting'].hw.name}) traced at true "
+            f"shapes (section 8b), PowerSGD rank {true_rank}: gradient sync {bl['value']:.2f}x the plain all-reduce's "
+            f"({bl['low']:.2f}-{bl['high']:.2f}x over the band), step {bt['value']:.2f}x ({vt.word} against "
+            f"{claims['time'].value:.2f}x)")
+if EM is not None:
+    emulated += (f". The toy on {EM['gpu']} ({EM['cluster']}), {EM['nodes']} nodes of one rank over {EM['link']}, "
+                 f"timed as {EM['stands_for']}: sync {sync_m.ratio:.2f}x and step {step_m.ratio:.2f}x the plain "
+                 f"all-reduce's ({step_m.word}); toy shapes: step {step_t.ratio:.2f}x ({step_t.word}). Cost model at "
+                 f"{row['gpus']} GPUs (extrapolation): sync {-row['sync_cut']:+.0%}, step {-row['step_cut']:+.0%} at "
+                 f"global batch {row['global_batch']}")
 headline("05", "EDGC (entropy-driven low-rank gradient compression)",
          f"after the warm-up EDGC sends {r0['bytes_ratio_after_warmup']:.3f}x the plain all-reduce's bytes "
          f"({cut:.0%} fewer); held-out loss over {sp['base']['n']} seeds EDGC - plain = {sp['diff']:+.4f} "

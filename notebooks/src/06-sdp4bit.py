@@ -52,7 +52,7 @@ from IPython.display import Markdown, display
 from toolkit import launch, viz
 from toolkit.comm import sdp4bit as S
 from toolkit.lessons.l06_sdp4bit import PRESETS
-from toolkit.report import SENSITIVITY, band, headline
+from toolkit.report import band, headline
 from toolkit.runtime import bench
 from toolkit.runtime.bench import Claim, check, judge
 from toolkit.runtime.cluster import cluster as make_cluster
@@ -346,6 +346,88 @@ if EM is not None:
           "micro-batch per GPU leaves here."))
 
 # %% [markdown]
+# ## 7b · The paper's setting at true shapes (a model)
+#
+# Method: one data-parallel rank's step of each speed run is traced at its true shapes on fake tensors
+# (`toolkit.lessons.dp_true_shapes`: one layer of the project's GPT split tp ways, and the embedding and head,
+# timed in bf16 by the emulated cluster's efficiency model and summed over the layers), then this lesson's own
+# `ShardedDP` runs its update on torch's fake process group of one DP group: bf16 or fp32 reduce-scatter, or
+# TLq-HS's Hadamard, quantize, two all-to-alls and dequantize; AdamW on the shard; the bf16 or qWD all-gather.
+#
+# The settings are the paper's README's (16 nodes of 8 H800; 16 nodes of 4 A100): its tp and pp per model, one
+# sequence of 2048 tokens per GPU and step (accumulation 1, micro-batch 1). A DP group's ranks sit
+# gpus-per-node / tp to a node, so the all-to-all inside a node rides NVLink and the one across rides the NIC.
+# No preset is an H800 or has Slingshot: the H100 preset and the A100 preset's HDR NIC stand in, uncalibrated
+# for those parts. The paper's baseline reduces gradients in fp32 (Megatron-LM for bf16), the lesson's in bf16;
+# both are traced.
+
+# %%
+from toolkit.lessons import dp_true_shapes as ts
+from toolkit.lessons import l06_sdp4bit as lesson
+
+true = {size: lesson.true_shapes(size) for size in lesson.PAPER_MODELS}  # H800's setting, on h100-ib400
+true_a100 = {size: lesson.true_shapes(size, "a100") for size in ("1.3B", "18B")}
+judged = {size: ts.verdict(true[size], lesson.claim(size), "the paper's baseline step / SDP4Bit's", lesson.SPEEDUP)
+          for _, size in lesson.PAPER_SPEEDUPS}
+bands = {(where, size): band("speed-up", got["sensitivity"], key=lesson.SPEEDUP)
+         for where, runs in (("h800", true), ("a100", true_a100)) for size, got in runs.items()}
+viz.table([{"cluster": where, "model": size, "tp x pp x dp": f"{s.tp} x {s.pp} x {s.dp}", "DP ranks per node": s.per_node,
+            "baseline fp32 ms": st["baseline_fp32"]["step_s"] * 1e3, "baseline bf16 ms": st["baseline"]["step_s"] * 1e3,
+            "SDP4Bit ms": st["sdp4bit"]["step_s"] * 1e3, "SDP4Bit codec ms": st["sdp4bit"]["codec_s"] * 1e3,
+            "SDP4Bit wire ms": st["sdp4bit"]["wire_s"] * 1e3, "speed-up": bands[where, size]["value"],
+            "band": f"{bands[where, size]['low']:.2f}-{bands[where, size]['high']:.2f}",
+            "paper": lesson.PAPER_SPEEDUPS.get((where, size), "")}
+           for where, runs in (("h800", true), ("a100", true_a100)) for size, got in runs.items()
+           for s, st in [(got["setting"], got["steps"])]],
+          title="Simulated at true shapes (a model): one step per GPU; speed-up = the fp32-gradient baseline's step / "
+                "SDP4Bit's", formats={k: ".0f" for k in ("baseline fp32 ms", "baseline bf16 ms", "SDP4Bit ms",
+                                                         "SDP4Bit codec ms", "SDP4Bit wire ms")} | {"speed-up": ".2f"}).show()
+fig = viz.bars([{"model": size, "who": who, "speed-up": v} for size, got in true.items()
+                for who, v in (("simulated, fp32-gradient baseline", lesson.SPEEDUP(got["steps"])),
+                               ("simulated, bf16 baseline", got["steps"]["baseline"]["step_s"]
+                                / got["steps"]["sdp4bit"]["step_s"]))]
+               + [{"model": size, "who": "the paper (measured on H800)", "speed-up": v}
+                  for (_, size), v in lesson.PAPER_SPEEDUPS.items()],
+               x="model", y="speed-up", color="who", text_format=".2f",
+               title="SDP4Bit's end-to-end speed-up on 128 GPUs: simulated at true shapes (a model) vs the paper")
+fig.add_hline(y=1.0, line_dash="dot")
+fig.show()
+
+# %%
+t18, t13 = (true[size]["steps"] for size in ("18B", "1.3B"))
+s18 = true["18B"]["setting"]
+(b18, v18), (b13, v13) = judged["18B"], judged["1.3B"]
+cm = None if EM is None else next(r for r in EM["extrapolation"]["rows"] if r["micro_batch"] == 1 and r["grad_bytes"] == 4)
+display(Markdown(
+    f"At its true shapes the 18B run's step takes {t18['baseline_fp32']['step_s'] * 1e3:.0f} ms with the paper's "
+    f"baseline and {t18['sdp4bit']['step_s'] * 1e3:.0f} ms with SDP4Bit: **{b18['value']:.2f}×** "
+    f"({b18['low']:.2f}–{b18['high']:.2f}× over the sensitivity band), against the paper's "
+    f"{lesson.PAPER_SPEEDUPS['h800', '18B']}×: **{v18.word}**. The 1.3B run: {b13['value']:.2f}× ({b13['low']:.2f}–"
+    f"{b13['high']:.2f}×) against {lesson.PAPER_SPEEDUPS['h800', '1.3B']}×: "
+    f"**{v13.word}**. On the A100 stand-in the 18B gains {bands['a100', '18B']['value']:.2f}× and the 1.3B "
+    f"{bands['a100', '1.3B']['value']:.2f}×, where the paper reports 2.39–3.44×.\n\n"
+    f"Why so much less: SDP4Bit cuts the 18B's wire time from {t18['baseline_fp32']['wire_s'] * 1e3:.0f} to "
+    f"{t18['sdp4bit']['wire_s'] * 1e3:.0f} ms, but this lesson's codec, traced at true shapes, takes "
+    f"{t18['sdp4bit']['codec_s'] * 1e3:.0f} ms: unfused passes over a {s18.model.params() / s18.tp / 1e9:.1f}"
+    f"-billion-element gradient (layout copies, checks, Hadamard, quantize, sums), as the toy runs them. At 1.3B the "
+    f"compute is {t13['sdp4bit']['compute_s'] * 1e3:.0f} ms and the codec's {t13['sdp4bit']['codec_s'] * 1e3:.0f} "
+    f"ms outweighs the {t13['baseline_fp32']['wire_s'] * 1e3 - t13['sdp4bit']['wire_s'] * 1e3:.0f} ms of wire it saves. "
+    "The paper's fused kernels and chunked overlap of the two phases would do better; its baseline's links may be "
+    "slower than the preset's (section 7's sweep).\n\n"
+    + ("" if cm is None else
+       f"Section 7's cost model gives the 18B {cm['speedup']:.2f}× at the same micro-batch: its compute "
+       f"({cm['baseline']['compute_s'] * 1e3:.0f} ms, `catalog.train_seconds`; the trace: "
+       f"{t18['sdp4bit']['compute_s'] * 1e3:.0f} ms) and its codec ({cm['sdp4bit']['codec_s'] * 1e3:.0f} ms, the "
+       f"toy's matched cost per element; the trace: {t18['sdp4bit']['codec_s'] * 1e3:.0f} ms) are estimated, where "
+       "the trace runs the ops at their true shapes. ")
+    + "All of it modelled: the emulated cluster's kernel and link model, no GPU."))
+
+# %%
+assert b18["low"] <= b18["value"] <= b18["high"] and v18.word != "reproduced" and b13["value"] < 1.0
+assert {k: v[1:] for k, v in lesson.PAPER_CLUSTERS.items()} == {"h800": (8, 128), "a100": (4, 64)}  # as the prose says
+assert all(got["setting"].model.seq_len == 2048 and got["setting"].micro_batch == 1 for got in true.values())
+
+# %% [markdown]
 # ## 8 · What the paper claims, and what we see
 #
 # > The paper claims: (1) qWD keeps the loss (125M GPT: 2.2959 vs 2.2939 baseline) while direct 4-bit weights
@@ -378,6 +460,8 @@ else:
                  + f"; at the toy's shapes {step_t.ratio:.2f}× "
                  f"({step_t.word}). *Extrapolated* (cost model, {P['gpus']} GPUs): {best['speedup']:.2f}× at best "
                  f"on {P['cluster']}, {best['speedup_free_codec']:.2f}× with a free codec (section 7).")
+time_said += (f" *At true shapes* (section 7b, a model of the paper's {s18.gpus} GPUs): {b18['value']:.2f}× at 18B "
+              f"({v18.word}), {b13['value']:.2f}× at 1.3B ({v13.word}).")
 display(Markdown("\n".join([
     f"1. *Here*: qWD's replica keeps {snr_w['sdp4bit']:.1f} dB of weight SNR on average against "
     f"{snr_w['direct4']:.1f} dB for direct 4-bit weights (section 5). Held-out loss over {base_sp['n']} seeds, "
@@ -402,19 +486,19 @@ display(Markdown("\n".join([
 ])))
 
 # %%
-sens = None
-if EM is None:
-    emulated, emulated_ok = "", None
-else:
-    emulated = (f"{EM['gpu']} ({EM['cluster']}), {EM['nodes']} nodes of {EM['per_node']}, timed as "
-                f"{EM['stands_for']}: SDP4Bit's step {step_m.ratio:.2f}x the bf16 baseline's ({step_m.word}; "
-                f"toy shapes {step_t.ratio:.2f}x, {step_t.word}). Cost model at {P['gpus']} GPUs (extrapolation): "
-                f"{best['speedup']:.2f}x at best, {best['speedup_free_codec']:.2f}x with a free codec")
-    # "up to 4.08x end to end": judged over the model's sensitivity band
-    sens = band("baseline / SDP4Bit step (matched)", EM["sensitivity"], key=lambda v: v["baseline"] / v["sdp4bit"])
-    emulated_ok = judge(Claim.ratio("baseline step / SDP4Bit's", 4.08, tolerance=0.25, source="Jia et al., SDP4Bit",
-                                    setting="the paper's best case (up to 4.08x)"),
-                        sens["value"], sens["low"], sens["high"], SENSITIVITY)
+# the claim judged at the paper's 18B setting traced at true shapes (section 7b); the matched toy run's own
+# figure is kept in the text, labelled as the toy's
+emulated_ok = v18
+claimed = lesson.PAPER_SPEEDUPS
+emulated = (f"the paper's 18B run ({s18.gpus} GPUs, tp {s18.tp}) traced at true shapes on the emulated {s18.hw.name} "
+            f"(section 7b): {b18['value']:.2f}x the fp32-gradient baseline's throughput ({b18['low']:.2f}-"
+            f"{b18['high']:.2f}x over the band), 1.3B {b13['value']:.2f}x ({v13.word}); the paper: "
+            f"{claimed['h800', '18B']}x and {claimed['h800', '1.3B']}x")
+if EM is not None:
+    emulated += (f". The toy on {EM['cluster']}, {EM['nodes']} nodes of {EM['per_node']}, timed as "
+                 f"{EM['stands_for']}: SDP4Bit's step {step_m.ratio:.2f}x the bf16 baseline's ({step_m.word}; toy "
+                 f"shapes {step_t.ratio:.2f}x, {step_t.word}). Cost model at {P['gpus']} GPUs (extrapolation): "
+                 f"{best['speedup']:.2f}x at best, {best['speedup_free_codec']:.2f}x with a free codec")
 headline("06", "SDP4Bit (4-bit weight differences, two-level 8/4-bit gradients with Hadamard)",
          f"weights all-gathered at {w_ratio:.3f}x the bf16 bytes, inter-node gradients at {inter_ratio:.3f}x "
          f"(all gradient links {g_ratio:.3f}x); held-out loss over {base_sp['n']} seeds SDP4Bit - baseline = "
