@@ -655,7 +655,11 @@ display(Markdown(
     f"article reports {l17_article.ZERO3_CLAIM.value:.3f}×: **{zero3_verdict.word}**. The device part alone would "
     f"be {zero3['after_device_s'] / zero3['before_s']:.2f}×; the offloaded optimizer is what the article's figure "
     f"leaves out. Its start, 1.8 s for ZeRO-2, is {zero3['start_ratio']:.1f}× the emulated "
-    f"{zero3['before_s']:.2f} s."))
+    f"{zero3['before_s']:.2f} s.\n\nPeak device memory from the same traces (fake tensors count their sizes): "
+    f"{zero3['peak_gb']['before']:.1f} GB with ZeRO-2, {zero3['peak_gb']['after']:.1f} GB with ZeRO-3, of the "
+    f"A100's {hw13.gpu.memory_bytes / 1e9:.0f} GB: "
+    + ("ZeRO-2 fits, so memory did not force the change here." if zero3["peak_gb"]["before"] * 1e9
+       < hw13.gpu.memory_bytes else "ZeRO-2 does not fit: memory forces the change.")))
 
 # %% [markdown]
 # ## 10 · The model on the tiny run
