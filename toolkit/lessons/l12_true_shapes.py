@@ -7,7 +7,8 @@ CP against static CP with packing, 195.88 -> 289.32 TFLOPS/GPU (1.48x). Here::
                 stdlib, code, the closest thing here to the blog's GitHub set), ``setup.gbs`` of them, truncated
                 to 8 ranks x ``setup.cap`` tokens (the blog does not say its longest sequence: our assumption)
     plans       ``dcp_sim.plans_for`` on them: the lesson's own scheduler decides, from the values, static CP
-                (the size the longest sequence needs) packed in data order, Megatron's rules, the toolkit's
+                (the size the longest sequence needs) packed in data order and longest first, Megatron's rules,
+                the toolkit's
     one layer   ``ring_attention.shard_layer`` (the block the lesson runs: ring attention inside) at Llama-13B's
                 widths in bf16, one sequence alone on torch's fake process group of cp ranks
                 (``shapes.estimate``: every ATen op and ring attention's fused blocks timed on the preset's GPU,
@@ -41,7 +42,7 @@ import torch.distributed as dist
 from toolkit.context import dcp_sim
 from toolkit.context import ring_attention as ra
 from toolkit.context.dynamic_cp import Group, Plan
-from toolkit.models.gpt import Block, GPTConfig  # noqa: F401 (Block: the layer traced)
+from toolkit.models.gpt import Block, GPTConfig
 from toolkit.runtime import collectives
 from toolkit.runtime.cluster import Cluster, cluster
 from toolkit.runtime.efficiency import Kernel, kernel_seconds
@@ -51,7 +52,6 @@ HW = "h100-ib400"
 """The preset the source's setting is traced on (the blog names no hardware)."""
 SOURCE = {"static": 195.88, "dynamic": 289.32}
 """The blog's TFLOPS/GPU on its GitHub set: packing-only static CP, dynamic CP."""
-PLANS = ("static", "dynamic-megatron", "dynamic")
 SHAPE = dcp_sim.LLAMA_13B
 
 
@@ -181,12 +181,13 @@ def _overlapped(kernels: list[float], blocks: list[bool], sends: list[tuple[int,
     return total + sum(kernels[done:])
 
 
-def group_stage(group: Group, lengths: list[int], hw: Cluster, layers: int) -> dict[str, float]:
-    """A group's stage times, ``dcp_sim.group_times``' keys: ``layers`` layers, full recompute (the forward again
-    in the backward); ``compute`` the kernels back to back, ``exposed_comm`` the rest."""
+def group_stage(group: Group, lengths: list[int], hw: Cluster, layers: int, recompute: bool) -> dict[str, float]:
+    """A group's stage times, ``dcp_sim.group_times``' keys: ``layers`` layers, with full recompute the forward
+    again in the backward; ``compute`` the kernels back to back, ``exposed_comm`` the rest."""
     t = layer_seconds(traced(group.size), [lengths[s] for s in group.samples], hw)
-    fwd, bwd = layers * t["F"], layers * (t["B"] + t["F"])
-    compute = layers * (2 * t["kernels_F"] + t["kernels_B"])
+    again = 1 if recompute else 0
+    fwd, bwd = layers * t["F"], layers * (t["B"] + again * t["F"])
+    compute = layers * ((1 + again) * t["kernels_F"] + t["kernels_B"])
     return {"F": fwd, "B": bwd, "compute": compute, "exposed_comm": fwd + bwd - compute}
 
 
@@ -198,10 +199,11 @@ def step(plans: dict[str, Plan], setup: dcp_sim.Setup, hw: Cluster) -> dict[str,
     def times_of(g: Group, lengths: list[int]) -> dict:
         key = (g.size, tuple(sorted(lengths[s] for s in g.samples)))
         if key not in memo:
-            memo[key] = group_stage(g, lengths, hw, layers)
+            memo[key] = group_stage(g, lengths, hw, layers, setup.recompute)
         return memo[key]
 
-    return {k: dcp_sim.step_time(p, SHAPE, hw, setup.pp, times_of=times_of) for k, p in plans.items()}
+    return {k: dcp_sim.step_time(p, SHAPE, hw, setup.pp, setup.recompute, times_of=times_of)
+            for k, p in plans.items()}
 
 
 def true_shapes(lengths: list[int] | None = None, setup: dcp_sim.Setup = dcp_sim.Setup(), hw: str | Cluster = HW,
@@ -209,7 +211,7 @@ def true_shapes(lengths: list[int] | None = None, setup: dcp_sim.Setup = dcp_sim
     """Static CP against dynamic CP in the blog's setting (``setup``: PP8 x 8, cap, GBS, full recompute) on ``hw``,
     every layer traced at Llama-13B's true shapes (the module docstring). ``lengths``: the global batch (default
     the corpus's document lengths at full scale, ``setup.gbs`` of them, truncated to dcp x cap); ``plans``:
-    ``dcp_sim.plans_for``'s (made here when None; only ``PLANS`` are timed).
+    ``dcp_sim.plans_for``'s (made here when None).
 
     Returns the lengths' summary, each plan's ``runs`` (step, its parts, micro-batches, model TFLOPS/GPU with
     ``dcp_sim.model_flops``' convention), ``speedup`` (static's step / each plan's) and ``sensitivity``
@@ -220,14 +222,9 @@ def true_shapes(lengths: list[int] | None = None, setup: dcp_sim.Setup = dcp_sim
     if lengths is None:
         lengths = dcp_sim.corpus_lengths(setup.gbs, setup.dcp * setup.cap)
     plans = plans or dcp_sim.plans_for(lengths, setup, hw=hw)
-    plans = {k: plans[k] for k in PLANS}
     flops = dcp_sim.model_flops(lengths, SHAPE)
     gpus = setup.pp * setup.dcp
-
-    def on(c: Cluster) -> dict[str, dict]:
-        return step(plans, setup, c)
-
-    runs = on(hw)
+    runs = step(plans, setup, hw)
     for k, r in runs.items():
         r.update(tflops_per_gpu=flops / r["step_s"] / gpus / 1e12, micro_batches=len(plans[k].micro_batches),
                  cp_sizes=dcp_sim._histogram(plans[k].cp_sizes().values()))
@@ -237,4 +234,4 @@ def true_shapes(lengths: list[int] | None = None, setup: dcp_sim.Setup = dcp_sim
             "static_cp": plans["static"].micro_batches[0].groups[0].size, "gpus": gpus, "runs": runs,
             "speedup": speedup(runs), "sensitivity": {
                 "value": speedup(runs), "factors": BAND,
-                "band": {name: speedup(on(hw.perturbed(*f))) for name, f in BAND.items()}}}
+                "band": {name: speedup(step(plans, setup, hw.perturbed(*f))) for name, f in BAND.items()}}}
