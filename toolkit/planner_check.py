@@ -31,27 +31,23 @@ from toolkit.pipeline.schedule import Action, make_schedule
 from toolkit.pipeline.simulate import simulate
 from toolkit.runtime import collectives
 from toolkit.runtime.cluster import Cluster
-from toolkit.runtime.shapes import default_dtype, estimate
+from toolkit.runtime.shapes import Estimate, default_dtype, estimate
 
 
-def _forward_backward(build, forward, hw: Cluster, world_size: int = 1) -> tuple[float, float, float]:
-    """(forward, backward) seconds of ``forward(*build())`` and of its backward, from two estimates: the
-    forward alone, then forward and backward (the backward is their difference); and the forward's FLOPs."""
+def _forward_backward(build, forward, hw: Cluster, world_size: int = 1) -> tuple[Estimate, Estimate]:
+    """Estimates of ``forward(*build())`` alone and of it with its backward (the backward is their difference)."""
     def alone(*built):
         with torch.no_grad():
             forward(*built)
-    f = estimate(build, alone, hw, world_size=world_size)
-    fb = estimate(build, lambda *built: forward(*built).float().sum().backward(), hw, world_size=world_size).step_s
-    return f.step_s, fb - f.step_s, f.flops
+    return (estimate(build, alone, hw, world_size=world_size),
+            estimate(build, lambda *built: forward(*built).float().sum().backward(), hw, world_size=world_size))
 
 
 @lru_cache(maxsize=None)
-def unit_seconds(model, hw: Cluster, seq_len: int, tp: int, micro_batch: int) -> dict[str, float]:
-    """Seconds of one micro-batch's forward and backward (``layer_F``, ``layer_B``) of one layer, with its
-    tensor-parallel collectives exposed, as Megatron's blocking all-reduces are, on one rank of a ``tp``-way
-    group of ``hw``; the weight-gradient part of the layer's backward (``layer_W``: B less the backward with the
-    weights frozen); of the embedding (``embed_*``); of the output head with its loss (``head_*``; both
-    unsharded, on the first and last stage); and each forward's FLOPs (``*_flops``)."""
+def unit_estimates(model, hw: Cluster, seq_len: int, tp: int, micro_batch: int) -> dict[str, tuple[Estimate, Estimate]]:
+    """One micro-batch of one layer (on one rank of a ``tp``-way group of ``hw``), of the embedding and of the
+    output head with its loss, each traced forward alone and forward + backward (``_forward_backward``); and
+    ``frozen``: the layer with its weights frozen (its backward is the input's gradient alone)."""
     from torch.distributed import new_group
 
     from toolkit.parallel.tensor import tensor_parallel_block
@@ -84,11 +80,28 @@ def unit_seconds(model, hw: Cluster, seq_len: int, tp: int, micro_batch: int) ->
         block.requires_grad_(False)
         return block, x
 
+    return {name: _forward_backward(build, forward, hw, world)
+            for name, build, forward, world in (("layer", layer, lambda b, x: b(x), tp), ("head", head, loss, 1),
+                                                ("embed", embed, lambda e, idx: e(idx), 1),
+                                                ("frozen", frozen_layer, lambda b, x: b(x), tp))}
+
+
+@lru_cache(maxsize=None)
+def unit_seconds(model, hw: Cluster, seq_len: int, tp: int, micro_batch: int, on: Cluster | None = None
+                 ) -> dict[str, float]:
+    """Seconds of one micro-batch's forward and backward (``layer_F``, ``layer_B``) of one layer, with its
+    tensor-parallel collectives exposed, as Megatron's blocking all-reduces are, on one rank of a ``tp``-way
+    group of ``hw``; the weight-gradient part of the layer's backward (``layer_W``: B less the backward with the
+    weights frozen); of the embedding (``embed_*``); of the output head with its loss (``head_*``; both
+    unsharded, on the first and last stage); and each forward's FLOPs (``*_flops``). ``on``: the same ops
+    re-timed on another cluster (``Estimate.on``; a sensitivity band's perturbed ``hw``)."""
     out = {}
-    for name, build, forward, world in (("layer", layer, lambda b, x: b(x), tp), ("head", head, loss, 1),
-                                        ("embed", embed, lambda e, idx: e(idx), 1)):
-        out[f"{name}_F"], out[f"{name}_B"], out[f"{name}_flops"] = _forward_backward(build, forward, hw, world)
-    out["layer_W"] = out["layer_B"] - _forward_backward(frozen_layer, lambda b, x: b(x), hw, tp)[1]
+    for name, (f, fb) in unit_estimates(model, hw, seq_len, tp, micro_batch).items():
+        f, fb = (f, fb) if on is None else (f.on(on), fb.on(on))
+        out[f"{name}_F"], out[f"{name}_B"], out[f"{name}_flops"] = f.step_s, fb.step_s - f.step_s, f.flops
+    out["layer_W"] = out["layer_B"] - out.pop("frozen_B")
+    for k in ("frozen_F", "frozen_flops"):
+        del out[k]
     return out
 
 

@@ -415,16 +415,26 @@ else:
 from toolkit.models.catalog import get as get_model
 from toolkit.planner_check import unit_seconds
 from toolkit.runtime import collectives
+from toolkit.runtime.emulator_report import over_band
 
 h100, spec7, p7, m7 = make_cluster("h100-ib400"), get_model("llama2-7b"), 8, 16
+
+
+def steps7(c) -> dict[str, float]:
+    """Each variant's simulated step (ms) from one layer's F, B, W traced at 7B's shapes (once), timed on c."""
+    u = unit_seconds(spec7, h100, 4096, 1, 1, on=c)
+    hop = collectives.seconds(c, "send", [0, 1], p7, 4096 * spec7.hidden * 2)[0]
+    out = {}
+    for name, sched in variants(p7, m7, K, V).items():
+        layers = spec7.layers // (p7 * sched.stages_per_rank)  # per stage chunk
+        out[name] = simulate(sched, Costs(layers * u["layer_F"], layers * u["layer_B"], layers * u["layer_W"],
+                                          comm=hop)).makespan * 1e3
+    return out
+
+
 u7 = unit_seconds(spec7, h100, 4096, 1, 1)
 hop7 = collectives.seconds(h100, "send", [0, 1], p7, 4096 * spec7.hidden * 2)[0]
-sim7 = {}
-for name, sched in variants(p7, m7, K, V).items():
-    layers = spec7.layers // (p7 * sched.stages_per_rank)  # per stage chunk
-    sim7[name] = simulate(sched, Costs(layers * u7["layer_F"], layers * u7["layer_B"], layers * u7["layer_W"],
-                                       comm=hop7))
-step7 = {name: s.makespan * 1e3 for name, s in sim7.items()}
+step7 = steps7(h100)
 display(viz.bars([{"schedule": n, "step (ms)": t} for n, t in step7.items()], x="schedule", y="step (ms)",
                  title=f"Simulated (a model) from traced costs: Llama-2-7B on {p7} H100s, m = {m7}, F "
                        f"{u7['layer_F'] * 1e3:.2f} / B {u7['layer_B'] * 1e3:.2f} ms a layer, hop {hop7 * 1e6:.0f} µs",
@@ -438,8 +448,9 @@ def hidden_share(base: str) -> float:
 hidden7 = Claim.at_most("interleaved 1F1B, cool-down recompute in the bubble / no recompute", 1.01,
                         "'hiding its cost': at most 1 % slower than no recompute",
                         source="MindSpeed RiPipe; Mario, PPoPP 2025")
-judged7 = judge(hidden7, step7["interleaved bubble cooldown"] / step7["interleaved"],
-                interval="the calibrated figures")
+sens7 = band("interleaved cool-down in the bubble / no recompute (7B, traced)", over_band(steps7, h100),
+             key=lambda t: t["interleaved bubble cooldown"] / t["interleaved"])
+judged7 = judge(hidden7, sens7["value"], sens7["low"], sens7["high"], SENSITIVITY)
 display(Markdown(
     f"At these shapes the cool-down recomputes in the bubble take "
     f"{step7['interleaved bubble cooldown'] / step7['interleaved']:.4f}× interleaved 1F1B's step without "
@@ -484,23 +495,23 @@ display(Markdown(f"""
 # %%
 ratio = worst["interleaved-recompute-bubble-cooldown"]
 exact = all(r["bitwise_equal_to_no_recompute"][n] for r in results for n in names if "recompute" in n)
-emulated, emulated_ok, sens = "", None, None
+emulated = (f"at Llama-2-7B's traced shapes on {p7} H100s (section 7b, m = {m7}): the interleaved cool-down "
+            f"recompute in the bubble takes {sens7['value']:.3f}× the step without recompute ({sens7['low']:.3f}–"
+            f"{sens7['high']:.3f}× over the band), "
+            f"{step7['interleaved inline cooldown'] / step7['interleaved']:.3f}× inline; in 1F1B "
+            f"{step7['1f1b bubble cooldown'] / step7['1f1b']:.3f}×")
 if E is not None:
     vb, vi = against("matched", i_b, "interleaved"), against("matched", i_b, i_i)
-    emulated = (f"{E['gpu']}, one pipeline stage per node over {E['link']} (`{E['cluster']}`), the toy timed as "
-                f"{E['stands_for']}'s layers: the interleaved cool-down recompute in the bubble takes {vb.ratio:.4f}× "
-                f"the step without recompute and {vi.ratio:.4f}× inline's ({vi.word}), hiding "
-                f"{hidden('interleaved', i_i, i_b)} of its inline cost (simulated from the same op times: "
-                f"{predicted['matched'][i_b] / predicted['matched']['interleaved']:.4f}×); 1F1B cap keep = {r0['keep']} "
-                f"in the bubble {against('matched', '1f1b-recompute-bubble', '1f1b').ratio:.4f}× no recompute, inline "
-                f"{against('matched', '1f1b-recompute-inline', '1f1b').ratio:.4f}×")
+    emulated += (f". The toy on {E['gpu']} (`{E['cluster']}`, a stage per node), timed as {E['stands_for']}'s "
+                 f"layers: {vb.ratio:.4f}× the step without recompute, {vi.ratio:.4f}× inline's ({vi.word}), hiding "
+                 f"{hidden('interleaved', i_i, i_b)} of the inline cost; 1F1B cap keep = {r0['keep']}: "
+                 f"{against('matched', '1f1b-recompute-bubble', '1f1b').ratio:.4f}× in the bubble, "
+                 f"{against('matched', '1f1b-recompute-inline', '1f1b').ratio:.4f}× inline")
     # "hiding its cost" read as at most 1 % slower than no recompute, over the model's sensitivity band
     sens = band("interleaved cool-down in the bubble / no recompute", E["sensitivity"],
                 key=lambda v: v[i_b] / v["interleaved"])
-    emulated_ok = judge(Claim.at_most("interleaved 1F1B, cool-down recompute in the bubble / no recompute", 1.01,
-                                      "'hiding its cost': at most 1 % slower than no recompute",
-                                      source="MindSpeed RiPipe; Mario, PPoPP 2025"),
-                        sens["value"], sens["low"], sens["high"], SENSITIVITY)
+    toy_judged = judge(hidden7, sens["value"], sens["low"], sens["high"], SENSITIVITY)
+    emulated += f" (the toy's verdict: {toy_judged.word})"
 headline("10", "recompute in the pipeline bubble (cool-down policy, interleaved 1F1B)",
          f"the worst rank's peak saved activations {ratio:.2f}x of interleaved 1F1B without recompute (measured; rank "
          f"0's own {peak['interleaved-recompute-bubble-cooldown'][0] / peak['interleaved'][0]:.2f}x; 1F1B cap keep = "
@@ -518,7 +529,7 @@ headline("10", "recompute in the pipeline bubble (cool-down policy, interleaved 
          note="memory and gradients measured, on the worst rank's peak; the hidden cost is judged on the emulated "
               "cluster (\"hiding its cost\" read as faster than inline and within 1 % of no recompute) and by the "
               "simulator (section 3): the ranks here share CPU cores, so a waiting rank is not idle hardware",
-         emulated=emulated, emulated_reproduced=emulated_ok)
+         emulated=emulated, emulated_reproduced=judged7)
 
 # %% [markdown]
 # ## Try this

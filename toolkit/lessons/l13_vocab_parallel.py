@@ -420,7 +420,7 @@ def true_shapes(w: vp.Workload = PAPER, p: int = PAPER_P, m: int = PAPER_M, hw: 
     cluster's band (``hw.perturbed``: the traced ops do not depend on it), the action lists kept, as the emulated
     cluster's replays keep a run's."""
     from toolkit.runtime.cluster import cluster
-    from toolkit.runtime.emulator_report import BAND
+    from toolkit.runtime.emulator_report import over_band
     hw = cluster(hw)
     passes, comm = _trace_passes(w, p, hw), _trace_comm(w, p, hw)
 
@@ -435,9 +435,8 @@ def true_shapes(w: vp.Workload = PAPER, p: int = PAPER_P, m: int = PAPER_M, hw: 
     out = on(hw)
     schedules = {alg: out["sims"][alg]["schedule"] for alg in vp.ALGORITHMS}  # the band replays these lists
     speedup = lambda got: {alg: got["sims"][alg]["speedup"] for alg in vp.ALGORITHMS}  # noqa: E731
-    out.update(cluster=hw.name, p=p, m=m, passes=passes, speedup=speedup(out), sensitivity={
-        "value": speedup(out), "factors": BAND,
-        "band": {name: speedup(on(hw.perturbed(*f), schedules)) for name, f in BAND.items()}})
+    out.update(cluster=hw.name, p=p, m=m, passes=passes, speedup=speedup(out),
+               sensitivity=over_band(lambda c: speedup(on(c, schedules)), hw))
     return out
 
 

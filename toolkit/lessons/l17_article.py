@@ -28,7 +28,7 @@ import torch
 
 from toolkit.models.real_runs import Run, time_run
 from toolkit.runtime.bench import Claim
-from toolkit.runtime.emulator_report import BAND
+from toolkit.runtime.emulator_report import over_band
 
 ARTICLE_STEPS = (("start: PyTorch DDP + ZeRO-2", 1.8), ("NCCL settings + custom_topo.xml", 1.52),
                  ("torch.compile(mode='reduce-overhead')", 1.38), ("ZeRO-2 → ZeRO-3 + NVMe offload", 1.25),
@@ -82,7 +82,8 @@ def zero3_step(hw=None, tokens_per_gpu: int | None = None, host: dict | None = N
         before, after = est["before"].on(c).step_s, est["after"].on(c).step_s
         return (after + host["pipelined"]) / before, (after + host["serial"]) / before
 
-    points = [ratios(hw), *(ratios(hw.perturbed(*f)) for f in BAND.values())]
+    sens = over_band(ratios, hw)
+    points = [sens["value"], *sens["band"].values()]
     tokens = runs["before"].seq_len
     return {"cluster": hw.name, "tokens_per_gpu": tokens, "estimates": est, "host": host,
             "before_s": est["before"].step_s, "after_device_s": est["after"].step_s,

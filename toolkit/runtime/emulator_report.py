@@ -24,6 +24,15 @@ WHAT_IF = {"compute": [0.5, 0.7, 1.0, 1.3, 2.0], "bandwidth": [0.25, 0.5, 1.0, 2
 """A what-if explorer's grid: the achieved compute and the links' bandwidth, each x these factors."""
 
 
+def over_band(quantity, cluster: Cluster, band: dict[str, tuple[float, float]] | None = None) -> dict:
+    """``quantity(c)`` (a number or a dict of them, from ops traced once and re-timed on ``c``) on ``cluster``
+    and on it perturbed by each entry of ``band`` (default ``BAND``): the dict ``report.band`` reads, as
+    ``sensitivity`` gives for an emulated run."""
+    band = BAND if band is None else band
+    return {"value": quantity(cluster), "factors": band,
+            "band": {name: quantity(cluster.perturbed(*f)) for name, f in band.items()}}
+
+
 def what_if(preset: str) -> dict[str, list[float]]:
     """The what-if grid a lesson replays at ``preset``: ``WHAT_IF``, or its corners and centre at ``smoke``
     (9 replays instead of 25, for the test suite)."""
