@@ -39,7 +39,7 @@ def test_a_packed_group_is_its_sequences_traces_added(cp):
     trace builds per sequence (``CPLayout.coords``: an ``aten.full`` and ``aten.arange`` per piece, a few µs
     each, which a GPU's packed kernel reads from one cu_seqlens)."""
     lengths = [2 * cp * 300, 2 * cp * 1100, 2 * cp * 64]
-    got = ts.layer_seconds(ts.traced(cp), lengths, H100)
+    got = ts.layer_seconds(cp, lengths, H100)
     import torch
     import torch.distributed as dist
     from toolkit.context import ring_attention as ra

@@ -119,24 +119,32 @@ def traced(cp: int) -> LayerTraces:
     return LayerTraces(cp, lengths, traces, len(fwd.kernels), len(fwd.comms))
 
 
-def layer_seconds(lt: LayerTraces, lengths: list[int], hw: Cluster) -> dict[str, float]:
-    """Forward and backward seconds of one layer of a CP group of ``lt.cp`` ranks holding the sequences of
-    ``lengths``, packed (the module docstring: each op added over the sequences, timed at the packed shape)."""
-    w = lt.weights(lengths)
+@lru_cache(maxsize=1 << 14)
+def packed_layer(cp: int, lengths: tuple[int, ...]) -> tuple[list[Kernel], list[dict]]:
+    """One layer of a CP group of ``cp`` ranks holding the sequences of ``lengths``, packed (the module docstring:
+    each op added over the sequences, at the packed shape): its kernels, and its sends (each a trace's record
+    with the group's ``sent_bytes``). The same on every cluster, so kept for the band's re-timings."""
+    lt = traced(cp)
+    w = lt.weights(list(lengths))
     many = len(lengths) > 1
     kernels = []
     for ops in zip(*(t.kernels for t in lt.traces)):
         k = [op[1] for op in ops]
-        dims = tuple(_dim(tuple(d[i] for d in (x.dims for x in k)), w, many, k[0].kind, i)
-                     for i in range(len(k[0].dims)))
-        packed = Kernel(k[0].kind, sum(wi * x.flops for wi, x in zip(w, k)),
-                        sum(wi * x.bytes for wi, x in zip(w, k)), dims)
-        g = hw.gpu
-        kernels.append(kernel_seconds(packed, g.bf16_flops, g.hbm_bytes_per_s, g.sms, g.efficiency))
-    sends = []
-    for cs in zip(*(t.comms for t in lt.traces)):
-        nbytes = sum(wi * c["sent_bytes"] for wi, c in zip(w, cs))
-        sends.append((cs[0]["at"], collectives.seconds(hw, cs[0]["op"], cs[0]["group"], cs[0]["world"], nbytes)[0]))
+        dims = tuple(_dim(tuple(x.dims[i] for x in k), w, many, k[0].kind, i) for i in range(len(k[0].dims)))
+        kernels.append(Kernel(k[0].kind, sum(wi * x.flops for wi, x in zip(w, k)),
+                              sum(wi * x.bytes for wi, x in zip(w, k)), dims))
+    sends = [{**cs[0], "sent_bytes": sum(wi * c["sent_bytes"] for wi, c in zip(w, cs))}
+             for cs in zip(*(t.comms for t in lt.traces))]
+    return kernels, sends
+
+
+def layer_seconds(cp: int, lengths: list[int], hw: Cluster) -> dict[str, float]:
+    """Forward and backward seconds of one layer of a CP group (``packed_layer``) on ``hw``: each kernel on its
+    GPU, each send on the link its group spans, the sends beside the ring's blocks (``_overlapped``)."""
+    lt, (packed, sent) = traced(cp), packed_layer(cp, tuple(sorted(lengths)))
+    g = hw.gpu
+    kernels = [kernel_seconds(k, g.bf16_flops, g.hbm_bytes_per_s, g.sms, g.efficiency) for k in packed]
+    sends = [(c["at"], collectives.seconds(hw, c["op"], c["group"], c["world"], c["sent_bytes"])[0]) for c in sent]
     nf, ns = lt.forward_kernels, lt.forward_sends
     blocks = [name.startswith("ring attention block") for name, _, _ in lt.traces[0].kernels]
     return {"F": _overlapped(kernels[:nf], blocks[:nf], sends[:ns], 0),
@@ -184,7 +192,7 @@ def _overlapped(kernels: list[float], blocks: list[bool], sends: list[tuple[int,
 def group_stage(group: Group, lengths: list[int], hw: Cluster, layers: int, recompute: bool) -> dict[str, float]:
     """A group's stage times, ``dcp_sim.group_times``' keys: ``layers`` layers, with full recompute the forward
     again in the backward; ``compute`` the kernels back to back, ``exposed_comm`` the rest."""
-    t = layer_seconds(traced(group.size), [lengths[s] for s in group.samples], hw)
+    t = layer_seconds(group.size, [lengths[s] for s in group.samples], hw)
     again = 1 if recompute else 0
     fwd, bwd = layers * t["F"], layers * (t["B"] + again * t["F"])
     compute = layers * ((1 + again) * t["kernels_F"] + t["kernels_B"])
