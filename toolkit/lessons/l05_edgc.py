@@ -11,7 +11,9 @@ and reports losses, bytes per step (from the ledger), entropy and rank over time
 are trained from ``seeds`` seeds (seed s: the same init and data order for both); the held-out losses of
 all seeds give the run-to-run spread (``toolkit.runtime.spread``) the difference is judged against.
 ``invariants``
-runs the checks of the technique on random gradients (used by the tests).
+runs the checks of the technique on random gradients (used by the tests). ``true_shapes`` (in the notebook's
+process) times the paper's two runs at their true shapes: the plain sync and ``PowerSGDReducer`` on fake tensors and
+a fake process group, beside the model's traced compute (``toolkit.lessons.dp_true_shapes``).
 """
 from __future__ import annotations
 

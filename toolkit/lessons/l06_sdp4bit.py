@@ -11,7 +11,9 @@ and reports losses, bytes per step by phase and by link (intra-/inter-node, from
 and weight SNR, and whether the replicas stayed bitwise identical. Every mode is trained from ``seeds``
 seeds (seed s: the same init and data order for every mode); each mode's held-out loss is judged
 against the baseline's on the paired differences (``toolkit.runtime.spread``). ``invariants`` runs the checks of
-the technique on random tensors (used by the tests).
+the technique on random tensors (used by the tests). ``true_shapes`` (in the notebook's process) times the paper's
+speed runs at their true shapes: ``ShardedDP`` per mode on fake tensors and a fake process group of one DP group,
+beside the model's traced compute (``toolkit.lessons.dp_true_shapes``).
 """
 from __future__ import annotations
 
