@@ -110,3 +110,17 @@ def test_a_send_hides_behind_the_block_it_was_posted_before_and_no_further():
     assert ts._overlapped(kernels, blocks, [(12, 0.4), (13, 0.4)], 10) == 1.0 + 2.0 + 0.5 + 1.0 + 0.5  # 1.5 > 0.8
     assert ts._overlapped(kernels, blocks, [(2, 1.0), (3, 1.0)], 0) == 3.0 + 2.0 + 0.5
     assert ts._overlapped(kernels, blocks, [(4, 0.7)], 0) == sum(kernels) + 0.7
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4])
+def test_the_layout_s_pair_count_is_the_mask_s(cp):
+    """``CPLayout.pairs`` (what a traced ring block is charged, read from the layout) equals the count of the mask
+    the block computes, for every (rank, source) block of packed sequences."""
+    from toolkit.context import ring_attention as ra
+    layout = ra.CPLayout([2 * cp * n for n in (3, 1, 5)], cp)
+    t = layout.tokens_per_rank
+    for j in range(cp):
+        for src in range(cp):
+            rows, cols = ra._block(j, src, t)
+            mask = ra._mask(layout.coords(j), layout.coords(src), rows, cols)
+            assert layout.pairs(j, src, rows.start is not None, cols.stop is not None) == int(mask.sum())
