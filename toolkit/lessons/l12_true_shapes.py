@@ -225,7 +225,7 @@ def true_shapes(lengths: list[int] | None = None, setup: dcp_sim.Setup = dcp_sim
     ``dcp_sim.model_flops``' convention), ``speedup`` (static's step / each plan's) and ``sensitivity``
     (``report.band`` reads it): the speed-ups with every op and send re-timed on the preset's band
     (``hw.perturbed``: the traced ops and the plans do not depend on it)."""
-    from toolkit.runtime.emulator_report import BAND
+    from toolkit.runtime.emulator_report import over_band
     hw = cluster(hw)
     if lengths is None:
         lengths = dcp_sim.corpus_lengths(setup.gbs, setup.dcp * setup.cap)
@@ -240,6 +240,4 @@ def true_shapes(lengths: list[int] | None = None, setup: dcp_sim.Setup = dcp_sim
     return {"cluster": hw.name, "gpu": hw.gpu.name, "setup": asdict(setup),
             "sequences": len(lengths), "tokens": sum(lengths), "longest": max(lengths),
             "static_cp": plans["static"].micro_batches[0].groups[0].size, "gpus": gpus, "runs": runs,
-            "speedup": speedup(runs), "sensitivity": {
-                "value": speedup(runs), "factors": BAND,
-                "band": {name: speedup(step(plans, setup, hw.perturbed(*f))) for name, f in BAND.items()}}}
+            "speedup": speedup(runs), "sensitivity": over_band(lambda c: speedup(step(plans, setup, c)), hw)}
