@@ -57,3 +57,19 @@ def test_the_planner_ranks_13b_layouts_as_the_traced_program_but_not_with_a_256k
     assert len(got[32000]["pairs"]) >= 50
     assert got[32000]["spearman"] >= 0.9 > got[256000]["spearman"]
     assert 1.0 < got[32000]["worst"]["ratio"] < 1.35 < got[256000]["worst"]["ratio"]
+
+
+def test_traced_activations_are_the_flash_attention_layer_s_and_the_planner_over_counts_them():
+    """One layer's forward graph at 13B's shapes keeps 8 + 24/tp bytes per token per hidden unit (the project's
+    GPT: SDPA keeps no attention scores, no dropout masks, the LayerNorm and residual tensors whole on every TP
+    rank), 2 with recompute (its input); the planner's Korthikanti formula (sequence parallel, scores stored)
+    counts more, so layouts it rejects fit when traced, never the other way."""
+    from toolkit.planner_check import activation_bytes
+    sbh = W.seq_len * W.hidden
+    per = {tp: activation_bytes(W.model, W.seq_len, tp, 1, False) / sbh for tp in (1, 2, 4, 8)}
+    for tp, got in per.items():
+        assert got == pytest.approx(8 + 24.2 / tp, rel=0.01)
+    assert activation_bytes(W.model, W.seq_len, 4, 2, True) == 2 * 2 * sbh  # bf16 input, two sequences
+    got = compare(W, HW, planner.choose(W, HW, GPUS, assume=ASSUME), ASSUME)
+    assert all(p["traced_gb"] <= p["planner_gb"] * 1.001 for p in got["pairs"])
+    assert 10 <= len(got["fits_disagree"]) <= 25 and all(p["traced_fits"] for p in got["fits_disagree"])

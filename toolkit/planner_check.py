@@ -105,6 +105,40 @@ def unit_seconds(model, hw: Cluster, seq_len: int, tp: int, micro_batch: int, on
     return out
 
 
+@lru_cache(maxsize=None)
+def activation_bytes(model, seq_len: int, tp: int, micro_batch: int, recompute: bool) -> float:
+    """Device bytes one layer keeps from its forward for its backward, per micro-batch, on one rank of a
+    ``tp``-way group: what the traced forward's graph holds when it returns (its output, the next layer's input,
+    counted here, its own input in the layer before), ``recompute``: the layer under ``torch.utils.checkpoint``."""
+    from torch.distributed import new_group
+    from torch.utils.checkpoint import checkpoint
+
+    from toolkit.parallel.tensor import tensor_parallel_block
+    cfg = GPTConfig(vocab_size=model.vocab, seq_len=seq_len, n_layer=1, n_head=model.heads, d_model=model.hidden,
+                    d_ff=model.mlp_matrices * model.ffn // 2)
+
+    def layer():
+        with default_dtype(torch.bfloat16):
+            block = Block(cfg)
+        if tp > 1:
+            tensor_parallel_block(block, new_group(list(range(tp))))
+        return block, torch.empty(micro_batch, seq_len, model.hidden, dtype=torch.bfloat16, requires_grad=True)
+
+    def forward(block, x):
+        return checkpoint(block, x, use_reentrant=False) if recompute else block(x)
+    est = estimate(layer, forward, "a100-ib200", world_size=tp)  # bytes do not depend on the cluster
+    return float(est.end_bytes - est.static_bytes)
+
+
+def memory_gb(w, row: dict) -> float:
+    """A configuration's device GB per GPU (a row of ``planner.choose``) with its activations traced: the
+    planner's weights, gradients, optimizer and buffers, and ``activation_bytes`` × layers per stage × the
+    micro-batches rank 0 holds at its peak (the row's ``peak_mb``, from the pipeline simulator)."""
+    rest = sum(row[f"mem_{k}_gb"] for k in ("weights", "grads", "optimizer", "buffers"))
+    act = activation_bytes(w.model, w.seq_len, row["tp"], row["micro_batch"], row["recompute"])
+    return rest + act * w.layers / row["pp"] * row["peak_mb"] / 1e9
+
+
 class _StageCosts:
     """``simulate``'s cost of an action: its stage's F or B (W: half of B, I: the other half; an F&B both)."""
 
@@ -162,10 +196,12 @@ def spearman(a: list[float], b: list[float]) -> float:
     return cov / math.sqrt(sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb))
 
 
-def compare(w, hw: Cluster, rows: list[dict], assume) -> dict:
+def compare(w, hw: Cluster, rows: list[dict], assume, headroom: float = 0.9) -> dict:
     """The planner's step against the traced one for every distinct layout among ``rows`` (dp, tp, pp,
     micro-batch, schedule, recompute; ZeRO-1 and no offload, whose terms are the same model on both sides):
-    their rank correlation, the worst ratio, and each layout's pair."""
+    their rank correlation, the worst ratio, and each layout's pair; and its memory with traced activations
+    (``memory_gb``): whether it fits in ``headroom`` of the GPU's memory (``traced_fits``, as ``planner.choose``
+    decides ``fits``), and the layouts on which the two disagree (``fits_disagree``)."""
     seen, pairs = set(), []
     for r in rows:
         key = (r["dp"], r["tp"], r["pp"], r["micro_batch"], r["schedule"], r["recompute"])
@@ -173,10 +209,13 @@ def compare(w, hw: Cluster, rows: list[dict], assume) -> dict:
             continue
         seen.add(key)
         traced = configuration_seconds(w, hw, r, assume)["total"]
+        gb = memory_gb(w, r)
         pairs.append({**{k: r[k] for k in ("dp", "tp", "pp", "zero", "micro_batch", "m", "schedule", "recompute",
                                              "offload", "fits")}, "planner_s": r["step_s"], "traced_s": traced,
-                      "ratio": traced / r["step_s"]})
+                      "ratio": traced / r["step_s"], "planner_gb": r["memory_gb"], "traced_gb": gb,
+                      "traced_fits": gb <= hw.gpu.memory_bytes / 1e9 * headroom})
     worst = max(pairs, key=lambda p: abs(math.log(p["ratio"])))
     return {"pairs": pairs, "spearman": spearman([p["planner_s"] for p in pairs], [p["traced_s"] for p in pairs]),
             "worst": worst, "same_best": min(pairs, key=lambda p: p["planner_s"]) is min(pairs,
-                                                                                       key=lambda p: p["traced_s"])}
+                                                                                       key=lambda p: p["traced_s"]),
+            "fits_disagree": [p for p in pairs if p["fits"] != p["traced_fits"]]}

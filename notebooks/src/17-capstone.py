@@ -586,6 +586,23 @@ display(Markdown(
     f"{by_trace['traced_s']:.2f} s: {by_planner['traced_s'] / by_trace['traced_s'] - 1:.1%} apart.\n\n"
     "With a 256k vocabulary the head on the last stage dominates and the unit-cost bubble misses it: the "
     "correlation drops below 0.9 (`tests/test_planner_check.py` runs it)."))
+sbh13 = w13.seq_len * w13.hidden
+traced_act = planner_check.activation_bytes(w13.model, w13.seq_len, 1, 1, False) / sbh13
+planned_act = planner.memory_per_gpu(replace(w13, micro_batch=1, recompute=False), 1, 1, 1, 0)["activations"] / (
+    w13.layers * sbh13)
+wrongly_out = traced["fits_disagree"]
+example = max(wrongly_out, key=lambda p: p["planner_gb"] - p["traced_gb"]) if wrongly_out else None
+display(Markdown(
+    f"**Memory, from the same traces.** One layer's forward keeps {traced_act:.1f} bytes per token and hidden unit "
+    f"for its backward (tp = 1, what its graph holds), where the planner's formula counts {planned_act:.0f}. "
+    f"{len(wrongly_out)} of the {len(pairs)} layouts disagree on fitting in {hw13.gpu.memory_bytes / 1e9:.0f} GB"
+    + (f": the planner rejects them and the traced program fits them (e.g. {planner.label(example)}: "
+       f"{example['planner_gb']:.0f} GB planned, {example['traced_gb']:.0f} GB traced)"
+       if wrongly_out and all(p["traced_fits"] for p in wrongly_out) else "")
+    + ".\n\nThe planner's formula is Korthikanti et al.'s for Megatron with sequence parallelism and without flash "
+    "attention: it stores the attention scores, which the project's SDPA never does, and divides the LayerNorm "
+    "and residual tensors by tp, which this tensor parallelism (no sequence parallelism) does not. Lesson 17 "
+    "still tunes with the planner's formula: its choices are on the safe side here."))
 
 # %% [markdown]
 # **The article's claims against the model.** Each row: what the article states, what the planner's memory and

@@ -73,6 +73,9 @@ class Estimate:
     peak_bytes: int = 0
     """The most device bytes alive at once during the step: ``static_bytes`` plus the tensors the step's ops
     allocated and had not freed (activations saved for backward, gradients, workspaces of the ATen ops seen)."""
+    end_bytes: int = 0
+    """Device bytes alive as the step returns, what it returned still held: for a forward that returns its
+    output, ``static_bytes`` + the output + the activations its graph saved for the backward."""
 
     @property
     def kernels_s(self) -> float:
@@ -327,7 +330,9 @@ def estimate(build: Callable[[], Any], step: Callable[..., Any], cluster: str | 
             with RealShapes(c, est, set(seen)) as mode:
                 _TRACING.append(mode)
                 try:
-                    step(*built) if isinstance(built, tuple) else step(built)
+                    returned = step(*built) if isinstance(built, tuple) else step(built)
+                    est.end_bytes = mode.live
+                    del returned
                 finally:
                     _TRACING.pop()
     finally:
