@@ -296,19 +296,26 @@ def validate_memory_model(n_params: int, dp: int, measured: dict[str, dict[str, 
 
 
 # ---- choosing a configuration: layout, micro-batches, schedule, checkpointing, offload ----------------------------
+def offload_terms(w: Workload, dp: int, tp: int, pp: int, zero: int, offload: str, hw: Cluster,
+                  assume: Assumptions = Assumptions()) -> dict[str, float]:
+    """Seconds of each part of the optimizer offload's step: gradients down and bf16 weights up over the host
+    link (``pcie``, ``hw.host``), the Adam step on the host (``host_adam``: 16 B/param of state touched, at
+    ``assume.cpu_adam_bytes_per_s``), and for ``nvme`` the optimizer state (16 B/param) read from and written to
+    ``hw.disk`` (``nvme_read``, ``nvme_write``). Empty for ``offload == "none"``."""
+    if offload == "none":
+        return {}
+    shard = w.params / (tp * pp) / (dp if zero >= 1 else 1)
+    terms = {"pcie": (2 + 2) * shard / hw.host.bytes_per_s, "host_adam": 16 * shard / assume.cpu_adam_bytes_per_s}
+    if offload == "nvme":
+        terms.update(nvme_read=16 * shard / hw.disk.read_bytes_per_s, nvme_write=16 * shard / hw.disk.write_bytes_per_s)
+    return terms
+
+
 def offload_time(w: Workload, dp: int, tp: int, pp: int, zero: int, offload: str, hw: Cluster,
                  assume: Assumptions = Assumptions()) -> float:
-    """Seconds per step the optimizer offload adds, not overlapped (an upper bound): gradients down and bf16
-    weights up over the host link (``hw.host``), the Adam step on the host (16 B/param of state touched, at
-    ``assume.cpu_adam_bytes_per_s``), and for ``nvme`` the optimizer state (16 B/param) read from and written
-    to ``hw.disk``."""
-    if offload == "none":
-        return 0.0
-    shard = w.params / (tp * pp) / (dp if zero >= 1 else 1)
-    t = (2 + 2) * shard / hw.host.bytes_per_s + 16 * shard / assume.cpu_adam_bytes_per_s
-    if offload == "nvme":
-        t += 16 * shard / hw.disk.read_bytes_per_s + 16 * shard / hw.disk.write_bytes_per_s
-    return t
+    """Seconds per step the optimizer offload adds, not overlapped (an upper bound): the sum of
+    ``offload_terms``. Pipelined over sub-groups (DeepSpeed's swapper) it takes at least their longest."""
+    return sum(offload_terms(w, dp, tp, pp, zero, offload, hw, assume).values())
 
 
 @functools.lru_cache(maxsize=None)

@@ -11,7 +11,7 @@ Both sides are the project's GPT at LLaMA-13B's widths, built with fake tensors 
             + optimizer on NVMe          gradients reduce-scattered behind the backward; then the host's step:
                                          the fp32 states read from NVMe, Adam on the CPU, written back
 
-The host's step is ``planner.offload_time``'s model (its terms: PCIe, host Adam, NVMe read and write). DeepSpeed's
+The host's step is ``planner.offload_terms``' model (PCIe, host Adam, NVMe read and write). DeepSpeed's
 swapper pipelines them over sub-groups, so the step is at least the longest term and at most their sum: the
 interval judged spans the two and the sensitivity band (compute x0.7-1.3, links x0.8-1.2; the disk is kept).
 
@@ -26,7 +26,9 @@ from dataclasses import replace
 
 import torch
 
+from toolkit.lessons.l17_capstone import case_13b
 from toolkit.models.real_runs import Run, time_run
+from toolkit.planner import offload_terms
 from toolkit.runtime.bench import Claim
 from toolkit.runtime.emulator_report import over_band
 
@@ -54,29 +56,19 @@ def article_runs(hw, tokens_per_gpu: int | None = None) -> dict[str, Run]:
             "after": replace(before, sharding="fsdp", reduce_dtype=torch.bfloat16, device_optimizer=False)}
 
 
-def host_optimizer_s(hw, gpus: int = 24, params: float = 13e9, cpu_adam_bytes_per_s: float | None = None
-                     ) -> dict[str, float]:
-    """Seconds of the offloaded optimizer step by term (``planner.offload_time``'s: gradients down and weights
-    up over PCIe, Adam on the host, the fp32 states read from and written to NVMe), for one GPU's 1/``gpus`` of
-    ``params``; ``pipelined`` (the longest term: DeepSpeed's swapper overlaps them) and ``serial`` (their sum)."""
-    from toolkit.planner import Assumptions
-    shard = params / gpus
-    adam = cpu_adam_bytes_per_s or Assumptions().cpu_adam_bytes_per_s
-    terms = {"pcie": 4 * shard / hw.host.bytes_per_s, "host_adam": 16 * shard / adam,
-             "nvme_read": 16 * shard / hw.disk.read_bytes_per_s, "nvme_write": 16 * shard / hw.disk.write_bytes_per_s}
-    return {**terms, "pipelined": max(terms.values()), "serial": sum(terms.values())}
-
-
 def zero3_step(hw=None, tokens_per_gpu: int | None = None, host: dict | None = None) -> dict:
     """The article's step 3 at the true shapes: each side's traced step (``Estimate``), the host's optimizer
-    (``host``: ``host_optimizer_s``'s terms on ``hw`` unless given), the ratio after / before with the host
+    (``host``: ``planner.offload_terms`` on ``hw`` with ``pipelined``, their longest, and ``serial``, their sum,
+    unless given), the ratio after / before with the host
     pipelined (``ratio``) and its interval over pipelined-to-serial and the sensitivity band (``low``, ``high``),
     and the start's step beside the article's 1.8 s. ``hw``: ``case_13b``'s cluster with 8 GPUs a node."""
-    from toolkit.lessons.l17_capstone import case_13b
-    hw = hw or replace(case_13b()[1], ranks_per_node=8)
+    w, article_hw, gpus, assume = case_13b()
+    hw = hw or replace(article_hw, ranks_per_node=8)
     runs = article_runs(hw, tokens_per_gpu)
     est = {k: time_run(r) for k, r in runs.items()}
-    host = host or host_optimizer_s(hw)
+    if host is None:
+        terms = offload_terms(w, gpus, 1, 1, 3, "nvme", hw, assume)
+        host = {**terms, "pipelined": max(terms.values()), "serial": sum(terms.values())}
 
     def ratios(c) -> tuple[float, float]:
         before, after = est["before"].on(c).step_s, est["after"].on(c).step_s

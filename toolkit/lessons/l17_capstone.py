@@ -375,7 +375,7 @@ def article_claims(w, hw, assume, best: dict) -> list[dict]:
 
     from toolkit.pipeline.simulate import Costs, simulate
     from toolkit.pipeline.schedule import make_schedule
-    from toolkit.planner import memory_per_gpu, offload_time, step_time
+    from toolkit.planner import memory_per_gpu, offload_terms, offload_time, step_time
     G = 1e9
     rows = []
 
@@ -413,9 +413,8 @@ def article_claims(w, hw, assume, best: dict) -> list[dict]:
         f"simulated 1F1B at the article's {pp} stages with m = {m} equal micro-batches (base size 1/{m} of the "
         f"global batch): {bubble:.0%}; 38% needs m >= {needed[0.38]}, 9% m >= {needed[0.09]}. The article's "
         f"per-stage micro-batch sizes are not simulated", abs(bubble - 0.09) < 0.02)
-    from toolkit.lessons.l17_article import host_optimizer_s
     extra = offload_time(w, best["dp"], best["tp"], best["pp"], 3, "nvme", hw, assume)
-    least = host_optimizer_s(hw, gpus, w.params, assume.cpu_adam_bytes_per_s)["pipelined"]
+    least = max(offload_terms(w, best["dp"], best["tp"], best["pp"], 3, "nvme", hw, assume).values())
     row("§6.3", "ZeRO-2 → ZeRO-3 + NVMe offload: step time", "1.38 s → 1.25 s (faster)",
         f"+{least:.1f} to +{extra:.1f} s per step of PCIe, host Adam and NVMe traffic on the chosen layout (their "
         f"longest term, pipelined, to their sum; the host's step needs every gradient and the next forward its "
