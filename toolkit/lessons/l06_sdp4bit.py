@@ -443,7 +443,7 @@ def paper_setting(size: str, where: str = "h800", hw: str | Cluster | None = Non
     layers, hidden, heads = PAPER_MODELS[size]
     tp, pp = PAPER_SPLIT[where][size]
     model = gpt(f"GPT {size}", layers, hidden, 51200, 2048, heads=heads)
-    return Setting(f"GPT {size} on {gpus} {where.upper()}", model, gpus, tp, pp, 1, pp,
+    return Setting(f"GPT {size} on {gpus} {where.upper()}", model, gpus, tp, pp, 1, 1,
                    make_cluster(hw or preset, gpus_per_node=per_node))
 
 
