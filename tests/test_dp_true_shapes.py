@@ -102,3 +102,21 @@ def test_verdicts_come_from_the_numbers_and_flip_on_a_fast_network(edgc, sdp):
     fast18 = l06_sdp4bit.true_shapes("18B", hw=FAST)
     b, j = ts.verdict(fast18, l06_sdp4bit.claim("18B"), "speed-up", l06_sdp4bit.SPEEDUP)
     assert j.word == "not reproduced" and b["high"] < 1.0
+
+
+def test_a_fused_kernel_is_one_kernel_in_a_trace_and_a_finite_check_reads_no_value():
+    """Under ``shapes.estimate`` a block the emulated cluster charges as one Triton kernel (``portable.fused_kernel``:
+    the reference quantizer's ops) is one kernel here too, reading its input and writing its codes and scales once;
+    the finite check (``quant.all_finite``) issues its reduction and, with no value to read, passes."""
+    import torch
+
+    from toolkit.quant import all_finite, quantize_blockwise
+    from toolkit.runtime.shapes import estimate
+    n = 1 << 24
+    est = estimate(lambda: torch.empty(n), lambda x: quantize_blockwise(x, bits=4, block=128), "h100-ib400")
+    names = [name for name, _, _ in est.kernels]
+    assert names == ["aten.linalg_vector_norm", "aten.abs", "aten.ne", "aten.eq", "aten.mul",
+                     "quantize_int (Triton kernel)"]
+    k = est.kernels[-1][1]
+    assert k.kind == "memory" and k.bytes == 4 * n + n // 2 + 4 * (n // 128)
+    assert not all_finite(torch.tensor([1.0, float("nan")])) and all_finite(torch.ones(3))
