@@ -19,7 +19,7 @@ overlap nothing either; lesson 05's and 06's runs neither)::
 
 Every identical layer costs the same, so one is traced and multiplied (the trace of a whole model would take
 minutes on a laptop for the same sum); traces are cached per shape. The sensitivity band re-times the same
-ops on ``hw.perturbed(...)`` (``Estimate.on``; ``emulator_report.BAND``), as lesson 13 does. Left out: the
+ops on ``hw.perturbed(...)`` (``Estimate.on``; ``emulator_report.over_band``), as lesson 13 does. Left out: the
 overlap of the sync with the backward (none in the papers' baselines), the pipeline's point-to-point sends,
 Megatron's vocabulary-parallel head (the ends are traced unsplit and divided by tp), data loading. A model,
 labelled so wherever shown.
@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from toolkit.models.catalog import ModelSpec
 from toolkit.runtime.cluster import Cluster, cluster as make_cluster
-from toolkit.runtime.emulator_report import BAND
+from toolkit.runtime.emulator_report import over_band
 from toolkit.runtime.shapes import Estimate, default_dtype, estimate
 
 
@@ -81,13 +81,13 @@ class Setting:
         """Tokens one replica trains on per optimizer step."""
         return self.micro_batch * self.model.seq_len * self.micro_batches
 
-    def compute_cluster(self) -> Cluster:
-        """The tp ranks of a layer share a node."""
-        return make_cluster(self.hw, ranks_per_node=None if self.tp == 1 else self.tp)
+    def compute_cluster(self, hw: Cluster | None = None) -> Cluster:
+        """``hw`` (None: the setting's) with the tp ranks of a layer on one node."""
+        return make_cluster(hw or self.hw, ranks_per_node=None if self.tp == 1 else self.tp)
 
-    def sync_cluster(self) -> Cluster:
-        """One DP group's dp ranks, ``per_node`` of them on each node."""
-        return make_cluster(self.hw, ranks_per_node=self.per_node)
+    def sync_cluster(self, hw: Cluster | None = None) -> Cluster:
+        """``hw`` (None: the setting's) with one DP group's dp ranks, ``per_node`` of them on each node."""
+        return make_cluster(hw or self.hw, ranks_per_node=self.per_node)
 
 
 # ---- the compute: one layer and the ends, traced once per shape -------------------------------------------------
@@ -149,12 +149,12 @@ def trace_update(s: Setting, build: Callable[[], Any], step: Callable[..., Any])
 
 
 def steps(s: Setting, traced: dict[str, Estimate], updates: dict[str, Estimate], optimizer: Estimate | None = None,
-          factors: tuple[float, float] = (1.0, 1.0)) -> dict[str, dict[str, float]]:
-    """Per scheme, one step's seconds by part on the setting's cluster with achieved compute and link bandwidth
-    times ``factors``: ``compute_s``, ``update_s`` (the update's ops and collectives, one after another),
-    ``wire_s`` (its collectives alone), ``codec_s`` (its kernels), ``optimizer_s`` (``optimizer``'s, when the
-    update leaves it out), ``step_s`` (their sum)."""
-    hw_c, hw_s = s.compute_cluster().perturbed(*factors), s.sync_cluster().perturbed(*factors)
+          hw: Cluster | None = None) -> dict[str, dict[str, float]]:
+    """Per scheme, one step's seconds by part on ``hw`` (None: the setting's cluster; the band passes it perturbed):
+    ``compute_s``, ``update_s`` (the update's ops and collectives, one after another), ``wire_s`` (its collectives
+    alone), ``codec_s`` (its kernels), ``optimizer_s`` (``optimizer``'s, when the update leaves it out), ``step_s``
+    (their sum)."""
+    hw_c, hw_s = s.compute_cluster(hw), s.sync_cluster(hw)
     compute = compute_s(s, traced, hw_c)
     opt = optimizer.on(hw_c).step_s if optimizer is not None else 0.0
     out = {}
@@ -168,9 +168,8 @@ def steps(s: Setting, traced: dict[str, Estimate], updates: dict[str, Estimate],
 def _timed(s: Setting, traced: dict[str, Estimate], updates: dict[str, Estimate], optimizer: Estimate | None
            ) -> dict:
     """``steps`` at the calibrated figures and, under ``sensitivity``, over the band (``report.band`` reads it)."""
-    value = steps(s, traced, updates, optimizer)
-    return {"steps": value, "sensitivity": {"value": value, "factors": BAND, "band": {
-        name: steps(s, traced, updates, optimizer, f) for name, f in BAND.items()}}}
+    sensitivity = over_band(lambda hw: steps(s, traced, updates, optimizer, hw), s.hw)
+    return {"steps": sensitivity["value"], "sensitivity": sensitivity}
 
 
 Program = tuple[Callable[[], Any], Callable[..., Any]]
@@ -180,7 +179,7 @@ Program = tuple[Callable[[], Any], Callable[..., Any]]
 def true_shapes(s: Setting, updates: dict[str, Program], optimizer: Program | None = None) -> dict:
     """The setting's step per scheme: ``compute`` (the traced layer and ends), ``updates`` (each scheme's traced
     update), ``optimizer`` (traced once, the same for every scheme; None: the updates run it), ``steps`` (seconds
-    by part) and ``sensitivity`` (the steps re-timed on ``hw.perturbed`` over ``emulator_report.BAND``)."""
+    by part) and ``sensitivity`` (the steps re-timed over the band: ``emulator_report.over_band``)."""
     traced = trace_compute(s.model, s.tp, s.micro_batch, s.compute_cluster())
     done = {name: trace_update(s, build, step) for name, (build, step) in updates.items()}
     opt = estimate(*optimizer, s.compute_cluster()) if optimizer is not None else None
