@@ -112,6 +112,28 @@ def test_unequal_chunks_cost_bubbles():
     assert span["equal_compute"] < span["equal_tokens"]
 
 
+# ---- the paper's setting at its true shapes (a model) ------------------------------------------------
+def test_byte_peak_counts_the_formulas_chunks():
+    from toolkit.lessons.l11_true_shapes import peak_bytes
+    sched = s1.seq1f1b(P, 8, K)
+    assert [peak_bytes(sched, r, [1.0] * K) for r in range(P)] == [P - r - 1 + K for r in range(P)]
+
+
+def test_true_shapes_verdict_flips_with_one_chunk_and_a_tiny_sequence():
+    from toolkit.lessons import l11_true_shapes as ts
+    paper = ts.true_shapes()
+    assert sum(paper["lengths"]) == ts.PAPER.seq_len and list(paper["lengths"]) == sorted(paper["lengths"], reverse=True)
+    assert all(n % ts.PAPER.tp == 0 for n in paper["lengths"])
+    assert paper["ratio"] > 1 and paper["memory_ratio"] < 1 and paper["overhead"] > 1  # the mask and K/V copies
+    assert paper["ideal"] > paper["ratio"] and paper["memory_ideal"] < paper["memory_ratio"]
+    assert ts.verdicts(paper)["throughput"].word in ("reproduced", "direction only")
+    # k = 1 is 1F1B itself; 512 tokens cut in 4: chunks of 128 tokens pay mostly fixed kernel and all-reduce costs
+    for setting in (ts.replace(ts.PAPER, k=1), ts.replace(ts.PAPER, seq_len=512)):
+        got = ts.true_shapes(setting)
+        assert got["ratio"] <= 1 and ts.verdicts(got)["throughput"].word == "not reproduced"
+    assert ts.true_shapes(ts.replace(ts.PAPER, k=1))["memory_ratio"] == 1
+
+
 # ---- real processes ---------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def results():
