@@ -388,7 +388,7 @@ SCHEDULES = ("serial", "overlapped", "fb")
 
 # ---- the cost model ---------------------------------------------------------------------------------------------
 def simulate(attn: float, experts: float, dispatch: float, combine: float, layers: int = 1, m: int = 2,
-             schedule: str = "overlapped", backward: float = 2.0, plan: float = 0.0) -> dict:
+             schedule: str = "overlapped", backward: float | tuple[float, float] = 2.0, plan: float = 0.0) -> dict:
     """Cost model (not a measurement): one compute engine and one link, each doing one thing at a time; ``schedule``
     one of :data:`SCHEDULES`.
 
@@ -396,18 +396,19 @@ def simulate(attn: float, experts: float, dispatch: float, combine: float, layer
     link, ``experts`` s, ``combine`` s. The count exchange is blocking: the compute engine waits ``plan`` s for it
     in both schedules (a latency: the model gives its few bytes no link time, so it does not queue behind a
     transfer in flight). The forward follows the same program as :func:`run_serial` / :func:`run_interleaved`;
-    the backward is the forward reversed with compute times × ``backward`` and the same transfers (no count
-    exchange: the plan is reused). Returns the step time, the compute time, the exposed communication (compute
+    the backward is the forward reversed with compute times × ``backward`` (one factor, or attention's and the
+    experts') and the same transfers (no count exchange: the plan is reused). Returns the step time, the compute time, the exposed communication (compute
     idle while a transfer it needs is in flight, plus the count exchanges), the part of it that is count
     exchange, the total communication and the overlap fraction = hidden / total."""
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule={schedule!r} is not allowed; allowed: {SCHEDULES}")
+    b_attn, b_experts = backward if isinstance(backward, tuple) else (backward, backward)
     for name, v in (("attn", attn), ("experts", experts), ("dispatch", dispatch), ("combine", combine),
-                    ("backward", backward), ("plan", plan)):
+                    ("backward", b_attn), ("backward", b_experts), ("plan", plan)):
         if not v >= 0:
             raise ValueError(f"{name}={v!r} must be >= 0")
     fwd = [("compute", attn), ("plan", plan), ("comm", dispatch), ("compute", experts), ("comm", combine)] * layers
-    bwd = [(k, t * backward if k == "compute" else t) for k, t in reversed(fwd) if k != "plan"]
+    bwd = [("comm", combine), ("compute", experts * b_experts), ("comm", dispatch), ("compute", attn * b_attn)] * layers
     state = {"compute": 0.0, "link": 0.0, "idle": 0.0}
 
     def run(programs: list[list], interleave: bool) -> None:
@@ -449,7 +450,7 @@ def simulate(attn: float, experts: float, dispatch: float, combine: float, layer
     step_s = max(state["compute"], state["link"])
     exposed_plan = m * layers * plan
     total_comm = 2 * m * layers * (dispatch + combine) + exposed_plan
-    compute = m * layers * (attn + experts) * (1 + backward)
+    compute = m * layers * (attn * (1 + b_attn) + experts * (1 + b_experts))
     exposed = step_s - compute
     return {"step_s": step_s, "compute_s": compute, "exposed_comm_s": exposed, "exposed_plan_s": exposed_plan,
             "comm_s": total_comm, "overlap_fraction": 1 - exposed / total_comm if total_comm else 0.0}
