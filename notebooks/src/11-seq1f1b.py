@@ -397,7 +397,8 @@ headline("11", "Seq1F1B (sequence-chunk pipelining)",
               f"{min(compute_gain):.2f}–{max(compute_gain):.2f}×); bytes exceed the chunk count here because "
               "chunk attention saves a concatenated K/V prefix (section 7)",
          emulated=f"at the paper's 30B setting traced at true shapes (section 8, a model; {S.tp * S.p} A100s, "
-                  f"{S.seq_len // 1024}k tokens, k = {S.k}, m = {S.m}): Seq1F1B {true['ratio']:.3f}× 1F1B's throughput "
+                  f"{S.seq_len // 1024}k tokens, k = {S.k}, m = {S.m}): Seq1F1B {true['ratio']:.3f}× 1F1B's "
+                  f"throughput "
                   f"({judged['throughput'].low:.3f}–{judged['throughput'].high:.3f}× over the band), "
                   f"{true['ideal']:.3f}× with chunks at their FLOP share; first-stage activations "
                   f"{true['memory_ratio']:.2f}× 1F1B's ({judged['memory'].word} against half). {toy_emulated}",

@@ -10,7 +10,8 @@ micro-batch, 16 micro-batches, k = 4 chunks cut by ``uniform_comp``. Here::
                the model's widths in bf16, tensor-parallel over TP ranks of torch's fake process group
                (``shapes.estimate``: every ATen op and each all-reduce timed on the preset), per chunk j with chunks
                < j in the cache: its forward (returning its output: ``end_bytes`` - ``static_bytes`` are the bytes
-               it keeps for the backward) and its forward + backward; the same for the unsplit sequence (1F1B)
+               it keeps for the backward) and its forward + backward (the schedule runs a chunk's whole backward,
+               no separate W); the same for the unsplit sequence (1F1B)
     a stage    layers/p layers: F_j, B_j x layers/p; one activation hop between stages (``collectives.seconds``:
                each TP rank sends its 1/TP of the longest chunk, Megatron's sequence-parallel messages)
     the step   ``simulate(s1.seq1f1b(p, m, k))`` against ``simulate(s1.seq1f1b(p, m, 1))`` (1F1B): the throughput
@@ -152,8 +153,9 @@ def true_shapes(s: Setting = PAPER, ms: tuple[int, ...] = ()) -> dict:
     ``seq1f1b``) the per-chunk stage costs in ms (``F``, ``B``), the hop, the simulated step (``step_s``) and the
     first stage's peak activation bytes (``peak_bytes``); ``ratio`` (throughput, 1F1B's step / Seq1F1B's),
     ``memory_ratio``, ``overhead`` (the chunks' forwards / the unsplit one's), ``ideal`` (the ratio with chunks
-    at their FLOP share), ``memory_ideal`` (the memory ratio with chunks keeping their token share), ``by_m`` (ratio and ideal at each micro-batch count of ``ms``) and ``sensitivity``
-    (``report.band`` reads it: the ratio re-timed across the band)."""
+    at their FLOP share), ``memory_ideal`` (the memory ratio with chunks keeping their token share), ``by_m``
+    (ratio and ideal at each micro-batch count of ``ms``) and ``sensitivity`` (``report.band`` reads it: the ratio
+    re-timed across the band)."""
     from toolkit.runtime.emulator_report import over_band
     hw = cluster(s.hw)
     lengths = {"1f1b": (s.seq_len,), "seq1f1b": s.lengths()}
