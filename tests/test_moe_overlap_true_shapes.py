@@ -51,6 +51,10 @@ def test_the_simulated_step(default):
     assert fb == sorted(fb, reverse=True)
     # Mixtral's grouped-query attention: less attention compute, a larger serial share
     assert default["gqa"]["serial"]["share"] > sh["serial"]["share"]
+    # SM contention's bound: NDR's 16 channels of the H100's 132 SMs, over fb's hidden transfer time
+    c = default["contention"]
+    hidden = sh["fb"]["comm_s"] - sh["fb"]["exposed_s"]
+    assert (c["channels"], c["sms"]) == (16, 132) and c["extra_s"] == pytest.approx(hidden * 16 / 116)
 
 
 def test_the_verdict_flips_with_the_link(default):

@@ -25,9 +25,9 @@ Assumptions the source leaves open: the hardware (``HW``: h100-ib400, one EP ran
 per step per rank, micro-batch = one sequence of 4096 tokens. Stand-ins: the project's block has multi-head
 attention and LayerNorm where Mixtral has grouped-query attention (8 KV heads) and RMSNorm, so its attention
 GEMMs carry 4·h² FLOPs per token against Mixtral's 2.5·h² (more to hide a dispatch behind). Left out: SM
-contention (a transfer's NCCL channels slow the kernels beside it on the emulated cluster; not here), the
-embedding and head, ``--delay-wgrad-compute``'s split of the weight gradients, the optimizer and the DP
-gradient reduction.
+contention (the simulation gives every kernel the whole GPU; ``contention`` bounds what the emulated cluster's
+model of it would add), the embedding and head, ``--delay-wgrad-compute``'s split of the weight gradients, the
+optimizer and the DP gradient reduction.
 """
 from __future__ import annotations
 
@@ -199,10 +199,21 @@ def true_shapes(hw: str | Cluster = HW, m: int = M, ep: int = EP, ranks_per_node
     hw = cluster(hw, ranks_per_node=ranks_per_node)
     est, n_fwd = traced(ep)
     layers = catalog.get(MODEL).layers
-    p = pieces(est.on(hw), n_fwd)
+    p, name = pieces(est.on(hw), n_fwd), est.on(hw).comms[1]["link"]
     at = lambda c: shares(pieces(est.on(c), n_fwd), layers, m)  # noqa: E731
-    return {"cluster": hw.name, "gpu": hw.gpu.name, "link": est.on(hw).comms[1]["link"], "model": MODEL, "ep": ep,
-            "m": m, "layers": layers, "tokens": catalog.get(MODEL).seq_len, "pieces": p,
-            "shares": shares(p, layers, m), "by_m": {k: shares(p, layers, k) for k in ms},
-            "gqa": shares(pieces(est.on(hw), n_fwd, GQA), layers, m), "dispatch_bytes": est.comms[1]["sent_bytes"],
-            "sensitivity": over_band(at, hw)}
+    out = {"cluster": hw.name, "gpu": hw.gpu.name, "link": name, "model": MODEL, "ep": ep, "m": m, "layers": layers,
+           "tokens": catalog.get(MODEL).seq_len, "pieces": p, "shares": shares(p, layers, m),
+           "by_m": {k: shares(p, layers, k) for k in ms}, "gqa": shares(pieces(est.on(hw), n_fwd, GQA), layers, m),
+           "dispatch_bytes": est.comms[1]["sent_bytes"], "sensitivity": over_band(at, hw)}
+    out["contention"] = contention(out["shares"]["fb"], next(x for x in (hw.intra, hw.inter) if x.name == name), hw)
+    return out
+
+
+def contention(fb: dict, link, hw: Cluster) -> dict:
+    """What the simulation leaves out, bounded as the emulated cluster models it (``vclock``): a transfer holds
+    ``link.channels`` of the GPU's SMs, so the kernels beside it run at (SMs - channels) / SMs of their speed; fb's
+    hidden transfer time stretches them by at most hidden x channels / (SMs - channels). Seconds of computing,
+    not of waiting: the step grows, its exposed communication does not."""
+    hidden = fb["comm_s"] - fb["exposed_s"]
+    extra = hidden * link.channels / (hw.gpu.sms - link.channels)
+    return {"channels": link.channels, "sms": hw.gpu.sms, "extra_s": extra, "of_step": extra / fb["step_s"]}
