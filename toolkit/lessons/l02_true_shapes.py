@@ -35,7 +35,6 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
-import torch.distributed as dist
 
 from toolkit.models import catalog
 from toolkit.models.gpt import Block, GPTConfig, Stage
