@@ -13,6 +13,9 @@
     emulated   one step each way on the emulated cluster's clock, at the toy's shapes and matched to a real MoE
     model      the two-resource cost model fed with the rank's traced serial step's durations (the count
                exchange included, embedding and head left out), and on rank 0 the comm/compute ratio sweep
+
+The source's own setting, Mixtral's MoE layer at its true shapes on fake tensors, is ``l02_true_shapes`` (in the
+notebook's process, no ranks launched).
 """
 from __future__ import annotations
 
