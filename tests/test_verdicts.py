@@ -69,16 +69,54 @@ def _headline_calls(path: Path):
             yield node
 
 
-def _judged_by(expr: ast.AST) -> set[str]:
-    """Names of the functions an argument's value can come from (through conditionals)."""
+TOOLKIT = Path(__file__).resolve().parents[1] / "toolkit"
+
+
+def _judges_inside(name: str, tree: ast.AST | None = None) -> bool:
+    """A function ``name`` of the notebook (``tree``) or of the toolkit whose body calls the one rule (a lesson's
+    ``verdict``/``verdicts`` helper)."""
+    for module in [tree] * (tree is not None) + [ast.parse(p.read_text()) for p in TOOLKIT.rglob("*.py")]:
+        for node in ast.walk(module):
+            if isinstance(node, ast.FunctionDef) and node.name == name:
+                return any(isinstance(c, ast.Call) and getattr(c.func, "id", getattr(c.func, "attr", None)) in JUDGES
+                           for c in ast.walk(node))
+    return False
+
+
+def _bound_to(tree: ast.AST, var: str) -> list[ast.AST]:
+    """The expressions ``var`` is assigned from in ``tree``: a plain assignment's value, or the matching part of
+    a tuple unpacked from a tuple (``(b, v), w = x[1], y``), or the whole value when it is unpacked otherwise."""
+    def match(target, value):
+        if isinstance(target, ast.Name):
+            return [value] if target.id == var else []
+        if isinstance(target, ast.Tuple):
+            if isinstance(value, ast.Tuple) and len(value.elts) == len(target.elts):
+                return [x for t, v in zip(target.elts, value.elts) for x in match(t, v)]
+            return [value] if any(isinstance(n, ast.Name) and n.id == var for n in ast.walk(target)) else []
+        return []
+    return [x for n in ast.walk(tree) if isinstance(n, ast.Assign) for t in n.targets for x in match(t, n.value)]
+
+
+def _judged_by(expr: ast.AST, tree: ast.AST | None = None, seen: frozenset = frozenset()) -> set[str]:
+    """Names of the functions an argument's value can come from: through conditionals, and (with the notebook's
+    ``tree``) through the variables, subscripts and unpacked tuples it was assigned from; a toolkit helper that
+    calls the one rule itself counts as the rule."""
     if isinstance(expr, ast.IfExp):
-        return _judged_by(expr.body) | _judged_by(expr.orelse)
+        return _judged_by(expr.body, tree, seen) | _judged_by(expr.orelse, tree, seen)
     if isinstance(expr, ast.Call):
-        return {getattr(expr.func, "id", getattr(expr.func, "attr", "?"))}
+        name = getattr(expr.func, "id", getattr(expr.func, "attr", "?"))
+        return {"judge"} if name not in JUDGES and _judges_inside(name, tree) else {name}
     if isinstance(expr, ast.Constant) and expr.value is None:
         return {"None"}
+    if isinstance(expr, ast.Subscript):  # one item of a dict or tuple of judgements: where the container came from
+        return _judged_by(expr.value, tree, seen)
+    if isinstance(expr, (ast.DictComp, ast.ListComp)):
+        return _judged_by(expr.value if isinstance(expr, ast.DictComp) else expr.elt, tree, seen)
     if isinstance(expr, ast.Name):
-        return {f"name:{expr.id}"}
+        if tree is None or expr.id in seen:
+            return {f"name:{expr.id}"}
+        bound = _bound_to(tree, expr.id)
+        return set().union(*(_judged_by(b, tree, seen | {expr.id}) for b in bound)) if bound else {f"name:{expr.id}"}
     return {type(expr).__name__}
 
 
@@ -93,12 +131,7 @@ def test_every_headline_is_judged_by_the_one_rule(path):
     assert _judged_by(args["reproduced"]) <= JUDGES, (path.name, ast.unparse(args["reproduced"]))
     emulated = args.get("emulated_reproduced")
     if emulated is not None and not (isinstance(emulated, ast.Constant) and emulated.value is None):
-        names = _judged_by(emulated) - {"None"}
-        for name in [n for n in names if n.startswith("name:")]:  # a variable: assigned from the one rule
-            var = name[5:]
-            assigned = [n.value for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Assign)
-                        and any(getattr(t, "id", None) == var for t in n.targets)]
-            names = (names - {name}) | set().union(*(_judged_by(a) for a in assigned)) - {"None", "Constant"}
+        names = _judged_by(emulated, ast.parse(source)) - {"None", "Constant"}
         assert names <= JUDGES | {"Dict"}, (path.name, names)
     assert "emulated_band" not in source
 
