@@ -6,7 +6,10 @@ micro-batch b, m micro-batches per step, on N = dp·tp·pp GPUs (bytes, bf16 com
     weights      2Ψ/(tp·pp)          / dp if ZeRO-3
     grads        2Ψ/(tp·pp)          / dp if ZeRO-2 or 3
     optimizer   12Ψ/(tp·pp)          / dp if ZeRO-1, 2 or 3      (fp32 master + m + v)
-    activations  s·b·h·(34 + 5·a·s/h)/tp per layer (Korthikanti et al. 2022, TP with sequence parallel),
+    activations  s·b·h·(8 + 24/tp) per layer: Korthikanti et al. 2022's tensor-parallel row, s·b·h·(10 + 24/tp
+                 + 5·a·s/(h·tp)), for the project's GPT: no dropout masks (−2), SDPA's flash attention (no a·s²
+                 scores), no sequence parallelism (LayerNorm and residual tensors whole on every TP rank);
+                 ``planner_check.activation_bytes`` traces the layer to check it;
                  x L/pp layers x pp in-flight micro-batches on the first stage of 1F1B
                  (2·s·b·h per layer with full recompute)
     buffers      ZeRO-3's working set (``Zero3Buffers``, DeepSpeed's names and defaults), 0 otherwise:
@@ -138,8 +141,7 @@ def memory_per_gpu(w: Workload, dp: int, tp: int, pp: int, zero: int, bytes_weig
     ``buffers``: ZeRO-3's working set (counted when ``zero == 3``)."""
     _check_offload(zero, offload_optimizer, offload_params)
     shard = w.params / (tp * pp)
-    act_layer = (2 * w.seq_len * w.micro_batch * w.hidden if w.recompute else
-                 w.seq_len * w.micro_batch * w.hidden * (34 + 5 * w.heads * w.seq_len / w.hidden) / tp)
+    act_layer = w.seq_len * w.micro_batch * w.hidden * (2 if w.recompute else 8 + 24 / tp)
     optim = {"none": bytes_optim, "cpu": 0, "stream": bytes_optim - 8, "nvme": 0}[offload_optimizer]
     grads_on_host = zero == 3 and offload_optimizer in ("cpu", "nvme")
     work = sum(zero3_buffers(w, tp, bytes_weight, bytes_grad, buffers).values()) if zero == 3 else 0.0
