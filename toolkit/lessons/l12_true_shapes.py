@@ -232,7 +232,8 @@ def true_shapes(lengths: list[int] | None = None, setup: dcp_sim.Setup = dcp_sim
     plans = plans or dcp_sim.plans_for(lengths, setup, hw=hw)
     flops = dcp_sim.model_flops(lengths, SHAPE)
     gpus = setup.pp * setup.dcp
-    runs = step(plans, setup, hw)
+    steps = over_band(lambda c: step(plans, setup, c), hw)  # each plan's step on hw and on each perturbed one
+    runs = steps["value"]
     for k, r in runs.items():
         r.update(tflops_per_gpu=flops / r["step_s"] / gpus / 1e12, micro_batches=len(plans[k].micro_batches),
                  cp_sizes=dcp_sim._histogram(plans[k].cp_sizes().values()))
@@ -240,4 +241,5 @@ def true_shapes(lengths: list[int] | None = None, setup: dcp_sim.Setup = dcp_sim
     return {"cluster": hw.name, "gpu": hw.gpu.name, "setup": asdict(setup),
             "sequences": len(lengths), "tokens": sum(lengths), "longest": max(lengths),
             "static_cp": plans["static"].micro_batches[0].groups[0].size, "gpus": gpus, "runs": runs,
-            "speedup": speedup(runs), "sensitivity": over_band(lambda c: speedup(step(plans, setup, c)), hw)}
+            "speedup": speedup(runs), "sensitivity": {**steps, "value": speedup(runs),
+                                                      "band": {n: speedup(v) for n, v in steps["band"].items()}}}
